@@ -15,6 +15,7 @@ from torch import Tensor
 
 from . import torch_backend
 from .checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv, default_positions
+from .kernel_index import DENSE_BLOCK, check_aligned_positions
 from .pattern import VerticalSlashPattern
 
 Backend = Literal["auto", "triton", "torch"]
@@ -57,6 +58,10 @@ def prepare_inputs(
     q_pos, k_pos = default_positions(q, k, q_pos, k_pos)
     if pattern is not None:
         check_pattern(pattern, q)
+    if name == "triton":
+        grid = pattern.block_size if pattern is not None else DENSE_BLOCK
+        check_aligned_positions(q_pos, grid, "q_pos")
+        check_aligned_positions(k_pos, grid, "k_pos")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return q_pos, k_pos, scale, name
 

@@ -1,0 +1,169 @@
+"""Triton kernels (under TRITON_INTERPRET=1 on the CPU) against the float64 oracle, fwd and bwd."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from mtraining.ops import VerticalSlashPattern, attention_oracle
+from mtraining.ops.attention import attention_backward, attention_forward, row_delta, sparse_attention
+
+CPU_TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double(), ref.double()
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def assert_lse_close(got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    """Equal where finite, -inf at the same rows (rows that see no key)."""
+    ref_inf = torch.isneginf(ref)
+    assert torch.equal(torch.isneginf(got), ref_inf), "rows with no key must have lse = -inf"
+    assert not torch.isnan(got).any()
+    assert (got.double() - ref)[~ref_inf].abs().max().item() < tol
+
+
+def make_pattern(kind: str, b: int, h: int, n: int, g: int, gen: torch.Generator) -> VerticalSlashPattern | None:
+    nb = -(-n // g)
+    if kind == "none":
+        return None
+    if kind == "dense":
+        return VerticalSlashPattern.dense(b, h, n, g)
+    vert = torch.zeros(b, h, n, dtype=torch.bool)
+    diag = torch.zeros(b, h, nb, dtype=torch.bool)
+    if kind == "random":
+        diag = torch.rand(b, h, nb, generator=gen) < 0.35
+        vert = torch.rand(b, h, n, generator=gen) < 0.12
+    elif kind == "sinks_only":
+        vert[..., :4] = True
+    elif kind == "empty_rows":  # no diagonal 0 and few verticals: many rows see nothing
+        diag[..., 2:3] = True
+        vert[..., n // 2 : n // 2 + 3] = True
+    elif kind == "local_plus_verticals":
+        diag[..., :2] = True
+        vert[..., torch.randperm(n, generator=gen)[: max(n // 10, 1)]] = True
+    else:
+        raise AssertionError(kind)
+    return VerticalSlashPattern.from_masks(diag, vert, g)
+
+
+def random_qkv(b, sq, sk, hq, hkv, d, dtype, gen):
+    q = torch.randn(b, sq, hq, d, generator=gen).to(dtype)
+    k = torch.randn(b, sk, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(b, sk, hkv, d, generator=gen).to(dtype)
+    return q, k, v
+
+
+def check_against_oracle(q, k, v, pattern, q_pos=None, k_pos=None, gen=None):
+    tol = CPU_TOL[q.dtype]
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out_ref, lse_ref = attention_oracle(q64, k64, v64, pattern, q_pos, k_pos)
+    grad = torch.randn(out_ref.shape, generator=gen, dtype=torch.float64)
+    refs = torch.autograd.grad(out_ref, (q64, k64, v64), grad)
+    out, lse = sparse_attention(q, k, v, pattern, q_pos, k_pos, return_lse=True, backend="triton")
+    grads = torch.autograd.grad(out, (q, k, v), grad.to(q.dtype))
+    assert not torch.isnan(out).any()
+    assert rel_err(out, out_ref) < tol
+    assert_lse_close(lse, lse_ref, 50 * tol)
+    for name, got, ref in zip("qkv", grads, refs):
+        assert not torch.isnan(got).any(), f"d{name} has unwritten (NaN) entries"
+        assert rel_err(got, ref) < 2 * tol, f"d{name}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "seq,block,heads,head_dim,kind",
+    [
+        (64, 16, (2, 1), 16, "random"),
+        (77, 16, (4, 2), 16, "random"),
+        (100, 32, (2, 2), 32, "local_plus_verticals"),
+        (96, 32, (4, 1), 16, "dense"),
+        (70, 16, (2, 1), 16, "sinks_only"),
+        (64, 16, (2, 2), 16, "empty_rows"),
+        (83, 16, (2, 1), 16, "none"),
+        (64, 16, (2, 1), 64, "random"),
+    ],
+)
+def test_kernel_matches_oracle(dtype, seq, block, heads, head_dim, kind):
+    gen = torch.Generator().manual_seed(seq * 131 + block + head_dim)
+    hq, hkv = heads
+    q, k, v = random_qkv(2, seq, seq, hq, hkv, head_dim, dtype, gen)
+    pattern = make_pattern(kind, 2, hq, seq, block, gen)
+    check_against_oracle(q, k, v, pattern, gen=gen)
+
+
+def _striped_positions(n: int, g: int, world: int, rank: int) -> torch.Tensor:
+    stripes = torch.arange(n).view(-1, g)[rank::world]
+    return stripes.flatten()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("q_rank,k_rank", [(1, 0), (0, 1), (2, 2), (3, 1)])
+def test_ring_step_offsets(dtype, q_rank, k_rank):
+    """A query chunk against a key chunk from another rank of a striped layout (a ring step)."""
+    gen = torch.Generator().manual_seed(7 + q_rank * 10 + k_rank)
+    n, g, world = 256, 16, 4
+    q_pos, k_pos = _striped_positions(n, g, world, q_rank), _striped_positions(n, g, world, k_rank)
+    pattern = make_pattern("random", 1, 4, n, g, gen)
+    q, k, v = random_qkv(1, q_pos.numel(), k_pos.numel(), 4, 2, 16, dtype, gen)
+    check_against_oracle(q, k, v, pattern, q_pos, k_pos, gen)
+
+
+def test_backward_primitive_with_external_lse():
+    """attention_backward on one key chunk, with the full row's lse/delta, equals the torch backend."""
+    gen = torch.Generator().manual_seed(3)
+    n, g = 128, 16
+    pattern = make_pattern("random", 1, 2, n, g, gen)
+    q, k, v = random_qkv(1, n, n, 2, 1, 16, torch.float32, gen)
+    pos = torch.arange(n)
+    out, lse = attention_forward(q.double(), k.double(), v.double(), pattern, pos, pos, 0.25, backend="torch")
+    do = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    delta = row_delta(do, out)
+    k_pos = pos[32:96]
+    args = (q, k[:, 32:96], v[:, 32:96], lse.float(), delta.float(), pattern, pos, k_pos, 0.25)
+    got = attention_backward(do.float(), *args, backend="triton")
+    ref = attention_backward(do, q.double(), k[:, 32:96].double(), v[:, 32:96].double(), lse, delta,
+                             pattern, pos, k_pos, 0.25, backend="torch")
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) < 2e-5
+
+
+def test_dense_pattern_equals_dense_attention():
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = random_qkv(1, 96, 96, 4, 2, 32, torch.float32, gen)
+    dense = sparse_attention(q, k, v, VerticalSlashPattern.dense(1, 4, 96, 32), backend="triton")
+    causal = sparse_attention(q, k, v, None, backend="triton")
+    ref, _ = attention_oracle(q.double(), k.double(), v.double())
+    assert rel_err(dense, ref) < 2e-5 and rel_err(causal, ref) < 2e-5
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(q=torch.randn(1, 8, 2, 16)[0]), "4 dims"),
+        (dict(k=torch.randn(1, 32, 3, 16), v=torch.randn(1, 32, 3, 16)), "multiple of key/value heads"),
+        (dict(q=torch.randn(1, 32, 2, 24), k=torch.randn(1, 32, 1, 24), v=torch.randn(1, 32, 1, 24)), "head_dim 24"),
+        (dict(q=torch.randn(1, 32, 2, 16).double()), "share a dtype"),
+        (dict(q_pos=torch.arange(1, 33)), "runs of 16"),
+        (dict(k_pos=torch.arange(31)), "k_pos must be 1-D with 32"),
+    ],
+)
+def test_bad_input_names_the_fix(kwargs, match):
+    args = dict(q=torch.randn(1, 32, 2, 16), k=torch.randn(1, 32, 1, 16), v=torch.randn(1, 32, 1, 16))
+    args.update(kwargs)
+    pattern = VerticalSlashPattern.dense(1, 2, 32, 16)
+    with pytest.raises(ValueError, match=match):
+        sparse_attention(args["q"], args["k"], args["v"], pattern, args.get("q_pos"), args.get("k_pos"),
+                         backend="triton")
+
+
+def test_pattern_for_other_heads_rejected():
+    q, k, v = torch.randn(1, 32, 4, 16), torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16)
+    with pytest.raises(ValueError, match="pattern is for batch 1 x 2 heads"):
+        sparse_attention(q, k, v, VerticalSlashPattern.dense(1, 2, 32, 16), backend="triton")
