@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-INT_MAX = 2147483647
+INT_MAX = tl.constexpr(2147483647)
 
 
 @triton.jit

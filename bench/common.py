@@ -1,0 +1,49 @@
+"""Shared benchmark plumbing: timing, provenance, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def commit() -> str:
+    """The git commit of the working tree ('+dirty' if it has uncommitted changes); env MTRAINING_COMMIT wins."""
+    if os.environ.get("MTRAINING_COMMIT"):
+        return os.environ["MTRAINING_COMMIT"]
+    try:
+        head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD"]) != 0
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def command_line() -> str:
+    return " ".join([Path(sys.executable).name, *sys.argv])
+
+
+def bench_ms(fn: Callable[[], object], warmup_ms: float = 100, rep_ms: float = 500) -> float:
+    """Median milliseconds of fn on the GPU (CUDA events through triton.testing.do_bench)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def write_results(name: str, records: list[dict], out: Path | None = None) -> Path:
+    """Write records as a JSON list under bench/results/ (or ``out``) and return the path."""
+    path = out or RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=1) + "\n")
+    return path

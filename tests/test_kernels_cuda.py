@@ -1,0 +1,79 @@
+"""Kernels in bf16 on a GPU up to 32K tokens, against the plain-PyTorch backend in float32.
+
+The torch backend is itself checked against the float64 oracle (tests/test_kernels.py and the ring
+tests), and is exact math in float32, so it is the reference at lengths the oracle cannot hold.
+Run on a lent GPU: ``python -m pytest -q -m cuda``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtraining.ops import VerticalSlashPattern
+from mtraining.ops.attention import attention_backward, attention_forward, row_delta, sparse_attention
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double(), ref.double()
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def local_vertical_pattern(b, h, n, g, n_diags, n_verts, gen):
+    nb = -(-n // g)
+    diag = torch.zeros(b, h, nb, dtype=torch.bool)
+    diag[..., :n_diags] = True
+    far = torch.randint(n_diags, nb, (b, h, 4), generator=gen)
+    diag.scatter_(-1, far, True)
+    vert = torch.zeros(b, h, n, dtype=torch.bool)
+    vert.scatter_(-1, torch.randint(0, n, (b, h, n_verts), generator=gen), True)
+    vert[..., :4] = True
+    return VerticalSlashPattern.from_masks(diag, vert, g).to("cuda")
+
+
+@pytest.mark.parametrize("seq", [4096, 16384, 32768 - 77])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_matches_fp32_reference(seq, head_dim):
+    gen = torch.Generator().manual_seed(seq + head_dim)
+    b, hq, hkv, g = 1, 4, 2, 128
+    q = torch.randn(b, seq, hq, head_dim, generator=gen).cuda()
+    k = torch.randn(b, seq, hkv, head_dim, generator=gen).cuda()
+    v = torch.randn(b, seq, hkv, head_dim, generator=gen).cuda()
+    pattern = local_vertical_pattern(b, hq, seq, g, 8, 256, gen)
+    pos = torch.arange(seq, device="cuda", dtype=torch.int32)
+    scale = head_dim**-0.5
+    out_ref, lse_ref = attention_forward(q, k, v, pattern, pos, pos, scale, backend="torch")
+    do = torch.randn(out_ref.shape, generator=gen).cuda()
+    delta = row_delta(do, out_ref)
+    grads_ref = attention_backward(do, q, k, v, lse_ref, delta, pattern, pos, pos, scale, backend="torch")
+
+    qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))
+    out, lse = sparse_attention(qb, kb, vb, pattern, return_lse=True, backend="triton")
+    grads = torch.autograd.grad(out, (qb, kb, vb), do.bfloat16())
+    assert rel_err(out, out_ref) < 1e-2
+    assert (lse - lse_ref).abs().max().item() < 5e-2
+    for got, ref in zip(grads, grads_ref):
+        assert not torch.isnan(got).any()
+        assert rel_err(got, ref) < 2e-2
+
+
+def test_dense_equals_cudnn_sdpa():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator().manual_seed(0)
+    b, s, hq, hkv, d = 1, 8192, 8, 2, 128
+    q = torch.randn(b, s, hq, d, generator=gen).cuda().bfloat16()
+    k = torch.randn(b, s, hkv, d, generator=gen).cuda().bfloat16()
+    v = torch.randn(b, s, hkv, d, generator=gen).cuda().bfloat16()
+    out = sparse_attention(q, k, v, VerticalSlashPattern.dense(b, hq, s, 128, device="cuda"))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(4, 1), v.transpose(1, 2).repeat_interleave(4, 1),
+            is_causal=True,
+        ).transpose(1, 2)
+    assert rel_err(out, ref) < 1e-2
