@@ -1,9 +1,11 @@
 """Local kernel indices: the global pattern restricted to one (query chunk, key chunk) pair.
 
-The Triton kernels walk, per query tile, the selected block diagonals (``kB = qB - delta``) and
-then the vertical columns gathered from this key chunk. Everything here is derived on the device
-with a handful of vectorised torch ops from the global pattern and the global positions of the
-rows, so one kernel serves any layout and any ring step.
+The Triton kernels never search: for every query tile they get the list of key tiles to visit
+(forward and dQ), for every key tile the list of query tiles (dK/dV), plus the start of the one
+causal-diagonal block that needs a mask, and the vertical columns of this key chunk. Everything is
+derived on the device with vectorised torch ops from the global pattern and the global positions
+of the rows, so one kernel serves any layout and any ring step, and the kernel loops are plain
+`for j in range(n)` loops that Triton can software-pipeline.
 
 Positions must come in *aligned runs*: every G rows of a chunk (from local row 0) hold G
 consecutive global positions starting at a multiple of G (the last run may be shorter). All
@@ -18,21 +20,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .pattern import VerticalSlashPattern, _pack_sorted
+from .pattern import VerticalSlashPattern, compact
 
 DENSE_BLOCK = 64  # block grid the Triton backend uses for dense causal attention (pattern=None)
+_ABSENT = torch.iinfo(torch.int32).max
 
 
 @dataclass(frozen=True)
 class KernelIndex:
-    """Kernel-ready indices for one (query chunk, key chunk) pair (all int32, on the device).
+    """Kernel-ready indices for one (query chunk, key chunk) pair; all int32 on the device.
 
-    q_gblock [nQT]: global block of each query tile; k_gblock [nKT]: of each key tile.
-    q_block_start / k_block_start [nb]: local row where a global block starts in the chunk, -1 absent.
-    diags [B, H, Dk]: selected block diagonals that connect a present q block and a present k block.
-    diag_count [B, H]: real entries of ``diags``. diag_mask [B, H, nb] (int8): is a diagonal selected.
+    q_gblock [nQT]: global block of each query tile (to test vertical columns against diagonals).
+    fwd_starts [B, H, nQT, W]: local key rows of the unmasked key tiles a query tile visits.
+    fwd_count, fwd_diag [B, H, nQT]: how many; local key row of the causal-diagonal block or -1.
+    bwd_starts [B, H, nKT, W']: local query rows of the unmasked query tiles a key tile is seen by.
+    bwd_count, bwd_diag [B, H, nKT]: how many; local query row of the causal-diagonal block or -1.
+    diag_mask [B, H, nb] (int8): is block diagonal delta selected.
     vcols [B, H, Vk]: local key rows of the verticals present in this key chunk, ascending.
-    vcount_q [B, H, nQT]: verticals a query tile may see (position <= the tile's last query).
+    vcount_q [B, H, nQT]: how many of them a query tile may see (position <= its last query).
     vstart_q [B, H, nVC]: per chunk of ``v_chunk`` verticals, the first query tile that may see it.
     """
 
@@ -40,11 +45,12 @@ class KernelIndex:
     k_tile: int
     v_chunk: int
     q_gblock: Tensor
-    k_gblock: Tensor
-    q_block_start: Tensor
-    k_block_start: Tensor
-    diags: Tensor
-    diag_count: Tensor
+    fwd_starts: Tensor
+    fwd_count: Tensor
+    fwd_diag: Tensor
+    bwd_starts: Tensor
+    bwd_count: Tensor
+    bwd_diag: Tensor
     diag_mask: Tensor
     vcols: Tensor
     vcount_q: Tensor
@@ -73,14 +79,39 @@ def _block_starts(pos: Tensor, block_size: int, num_blocks: int) -> Tensor:
     return starts
 
 
+def _tile_lists(
+    tile_gblock: Tensor,
+    diags: Tensor,
+    real: Tensor,
+    sign: int,
+    other_block_start: Tensor,
+    sub_tile: int,
+    block_size: int,
+    other_len: int,
+) -> tuple[Tensor, Tensor]:
+    """For each tile of one side, the unmasked tiles of the other side it meets (off-diagonal blocks).
+
+    The other side's global block is ``tile_gblock - delta`` (sign=-1, forward) or ``+ delta``
+    (sign=+1, backward); each of its blocks contributes G / sub_tile tiles.
+    """
+    nb = other_block_start.shape[0]
+    other = tile_gblock[None, None, :, None] + sign * diags[:, :, None, :]  # [B, H, nT, D]
+    ok = real[:, :, None, :] & (diags[:, :, None, :] > 0) & (other >= 0) & (other < nb)
+    start = other_block_start[other.clamp(0, nb - 1).long()]
+    ok = ok & (start >= 0)
+    offsets = torch.arange(0, block_size, sub_tile, device=diags.device, dtype=torch.int32)
+    starts = start[..., None] + offsets  # [B, H, nT, D, G / sub_tile]
+    ok = ok[..., None] & (starts < other_len)
+    return compact(starts.flatten(-2), ok.flatten(-2), _ABSENT)
+
+
 def _connected_diags(q_present: Tensor, k_present: Tensor) -> Tensor:
     """Boolean [nb]: delta such that some present q block qB has a present k block qB - delta."""
     nb = q_present.shape[0]
     qf = q_present.float().view(1, 1, nb)
     kf = k_present.float().view(1, 1, nb)
-    # out[delta] = sum_b q[b] * k[b - delta]: cross-correlation with k padded on the left.
-    counts = F.conv1d(F.pad(kf, (nb - 1, 0)), qf).flatten().flip(0)
-    return counts > 0.5
+    # out[t] = sum_i kpad[t + i] q[i] = sum_b k[b - (nb - 1 - t)] q[b]: lag delta = nb - 1 - t.
+    return F.conv1d(F.pad(kf, (nb - 1, 0)), qf).flatten().flip(0) > 0.5
 
 
 def build_kernel_index(
@@ -92,51 +123,52 @@ def build_kernel_index(
     v_chunk: int,
 ) -> KernelIndex:
     """Restrict the global pattern to the chunk pair (q_pos, k_pos); see KernelIndex."""
-    g, nb, n = pattern.block_size, pattern.num_blocks, pattern.seq_len
+    g, nb = pattern.block_size, pattern.num_blocks
     dev = q_pos.device
     q_pos, k_pos = q_pos.to(torch.int32), k_pos.to(torch.int32)
+    sq, sk = q_pos.shape[0], k_pos.shape[0]
     q_block_start = _block_starts(q_pos, g, nb)
     k_block_start = _block_starts(k_pos, g, nb)
-    q_tiles = torch.arange(0, q_pos.shape[0], q_tile, device=dev)
-    k_tiles = torch.arange(0, k_pos.shape[0], k_tile, device=dev)
+    q_tiles = torch.arange(0, sq, q_tile, device=dev)
     q_gblock = (q_pos[q_tiles] // g).to(torch.int32)
-    k_gblock = (k_pos[k_tiles] // g).to(torch.int32)
+    k_gblock = (k_pos[torch.arange(0, sk, k_tile, device=dev)] // g).to(torch.int32)
 
-    # block part: keep only the diagonals that connect blocks present in this chunk pair.
+    # block part: only diagonals that connect blocks present in this chunk pair matter.
     diag_mask = pattern.diag_mask()
     useful = _connected_diags(q_block_start >= 0, k_block_start >= 0)
-    diags, diag_count = _pack_sorted(diag_mask & useful, nb)
+    nd = pattern.block_diags.shape[-1]
+    diags = pattern.block_diags
+    real = (torch.arange(nd, device=dev) < pattern.num_diags[..., None]) & useful[diags.clamp(max=nb - 1).long()]
+    fwd_starts, fwd_count = _tile_lists(q_gblock, diags, real, -1, k_block_start, k_tile, g, sk)
+    bwd_starts, bwd_count = _tile_lists(k_gblock, diags, real, +1, q_block_start, q_tile, g, sq)
+    has_diag0 = diag_mask[..., :1]
+    fwd_diag = torch.where(has_diag0, k_block_start[q_gblock.long()], -1).to(torch.int32).contiguous()
+    bwd_diag = torch.where(has_diag0, q_block_start[k_gblock.long()], -1).to(torch.int32).contiguous()
 
     # column part: verticals whose key lives in this chunk, as local rows.
     vpos = pattern.vertical_pos
-    real = torch.arange(vpos.shape[-1], device=dev) < pattern.num_verticals[..., None]
-    local = torch.searchsorted(k_pos, vpos.contiguous(), right=False).clamp(max=k_pos.shape[0] - 1)
-    present = real & (k_pos[local.long()] == vpos)
-    sentinel = k_pos.shape[0]
-    keyed = torch.where(present, local.to(torch.int32), torch.full_like(local, sentinel, dtype=torch.int32))
-    vcols = keyed.sort(dim=-1).values
-    width = max(int(present.sum(-1).max().item()) if present.numel() else 0, 1)
-    vcols = vcols[..., :width].contiguous()
-    # positions of those columns (sentinel -> +inf) to count what each query tile may see.
-    big = torch.iinfo(torch.int32).max
-    vcol_pos = torch.where(vcols < sentinel, k_pos[vcols.clamp(max=sentinel - 1).long()], big).contiguous()
-    q_last = q_pos[(q_tiles + q_tile - 1).clamp(max=q_pos.shape[0] - 1)]
+    real_v = torch.arange(vpos.shape[-1], device=dev) < pattern.num_verticals[..., None]
+    local = torch.searchsorted(k_pos, vpos.contiguous()).clamp(max=sk - 1)
+    present = real_v & (k_pos[local.long()] == vpos)
+    vcols, _ = compact(local, present, sk)
+    # positions of those columns (padding -> +inf) to count what each query tile may see.
+    vcol_pos = torch.where(vcols < sk, k_pos[vcols.clamp(max=sk - 1).long()], _ABSENT).contiguous()
+    q_last = q_pos[(q_tiles + q_tile - 1).clamp(max=sq - 1)]
     vcount_q = torch.searchsorted(vcol_pos, q_last.expand(*vcols.shape[:2], -1).contiguous(), right=True)
-    chunk_first = vcol_pos[..., ::v_chunk].contiguous()
-    first_row = torch.searchsorted(q_pos, chunk_first.clamp(max=big - 1), right=False)
-    vstart_q = (first_row // q_tile).to(torch.int32)
+    first_row = torch.searchsorted(q_pos, vcol_pos[..., ::v_chunk].contiguous())
     return KernelIndex(
         q_tile,
         k_tile,
         v_chunk,
         q_gblock,
-        k_gblock,
-        q_block_start,
-        k_block_start,
-        diags,
-        diag_count,
+        fwd_starts,
+        fwd_count,
+        fwd_diag,
+        bwd_starts,
+        bwd_count,
+        bwd_diag,
         diag_mask.to(torch.int8).contiguous(),
         vcols,
         vcount_q.to(torch.int32).contiguous(),
-        vstart_q.contiguous(),
+        (first_row // q_tile).to(torch.int32).contiguous(),
     )

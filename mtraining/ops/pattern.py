@@ -14,7 +14,7 @@ global G-grid and verticals are computed column by column, each pair exactly onc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -35,14 +35,23 @@ def slashes_to_block_diags(offsets: Tensor, block_size: int, num_blocks: int) ->
     return mask[..., :num_blocks]
 
 
-def _pack_sorted(mask: Tensor, sentinel: int) -> tuple[Tensor, Tensor]:
-    """Turn a boolean mask [..., L] into (ascending indices padded with ``sentinel``, counts)."""
-    counts = mask.sum(-1, dtype=torch.int32)
+def compact(values: Tensor, keep: Tensor, fill: int) -> tuple[Tensor, Tensor]:
+    """Move the kept entries of each row of ``values`` [..., L] to the front, in order.
+
+    Returns (packed [..., W] int32 padded with ``fill``, counts [...] int32), W = max count (>= 1).
+    """
+    counts = keep.sum(-1, dtype=torch.int32)
     width = max(int(counts.max().item()) if counts.numel() else 0, 1)
-    positions = torch.arange(mask.shape[-1], device=mask.device, dtype=torch.int32)
-    keyed = torch.where(mask, positions, torch.full_like(positions, sentinel))
-    packed = keyed.sort(dim=-1).values[..., :width]
-    return packed.contiguous(), counts
+    slot = torch.where(keep, keep.cumsum(-1) - 1, width)
+    packed = torch.full((*values.shape[:-1], width + 1), fill, dtype=torch.int32, device=values.device)
+    packed.scatter_(-1, slot.long(), values.to(torch.int32))
+    return packed[..., :width].contiguous(), counts
+
+
+def _mask_to_sorted(mask: Tensor, fill: int) -> tuple[Tensor, Tensor]:
+    """Boolean [..., L] -> (ascending indices padded with ``fill``, counts)."""
+    positions = torch.arange(mask.shape[-1], device=mask.device, dtype=torch.int32).expand_as(mask)
+    return compact(positions, mask, fill)
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,8 @@ class VerticalSlashPattern:
     num_diags: Tensor
     vertical_pos: Tensor
     num_verticals: Tensor
+    index_cache: dict = field(default_factory=dict, compare=False, repr=False)
+    """Kernel indices derived from this pattern per chunk pair (kernel_index.py); lives with the pattern."""
 
     @property
     def num_blocks(self) -> int:
@@ -114,8 +125,8 @@ class VerticalSlashPattern:
                 f"diag_mask {tuple(diag_mask.shape)} must be [B, H, ceil(N/G)={num_blocks}] with the "
                 f"same [B, H] as vertical_mask {tuple(vertical_mask.shape)}"
             )
-        diags, n_diags = _pack_sorted(diag_mask, num_blocks)
-        verts, n_verts = _pack_sorted(vertical_mask, seq_len)
+        diags, n_diags = _mask_to_sorted(diag_mask, num_blocks)
+        verts, n_verts = _mask_to_sorted(vertical_mask, seq_len)
         return cls(seq_len, block_size, diags, n_diags, verts, n_verts)
 
     @classmethod

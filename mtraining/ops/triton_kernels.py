@@ -1,16 +1,13 @@
 """Triton kernels for vertical-slash sparse attention: forward (out, lse), dQ, dK/dV.
 
-Each query tile walks (1) the selected block diagonals: key block ``kB = qB - delta`` for every
-selected ``delta``, unmasked except on the causal diagonal ``delta == 0``, then (2) the vertical
-columns of the head gathered from this key chunk, skipping any column whose block diagonal is
-already selected (so no pair counts twice). The backward recomputes P from Q, K and the saved LSE
-(FlashAttention-2 style): one kernel for dQ (same walk as the forward), one for dK/dV of the block
-part (per key tile, walking ``qB = kB + delta`` over the query heads of its GQA group), and one for
-dK/dV of the vertical columns (per chunk of columns, added atomically since query heads of a GQA
-group share keys). Scores are kept in base 2 (``exp2``); the LSE written out is natural-log.
-
-Index arrays (see kernel_index.KernelIndex) are int32; per-(batch, head) arrays are passed with
-their batch and head strides.
+Each query tile visits (1) the unmasked key tiles of its selected off-diagonal blocks, from a
+precomputed list (kernel_index.py), (2) the causal-diagonal block with a position mask, and
+(3) the vertical columns of the head gathered from this key chunk, skipping any column whose block
+diagonal is already selected (so no pair counts twice). The backward recomputes P from Q, K and the
+saved LSE (FlashAttention-2 style): one kernel for dQ (same walk as the forward), one for dK/dV of
+the block part (per key tile over the query heads of its GQA group, from the transposed list), and
+one for dK/dV of the vertical columns (per chunk of columns, added atomically since the query heads
+of a GQA group share keys). Scores are kept in base 2 (``exp2``); the LSE written out is natural-log.
 """
 
 from __future__ import annotations
@@ -35,12 +32,24 @@ def _online_update(acc, m_i, l_i, s, v):
 
 
 @triton.jit
+def _vertical_use(cols_idx, n_vert, VColsRow, KPos, MaskRow, qB, G: tl.constexpr):
+    """Gather one chunk of vertical columns: (local rows, positions, usable) for query block qB."""
+    valid = cols_idx < n_vert
+    cols = tl.load(VColsRow + cols_idx, mask=valid, other=0)
+    k_pos = tl.load(KPos + cols, mask=valid, other=INT_MAX)
+    k_blk = k_pos // G
+    covered = tl.load(MaskRow + (qB - k_blk), mask=valid & (k_blk <= qB), other=0)
+    use = valid & (covered == 0)
+    return cols, tl.where(use, k_pos, INT_MAX), use
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, Out, Lse, QPos, KPos,
-    QGBlock, KBlockStart, Diags, DiagCount, DiagMask, VCols, VCountQ,
+    QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,
     qk_scale, Sq, Sk, H, GROUP,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ob, s_os, s_oh, s_lb, s_lh,
-    s_db, s_dh, s_nb, s_nh, s_mb, s_mh, s_cb, s_ch, s_tb, s_th,
+    s_sb, s_sh, s_st, s_cb, s_ch, s_mb, s_mh, s_wb, s_wh,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
@@ -54,58 +63,40 @@ def _fwd_kernel(
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b * s_qb + rows[:, None] * s_qs + h * s_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     q_pos = tl.load(QPos + rows, mask=row_ok, other=-1)
-    qB = tl.load(QGBlock + tile)
     k_base = K + b * s_kb + hk * s_kh
     v_base = V + b * s_vb + hk * s_vh
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-
-    diag_base = Diags + b * s_db + h * s_dh
-    n_diag = tl.load(DiagCount + b * s_nb + h * s_nh)
-    # (1a) off-diagonal blocks: every pair is causal and in range, no mask.
-    for j in range(0, n_diag):
-        delta = tl.load(diag_base + j)
-        kB = qB - delta
-        if (delta > 0) & (kB >= 0):
-            ks = tl.load(KBlockStart + kB)
-            if ks >= 0:
-                for sub in tl.static_range(G // BLOCK_N):
-                    cols = ks + sub * BLOCK_N + tl.arange(0, BLOCK_N)
-                    k = tl.load(k_base + cols[None, :] * s_ks + d[:, None])
-                    v = tl.load(v_base + cols[:, None] * s_vs + d[None, :])
-                    s = tl.dot(q, k) * qk_scale
-                    acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v)
-    # (1b) the causal diagonal block, masked by position.
-    if n_diag > 0:
-        if tl.load(diag_base) == 0:
-            ks = tl.load(KBlockStart + qB)
-            if ks >= 0:
-                for sub in tl.static_range(G // BLOCK_N):
-                    cols = ks + sub * BLOCK_N + tl.arange(0, BLOCK_N)
-                    col_ok = cols < Sk
-                    k_pos = tl.load(KPos + cols, mask=col_ok, other=INT_MAX)
-                    k = tl.load(k_base + cols[None, :] * s_ks + d[:, None], mask=col_ok[None, :], other=0.0)
-                    v = tl.load(v_base + cols[:, None] * s_vs + d[None, :], mask=col_ok[:, None], other=0.0)
-                    s = tl.dot(q, k) * qk_scale
-                    s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
-                    acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v)
-    # (2) vertical columns whose block diagonal is not selected.
-    n_vert = tl.load(VCountQ + b * s_tb + h * s_th + tile)
-    vcol_base = VCols + b * s_cb + h * s_ch
-    mask_base = DiagMask + b * s_mb + h * s_mh
+    tile_off = b * s_cb + h * s_ch + tile
+    # (1) off-diagonal key tiles: every pair is causal and in range, no mask.
+    starts = Starts + b * s_sb + h * s_sh + tile * s_st
+    for j in range(0, tl.load(Count + tile_off)):
+        cols = tl.load(starts + j) + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + cols[None, :] * s_ks + d[:, None])
+        v = tl.load(v_base + cols[:, None] * s_vs + d[None, :])
+        acc, m_i, l_i = _online_update(acc, m_i, l_i, tl.dot(q, k) * qk_scale, v)
+    # (2) the causal-diagonal block, masked by position.
+    diag_start = tl.load(DiagStart + tile_off)
+    if diag_start >= 0:
+        for sub in tl.static_range(G // BLOCK_N):
+            cols = diag_start + sub * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < Sk
+            k_pos = tl.load(KPos + cols, mask=col_ok, other=INT_MAX)
+            k = tl.load(k_base + cols[None, :] * s_ks + d[:, None], mask=col_ok[None, :], other=0.0)
+            v = tl.load(v_base + cols[:, None] * s_vs + d[None, :], mask=col_ok[:, None], other=0.0)
+            s = tl.where(k_pos[None, :] <= q_pos[:, None], tl.dot(q, k) * qk_scale, float("-inf"))
+            acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v)
+    # (3) vertical columns whose block diagonal is not selected.
+    qB = tl.load(QGBlock + tile)
+    n_vert = tl.load(VCountQ + tile_off)
+    vcols_row = VCols + b * s_wb + h * s_wh
+    mask_row = DiagMask + b * s_mb + h * s_mh
     for c in range(0, n_vert, BLOCK_V):
-        idx = c + tl.arange(0, BLOCK_V)
-        valid = idx < n_vert
-        cols = tl.load(vcol_base + idx, mask=valid, other=0)
-        k_pos = tl.load(KPos + cols, mask=valid, other=INT_MAX)
-        k_blk = k_pos // G
-        covered = tl.load(mask_base + (qB - k_blk), mask=valid & (k_blk <= qB), other=0)
-        use = valid & (covered == 0)
+        cols, k_pos, use = _vertical_use(c + tl.arange(0, BLOCK_V), n_vert, vcols_row, KPos, mask_row, qB, G)
         k = tl.load(k_base + cols[None, :] * s_ks + d[:, None], mask=use[None, :], other=0.0)
         v = tl.load(v_base + cols[:, None] * s_vs + d[None, :], mask=use[:, None], other=0.0)
-        s = tl.dot(q, k) * qk_scale
-        s = tl.where(use[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        s = tl.where(k_pos[None, :] <= q_pos[:, None], tl.dot(q, k) * qk_scale, float("-inf"))
         acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v)
 
     empty = l_i == 0.0
@@ -120,16 +111,24 @@ def _fwd_kernel(
 
 
 @triton.jit
+def _dq_step(dq, q, do, lse2, delta_row, kT, vT, s):
+    """dQ += dS K for base-2 scores s [M, N] (-inf = masked), keys/values given transposed [D, N]."""
+    p = tl.exp2(s - lse2[:, None])
+    ds = p * (tl.dot(do, vT) - delta_row[:, None])
+    return dq + tl.dot(ds.to(kT.dtype), tl.trans(kT))
+
+
+@triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, QPos, KPos,
-    QGBlock, KBlockStart, Diags, DiagCount, DiagMask, VCols, VCountQ,
+    QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,
     qk_scale, sm_scale, Sq, Sk, H, GROUP,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ob, s_os, s_oh, s_lb, s_lh,
-    s_db, s_dh, s_nb, s_nh, s_mb, s_mh, s_cb, s_ch, s_tb, s_th,
+    s_sb, s_sh, s_st, s_cb, s_ch, s_mb, s_mh, s_wb, s_wh,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    """dQ of one query tile over the same blocks and columns as the forward. DO and DQ share Q's strides."""
+    """dQ (float32, Q's strides) of one query tile over the same tiles and columns as the forward."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -145,57 +144,46 @@ def _bwd_dq_kernel(
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta_row = tl.load(Delta + b * s_lb + h * s_lh + rows, mask=row_ok, other=0.0)
     q_pos = tl.load(QPos + rows, mask=row_ok, other=-1)
-    qB = tl.load(QGBlock + tile)
     k_base = K + b * s_kb + hk * s_kh
     v_base = V + b * s_vb + hk * s_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-
-    diag_base = Diags + b * s_db + h * s_dh
-    n_diag = tl.load(DiagCount + b * s_nb + h * s_nh)
-    for j in range(0, n_diag):
-        delta = tl.load(diag_base + j)
-        kB = qB - delta
-        if kB >= 0:
-            ks = tl.load(KBlockStart + kB)
-            if ks >= 0:
-                for sub in tl.static_range(G // BLOCK_N):
-                    cols = ks + sub * BLOCK_N + tl.arange(0, BLOCK_N)
-                    col_ok = cols < Sk
-                    k_pos = tl.load(KPos + cols, mask=col_ok, other=INT_MAX)
-                    kT = tl.load(k_base + cols[None, :] * s_ks + d[:, None], mask=col_ok[None, :], other=0.0)
-                    vT = tl.load(v_base + cols[None, :] * s_vs + d[:, None], mask=col_ok[None, :], other=0.0)
-                    s = tl.dot(q, kT) * qk_scale
-                    s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
-                    p = tl.exp2(s - lse2[:, None])
-                    dp = tl.dot(do, vT)
-                    ds = p * (dp - delta_row[:, None])
-                    dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
-    n_vert = tl.load(VCountQ + b * s_tb + h * s_th + tile)
-    vcol_base = VCols + b * s_cb + h * s_ch
-    mask_base = DiagMask + b * s_mb + h * s_mh
+    tile_off = b * s_cb + h * s_ch + tile
+    starts = Starts + b * s_sb + h * s_sh + tile * s_st
+    for j in range(0, tl.load(Count + tile_off)):
+        cols = tl.load(starts + j) + tl.arange(0, BLOCK_N)
+        kT = tl.load(k_base + cols[None, :] * s_ks + d[:, None])
+        vT = tl.load(v_base + cols[None, :] * s_vs + d[:, None])
+        dq = _dq_step(dq, q, do, lse2, delta_row, kT, vT, tl.dot(q, kT) * qk_scale)
+    diag_start = tl.load(DiagStart + tile_off)
+    if diag_start >= 0:
+        for sub in tl.static_range(G // BLOCK_N):
+            cols = diag_start + sub * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < Sk
+            k_pos = tl.load(KPos + cols, mask=col_ok, other=INT_MAX)
+            kT = tl.load(k_base + cols[None, :] * s_ks + d[:, None], mask=col_ok[None, :], other=0.0)
+            vT = tl.load(v_base + cols[None, :] * s_vs + d[:, None], mask=col_ok[None, :], other=0.0)
+            s = tl.where(k_pos[None, :] <= q_pos[:, None], tl.dot(q, kT) * qk_scale, float("-inf"))
+            dq = _dq_step(dq, q, do, lse2, delta_row, kT, vT, s)
+    qB = tl.load(QGBlock + tile)
+    n_vert = tl.load(VCountQ + tile_off)
+    vcols_row = VCols + b * s_wb + h * s_wh
+    mask_row = DiagMask + b * s_mb + h * s_mh
     for c in range(0, n_vert, BLOCK_V):
-        idx = c + tl.arange(0, BLOCK_V)
-        valid = idx < n_vert
-        cols = tl.load(vcol_base + idx, mask=valid, other=0)
-        k_pos = tl.load(KPos + cols, mask=valid, other=INT_MAX)
-        k_blk = k_pos // G
-        covered = tl.load(mask_base + (qB - k_blk), mask=valid & (k_blk <= qB), other=0)
-        use = valid & (covered == 0)
+        cols, k_pos, use = _vertical_use(c + tl.arange(0, BLOCK_V), n_vert, vcols_row, KPos, mask_row, qB, G)
         kT = tl.load(k_base + cols[None, :] * s_ks + d[:, None], mask=use[None, :], other=0.0)
         vT = tl.load(v_base + cols[None, :] * s_vs + d[:, None], mask=use[None, :], other=0.0)
-        s = tl.dot(q, kT) * qk_scale
-        s = tl.where(use[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        p = tl.exp2(s - lse2[:, None])
-        dp = tl.dot(do, vT)
-        ds = p * (dp - delta_row[:, None])
-        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT))
+        s = tl.where(k_pos[None, :] <= q_pos[:, None], tl.dot(q, kT) * qk_scale, float("-inf"))
+        dq = _dq_step(dq, q, do, lse2, delta_row, kT, vT, s)
     tl.store(DQ + q_off, dq * sm_scale, mask=row_ok[:, None])
 
 
 @triton.jit
-def _bwd_dkdv_tile(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, rows, b, h, qk_scale, Sq,
-                   s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, HEAD_DIM: tl.constexpr):
-    """Accumulate dK/dV [N, D] of key rows k/v against query rows ``rows`` of head h (masked by position)."""
+def _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, rows, b, h, qk_scale, Sq,
+               s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, HEAD_DIM: tl.constexpr, MASK: tl.constexpr):
+    """Accumulate dK/dV [N, D] of key rows k/v against query rows ``rows`` of head h.
+
+    Rows past Sq load lse = +inf, so they add nothing; MASK adds the causal test by position.
+    """
     d = tl.arange(0, HEAD_DIM)
     row_ok = rows < Sq
     q = tl.load(Q + b * s_qb + rows[:, None] * s_qs + h * s_qh + d[None, :], mask=row_ok[:, None], other=0.0)
@@ -203,13 +191,13 @@ def _bwd_dkdv_tile(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, rows, b, h, qk_
     lse = tl.load(Lse + b * s_lb + h * s_lh + rows, mask=row_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta_row = tl.load(Delta + b * s_lb + h * s_lh + rows, mask=row_ok, other=0.0)
-    q_pos = tl.load(QPos + rows, mask=row_ok, other=-1)
     sT = tl.dot(k, tl.trans(q)) * qk_scale
-    sT = tl.where(k_pos[:, None] <= q_pos[None, :], sT, float("-inf"))
+    if MASK:
+        q_pos = tl.load(QPos + rows, mask=row_ok, other=-1)
+        sT = tl.where(k_pos[:, None] <= q_pos[None, :], sT, float("-inf"))
     pT = tl.exp2(sT - lse2[None, :])
     dv += tl.dot(pT.to(do.dtype), do)
-    dpT = tl.dot(v, tl.trans(do))
-    dsT = pT * (dpT - delta_row[None, :])
+    dsT = pT * (tl.dot(v, tl.trans(do)) - delta_row[None, :])
     dk += tl.dot(dsT.to(q.dtype), q)
     return dk, dv
 
@@ -217,13 +205,13 @@ def _bwd_dkdv_tile(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, rows, b, h, qk_
 @triton.jit
 def _bwd_dkdv_block_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, QPos, KPos,
-    KGBlock, QBlockStart, Diags, DiagCount,
-    qk_scale, sm_scale, Sq, Sk, H, GROUP, NB,
+    Starts, Count, DiagStart,
+    qk_scale, sm_scale, Sq, Sk, H, GROUP,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ob, s_os, s_oh, s_lb, s_lh,
-    s_gb, s_gs, s_gh, s_db, s_dh, s_nb, s_nh,
+    s_gb, s_gs, s_gh, s_sb, s_sh, s_st, s_cb, s_ch,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    """dK/dV of one key tile (block part) summed over the query heads of its GQA group (float32, strides s_g*)."""
+    """dK/dV (float32, strides s_g*) of one key tile's block part, over the query heads of its group."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     hkv_count = H // GROUP
@@ -235,23 +223,22 @@ def _bwd_dkdv_block_kernel(
     k = tl.load(K + b * s_kb + cols[:, None] * s_ks + hk * s_kh + d[None, :], mask=col_ok[:, None], other=0.0)
     v = tl.load(V + b * s_vb + cols[:, None] * s_vs + hk * s_vh + d[None, :], mask=col_ok[:, None], other=0.0)
     k_pos = tl.load(KPos + cols, mask=col_ok, other=INT_MAX)
-    kB = tl.load(KGBlock + tile)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        diag_base = Diags + b * s_db + h * s_dh
-        n_diag = tl.load(DiagCount + b * s_nb + h * s_nh)
-        for j in range(0, n_diag):
-            qB = kB + tl.load(diag_base + j)
-            if qB < NB:
-                qs = tl.load(QBlockStart + qB)
-                if qs >= 0:
-                    for sub in tl.static_range(G // BLOCK_M):
-                        rows = qs + sub * BLOCK_M + tl.arange(0, BLOCK_M)
-                        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, rows, b, h,
-                                                qk_scale, Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh,
-                                                HEAD_DIM)
+        tile_off = b * s_cb + h * s_ch + tile
+        starts = Starts + b * s_sb + h * s_sh + tile * s_st
+        for j in range(0, tl.load(Count + tile_off)):
+            rows = tl.load(starts + j) + tl.arange(0, BLOCK_M)
+            dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, rows, b, h, qk_scale, Sq,
+                                s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, HEAD_DIM, False)
+        diag_start = tl.load(DiagStart + tile_off)
+        if diag_start >= 0:
+            for sub in tl.static_range(G // BLOCK_M):
+                rows = diag_start + sub * BLOCK_M + tl.arange(0, BLOCK_M)
+                dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, rows, b, h, qk_scale, Sq,
+                                    s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, HEAD_DIM, True)
     out_off = b * s_gb + cols[:, None] * s_gs + hk * s_gh + d[None, :]
     tl.store(DK + out_off, dk * sm_scale, mask=col_ok[:, None])
     tl.store(DV + out_off, dv, mask=col_ok[:, None])
@@ -263,7 +250,7 @@ def _bwd_dkdv_vertical_kernel(
     QGBlock, DiagMask, VCols, VStartQ,
     qk_scale, sm_scale, Sq, Sk, H, GROUP, NQT, VWIDTH,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ob, s_os, s_oh, s_lb, s_lh,
-    s_gb, s_gs, s_gh, s_mb, s_mh, s_cb, s_ch, s_tb, s_th,
+    s_gb, s_gs, s_gh, s_mb, s_mh, s_wb, s_wh, s_tb, s_th,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """dK/dV of one chunk of a head's vertical columns (those not covered by a selected diagonal)."""
@@ -273,7 +260,7 @@ def _bwd_dkdv_vertical_kernel(
     h = bh % H
     hk = h // GROUP
     idx = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
-    cols = tl.load(VCols + b * s_cb + h * s_ch + idx, mask=idx < VWIDTH, other=Sk)
+    cols = tl.load(VCols + b * s_wb + h * s_wh + idx, mask=idx < VWIDTH, other=Sk)
     valid = cols < Sk
     cols = tl.where(valid, cols, 0)
     d = tl.arange(0, HEAD_DIM)
@@ -281,18 +268,16 @@ def _bwd_dkdv_vertical_kernel(
     v = tl.load(V + b * s_vb + cols[:, None] * s_vs + hk * s_vh + d[None, :], mask=valid[:, None], other=0.0)
     k_pos = tl.load(KPos + cols, mask=valid, other=INT_MAX)
     k_blk = k_pos // G
-    mask_base = DiagMask + b * s_mb + h * s_mh
+    mask_row = DiagMask + b * s_mb + h * s_mh
     dk = tl.zeros([BLOCK_V, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_V, HEAD_DIM], dtype=tl.float32)
-    start = tl.load(VStartQ + b * s_tb + h * s_th + chunk)
-    for t in range(start, NQT):
+    for t in range(tl.load(VStartQ + b * s_tb + h * s_th + chunk), NQT):
         qB = tl.load(QGBlock + t)
-        covered = tl.load(mask_base + (qB - k_blk), mask=valid & (k_blk <= qB), other=0)
-        use = valid & (covered == 0)
-        k_pos_use = tl.where(use, k_pos, INT_MAX)
+        covered = tl.load(mask_row + (qB - k_blk), mask=valid & (k_blk <= qB), other=0)
+        k_pos_use = tl.where(valid & (covered == 0), k_pos, INT_MAX)
         rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
-        dk, dv = _bwd_dkdv_tile(dk, dv, k, v, k_pos_use, Q, DO, Lse, Delta, QPos, rows, b, h,
-                                qk_scale, Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, HEAD_DIM)
+        dk, dv = _dkdv_step(dk, dv, k, v, k_pos_use, Q, DO, Lse, Delta, QPos, rows, b, h, qk_scale, Sq,
+                            s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, HEAD_DIM, True)
     out_off = b * s_gb + cols[:, None] * s_gs + hk * s_gh + d[None, :]
     tl.atomic_add(DK + out_off, dk * sm_scale, mask=valid[:, None])
     tl.atomic_add(DV + out_off, dv, mask=valid[:, None])
