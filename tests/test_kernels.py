@@ -167,3 +167,22 @@ def test_pattern_for_other_heads_rejected():
     q, k, v = torch.randn(1, 32, 4, 16), torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16)
     with pytest.raises(ValueError, match="pattern is for batch 1 x 2 heads"):
         sparse_attention(q, k, v, VerticalSlashPattern.dense(1, 2, 32, 16), backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_dq_backward_matches_oracle(monkeypatch, dtype):
+    """The backward variant that adds dQ atomically inside the dK/dV kernels."""
+    from mtraining.ops import triton_backend as tb
+
+    def fused_config(block_size, head_dim, device):
+        t = min(block_size, 32)
+        return tb.TileConfig(tb.Tiles(t, t, t, 4, 1), tb.Tiles(t, t, t, 4, 1, fused_dq=True))
+
+    monkeypatch.setattr(tb, "tile_config", fused_config)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = random_qkv(2, 77, 77, 4, 2, 16, dtype, gen)
+    check_against_oracle(q, k, v, make_pattern("random", 2, 4, 77, 16, gen), gen=gen)
+    n, g, world = 256, 16, 4
+    q_pos, k_pos = _striped_positions(n, g, world, 2), _striped_positions(n, g, world, 1)
+    q, k, v = random_qkv(1, q_pos.numel(), k_pos.numel(), 4, 2, 16, dtype, gen)
+    check_against_oracle(q, k, v, make_pattern("local_plus_verticals", 1, 4, n, g, gen), q_pos, k_pos, gen)

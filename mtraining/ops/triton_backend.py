@@ -22,6 +22,7 @@ class Tiles:
     block_v: int
     num_warps: int
     num_stages: int
+    fused_dq: bool = False  # backward only: dQ added atomically by the dK/dV kernels, no dQ kernel
 
 
 @dataclass(frozen=True)
@@ -122,30 +123,32 @@ def backward(
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     lse = lse.float().contiguous()
     delta = delta.float().contiguous()
-    dq = torch.empty_like(q, dtype=torch.float32).fill_(float("nan"))  # q's strides: the kernel indexes both alike
+    # dq has q's strides (the kernels index both alike); atomically accumulated dq must start at zero.
+    dq = torch.empty_like(q, dtype=torch.float32).fill_(0.0 if cfg.fused_dq else float("nan"))
     dk = torch.full((b, sk, hkv, d), float("nan"), dtype=torch.float32, device=q.device)
     dv = torch.full_like(dk, float("nan"))
     scales = (scale * tk.LOG2E, scale)
     qkv_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2])
     tensors, strides = _walk_args(idx)
-    tk._bwd_dq_kernel[(triton.cdiv(sq, cfg.block_m), b * hq)](
-        q, k, v, do, lse, delta, dq, q_pos, k_pos, *tensors,
-        *scales, sq, sk, hq, group, *qkv_strides, *strides,
-        G=pattern.block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, HEAD_DIM=d,
-        **launch,
-    )
+    if not cfg.fused_dq:
+        tk._bwd_dq_kernel[(triton.cdiv(sq, cfg.block_m), b * hq)](
+            q, k, v, do, lse, delta, dq, q_pos, k_pos, *tensors,
+            *scales, sq, sk, hq, group, *qkv_strides, *strides,
+            G=pattern.block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, HEAD_DIM=d,
+            **launch,
+        )
     tk._bwd_dkdv_block_kernel[(triton.cdiv(sk, cfg.block_n), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, q_pos, k_pos, idx.bwd_starts, idx.bwd_count, idx.bwd_diag,
+        q, k, v, do, lse, delta, dk, dv, dq, q_pos, k_pos, idx.bwd_starts, idx.bwd_count, idx.bwd_diag,
         *scales, sq, sk, hq, group, *qkv_strides, *dk.stride()[:3],
         *idx.bwd_starts.stride()[:3], *idx.bwd_count.stride()[:2],
-        G=pattern.block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d,
+        G=pattern.block_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, FUSED_DQ=cfg.fused_dq,
         **launch,
     )
     tk._bwd_dkdv_vertical_kernel[(triton.cdiv(idx.vcols.shape[-1], cfg.block_v), b * hq)](
-        q, k, v, do, lse, delta, dk, dv, q_pos, k_pos, idx.q_gblock, idx.diag_mask, idx.vcols, idx.vstart_q,
+        q, k, v, do, lse, delta, dk, dv, dq, q_pos, k_pos, idx.q_gblock, idx.diag_mask, idx.vcols, idx.vstart_q,
         *scales, sq, sk, hq, group, idx.q_gblock.shape[0], idx.vcols.shape[-1], *qkv_strides, *dk.stride()[:3],
         *idx.diag_mask.stride()[:2], *idx.vcols.stride()[:2], *idx.vstart_q.stride()[:2],
-        G=pattern.block_size, BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, HEAD_DIM=d,
+        G=pattern.block_size, BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, HEAD_DIM=d, FUSED_DQ=cfg.fused_dq,
         **launch,
     )
     return dq, dk, dv

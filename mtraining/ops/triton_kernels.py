@@ -178,15 +178,18 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, rows, b, h, qk_scale, Sq,
-               s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, HEAD_DIM: tl.constexpr, MASK: tl.constexpr):
+def _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, rows, b, h, qk_scale, sm_scale, Sq,
+               s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh,
+               HEAD_DIM: tl.constexpr, MASK: tl.constexpr, FUSED_DQ: tl.constexpr):
     """Accumulate dK/dV [N, D] of key rows k/v against query rows ``rows`` of head h.
 
     Rows past Sq load lse = +inf, so they add nothing; MASK adds the causal test by position.
+    FUSED_DQ also adds this tile's dQ = dS K into the float32 DQ (Q's strides) atomically.
     """
     d = tl.arange(0, HEAD_DIM)
     row_ok = rows < Sq
-    q = tl.load(Q + b * s_qb + rows[:, None] * s_qs + h * s_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    q_off = b * s_qb + rows[:, None] * s_qs + h * s_qh + d[None, :]
+    q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + b * s_ob + rows[:, None] * s_os + h * s_oh + d[None, :], mask=row_ok[:, None], other=0.0)
     lse = tl.load(Lse + b * s_lb + h * s_lh + rows, mask=row_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -197,19 +200,23 @@ def _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, rows, b, h, qk_scal
         sT = tl.where(k_pos[:, None] <= q_pos[None, :], sT, float("-inf"))
     pT = tl.exp2(sT - lse2[None, :])
     dv += tl.dot(pT.to(do.dtype), do)
-    dsT = pT * (tl.dot(v, tl.trans(do)) - delta_row[None, :])
-    dk += tl.dot(dsT.to(q.dtype), q)
+    dsT = (pT * (tl.dot(v, tl.trans(do)) - delta_row[None, :])).to(q.dtype)
+    dk += tl.dot(dsT, q)
+    if FUSED_DQ:
+        dq = tl.dot(tl.trans(dsT), k) * sm_scale
+        tl.atomic_add(DQ + q_off, dq, mask=row_ok[:, None], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkdv_block_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, QPos, KPos,
+    Q, K, V, DO, Lse, Delta, DK, DV, DQ, QPos, KPos,
     Starts, Count, DiagStart,
     qk_scale, sm_scale, Sq, Sk, H, GROUP,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ob, s_os, s_oh, s_lb, s_lh,
     s_gb, s_gs, s_gh, s_sb, s_sh, s_st, s_cb, s_ch,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
 ):
     """dK/dV (float32, strides s_g*) of one key tile's block part, over the query heads of its group."""
     tile = tl.program_id(0)
@@ -231,14 +238,15 @@ def _bwd_dkdv_block_kernel(
         starts = Starts + b * s_sb + h * s_sh + tile * s_st
         for j in range(0, tl.load(Count + tile_off)):
             rows = tl.load(starts + j) + tl.arange(0, BLOCK_M)
-            dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, rows, b, h, qk_scale, Sq,
-                                s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, HEAD_DIM, False)
+            dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, rows, b, h, qk_scale, sm_scale,
+                                Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, HEAD_DIM, False, FUSED_DQ)
         diag_start = tl.load(DiagStart + tile_off)
         if diag_start >= 0:
             for sub in tl.static_range(G // BLOCK_M):
                 rows = diag_start + sub * BLOCK_M + tl.arange(0, BLOCK_M)
-                dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, rows, b, h, qk_scale, Sq,
-                                    s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, HEAD_DIM, True)
+                dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, rows, b, h, qk_scale,
+                                    sm_scale, Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, HEAD_DIM, True,
+                                    FUSED_DQ)
     out_off = b * s_gb + cols[:, None] * s_gs + hk * s_gh + d[None, :]
     tl.store(DK + out_off, dk * sm_scale, mask=col_ok[:, None])
     tl.store(DV + out_off, dv, mask=col_ok[:, None])
@@ -246,12 +254,13 @@ def _bwd_dkdv_block_kernel(
 
 @triton.jit
 def _bwd_dkdv_vertical_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, QPos, KPos,
+    Q, K, V, DO, Lse, Delta, DK, DV, DQ, QPos, KPos,
     QGBlock, DiagMask, VCols, VStartQ,
     qk_scale, sm_scale, Sq, Sk, H, GROUP, NQT, VWIDTH,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ob, s_os, s_oh, s_lb, s_lh,
     s_gb, s_gs, s_gh, s_mb, s_mh, s_wb, s_wh, s_tb, s_th,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, HEAD_DIM: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
 ):
     """dK/dV of one chunk of a head's vertical columns (those not covered by a selected diagonal)."""
     chunk = tl.program_id(0)
@@ -276,8 +285,8 @@ def _bwd_dkdv_vertical_kernel(
         covered = tl.load(mask_row + (qB - k_blk), mask=valid & (k_blk <= qB), other=0)
         k_pos_use = tl.where(valid & (covered == 0), k_pos, INT_MAX)
         rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
-        dk, dv = _dkdv_step(dk, dv, k, v, k_pos_use, Q, DO, Lse, Delta, QPos, rows, b, h, qk_scale, Sq,
-                            s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, HEAD_DIM, True)
+        dk, dv = _dkdv_step(dk, dv, k, v, k_pos_use, Q, DO, Lse, Delta, QPos, DQ, rows, b, h, qk_scale, sm_scale,
+                            Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, HEAD_DIM, True, FUSED_DQ)
     out_off = b * s_gb + cols[:, None] * s_gs + hk * s_gh + d[None, :]
     tl.atomic_add(DK + out_off, dk * sm_scale, mask=valid[:, None])
     tl.atomic_add(DV + out_off, dv, mask=valid[:, None])
