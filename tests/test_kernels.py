@@ -176,7 +176,8 @@ def test_fused_dq_backward_matches_oracle(monkeypatch, dtype):
 
     def fused_config(block_size, head_dim, device):
         t = min(block_size, 32)
-        return tb.TileConfig(tb.Tiles(t, t, t, 4, 1), tb.Tiles(t, t, t, 4, 1, fused_dq=True))
+        plain = tb.Tiles(t, t, t, 4, 1)
+        return tb.TileConfig(plain, plain, tb.Tiles(t, t, t, 4, 1, fused_dq=True))
 
     monkeypatch.setattr(tb, "tile_config", fused_config)
     gen = torch.Generator().manual_seed(5)

@@ -27,34 +27,43 @@ _ABSENT = torch.iinfo(torch.int32).max
 
 
 @dataclass(frozen=True)
-class KernelIndex:
-    """Kernel-ready indices for one (query chunk, key chunk) pair; all int32 on the device.
+class QueryWalk:
+    """What each query tile visits (forward and dQ kernels); int32 on the device.
 
     q_gblock [nQT]: global block of each query tile (to test vertical columns against diagonals).
-    fwd_starts [B, H, nQT, W]: local key rows of the unmasked key tiles a query tile visits.
-    fwd_count, fwd_diag [B, H, nQT]: how many; local key row of the causal-diagonal block or -1.
-    bwd_starts [B, H, nKT, W']: local query rows of the unmasked query tiles a key tile is seen by.
-    bwd_count, bwd_diag [B, H, nKT]: how many; local query row of the causal-diagonal block or -1.
+    starts [B, H, nQT, W]: local key rows of the unmasked key tiles (off-diagonal blocks).
+    count, diag [B, H, nQT]: how many; local key row of the causal-diagonal block, or -1.
     diag_mask [B, H, nb] (int8): is block diagonal delta selected.
     vcols [B, H, Vk]: local key rows of the verticals present in this key chunk, ascending.
-    vcount_q [B, H, nQT]: how many of them a query tile may see (position <= its last query).
-    vstart_q [B, H, nVC]: per chunk of ``v_chunk`` verticals, the first query tile that may see it.
+    vcount [B, H, nQT]: how many of them a query tile may see (position <= its last query).
     """
 
-    q_tile: int
-    k_tile: int
-    v_chunk: int
     q_gblock: Tensor
-    fwd_starts: Tensor
-    fwd_count: Tensor
-    fwd_diag: Tensor
-    bwd_starts: Tensor
-    bwd_count: Tensor
-    bwd_diag: Tensor
+    starts: Tensor
+    count: Tensor
+    diag: Tensor
     diag_mask: Tensor
     vcols: Tensor
-    vcount_q: Tensor
-    vstart_q: Tensor
+    vcount: Tensor
+
+
+@dataclass(frozen=True)
+class KeyWalk:
+    """What each key tile is seen by (dK/dV kernels); int32 on the device.
+
+    starts [B, H, nKT, W]: local query rows of the unmasked query tiles (off-diagonal blocks).
+    count, diag [B, H, nKT]: how many; local query row of the causal-diagonal block, or -1.
+    q_gblock, diag_mask, vcols: as in QueryWalk (query tiles of size q_tile).
+    vstart [B, H, nVC]: per chunk of ``v_chunk`` verticals, the first query tile that may see it.
+    """
+
+    starts: Tensor
+    count: Tensor
+    diag: Tensor
+    q_gblock: Tensor
+    diag_mask: Tensor
+    vcols: Tensor
+    vstart: Tensor
 
 
 def check_aligned_positions(pos: Tensor, block_size: int, name: str) -> None:
@@ -114,61 +123,74 @@ def _connected_diags(q_present: Tensor, k_present: Tensor) -> Tensor:
     return F.conv1d(F.pad(kf, (nb - 1, 0)), qf).flatten().flip(0) > 0.5
 
 
-def build_kernel_index(
-    pattern: VerticalSlashPattern,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    q_tile: int,
-    k_tile: int,
-    v_chunk: int,
-) -> KernelIndex:
-    """Restrict the global pattern to the chunk pair (q_pos, k_pos); see KernelIndex."""
+@dataclass(frozen=True)
+class _ChunkPair:
+    """What both walks need: block starts, useful diagonals, vertical columns of the key chunk."""
+
+    q_pos: Tensor
+    k_pos: Tensor
+    q_block_start: Tensor
+    k_block_start: Tensor
+    diags: Tensor
+    real: Tensor
+    diag_mask: Tensor
+    vcols: Tensor
+    vcol_pos: Tensor
+
+
+def _chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> _ChunkPair:
     g, nb = pattern.block_size, pattern.num_blocks
     dev = q_pos.device
     q_pos, k_pos = q_pos.to(torch.int32), k_pos.to(torch.int32)
-    sq, sk = q_pos.shape[0], k_pos.shape[0]
+    sk = k_pos.shape[0]
     q_block_start = _block_starts(q_pos, g, nb)
     k_block_start = _block_starts(k_pos, g, nb)
-    q_tiles = torch.arange(0, sq, q_tile, device=dev)
-    q_gblock = (q_pos[q_tiles] // g).to(torch.int32)
-    k_gblock = (k_pos[torch.arange(0, sk, k_tile, device=dev)] // g).to(torch.int32)
-
     # block part: only diagonals that connect blocks present in this chunk pair matter.
-    diag_mask = pattern.diag_mask()
     useful = _connected_diags(q_block_start >= 0, k_block_start >= 0)
-    nd = pattern.block_diags.shape[-1]
     diags = pattern.block_diags
-    real = (torch.arange(nd, device=dev) < pattern.num_diags[..., None]) & useful[diags.clamp(max=nb - 1).long()]
-    fwd_starts, fwd_count = _tile_lists(q_gblock, diags, real, -1, k_block_start, k_tile, g, sk)
-    bwd_starts, bwd_count = _tile_lists(k_gblock, diags, real, +1, q_block_start, q_tile, g, sq)
-    has_diag0 = diag_mask[..., :1]
-    fwd_diag = torch.where(has_diag0, k_block_start[q_gblock.long()], -1).to(torch.int32).contiguous()
-    bwd_diag = torch.where(has_diag0, q_block_start[k_gblock.long()], -1).to(torch.int32).contiguous()
-
-    # column part: verticals whose key lives in this chunk, as local rows.
+    real = torch.arange(diags.shape[-1], device=dev) < pattern.num_diags[..., None]
+    real = real & useful[diags.clamp(max=nb - 1).long()]
+    # column part: verticals whose key lives in this chunk, as local rows (padding: sk).
     vpos = pattern.vertical_pos
     real_v = torch.arange(vpos.shape[-1], device=dev) < pattern.num_verticals[..., None]
     local = torch.searchsorted(k_pos, vpos.contiguous()).clamp(max=sk - 1)
-    present = real_v & (k_pos[local.long()] == vpos)
-    vcols, _ = compact(local, present, sk)
-    # positions of those columns (padding -> +inf) to count what each query tile may see.
+    vcols, _ = compact(local, real_v & (k_pos[local.long()] == vpos), sk)
     vcol_pos = torch.where(vcols < sk, k_pos[vcols.clamp(max=sk - 1).long()], _ABSENT).contiguous()
-    q_last = q_pos[(q_tiles + q_tile - 1).clamp(max=sq - 1)]
-    vcount_q = torch.searchsorted(vcol_pos, q_last.expand(*vcols.shape[:2], -1).contiguous(), right=True)
-    first_row = torch.searchsorted(q_pos, vcol_pos[..., ::v_chunk].contiguous())
-    return KernelIndex(
-        q_tile,
-        k_tile,
-        v_chunk,
-        q_gblock,
-        fwd_starts,
-        fwd_count,
-        fwd_diag,
-        bwd_starts,
-        bwd_count,
-        bwd_diag,
-        diag_mask.to(torch.int8).contiguous(),
-        vcols,
-        vcount_q.to(torch.int32).contiguous(),
-        (first_row // q_tile).to(torch.int32).contiguous(),
-    )
+    diag_mask = pattern.diag_mask()
+    return _ChunkPair(q_pos, k_pos, q_block_start, k_block_start, diags, real,
+                      diag_mask.to(torch.int8).contiguous(), vcols, vcol_pos)
+
+
+def _tile_gblock(pos: Tensor, tile: int, block_size: int) -> Tensor:
+    return (pos[torch.arange(0, pos.shape[0], tile, device=pos.device)] // block_size).to(torch.int32)
+
+
+def build_query_walk(
+    pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, q_tile: int, k_tile: int
+) -> QueryWalk:
+    """Restrict the global pattern to the chunk pair (q_pos, k_pos), seen from the query tiles."""
+    c = _chunk_pair(pattern, q_pos, k_pos)
+    g = pattern.block_size
+    sq, sk = c.q_pos.shape[0], c.k_pos.shape[0]
+    q_gblock = _tile_gblock(c.q_pos, q_tile, g)
+    starts, count = _tile_lists(q_gblock, c.diags, c.real, -1, c.k_block_start, k_tile, g, sk)
+    diag = torch.where(c.diag_mask[..., :1] > 0, c.k_block_start[q_gblock.long()], -1).to(torch.int32)
+    q_last = c.q_pos[(torch.arange(0, sq, q_tile, device=q_pos.device) + q_tile - 1).clamp(max=sq - 1)]
+    vcount = torch.searchsorted(c.vcol_pos, q_last.expand(*c.vcols.shape[:2], -1).contiguous(), right=True)
+    return QueryWalk(q_gblock, starts, count, diag.contiguous(), c.diag_mask, c.vcols,
+                     vcount.to(torch.int32).contiguous())
+
+
+def build_key_walk(
+    pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, q_tile: int, k_tile: int, v_chunk: int
+) -> KeyWalk:
+    """Restrict the global pattern to the chunk pair (q_pos, k_pos), seen from the key tiles."""
+    c = _chunk_pair(pattern, q_pos, k_pos)
+    g = pattern.block_size
+    sq = c.q_pos.shape[0]
+    k_gblock = _tile_gblock(c.k_pos, k_tile, g)
+    starts, count = _tile_lists(k_gblock, c.diags, c.real, +1, c.q_block_start, q_tile, g, sq)
+    diag = torch.where(c.diag_mask[..., :1] > 0, c.q_block_start[k_gblock.long()], -1).to(torch.int32)
+    first_row = torch.searchsorted(c.q_pos, c.vcol_pos[..., ::v_chunk].contiguous())
+    return KeyWalk(starts, count, diag.contiguous(), _tile_gblock(c.q_pos, q_tile, g), c.diag_mask, c.vcols,
+                   (first_row // q_tile).to(torch.int32).contiguous())
