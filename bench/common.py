@@ -19,8 +19,10 @@ def commit() -> str:
     if os.environ.get("MTRAINING_COMMIT"):
         return os.environ["MTRAINING_COMMIT"]
     try:
-        head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD"]) != 0
+        head = subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
+        ).strip()
+        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD"], stderr=subprocess.DEVNULL) != 0
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
