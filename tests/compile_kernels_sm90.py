@@ -1,0 +1,56 @@
+"""Compile every Triton kernel for an H100/H200 (sm_90) without a GPU: catches compile errors on the CPU.
+
+Run as a script in a process without TRITON_INTERPRET (tests/test_kernels_compile.py does).
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from mtraining.ops import triton_kernels as tk
+
+INT_POINTERS = {"QPos", "KPos", "QGBlock", "Starts", "Count", "DiagStart", "VCols", "VCountQ", "VStartQ"}
+FP32_POINTERS = {"Lse", "Delta", "DQ", "DK", "DV"}
+DATA_POINTERS = {"Q", "K", "V", "Out", "DO"}
+FLOAT_SCALARS = {"qk_scale", "sm_scale"}
+
+
+def signature(fn, constexprs: dict) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in INT_POINTERS:
+            sig[name] = "*i32"
+        elif name == "DiagMask":
+            sig[name] = "*i8"
+        elif name in FP32_POINTERS:
+            sig[name] = "*fp32"
+        elif name in DATA_POINTERS:
+            sig[name] = "*bf16"
+        elif name in FLOAT_SCALARS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def main() -> None:
+    target = GPUTarget("cuda", 90, 32)
+    tiles = dict(G=128, HEAD_DIM=128)
+    for fn, extra in [
+        (tk._fwd_kernel, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_V=64)),
+        (tk._bwd_dq_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_V=64)),
+        (tk._bwd_dkdv_block_kernel, dict(BLOCK_M=64, BLOCK_N=64, FUSED_DQ=False)),
+        (tk._bwd_dkdv_block_kernel, dict(BLOCK_M=64, BLOCK_N=128, FUSED_DQ=True)),
+        (tk._bwd_dkdv_vertical_kernel, dict(BLOCK_M=64, BLOCK_V=64, FUSED_DQ=False)),
+    ]:
+        constexprs = {**tiles, **extra}
+        src = triton.compiler.ASTSource(fn=fn, signature=signature(fn, constexprs), constexprs=constexprs)
+        compiled = triton.compile(src, target=target, options=dict(num_warps=8, num_stages=3))
+        print(f"{fn.__name__}: ok, {compiled.metadata.shared} bytes shared memory")
+
+
+if __name__ == "__main__":
+    main()
