@@ -1,0 +1,327 @@
+"""Online estimation of the vertical-slash pattern from the last queries (DESIGN.md 2.2), no gradient.
+
+Three pieces that each work on any subset of keys given by global position, so context
+parallelism composes them (keys spread over ranks, the last queries broadcast):
+
+1. ``last_query_partial_lse``: LSE of the last queries over these keys; ranks combine with logsumexp.
+2. ``line_scores``: given the *global* row LSE, vertical scores of these keys and slash scores of
+   every offset; ranks sum the slash scores and place the vertical scores by key position.
+3. ``select_lines``: top lines per head (or the fewest reaching a mass threshold), sinks and local
+   window always kept, as a ``VerticalSlashPattern``. Deterministic (stable sort, ties -> lower index).
+
+``estimate_pattern`` runs them on one device. Keys are processed in chunks so that a
+[B, Hq, last_q, chunk] score tensor holds at most ``_CHUNK_ELEMENTS`` values (64 MB in float32);
+peak extra memory is about three of those.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .budgets import Budgets, load_budgets
+from .checks import check_qkv, default_positions
+from .pattern import VerticalSlashPattern
+
+_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class PatternConfig:
+    """How the pattern is estimated. Budgets count lines per query head, forced lines included.
+
+    Attributes:
+        v_size: verticals kept per head (the cap in threshold mode); sinks count toward it.
+        s_size: slash offsets kept per head (the cap in threshold mode); the local window counts toward it.
+        last_q: how many of the last queries score the lines.
+        block_size: G of the resulting VerticalSlashPattern (the kernel block size).
+        sink_tokens: key positions 0..sink_tokens-1 are always verticals.
+        local_window: offsets 0..local_window-1 are always slashes (>= 1: every row sees itself).
+        threshold: if set, keep per head the fewest lines (forced ones first, then by score) whose
+            score mass reaches this fraction of the head's total, separately for verticals and
+            slashes, capped by the budgets.
+        budgets: per-layer/per-head budgets (``budgets.py``); when set they replace v_size/s_size.
+    """
+
+    v_size: int = 1024
+    s_size: int = 6144
+    last_q: int = 64
+    block_size: int = 128
+    sink_tokens: int = 4
+    local_window: int = 128
+    threshold: float | None = None
+    budgets: Budgets | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("v_size", "s_size", "last_q", "local_window", "block_size"):
+            _check_int(getattr(self, name), name, minimum=1)
+        _check_int(self.sink_tokens, "sink_tokens", minimum=0)
+        g = self.block_size
+        if g < 16 or g & (g - 1):
+            raise ValueError(f"block_size must be a power of two >= 16 (the kernel block), got {g}")
+        t = self.threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1):
+            raise ValueError(f"threshold must be None or a fraction in (0, 1] such as 0.9, got {t!r}")
+        if self.budgets is not None:
+            if not isinstance(self.budgets, Budgets):
+                raise ValueError(f"budgets must be a Budgets (from load_budgets), got {type(self.budgets).__name__}")
+            defaults = {f.name: f.default for f in fields(self)}
+            if (self.v_size, self.s_size) != (defaults["v_size"], defaults["s_size"]):
+                raise ValueError("pass either v_size/s_size or budgets, not both: budgets replace v_size and s_size")
+            min_v, min_s = self.budgets.min_values()
+            where = f" in {self.budgets.source}"
+        else:
+            min_v, min_s, where = self.v_size, self.s_size, ""
+        if self.sink_tokens > min_v:
+            raise ValueError(
+                f"sink_tokens ({self.sink_tokens}) exceeds the smallest vertical budget ({min_v}{where}); "
+                "sinks are part of v_size, so lower sink_tokens or raise v_size"
+            )
+        if self.local_window > min_s:
+            raise ValueError(
+                f"local_window ({self.local_window}) exceeds the smallest slash budget ({min_s}{where}); "
+                "the window is part of s_size, so lower local_window or raise s_size"
+            )
+
+    @classmethod
+    def from_file(cls, path: str | Path, **kwargs) -> "PatternConfig":
+        """Config whose budgets come from a budgets file (see budgets.py); other fields from kwargs."""
+        return cls(budgets=load_budgets(path), **kwargs)
+
+    def head_budgets(self, layer_idx: int, num_heads: int, seq_len: int) -> tuple[Tensor, Tensor]:
+        """(v_size, s_size) int64 CPU tensors [num_heads] for a layer, checked against seq_len."""
+        _check_int(layer_idx, "layer_idx", minimum=0)
+        if self.budgets is not None:
+            v, s = self.budgets.for_layer(layer_idx, num_heads)
+        else:
+            v = torch.full((num_heads,), self.v_size, dtype=torch.int64)
+            s = torch.full((num_heads,), self.s_size, dtype=torch.int64)
+        for name, budget, what in (("v_size", v, "verticals than there are keys"), ("s_size", s, "slashes than offsets")):
+            if int(budget.max()) > seq_len:
+                head = int(budget.argmax())
+                raise ValueError(
+                    f"{name} {int(budget.max())} (layer {layer_idx}, head {head}) exceeds the sequence length "
+                    f"{seq_len}: a head cannot keep more {what}; lower {name} to at most {seq_len}"
+                )
+        return v, s
+
+
+@torch.no_grad()
+def last_query_partial_lse(q_last: Tensor, q_last_pos: Tensor, k: Tensor, k_pos: Tensor, scale: float) -> Tensor:
+    """Float32 LSE [B, Hq, R] of the rows q_last [B, R, Hq, D] over the keys k [B, Sk, Hkv, D].
+
+    Causal by global position; -inf where none of these keys is allowed. Partial LSEs over
+    disjoint key sets combine exactly with ``torch.logaddexp`` (or logsumexp over ranks).
+    """
+    q_last_pos, k_pos = _check_line_inputs(q_last, q_last_pos, k, k_pos)
+    b, r, hq, _ = q_last.shape
+    qg = _grouped_queries(q_last, k.shape[2])
+    lse = torch.full((b, hq, r), float("-inf"), dtype=qg.dtype, device=q_last.device)
+    for start, stop in _key_chunks(k.shape[1], b * hq * r):
+        s = _chunk_scores(qg, q_last_pos, k, k_pos, scale, start, stop)
+        lse = torch.logaddexp(lse, torch.logsumexp(s, dim=-1))
+    return lse.float()
+
+
+@torch.no_grad()
+def line_scores(
+    q_last: Tensor, q_last_pos: Tensor, k: Tensor, k_pos: Tensor, scale: float, row_lse: Tensor, seq_len: int
+) -> tuple[Tensor, Tensor]:
+    """Vertical and slash scores of the rows q_last over the keys k, given the global row LSE.
+
+    With p[r, j] = exp(q_r . k_j * scale - row_lse[r]) on causal pairs, returns
+    (vertical [B, Hq, Sk] float32: sum_r p[r, j], in the order of k_pos;
+     slash [B, Hq, seq_len] float32: sum of p[r, j] over pairs with q_pos_r - k_pos_j = d).
+    Slash sums use a strided diagonal sum when rows and keys are contiguous runs of positions
+    (no atomics, deterministic) and ``index_add_`` otherwise (on CUDA the order of float additions
+    may vary between runs unless torch.use_deterministic_algorithms(True)).
+    """
+    q_last_pos, k_pos = _check_line_inputs(q_last, q_last_pos, k, k_pos)
+    b, r, hq, _ = q_last.shape
+    sk = k.shape[1]
+    _check_int(seq_len, "seq_len", minimum=1)
+    if row_lse.shape != (b, hq, r) or not row_lse.is_floating_point() or row_lse.device != q_last.device:
+        raise ValueError(
+            f"row_lse must be a float tensor [B, Hq, R] = {(b, hq, r)} on {q_last.device}, got "
+            f"{tuple(row_lse.shape)} {row_lse.dtype} on {row_lse.device}; pass the global LSE of these rows"
+        )
+    q_lo, q_hi, k_lo, k_hi, q_run, k_run = _position_summary(q_last_pos, k_pos)
+    if q_lo < 0 or k_lo < 0 or q_hi >= seq_len or k_hi >= seq_len:
+        raise ValueError(
+            f"positions must lie in [0, seq_len={seq_len}): q_last_pos spans [{q_lo}, {q_hi}], k_pos spans "
+            f"[{k_lo}, {k_hi}]; pass the global sequence length"
+        )
+    qg = _grouped_queries(q_last, k.shape[2])
+    bh = b * hq
+    safe_lse = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse)).to(qg.dtype)[..., None]
+    vertical = torch.empty(b, hq, sk, dtype=torch.float32, device=q_last.device)
+    slash = torch.zeros(bh, seq_len + 1, dtype=qg.dtype, device=q_last.device)  # last slot: non-causal pairs
+    for start, stop in _key_chunks(sk, bh * r):
+        p = _chunk_scores(qg, q_last_pos, k, k_pos, scale, start, stop).sub_(safe_lse).exp_()
+        vertical[..., start:stop] = p.sum(dim=-2)
+        if q_run and k_run:
+            _add_diagonal_sums(slash, p.view(bh, r, stop - start), q_lo - (k_lo + start))
+        else:
+            offsets = q_last_pos[:, None] - k_pos[None, start:stop]
+            index = torch.where(offsets >= 0, offsets, seq_len).flatten()
+            slash.index_add_(1, index, p.view(bh, -1))
+    return vertical, slash[:, :seq_len].float().view(b, hq, seq_len)
+
+
+@torch.no_grad()
+def select_lines(
+    vertical_scores: Tensor, slash_scores: Tensor, config: PatternConfig, seq_len: int, layer_idx: int = 0
+) -> VerticalSlashPattern:
+    """Pick the lines of every head from global scores and build the pattern.
+
+    vertical_scores [B, Hq, seq_len] (index = key position), slash_scores [B, Hq, seq_len]
+    (index = offset). Keeps the top budget lines per head (see PatternConfig.threshold for the
+    mass mode), always including sinks and the local window. Ties go to the lower index, so
+    identical scores give an identical pattern on every rank.
+    """
+    if not isinstance(config, PatternConfig):
+        raise ValueError(f"config must be a PatternConfig, got {type(config).__name__}")
+    _check_int(seq_len, "seq_len", minimum=1)
+    for name, t in (("vertical_scores", vertical_scores), ("slash_scores", slash_scores)):
+        if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != seq_len or not t.is_floating_point():
+            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a float tensor [B, Hq, seq_len={seq_len}], got {shape}")
+        if not bool(((t >= 0) & (t < float("inf"))).all()):
+            raise ValueError(f"{name} has negative, NaN or infinite entries; check q and k for non-finite values")
+    if vertical_scores.shape != slash_scores.shape or vertical_scores.device != slash_scores.device:
+        raise ValueError(
+            f"vertical_scores {tuple(vertical_scores.shape)} and slash_scores {tuple(slash_scores.shape)} must "
+            "have one shape and device"
+        )
+    v_budget, s_budget = config.head_budgets(layer_idx, vertical_scores.shape[1], seq_len)
+    verticals = _top_lines(vertical_scores, v_budget, config.sink_tokens, config.threshold)
+    slashes = _top_lines(slash_scores, s_budget, config.local_window, config.threshold)
+    return VerticalSlashPattern.from_lines(verticals, slashes, seq_len, config.block_size)
+
+
+@torch.no_grad()
+def estimate_pattern(
+    q: Tensor,
+    k: Tensor,
+    config: PatternConfig,
+    q_pos: Tensor | None = None,
+    k_pos: Tensor | None = None,
+    layer_idx: int = 0,
+    softmax_scale: float | None = None,
+) -> VerticalSlashPattern:
+    """Single-device estimate: q [B, Sq, Hq, D], k [B, S, Hkv, D] holding the whole sequence.
+
+    The ``config.last_q`` rows with the largest positions score the lines. Positions default to
+    keys 0..S-1 and queries the last Sq of them; k_pos must hold each of 0..S-1 once.
+    """
+    if not isinstance(config, PatternConfig):
+        raise ValueError(f"config must be a PatternConfig, got {type(config).__name__}")
+    check_qkv(q, k, k)
+    q_pos, k_pos = default_positions(q, k, q_pos, k_pos)
+    b, sq, hq, d = q.shape
+    seq_len = k.shape[1]
+    if config.last_q > sq:
+        raise ValueError(f"last_q ({config.last_q}) exceeds the {sq} query rows; lower last_q to at most {sq}")
+    config.head_budgets(layer_idx, hq, seq_len)  # fail on budgets before any work
+    if not torch.equal(torch.sort(k_pos).values, torch.arange(seq_len, device=k_pos.device, dtype=k_pos.dtype)):
+        raise ValueError(
+            f"k_pos must hold each position 0..{seq_len - 1} once (the whole sequence); for a subset of keys "
+            "compose last_query_partial_lse, line_scores and select_lines"
+        )
+    rows = torch.sort(q_pos, stable=True).indices[-config.last_q :]
+    q_last, q_last_pos = q[:, rows], q_pos[rows]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    lse = last_query_partial_lse(q_last, q_last_pos, k, k_pos, scale)
+    vertical_local, slash = line_scores(q_last, q_last_pos, k, k_pos, scale, lse, seq_len)
+    vertical = torch.empty_like(vertical_local).index_copy_(-1, k_pos.long(), vertical_local)
+    return select_lines(vertical, slash, config, seq_len, layer_idx)
+
+
+# --------------------------------------------------------------------------- helpers
+def _check_int(value: object, name: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_line_inputs(q_last: Tensor, q_last_pos: Tensor, k: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+    check_qkv(q_last, k, k)
+    if q_last_pos is None or k_pos is None:
+        raise ValueError("q_last_pos and k_pos are required: the global positions of the rows and keys")
+    q_last_pos, k_pos = default_positions(q_last, k, q_last_pos, k_pos)
+    return q_last_pos.long(), k_pos.long()
+
+
+def _position_summary(q_pos: Tensor, k_pos: Tensor) -> tuple[int, int, int, int, bool, bool]:
+    """(q min, q max, k min, k max, q is an ascending run, k is an ascending run) in one device sync."""
+    stats = torch.stack(
+        [
+            q_pos.min(),
+            q_pos.max(),
+            k_pos.min(),
+            k_pos.max(),
+            (q_pos.diff() == 1).all().long(),
+            (k_pos.diff() == 1).all().long(),
+        ]
+    ).tolist()
+    return stats[0], stats[1], stats[2], stats[3], bool(stats[4]), bool(stats[5])
+
+
+def _grouped_queries(q_last: Tensor, kv_heads: int) -> Tensor:
+    """[B, R, Hq, D] -> [B, Hkv, group * R, D] in the accumulation dtype (query head h uses kv head h // group)."""
+    b, r, hq, d = q_last.shape
+    acc = torch.float64 if q_last.dtype == torch.float64 else torch.float32
+    return q_last.transpose(1, 2).to(acc).reshape(b, kv_heads, (hq // kv_heads) * r, d)
+
+
+def _key_chunks(num_keys: int, values_per_key: int) -> list[tuple[int, int]]:
+    step = max(1, _CHUNK_ELEMENTS // max(values_per_key, 1))
+    return [(start, min(start + step, num_keys)) for start in range(0, num_keys, step)]
+
+
+def _chunk_scores(
+    qg: Tensor, q_pos: Tensor, k: Tensor, k_pos: Tensor, scale: float, start: int, stop: int
+) -> Tensor:
+    """Scaled causal scores [B, Hq, R, C] of keys start..stop-1 (-inf on non-causal pairs); GQA without K copies."""
+    b, hkv, gr, _ = qg.shape
+    kc = k[:, start:stop].to(qg.dtype).permute(0, 2, 3, 1)  # [B, Hkv, D, C]
+    s = torch.matmul(qg, kc).mul_(scale).view(b, -1, q_pos.shape[0], stop - start)
+    return s.masked_fill_(k_pos[None, start:stop] > q_pos[:, None], float("-inf"))
+
+
+def _add_diagonal_sums(slash: Tensor, p: Tensor, base: int) -> None:
+    """slash[:, base + r - c] += p[:, r, c] for p [BH, R, C] of contiguous rows and keys (base = q0 - k0).
+
+    Flip the keys so diagonals become anti-diagonals, pad each row with R zeros and re-view the
+    flat buffer with row length C + R - 1: row r shifts by r and columns collect r + (C-1-c).
+    """
+    bh, r, c = p.shape
+    padded = F.pad(p.flip(-1), (0, r))
+    sums = padded.view(bh, -1)[:, : r * (c + r - 1)].view(bh, r, c + r - 1).sum(1)
+    d_lo = base - (c - 1)  # offset of sums[:, 0]
+    lo = max(d_lo, 0)
+    slash[:, lo : d_lo + c + r - 1] += sums[:, lo - d_lo :]
+
+
+def _top_lines(scores: Tensor, budget: Tensor, forced: int, threshold: float | None) -> Tensor:
+    """Kept line indices [B, H, max budget], -1 padded: forced lines 0..forced-1, then by score."""
+    b, h, _ = scores.shape
+    width = int(budget.max())
+    key = scores.clone()
+    key[..., :forced] = float("inf")
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    budget = budget.to(scores.device)[None, :]
+    if threshold is None:
+        count = budget.expand(b, h)
+    else:
+        mass = scores.gather(-1, order).double().cumsum(-1)
+        reached = (mass < threshold * mass[..., -1:]).sum(-1) + 1
+        count = torch.minimum(reached.clamp(min=forced), budget)
+    rank = torch.arange(width, device=scores.device)
+    return torch.where(rank < count[..., None], order[..., :width], -1)
