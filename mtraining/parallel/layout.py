@@ -85,6 +85,14 @@ class Layout:
         rank, local = self._global_to_owner(torch.arange(self.seq_len, device=stacked.device))
         return stacked.index_select(dim, rank * self.local_len + local)
 
+    def check_pattern_block(self, block_size: int) -> None:
+        """ValueError unless a pattern on a ``block_size`` grid fits this layout's runs (G_pattern | G_layout)."""
+        if self.block_size % block_size != 0:
+            raise ValueError(
+                f"pattern block_size {block_size} must divide the layout's block_size {self.block_size} so kernel "
+                f"blocks fall on the pattern's grid; build the layout with block_size={block_size}"
+            )
+
     # ------------------------------------------------------------------ helpers
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:

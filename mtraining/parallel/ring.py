@@ -22,9 +22,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..ops.attention import KERNEL_DTYPES, Backend, attention_backward, attention_forward, resolve_backend, row_delta
+from ..ops.estimate import PatternConfig
 from ..ops.checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv
 from ..ops.pattern import VerticalSlashPattern
 from .comm import RingComm
+from .estimate import estimate_pattern_cp
 from .layout import Layout
 
 
@@ -197,11 +199,7 @@ def _check_inputs(
             f"pattern is for seq_len {pattern.seq_len} but the layout for {layout.seq_len}; estimate the "
             "pattern on the same global sequence the layout splits"
         )
-    if layout.block_size % pattern.block_size != 0:
-        raise ValueError(
-            f"pattern block_size {pattern.block_size} must divide the layout's block_size {layout.block_size} "
-            f"so kernel blocks fall on the pattern's grid; build the layout with block_size={pattern.block_size}"
-        )
+    layout.check_pattern_block(pattern.block_size)
 
 
 def ring_attention(
@@ -211,7 +209,7 @@ def ring_attention(
     group: dist.ProcessGroup | None,
     layout: Layout,
     pattern: VerticalSlashPattern | None = None,
-    pattern_config=None,
+    pattern_config: PatternConfig | None = None,
     softmax_scale: float | None = None,
     return_lse: bool = False,
     backend: Backend = "auto",
@@ -232,10 +230,7 @@ def ring_attention(
     _check_inputs(q, k, v, world_size, layout, pattern, name)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if pattern_config is not None:
-        from .estimate import estimate_pattern_cp
-
         pattern = estimate_pattern_cp(q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale)
-        _check_inputs(q, k, v, world_size, layout, pattern, name)
     if pattern is None and name == "triton":
         pattern = _dense_pattern(q.shape[0], q.shape[2], layout.seq_len, layout.block_size, q.device)
     plan = _Plan(_ring_comm(group, q.device), layout, q.device, name, scale)
