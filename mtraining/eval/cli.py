@@ -1,0 +1,326 @@
+"""``mtraining eval``: ppl, niah, ruler and report commands (a typer sub-app: ``eval_app``).
+
+Several ranks (context parallelism): run under torchrun, e.g.
+``torchrun --nproc-per-node 4 -m mtraining.eval.cli niah CKPT --lengths 128K,512K``, or pass
+``--nproc 4`` to have the command start torchrun on this machine. Rank 0 prints and writes files.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+eval_app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Evaluate checkpoints: perplexity, needle in a haystack, RULER-style tasks."
+)
+
+Checkpoint = Annotated[Path, typer.Argument(help="Local HF model directory, or a training checkpoint with --config.")]
+TokenizerOpt = Annotated[Optional[Path], typer.Option("--tokenizer", help="tokenizer.json or a directory; default: the checkpoint's.")]
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="Training YAML, to evaluate a training checkpoint (step_N).")]
+Lengths = Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 4K,32K,128K,512K.")]
+Attention = Annotated[str, typer.Option("--attention", help="dense or sparse (dynamic vertical-slash).")]
+Layout = Annotated[str, typer.Option("--layout", help="Context-parallel layout: striped, zigzag or contiguous.")]
+Block = Annotated[int, typer.Option("--block-size", help="Kernel block / layout stripe.")]
+Backend = Annotated[str, typer.Option("--backend", help="auto, torch or triton.")]
+VSize = Annotated[Optional[int], typer.Option("--v-size", help="Sparse: verticals per head.")]
+SSize = Annotated[Optional[int], typer.Option("--s-size", help="Sparse: slashes per head.")]
+LastQ = Annotated[Optional[int], typer.Option("--last-q", help="Sparse: queries that estimate the pattern.")]
+Window = Annotated[Optional[int], typer.Option("--local-window", help="Sparse: offsets always kept.")]
+Threshold = Annotated[Optional[float], typer.Option("--threshold", help="Sparse: keep lines up to this score mass.")]
+Budgets = Annotated[Optional[Path], typer.Option("--budgets", help="Sparse: per-layer/head budgets YAML.")]
+Device = Annotated[Optional[str], typer.Option("--device", help="Default: this rank's GPU, else cpu.")]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help="bfloat16 (GPU default), float16 or float32 (CPU default).")]
+OutDir = Annotated[Optional[Path], typer.Option("--out-dir", help="Default: eval-results/LABEL.")]
+Label = Annotated[Optional[str], typer.Option("--label", help="Name in reports; default: checkpoint-attention.")]
+Samples = Annotated[int, typer.Option("--samples", help="Sequences / prompts per cell.")]
+Seed = Annotated[int, typer.Option("--seed", help="Seed of the generated prompts.")]
+Haystack = Annotated[Optional[list[Path]], typer.Option("--haystack", help="Local text for the haystack; default: built-in filler.")]
+Extrapolate = Annotated[bool, typer.Option("--allow-extrapolation", help="Allow lengths beyond the model's RoPE range.")]
+MemLimit = Annotated[Optional[float], typer.Option("--memory-limit-gib", help="Memory per rank for the up-front check.")]
+Nproc = Annotated[int, typer.Option("--nproc", help="Start this many local context-parallel ranks with torchrun.")]
+TextField = Annotated[str, typer.Option("--text-field", help="JSONL/parquet field holding the text.")]
+
+
+def _fail(err: Exception) -> None:
+    typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def _relaunch(command: str, nproc: int) -> None:
+    """Run this same command under torchrun with ``nproc`` local ranks, and exit with its status."""
+    argv = sys.argv[1:]
+    args = argv[argv.index(command) + 1 :] if command in argv else argv
+    cleaned, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            cleaned.append(arg)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    raise typer.Exit(subprocess.call(cmd + ["-m", "mtraining.eval.cli", command, *cleaned]))
+
+
+class _Session:
+    """Loaded model, tokenizer, context-parallel group and engine for one command on this rank."""
+
+    def __init__(self, checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend, pattern) -> None:
+        from .engine import AttentionSpec, Engine
+        from .loading import load, pick_device
+        from .runtime import init_group, is_root
+
+        if attention not in ("dense", "sparse"):
+            raise ValueError(f"--attention must be dense or sparse, got {attention!r}")
+        self.group = init_group(pick_device(device))
+        self.root = is_root(self.group)
+        self.loaded = load(checkpoint, tokenizer, config, device, dtype)
+        self.spec = AttentionSpec(sparse=attention == "sparse", layout=layout, block_size=block_size, backend=backend, pattern=pattern)
+        self.spec.pattern_config()  # validate the sparse options before any work
+        self.engine = Engine(self.loaded.model, self.spec, self.group)
+        self.checkpoint = str(checkpoint)
+        self.started = time.time()
+
+    def check(self, lengths: list[int], extra: int, generate: bool, allow_extrapolation: bool, limit_gib: float | None) -> None:
+        """RoPE range and memory checks; every rank agrees on the outcome (no rank left waiting)."""
+        from .loading import check_rope_range
+        from .memory import check_memory
+
+        error = None
+        try:
+            check_rope_range(lengths, extra, self.loaded.max_positions, allow_extrapolation)
+            model = self.loaded.model
+            device = next(model.parameters()).device
+            torch_backend = self.spec.backend == "torch" or (self.spec.backend == "auto" and device.type != "cuda")
+            check_memory(model.config, lengths, self.engine.world_size, next(model.parameters()).dtype, device, generate, torch_backend, limit_gib)
+        except ValueError as err:
+            error = str(err)
+        if self.group is not None:
+            import torch.distributed as dist
+
+            errors = [None] * self.engine.world_size
+            dist.all_gather_object(errors, error, group=self.group)
+            error = next((e for e in errors if e), None)
+        if error:
+            raise ValueError(error)
+
+    def header(self, kind: str, label: str | None, settings: dict) -> dict:
+        return {
+            "kind": kind,
+            "label": label or f"{self.loaded.name}-{self.spec.name}",
+            "checkpoint": self.checkpoint,
+            "attention": self.spec.name,
+            "pattern": self.spec.pattern if self.spec.sparse else None,
+            "layout": self.spec.layout,
+            "block_size": self.spec.block_size,
+            "world_size": self.engine.world_size,
+            "device": str(next(self.loaded.model.parameters()).device),
+            "dtype": str(next(self.loaded.model.parameters()).dtype).removeprefix("torch."),
+            "settings": settings,
+            "elapsed_s": round(time.time() - self.started, 2),
+        }
+
+
+def _pattern(v_size, s_size, last_q, local_window, threshold, budgets) -> dict:
+    fields = {"v_size": v_size, "s_size": s_size, "last_q": last_q, "local_window": local_window, "threshold": threshold}
+    pattern = {k: v for k, v in fields.items() if v is not None}
+    if budgets is not None:
+        from ..ops.budgets import load_budgets
+
+        pattern["budgets"] = load_budgets(budgets)
+    return pattern
+
+
+def _out_dir(out_dir: Path | None, label: str) -> Path:
+    return out_dir or Path("eval-results") / label
+
+
+def _run(command: str, nproc: int, body) -> None:
+    """Relaunch under torchrun if asked, run ``body`` with clean errors, always leave the group."""
+    if nproc > 1 and "RANK" not in os.environ:
+        _relaunch(command, nproc)
+    from .runtime import shutdown
+
+    try:
+        body()
+    except ValueError as err:
+        shutdown()
+        _fail(err)
+    shutdown()
+
+
+@eval_app.command()
+def ppl(
+    checkpoint: Checkpoint,
+    data: Annotated[list[Path], typer.Option("--data", help="Text/JSONL/parquet files or directories (e.g. PG-19 books).")],
+    lengths: Lengths = "4K,8K,16K,32K",
+    samples: Samples = 1,
+    first_bucket: Annotated[int, typer.Option("--first-bucket", help="Positions in the first loss bucket; then doubling.")] = 1024,
+    pack: Annotated[bool, typer.Option("--pack", help="Join documents (EOS between) instead of needing each to be long enough.")] = False,
+    text_field: TextField = "text",
+    tokenizer: TokenizerOpt = None, config: ConfigOpt = None, attention: Attention = "dense", layout: Layout = "striped",
+    block_size: Block = 128, backend: Backend = "auto", v_size: VSize = None, s_size: SSize = None, last_q: LastQ = None,
+    local_window: Window = None, threshold: Threshold = None, budgets: Budgets = None, device: Device = None,
+    dtype: Dtype = None, out_dir: OutDir = None, label: Label = None, allow_extrapolation: Extrapolate = False,
+    memory_limit_gib: MemLimit = None, nproc: Nproc = 1,
+) -> None:
+    """Perplexity of long documents at each length, with the loss per position bucket."""
+
+    def body() -> None:
+        from .documents import load_documents
+        from .ppl import run_ppl
+        from .runtime import console, parse_lengths, write_json
+
+        grid = parse_lengths(lengths)
+        docs = load_documents(data, text_field)
+        s = _Session(checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend,
+                     _pattern(v_size, s_size, last_q, local_window, threshold, budgets))
+        s.check(grid, 0, False, allow_extrapolation, memory_limit_gib)
+        results = run_ppl(s.engine, s.loaded.tokenizer, docs, grid, samples, first_bucket, pack, s.root)
+        settings = {"lengths": grid, "samples": samples, "first_bucket": first_bucket, "pack": pack, "data": [str(p) for p in data]}
+        out = s.header("ppl", label, settings) | {"result": results}
+        if s.root:
+            path = write_json(_out_dir(out_dir, out["label"]) / "ppl.json", out)
+            _print_ppl(console(), out)
+            console().print(f"wrote {path}")
+
+    _run("ppl", nproc, body)
+
+
+@eval_app.command()
+def niah(
+    checkpoint: Checkpoint,
+    lengths: Lengths = "4K,8K,16K,32K",
+    depths: Annotated[str, typer.Option("--depths", help="Needle depths in percent of the haystack.")] = "0,25,50,75,100",
+    samples: Samples = 1,
+    seed: Seed = 0,
+    haystack: Haystack = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Answer tokens to generate.")] = 24,
+    text_field: TextField = "text",
+    tokenizer: TokenizerOpt = None, config: ConfigOpt = None, attention: Attention = "dense", layout: Layout = "striped",
+    block_size: Block = 128, backend: Backend = "auto", v_size: VSize = None, s_size: SSize = None, last_q: LastQ = None,
+    local_window: Window = None, threshold: Threshold = None, budgets: Budgets = None, device: Device = None,
+    dtype: Dtype = None, out_dir: OutDir = None, label: Label = None, allow_extrapolation: Extrapolate = False,
+    memory_limit_gib: MemLimit = None, nproc: Nproc = 1,
+) -> None:
+    """Needle in a haystack over lengths x depths: a JSON of the grid and a heatmap PNG."""
+
+    def body() -> None:
+        from .niah import run_niah
+        from .plots import niah_heatmaps
+        from .runtime import console, parse_lengths, parse_numbers, write_json
+
+        grid, depth_list = parse_lengths(lengths), parse_numbers(depths, "depths")
+        stack = _haystack(haystack, text_field, seed)
+        s = _Session(checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend,
+                     _pattern(v_size, s_size, last_q, local_window, threshold, budgets))
+        s.check(grid, 0, True, allow_extrapolation, memory_limit_gib)
+        result = run_niah(s.engine, s.loaded.tokenizer, grid, depth_list, samples, seed, stack, max_new_tokens, s.root)
+        settings = {"lengths": grid, "depths": depth_list, "samples": samples, "seed": seed, "max_new_tokens": max_new_tokens}
+        out = s.header("niah", label, settings) | {"result": result}
+        if s.root:
+            folder = _out_dir(out_dir, out["label"])
+            path = write_json(folder / "niah.json", out)
+            png = niah_heatmaps([(out["label"], result)], folder / "niah.png")
+            _print_grid(console(), out)
+            console().print(f"wrote {path} and {png}")
+
+    _run("niah", nproc, body)
+
+
+@eval_app.command()
+def ruler(
+    checkpoint: Checkpoint,
+    lengths: Lengths = "4K,8K,16K,32K",
+    tasks: Annotated[str, typer.Option("--tasks", help="'all' or some of: niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe.")] = "all",
+    samples: Samples = 4,
+    seed: Seed = 0,
+    haystack: Haystack = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Answer tokens; default: per task.")] = None,
+    text_field: TextField = "text",
+    tokenizer: TokenizerOpt = None, config: ConfigOpt = None, attention: Attention = "dense", layout: Layout = "striped",
+    block_size: Block = 128, backend: Backend = "auto", v_size: VSize = None, s_size: SSize = None, last_q: LastQ = None,
+    local_window: Window = None, threshold: Threshold = None, budgets: Budgets = None, device: Device = None,
+    dtype: Dtype = None, out_dir: OutDir = None, label: Label = None, allow_extrapolation: Extrapolate = False,
+    memory_limit_gib: MemLimit = None, nproc: Nproc = 1,
+) -> None:
+    """RULER-style synthetic tasks from a seed: scores per task and length (JSON and a Markdown table)."""
+
+    def body() -> None:
+        from .ruler import markdown_table, parse_tasks, run_ruler
+        from .runtime import console, parse_lengths, write_json
+
+        grid, task_list = parse_lengths(lengths), parse_tasks(tasks)
+        stack = _haystack(haystack, text_field, seed)
+        s = _Session(checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend,
+                     _pattern(v_size, s_size, last_q, local_window, threshold, budgets))
+        s.check(grid, 0, True, allow_extrapolation, memory_limit_gib)
+        result = run_ruler(s.engine, s.loaded.tokenizer, task_list, grid, samples, seed, stack, max_new_tokens, s.root)
+        settings = {"lengths": grid, "tasks": task_list, "samples": samples, "seed": seed, "max_new_tokens": max_new_tokens}
+        out = s.header("ruler", label, settings) | {"result": result}
+        if s.root:
+            folder = _out_dir(out_dir, out["label"])
+            path = write_json(folder / "ruler.json", out)
+            table = markdown_table(result)
+            (folder / "ruler.md").write_text(f"# RULER-style tasks: {out['label']}\n\n{table}\n")
+            console().print(table)
+            console().print(f"wrote {path} and {folder / 'ruler.md'}")
+
+    _run("ruler", nproc, body)
+
+
+@eval_app.command()
+def report(
+    results: Annotated[list[Path], typer.Argument(help="Result JSON files or directories (e.g. eval-results/).")],
+    out_dir: Annotated[Path, typer.Option("--out-dir", help="Where report.md and its PNGs go.")] = Path("eval-report"),
+) -> None:
+    """One Markdown report with comparison plots from the JSONs of several checkpoints."""
+    from .report import build_report
+
+    try:
+        path = build_report(results, out_dir)
+    except ValueError as err:
+        _fail(err)
+    typer.echo(f"wrote {path}")
+
+
+def _haystack(paths: list[Path] | None, text_field: str, seed: int):
+    from .documents import Haystack, load_documents
+
+    return Haystack(load_documents(paths, text_field), seed=seed) if paths else Haystack(seed=seed)
+
+
+def _print_ppl(out, data: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"perplexity: {data['label']}")
+    for col in ("length", "windows", "ppl", "first bucket", "last bucket"):
+        table.add_column(col, justify="right")
+    for r in data["result"]:
+        first, last = r["buckets"][0], r["buckets"][-1]
+        table.add_row(str(r["length"]), str(r["windows"]), f"{r['ppl']:.3f}",
+                      f"{first['ppl']:.3f} (≤{first['end']})", f"{last['ppl']:.3f} ({last['start']}–{last['end']})")
+    out.print(table)
+
+
+def _print_grid(out, data: dict) -> None:
+    from rich.table import Table
+
+    res = data["result"]
+    table = Table(title=f"needle in a haystack (% found): {data['label']}")
+    table.add_column("depth \\ length")
+    for n in res["lengths"]:
+        table.add_column(str(n), justify="right")
+    for depth, row in zip(res["depths"], res["scores"]):
+        table.add_row(f"{depth:g}%", *(f"{v:.0f}" for v in row))
+    out.print(table)
+
+
+if __name__ == "__main__":
+    eval_app()
