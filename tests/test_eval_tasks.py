@@ -1,0 +1,209 @@
+"""Evaluation building blocks without a model: task generators, scoring, documents, parsing, buckets."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from mtraining.eval.documents import Haystack, filler_sentences, load_documents, split_sentences
+from mtraining.eval.ppl import position_buckets
+from mtraining.eval.runtime import parse_lengths
+from mtraining.eval.scoring import match_all, match_any, mean_percent
+from mtraining.eval.tasks import MAX_NEW_TOKENS, TASKS, fit_knob, generate, top_words
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def words(text: str) -> int:
+    """A stand-in tokenizer: whitespace words."""
+    return len(text.split())
+
+
+@pytest.fixture(scope="module")
+def bpe_count():
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(DATA / "tokenizer.json"))
+    return lambda text: len(tok.encode(text).ids)
+
+
+def context_of(prompt: str) -> str:
+    """The text between the instruction and the question."""
+    return prompt.split("\n\n", 1)[1].rsplit("\n\nQuestion:", 1)[0]
+
+
+# ---------------------------------------------------------------------------- generators
+@pytest.mark.parametrize("task", TASKS)
+def test_generators_are_deterministic_and_fit(task):
+    a = generate(task, 2000, seed=3, count_tokens=words)
+    b = generate(task, 2000, seed=3, count_tokens=words)
+    c = generate(task, 2000, seed=4, count_tokens=words)
+    assert (a.prompt, a.answers) == (b.prompt, b.answers)
+    assert a.prompt != c.prompt
+    budget = 2000 - MAX_NEW_TOKENS[task]
+    assert a.prompt_tokens == words(a.prompt) <= budget
+    assert a.prompt_tokens > 0.9 * budget  # the fit uses the budget, not a fraction of it
+    assert a.answers and all(isinstance(x, str) and x for x in a.answers)
+
+
+@pytest.mark.parametrize("length", [600, 4096])
+def test_generators_fit_a_real_tokenizer(length, bpe_count):
+    for task in TASKS:
+        s = generate(task, length, seed=0, count_tokens=bpe_count)
+        assert bpe_count(s.prompt) == s.prompt_tokens <= length - s.max_new_tokens
+        assert s.prompt_tokens > 0.85 * (length - s.max_new_tokens)
+
+
+def needle_values(prompt: str) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for key, value in re.findall(r"The secret number of ([a-z]+-[a-z]+) is (\d+)\.", context_of(prompt)):
+        found.setdefault(key, []).append(value)
+    return found
+
+
+def asked_keys(prompt: str) -> list[str]:
+    return re.findall(r"[a-z]+-[a-z]+", prompt.rsplit("Question:", 1)[1].split("\n")[0])
+
+
+@pytest.mark.parametrize("task", ["niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery"])
+def test_needle_answers_are_in_the_text(task):
+    for seed in range(5):
+        s = generate(task, 1500, seed, words)
+        needles = needle_values(s.prompt)
+        keys = asked_keys(s.prompt)
+        expected = [v for k in keys for v in needles[k]]
+        assert sorted(expected) == sorted(s.answers)
+        assert {"niah_single": 1, "niah_multikey": 4, "niah_multivalue": 1, "niah_multiquery": 4}[task] == len(needles)
+        if task == "niah_multikey":  # distractors carry other values
+            assert len(keys) == 1 and all(v not in s.answers for k, vs in needles.items() if k != keys[0] for v in vs)
+        if task == "niah_multivalue":
+            assert len(s.answers) == 4 and len(set(s.answers)) == 4
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_needle_depth(depth):
+    s = generate("niah_single", 3000, 1, words, depth=depth)
+    context = context_of(s.prompt)
+    where = context.index("The secret number of") / len(context)
+    assert abs(where - depth) < 0.05
+    assert s.meta["depth"] == depth
+
+
+def test_variable_tracking_answer_follows_the_chains():
+    for seed in range(5):
+        s = generate("vt", 1200, seed, words)
+        value = re.search(r"assigned the value (\d+)", s.prompt).group(1)
+        holds: dict[str, str] = {}
+        for name, rhs in re.findall(r"VAR ([A-Z]+) = (VAR [A-Z]+|\d+)\.", context_of(s.prompt)):
+            holds[name] = holds[rhs[4:]] if rhs.startswith("VAR ") else rhs  # statements come in chain order
+        assert sorted(n for n, v in holds.items() if v == value) == sorted(s.answers)
+        assert len(holds) == 10 and len(s.answers) == 5
+
+
+@pytest.mark.parametrize("length", [1000, 9000])
+def test_common_words_answer_is_the_most_frequent(length):
+    s = generate("cwe", length, 2, words)
+    entries = re.findall(r"^\d+\. (\w+)$", context_of(s.prompt), flags=re.M)
+    counts = Counter(entries)
+    top = sorted(counts.values(), reverse=True)
+    n = len(s.answers)
+    assert set(s.answers) == {w for w, _ in counts.most_common(n)}
+    assert top[n - 1] > top[n]  # no tie at the boundary: the answer is unique
+
+
+def test_frequent_words_answer_is_the_top_three():
+    for seed in range(6):
+        s = generate("fwe", 700, seed, words)
+        text = context_of(s.prompt).split()
+        counts = Counter(text)
+        ranked = sorted(counts.values(), reverse=True)
+        assert set(s.answers) == set(top_words(text, 3)) and len(s.answers) == 3
+        assert min(counts[w] for w in s.answers) > ranked[3]
+
+
+def test_generate_rejects_bad_input():
+    with pytest.raises(ValueError, match="unknown task"):
+        generate("nope", 1000, 0, words)
+    with pytest.raises(ValueError, match="depth"):
+        generate("niah_single", 1000, 0, words, depth=1.5)
+    with pytest.raises(ValueError, match="use a longer length"):
+        generate("cwe", 40, 0, words)
+
+
+def test_fit_knob_finds_the_largest_fitting_size():
+    for slope, base, budget in ((7, 30, 1000), (1, 0, 5), (13, 100, 100_000), (3, 10, 11)):
+        knob, tokens = fit_knob(lambda k: base + slope * k, budget)
+        assert tokens <= budget < base + slope * (knob + 1)
+
+
+def test_haystack_from_documents_repeats():
+    stack = Haystack(["One. Two! Three?"])
+    assert stack.sentences(5) == ["One.", "Two!", "Three?", "One.", "Two!"]
+    assert stack.name == "documents" and Haystack().name == "filler"
+    assert filler_sentences(50, 1)[:10] == filler_sentences(10, 1)
+    assert split_sentences("A b.  C\nd? E") == ["A b.", "C d?", "E"]
+    with pytest.raises(ValueError, match="no sentences"):
+        Haystack(["   "])
+
+
+# ---------------------------------------------------------------------------- scoring
+def test_scoring_on_hand_made_predictions():
+    assert match_all(" 1234567. Done.", ["1234567"]) == 1.0
+    assert match_all("The number is 12345678", ["1234567"]) == 0.0  # no credit inside a longer number
+    assert match_all("7654321 and 1234567", ["1234567", "7654321", "1111111", "2222222"]) == 0.5
+    assert match_all("The words are: Bamiko, lutera and SOVEKI", ["bamiko", "soveki", "lutera"]) == 1.0
+    assert match_all("amber-heron is it", ["amber heron"]) == 1.0
+    assert match_all("", ["x"]) == 0.0
+    assert match_any("nothing here, 42", ["7", "42"]) == 1.0
+    assert match_any("nothing here", ["7", "42"]) == 0.0
+    assert mean_percent([1.0, 0.5, 0.0, 0.5]) == 50.0
+    with pytest.raises(ValueError, match="expected answer"):
+        match_all("x", [])
+
+
+def test_generated_answers_score_full_marks():
+    for task in TASKS:
+        s = generate(task, 1500, 0, words)
+        assert match_all(" " + ", ".join(s.answers) + ".", s.answers) == 1.0
+        assert match_all(" I do not know.", s.answers) == 0.0
+
+
+# ---------------------------------------------------------------------------- documents and parsing
+def test_load_documents_all_formats(tmp_path):
+    (tmp_path / "book.txt").write_text("A long book.")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "docs.jsonl").write_text(json.dumps({"body": "first"}) + "\n\n" + json.dumps({"body": "second"}) + "\n")
+    assert load_documents([tmp_path / "book.txt"]) == ["A long book."]
+    assert load_documents([tmp_path], text_field="body") == ["A long book.", "first", "second"]
+    with pytest.raises(ValueError, match="--text-field"):
+        load_documents([tmp_path / "sub" / "docs.jsonl"])
+    with pytest.raises(ValueError, match="does not exist"):
+        load_documents([tmp_path / "missing.txt"])
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(ValueError, match="unsupported suffix"):
+        load_documents([tmp_path / "x.csv"])
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        load_documents([tmp_path / "bad.jsonl"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no"):
+        load_documents([tmp_path / "empty"])
+
+
+def test_parse_lengths():
+    assert parse_lengths("4K, 512k,1M,300,4096") == [300, 4096, 524288, 1 << 20]
+    for bad in ("", "abc", "-4K"):
+        with pytest.raises(ValueError):
+            parse_lengths(bad)
+
+
+def test_position_buckets_cover_every_prediction():
+    for length, first in ((4096, 1024), (513, 32), (100, 1024), (2, 1)):
+        buckets = position_buckets(length, first)
+        assert buckets[0][0] == 0 and buckets[-1][1] == length - 1
+        assert all(a < b for a, b in buckets) and all(b == c for (_, b), (c, _) in zip(buckets, buckets[1:]))
+    assert position_buckets(4096, 1024) == [(0, 1024), (1024, 2048), (2048, 4095)]
