@@ -116,7 +116,8 @@ class _Session:
             "label": label or f"{self.loaded.name}-{self.spec.name}",
             "checkpoint": self.checkpoint,
             "attention": self.spec.name,
-            "pattern": self.spec.pattern if self.spec.sparse else None,
+            "pattern": _jsonable(self.spec.pattern) if self.spec.sparse else None,
+            "sparse_density": sum(self.engine.densities) / len(self.engine.densities) if self.engine.densities else None,
             "layout": self.spec.layout,
             "block_size": self.spec.block_size,
             "world_size": self.engine.world_size,
@@ -135,6 +136,10 @@ def _pattern(v_size, s_size, last_q, local_window, threshold, budgets) -> dict:
 
         pattern["budgets"] = load_budgets(budgets)
     return pattern
+
+
+def _jsonable(pattern: dict) -> dict:
+    return {k: (getattr(v, "source", str(v)) if k == "budgets" else v) for k, v in pattern.items()}
 
 
 def _out_dir(out_dir: Path | None, label: str) -> Path:

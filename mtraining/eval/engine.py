@@ -122,6 +122,7 @@ class Engine:
         self.root = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         self.device = next(model.parameters()).device
         self.unit = layout_unit(spec.layout, self.world_size, spec.block_size)
+        self.densities: list[float] = []  # mean kept fraction of causal pairs, per sparse prefill
 
     @property
     def is_root(self) -> bool:
@@ -137,7 +138,7 @@ class Engine:
     def _prefill(self, ids: Tensor, cache=None) -> Tensor:
         """Run the base model on ``ids`` [seq] through the configured attention; local hidden states."""
         seq_len = ids.shape[0]
-        bind(self.model, attention_context(self.spec, self.group, seq_len))
+        ctx = bind(self.model, attention_context(self.spec, self.group, seq_len))
         positions = torch.arange(seq_len, device=self.device)
         out = self.model.base_model(
             input_ids=self._local(ids[None].to(self.device), seq_len),
@@ -145,6 +146,8 @@ class Engine:
             past_key_values=cache,
             use_cache=cache is not None,
         )
+        if ctx.stats:
+            self.densities.append(sum(s.density for s in ctx.stats.values()) / len(ctx.stats))
         return out.last_hidden_state
 
     # ------------------------------------------------------------------ loss
