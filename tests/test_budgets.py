@@ -92,8 +92,8 @@ def test_pattern_config_uses_per_head_budgets(tmp_path):
         ("b.yaml", "default: {v_size: 8, s_size: 8}\nlayers: [1]\n", "layers must be a mapping"),
         ("b.yaml", "default: {v_size: 8, s_size: 8}\nlayers: {first: {v_size: 2}}\n", "layer key 'first'"),
         ("b.yaml", "default: {v_size: 8, s_size: 8}\nlayers: {-1: {v_size: 2}}\n", "layer key -1"),
-        ("b.yaml", 'default: {v_size: 8, s_size: 8}\nlayers: {0: {v_size: 2}, "0": {s_size: 4}}\n', "layer 0 is given twice"),
-        ("b.yaml", "default: {v_size: 8, s_size: 8}\nlayers: {3: {v_size: 2, window: 4}}\n", r"layers\[3\]: unknown key"),
+        ("b.yaml", 'default: {v_size: 8, s_size: 8}\nlayers: {0: {v_size: 2}, "0": {s_size: 4}}\n', "given twice"),
+        ("b.yaml", "default: {v_size: 8, s_size: 8}\nlayers: {3: {v_size: 2, kind: 4}}\n", r"layers\[3\]: unknown"),
     ],
 )
 def test_malformed_files(tmp_path, name, text, match):

@@ -51,7 +51,9 @@ class Budgets:
     def from_dict(cls, data: Any, source: str = "<budgets>") -> "Budgets":
         """Validate a parsed budgets document (the file format above) and build Budgets."""
         if not isinstance(data, dict):
-            raise ValueError(f"{source}: the top level must be a mapping with keys {_TOP_KEYS}, got {type(data).__name__}")
+            raise ValueError(
+                f"{source}: the top level must be a mapping with keys {_TOP_KEYS}, got {type(data).__name__}"
+            )
         unknown = sorted(str(k) for k in data if k not in _TOP_KEYS)
         if unknown:
             raise ValueError(f"{source}: unknown top-level key(s) {unknown}; allowed keys are {_TOP_KEYS}")

@@ -101,7 +101,8 @@ class PatternConfig:
         else:
             v = torch.full((num_heads,), self.v_size, dtype=torch.int64)
             s = torch.full((num_heads,), self.s_size, dtype=torch.int64)
-        for name, budget, what in (("v_size", v, "verticals than there are keys"), ("s_size", s, "slashes than offsets")):
+        lines = (("v_size", v, "verticals than there are keys"), ("s_size", s, "slashes than offsets"))
+        for name, budget, what in lines:
             if int(budget.max()) > seq_len:
                 head = int(budget.argmax())
                 raise ValueError(
