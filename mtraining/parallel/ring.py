@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..ops.attention import KERNEL_DTYPES, Backend, attention_backward, attention_forward, resolve_backend, row_delta
-from ..ops.estimate import PatternConfig
 from ..ops.checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv
+from ..ops.estimate import PatternConfig
 from ..ops.pattern import VerticalSlashPattern
 from .comm import RingComm
 from .estimate import estimate_pattern_cp
