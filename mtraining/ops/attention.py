@@ -7,7 +7,6 @@ per ring step; ``sparse_attention`` is the single-device autograd op users call.
 from __future__ import annotations
 
 import math
-import os
 from typing import Literal
 
 import torch
@@ -23,10 +22,10 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def resolve_backend(backend: Backend, device: torch.device) -> Literal["triton", "torch"]:
-    """'auto' picks Triton on CUDA (or under TRITON_INTERPRET=1) and plain PyTorch elsewhere."""
+    """'auto' picks the Triton kernels on CUDA and plain PyTorch elsewhere (ask for 'triton' explicitly
+    to run the kernels in Triton's interpreter on the CPU, with TRITON_INTERPRET=1)."""
     if backend == "auto":
-        interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-        return "triton" if device.type == "cuda" or interpreting else "torch"
+        return "triton" if device.type == "cuda" else "torch"
     if backend not in ("triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     return backend
