@@ -11,18 +11,20 @@ Context parallelism (``group`` with W > 1 ranks, e.g. under torchrun):
   layout; each rank runs the model on its shard (RoPE gets global positions), computes the loss of
   its own tokens in chunks (no full logits), and the per-token losses are gathered back to global
   order on every rank. The sequence length must be a multiple of the layout's unit.
-- generation: the longest prefix of the prompt that the layout can split (a multiple of the unit,
-  leaving at least one token) is prefilled through the ring; every rank's KV cache shard is
-  gathered on group rank 0, which runs the remaining prompt tokens and the greedy answer with
-  plain dense SDPA against the full cache, and broadcasts the answer. Decoding is dense (as in
-  sparse-prefill inference); its cost is the answer length times one pass over the cache.
-
-On one process the same split is used with the kernel block as unit, so both paths agree.
+- generation: the prompt's longest prefix that is a multiple of the *prefill granule* (default
+  2048 tokens, made a multiple of the layout's unit) and leaves at least one token is prefilled
+  through the ring; every rank's KV cache shard is gathered on group rank 0, which runs the
+  remaining prompt tokens (the dense tail, fewer than one granule: usually the question) and the
+  greedy answer with plain dense SDPA against the full cache, and broadcasts the answer. Decoding
+  is dense, as in sparse-prefill inference; its cost is the answer length times one pass over the
+  cache. The split does not depend on the number of ranks (while the unit divides the granule),
+  so sparse answers are the same on one process and on any such group.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -51,6 +53,8 @@ class AttentionSpec:
         backend: "auto", "torch" or "triton".
         pattern: ``PatternConfig`` fields (v_size, s_size, last_q, threshold, ...) for sparse runs.
         min_sparse_len: sequences shorter than this run dense even when ``sparse``.
+        prefill_granule: generation prefills the longest prompt prefix that is a multiple of this
+            (rounded up to a multiple of the layout's unit); the rest runs dense.
     """
 
     sparse: bool = False
@@ -59,6 +63,7 @@ class AttentionSpec:
     backend: str = "auto"
     pattern: dict = field(default_factory=dict)
     min_sparse_len: int = 0
+    prefill_granule: int = 2048
 
     @property
     def name(self) -> str:
@@ -122,6 +127,9 @@ class Engine:
         self.root = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         self.device = next(model.parameters()).device
         self.unit = layout_unit(spec.layout, self.world_size, spec.block_size)
+        if spec.prefill_granule < 1:
+            raise ValueError(f"prefill_granule must be a positive number of tokens, got {spec.prefill_granule}")
+        self.granule = math.lcm(self.unit, spec.prefill_granule)
         self.densities: list[float] = []  # mean kept fraction of causal pairs, per sparse prefill
 
     @property
@@ -232,7 +240,7 @@ class Engine:
         ids = [int(i) for i in ids]
         if not ids:
             raise ValueError("cannot generate from an empty prompt")
-        prefix_len = (len(ids) - 1) // self.unit * self.unit
+        prefix_len = (len(ids) - 1) // self.granule * self.granule
         cache = None
         if prefix_len:
             cache = DynamicCache(config=self.model.config)
