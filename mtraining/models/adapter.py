@@ -143,11 +143,26 @@ def _estimate(ctx: AttentionContext, config: PatternConfig, layer: int, q: Tenso
     return estimate_pattern(q, k, config, layer_idx=layer, softmax_scale=scale)
 
 
+def no_mask(attention_mask: Tensor | None = None, **kwargs) -> None:
+    """Mask builder for "mtraining": none is needed (causal by global position); padding is refused.
+
+    Without a registered builder transformers would drop a 2-D padding mask silently.
+    """
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise ValueError(
+            "mtraining attention does not support padding masks (causal by position): pack documents into "
+            "full sequences instead of padding, and call the model without attention_mask"
+        )
+    return None
+
+
 def register() -> None:
-    """Add ``"mtraining"`` to transformers' attention registry (idempotent)."""
+    """Add ``"mtraining"`` to transformers' attention and mask registries (idempotent)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, mtraining_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, no_mask)
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:

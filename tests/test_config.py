@@ -1,0 +1,85 @@
+"""Config validation: the shipped configs load; bad configs fail at start with a message naming the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from mtraining.cli import app
+from mtraining.train.config import ConfigError, apply_overrides, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {
+    "model": {"config": {"model_type": "qwen2"}},
+    "data": {"sources": ["x.jsonl"], "seq_len": 1024},
+    "train": {"steps": 10},
+    "parallel": {"context": 4},
+    "attention": {"block_size": 128},
+}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path):
+    cfg = load_config(path)
+    assert cfg.world_size >= 1
+
+
+def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
+    cfg = parse_config(BASE, ["train.steps=3", "attention.dense_layers=[0, 1]", "model.config.hidden_size=64", "checkpoint.dir=null"])
+    assert cfg.train.steps == 3 and cfg.attention.dense_layers == [0, 1]
+    assert cfg.model.config["hidden_size"] == 64 and cfg.checkpoint.dir is None
+    assert BASE["train"]["steps"] == 10  # the input is not modified
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["train.stepz=1"], "train.stepz: unknown key"),
+        (["attention.blocksize=64"], "attention.blocksize: unknown key"),
+        (["data.seq_len=1000"], "use a multiple of 512, e.g. 1024"),
+        (["attention.layout=zigzag", "data.seq_len=512"], "use a multiple of 1024"),
+        (["attention.layout=diagonal"], "'contiguous', 'zigzag' or 'striped'"),
+        (["model.path=/some/dir"], "set exactly one of model.path"),
+        (["model.config={hidden_size: 8}"], "model.config needs a model_type"),
+        (["optim.warmup_steps=20"], "lower it"),
+        (["checkpoint.every=5"], "set checkpoint.dir"),
+        (["attention.threshold=1.5"], "attention.threshold"),
+        (["attention.dense_layers=[-1]"], "layer indices >= 0"),
+        (["train.steps=0"], "train.steps"),
+    ],
+)
+def test_bad_configs_fail_with_the_fix(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        parse_config(BASE, overrides)
+    assert expected in str(err.value)
+
+
+def test_world_size_must_be_data_times_context():
+    cfg = parse_config(BASE, ["parallel.data=2"])
+    cfg.check_world_size(8)
+    with pytest.raises(ValueError, match=r"set parallel.data=3"):
+        cfg.check_world_size(12)
+    with pytest.raises(ValueError, match=r"launch 8 ranks"):
+        cfg.check_world_size(6)
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="section.key=value"):
+        apply_overrides({}, ["train.steps"])
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        apply_overrides({"train": {"steps": 1}}, ["train.steps.x=1"])
+
+
+def test_cli_reports_config_errors_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**BASE, "train": {"steps": 10, "lr": 1.0}}))
+    result = CliRunner().invoke(app, ["train", str(bad)])
+    assert result.exit_code == 2
+    assert "train.lr: unknown key" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(app, ["train", str(tmp_path / "missing.yaml")])
+    assert result.exit_code == 2 and "does not exist" in result.output
+    result = CliRunner().invoke(app, ["train", str(ROOT / "configs" / "tiny_cpu.yaml"), "--nproc", "3"])
+    assert result.exit_code == 2 and "parallel.data x parallel.context" in result.output

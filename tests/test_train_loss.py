@@ -1,0 +1,48 @@
+"""The chunked cross-entropy equals the plain one (value and gradients); the LR schedule's shape."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mtraining.train.loss import IGNORE_INDEX, linear_cross_entropy
+from mtraining.train.optim import lr_at
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_chunked_cross_entropy_matches_full_logits(chunk):
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(61, 24, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(97, 24, dtype=torch.float64, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 97, (61,), generator=gen)
+    labels[[0, 5, 60]] = IGNORE_INDEX
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_tokens=chunk)
+    (3.0 * loss).backward()
+    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    ref = F.cross_entropy(h2 @ w2.T, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    (3.0 * ref).backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
+    torch.testing.assert_close(hidden.grad, h2.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(weight.grad, w2.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_chunked_cross_entropy_without_grad_and_bad_input():
+    hidden, weight = torch.randn(5, 4), torch.randn(9, 4)
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, torch.arange(5))
+    torch.testing.assert_close(loss, F.cross_entropy(hidden @ weight.T, torch.arange(5), reduction="sum"))
+    with pytest.raises(ValueError, match="labels \\[tokens\\]"):
+        linear_cross_entropy(hidden, weight, torch.arange(4))
+    with pytest.raises(ValueError, match="'chunked' or 'liger'"):
+        linear_cross_entropy(hidden, weight, torch.arange(5), impl="fused")
+
+
+def test_warmup_then_cosine_to_the_floor():
+    lrs = [lr_at(s, 1.0, 4, 20, 0.1) for s in range(20)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+    assert math.isclose(lr_at(20, 1.0, 4, 20, 0.1), 0.1) and lrs[-1] > 0.1
+    assert lr_at(0, 2.0, 0, 10, 0.0) == 2.0
