@@ -43,6 +43,7 @@ Seed = Annotated[int, typer.Option("--seed", help="Seed of the generated prompts
 Haystack = Annotated[Optional[list[Path]], typer.Option("--haystack", help="Local text for the haystack; default: built-in filler.")]
 Extrapolate = Annotated[bool, typer.Option("--allow-extrapolation", help="Allow lengths beyond the model's RoPE range.")]
 MemLimit = Annotated[Optional[float], typer.Option("--memory-limit-gib", help="Memory per rank for the up-front check.")]
+Granule = Annotated[int, typer.Option("--prefill-granule", help="Prefill the longest prompt prefix that is a multiple of this; the rest runs dense.")]
 Nproc = Annotated[int, typer.Option("--nproc", help="Start this many local context-parallel ranks with torchrun.")]
 TextField = Annotated[str, typer.Option("--text-field", help="JSONL/parquet field holding the text.")]
 
@@ -71,7 +72,9 @@ def _relaunch(command: str, nproc: int) -> None:
 class _Session:
     """Loaded model, tokenizer, context-parallel group and engine for one command on this rank."""
 
-    def __init__(self, checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend, pattern) -> None:
+    def __init__(
+        self, checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend, pattern, granule=2048
+    ) -> None:
         from .engine import AttentionSpec, Engine
         from .loading import load, pick_device
         from .runtime import init_group, is_root
@@ -81,7 +84,10 @@ class _Session:
         self.group = init_group(pick_device(device))
         self.root = is_root(self.group)
         self.loaded = load(checkpoint, tokenizer, config, device, dtype)
-        self.spec = AttentionSpec(sparse=attention == "sparse", layout=layout, block_size=block_size, backend=backend, pattern=pattern)
+        self.spec = AttentionSpec(
+            sparse=attention == "sparse", layout=layout, block_size=block_size, backend=backend, pattern=pattern,
+            prefill_granule=granule,
+        )
         self.spec.pattern_config()  # validate the sparse options before any work
         self.engine = Engine(self.loaded.model, self.spec, self.group)
         self.checkpoint = str(checkpoint)
@@ -119,6 +125,7 @@ class _Session:
             "pattern": _jsonable(self.spec.pattern) if self.spec.sparse else None,
             "sparse_density": sum(self.engine.densities) / len(self.engine.densities) if self.engine.densities else None,
             "layout": self.spec.layout,
+            "prefill_granule": self.spec.prefill_granule,
             "block_size": self.spec.block_size,
             "world_size": self.engine.world_size,
             "device": str(next(self.loaded.model.parameters()).device),
@@ -212,7 +219,7 @@ def niah(
     block_size: Block = 128, backend: Backend = "auto", v_size: VSize = None, s_size: SSize = None, last_q: LastQ = None,
     local_window: Window = None, threshold: Threshold = None, budgets: Budgets = None, device: Device = None,
     dtype: Dtype = None, out_dir: OutDir = None, label: Label = None, allow_extrapolation: Extrapolate = False,
-    memory_limit_gib: MemLimit = None, nproc: Nproc = 1,
+    memory_limit_gib: MemLimit = None, prefill_granule: Granule = 2048, nproc: Nproc = 1,
 ) -> None:
     """Needle in a haystack over lengths x depths: a JSON of the grid and a heatmap PNG."""
 
@@ -224,7 +231,7 @@ def niah(
         grid, depth_list = parse_lengths(lengths), parse_numbers(depths, "depths")
         stack = _haystack(haystack, text_field, seed)
         s = _Session(checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend,
-                     _pattern(v_size, s_size, last_q, local_window, threshold, budgets))
+                     _pattern(v_size, s_size, last_q, local_window, threshold, budgets), prefill_granule)
         s.check(grid, 0, True, allow_extrapolation, memory_limit_gib)
         result = run_niah(s.engine, s.loaded.tokenizer, grid, depth_list, samples, seed, stack, max_new_tokens, s.root)
         settings = {"lengths": grid, "depths": depth_list, "samples": samples, "seed": seed, "max_new_tokens": max_new_tokens}
@@ -253,7 +260,7 @@ def ruler(
     block_size: Block = 128, backend: Backend = "auto", v_size: VSize = None, s_size: SSize = None, last_q: LastQ = None,
     local_window: Window = None, threshold: Threshold = None, budgets: Budgets = None, device: Device = None,
     dtype: Dtype = None, out_dir: OutDir = None, label: Label = None, allow_extrapolation: Extrapolate = False,
-    memory_limit_gib: MemLimit = None, nproc: Nproc = 1,
+    memory_limit_gib: MemLimit = None, prefill_granule: Granule = 2048, nproc: Nproc = 1,
 ) -> None:
     """RULER-style synthetic tasks from a seed: scores per task and length (JSON and a Markdown table)."""
 
@@ -264,7 +271,7 @@ def ruler(
         grid, task_list = parse_lengths(lengths), parse_tasks(tasks)
         stack = _haystack(haystack, text_field, seed)
         s = _Session(checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend,
-                     _pattern(v_size, s_size, last_q, local_window, threshold, budgets))
+                     _pattern(v_size, s_size, last_q, local_window, threshold, budgets), prefill_granule)
         s.check(grid, 0, True, allow_extrapolation, memory_limit_gib)
         result = run_ruler(s.engine, s.loaded.tokenizer, task_list, grid, samples, seed, stack, max_new_tokens, s.root)
         settings = {"lengths": grid, "tasks": task_list, "samples": samples, "seed": seed, "max_new_tokens": max_new_tokens}

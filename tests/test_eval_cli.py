@@ -1,0 +1,175 @@
+"""`mtraining eval` end to end on a tiny model: every command writes its JSON (and PNG), bad input fails clearly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mtraining.eval.cli import eval_app
+from mtraining.models import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = ROOT / "data" / "tokenizer.json"
+CORPUS = ROOT / "data" / "tiny_corpus.jsonl"
+TINY = dict(
+    model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+)
+FAST = ["--block-size", "16", "--backend", "torch"]
+SPARSE = ["--attention", "sparse", "--v-size", "8", "--s-size", "32", "--last-q", "16", "--local-window", "16"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def invoke(*args: str):
+    result = CliRunner().invoke(eval_app, [str(a) for a in args])
+    return result.exit_code, result.output + (result.stderr if result.stderr_bytes is not None else "")
+
+
+def ok(*args: str) -> str:
+    code, out = invoke(*args)
+    assert code == 0, out
+    return out
+
+
+def fails(*args: str) -> str:
+    code, out = invoke(*args)
+    assert code == 2, out
+    return " ".join(out.split())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """A tiny HF model directory with the shipped byte-level BPE tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    build_model(config=TINY).save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_file=str(TOKENIZER), eos_token="<|endoftext|>").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def results(tiny, tmp_path_factory) -> Path:
+    """Run every command once (dense and sparse); returns the results folder."""
+    out = tmp_path_factory.mktemp("results")
+    common = ["--lengths", "256,512", *FAST]
+    ok("ppl", tiny, "--data", CORPUS, "--pack", "--samples", "2", "--first-bucket", "64", *common, "--out-dir", out / "dense", "--label", "dense")
+    ok("ppl", tiny, "--data", CORPUS, "--pack", "--first-bucket", "64", *common, *SPARSE, "--out-dir", out / "sparse", "--label", "sparse")
+    for extra, name in (([], "dense"), (SPARSE, "sparse")):
+        ok("niah", tiny, "--depths", "0,50,100", "--max-new-tokens", "3", "--prefill-granule", "128", *common, *extra,
+           "--out-dir", out / name, "--label", name)
+    ok("ruler", tiny, "--lengths", "512", "--samples", "1", "--max-new-tokens", "3", *FAST, "--out-dir", out / "dense", "--label", "dense")
+    return out
+
+
+def test_ppl_json(results):
+    data = json.loads((results / "dense" / "ppl.json").read_text())
+    assert data["kind"] == "ppl" and data["attention"] == "dense" and data["world_size"] == 1
+    assert [r["length"] for r in data["result"]] == [256, 512]
+    for r in data["result"]:
+        assert r["windows"] == 2 and r["tokens"] == 2 * (r["length"] - 1)
+        assert sum(b["tokens"] for b in r["buckets"]) == r["tokens"]
+        assert r["buckets"][0]["start"] == 1 and r["buckets"][-1]["end"] == r["length"] - 1
+        assert 1 < r["ppl"] < 10 * TINY["vocab_size"]
+    sparse = json.loads((results / "sparse" / "ppl.json").read_text())
+    assert sparse["attention"] == "sparse" and sparse["pattern"]["v_size"] == 8 and 0 < sparse["sparse_density"] < 1
+
+
+def test_niah_json_and_heatmap(results):
+    for name in ("dense", "sparse"):
+        data = json.loads((results / name / "niah.json").read_text())
+        grid = data["result"]
+        assert grid["lengths"] == [256, 512] and grid["depths"] == [0, 50, 100]
+        assert len(grid["scores"]) == 3 and all(len(row) == 2 and all(0 <= v <= 100 for v in row) for row in grid["scores"])
+        assert len(grid["records"]) == 6 and all(r["prompt_tokens"] <= r["length"] for r in grid["records"])
+        assert (results / name / "niah.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_ruler_json_and_table(results):
+    data = json.loads((results / "dense" / "ruler.json").read_text())
+    tasks = data["result"]["tasks"]
+    assert len(tasks) == 7 and set(data["result"]["scores"]) == set(tasks)
+    assert len(data["result"]["records"]) == 7 and data["result"]["lengths"] == [512]
+    table = (results / "dense" / "ruler.md").read_text()
+    assert all(t in table for t in tasks) and "average" in table
+
+
+def test_report(results, tmp_path):
+    out = ok("report", results, "--out-dir", tmp_path)
+    assert "report.md" in out
+    report = (tmp_path / "report.md").read_text()
+    for section in ("## Perplexity", "## Needle in a haystack", "## RULER-style tasks", "dense (dense, 1 rank)", "sparse (sparse, 1 rank)"):
+        assert section in report
+    for png in ("ppl_by_position.png", "niah_heatmaps.png", "ruler_by_length.png"):
+        assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC and f"({png})" in report
+    assert "does not exist" in fails("report", tmp_path / "nothing-here.json")
+    (tmp_path / "empty").mkdir()
+    assert "no evaluation results" in fails("report", tmp_path / "empty")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_training_checkpoint_with_config(tiny, tmp_path):
+    """A trainer checkpoint (DCP step folder) + its YAML evaluates like the same weights as a HF directory."""
+    import yaml
+
+    from mtraining.train.checkpoint import save_checkpoint
+    from mtraining.train.loss import CausalLMLoss
+
+    model = build_model(tiny)
+    wrapped = CausalLMLoss(model)
+    save_checkpoint(tmp_path / "ckpt", 3, wrapped, torch.optim.AdamW(wrapped.parameters()))
+    cfg = {
+        "model": {"config": TINY, "dtype": "float32"},
+        "data": {"sources": [str(CORPUS)], "tokenizer": str(TOKENIZER), "seq_len": 256, "batch_size": 1},
+        "train": {"steps": 1},
+        "optim": {"warmup_steps": 0},
+    }
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(cfg))
+    args = ["--data", CORPUS, "--pack", "--lengths", "256", *FAST]
+    ok("ppl", tmp_path / "ckpt", "--config", tmp_path / "train.yaml", *args, "--out-dir", tmp_path / "a")
+    ok("ppl", tiny, *args, "--out-dir", tmp_path / "b")
+    a, b = (json.loads((tmp_path / d / "ppl.json").read_text())["result"][0]["ppl"] for d in "ab")
+    assert a == pytest.approx(b, rel=1e-6)
+
+
+def test_bad_input_names_the_fix(tiny, tmp_path):
+    base = ["--lengths", "256", *FAST, "--out-dir", tmp_path / "out"]
+    assert "does not exist" in fails("ppl", tiny, "--data", tmp_path / "missing.jsonl", *base)
+    assert "does not exist" in fails("niah", tmp_path / "no-model", *base)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(tiny / f, bare / f)
+    assert "pass --tokenizer PATH" in fails("niah", bare, *base)
+    ok("niah", bare, "--tokenizer", TOKENIZER, "--depths", "50", "--max-new-tokens", "2", *base)
+    assert "--config TRAIN.yaml" in fails("niah", tmp_path, *base)
+    msg = fails("niah", tiny, *base[:-2], "--lengths", "2048", "--out-dir", tmp_path / "out")
+    assert "RoPE range" in msg and "--allow-extrapolation" in msg and "max_position_embeddings=1024" in msg
+    msg = fails("ruler", tiny, *base, "--memory-limit-gib", "0.001")
+    assert "does not fit memory" in msg and "--nproc-per-node" in msg and "--memory-limit-gib" in msg
+    assert "no 4096-token window" in fails("ppl", tiny, "--data", CORPUS, *base[2:], "--lengths", "4096", "--allow-extrapolation")
+    assert "dense or sparse" in fails("niah", tiny, *base, "--attention", "sparsest")
+    assert "unknown tasks" in fails("ruler", tiny, *base, "--tasks", "niah_single,sudoku")
+    assert "use a longer length" in fails("ruler", tiny, *base[2:], "--lengths", "64", "--tasks", "cwe")
+
+
+def test_torchrun_two_ranks_matches_one(tiny, tmp_path):
+    """`--nproc 2` relaunches under torchrun (gloo): same perplexity as one process."""
+    args = ["ppl", str(tiny), "--data", str(CORPUS), "--pack", "--lengths", "256", *FAST]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for nproc, out in ((2, "two"), (1, "one")):
+        cmd = [sys.executable, "-m", "mtraining.eval.cli", *args, "--nproc", str(nproc), "--out-dir", str(tmp_path / out)]
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+    two, one = (json.loads((tmp_path / d / "ppl.json").read_text()) for d in ("two", "one"))
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    assert two["result"][0]["ppl"] == pytest.approx(one["result"][0]["ppl"], rel=1e-5)
