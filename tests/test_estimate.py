@@ -181,7 +181,10 @@ def _random_scores(b, h, n, seed):
 
 @pytest.mark.parametrize("threshold", [None, 0.3, 0.8, 1.0])
 @pytest.mark.parametrize("per_head", [False, True])
-def test_select_lines_matches_brute_force(threshold, per_head):
+@pytest.mark.parametrize("sort_elements", [None, 300], ids=["all-heads", "head-by-head"])
+def test_select_lines_matches_brute_force(monkeypatch, threshold, per_head, sort_elements):
+    if sort_elements is not None:
+        monkeypatch.setattr(estimate, "_SORT_ELEMENTS", sort_elements)
     b, h, n = 2, 4, 300
     vertical, slash = _random_scores(b, h, n, seed=7)
     if per_head:

@@ -10,8 +10,8 @@ parallelism composes them (keys spread over ranks, the last queries broadcast):
    window always kept, as a ``VerticalSlashPattern``. Deterministic (stable sort, ties -> lower index).
 
 ``estimate_pattern`` runs them on one device. Keys are processed in chunks so that a
-[B, Hq, last_q, chunk] score tensor holds at most ``_CHUNK_ELEMENTS`` values (64 MB in float32);
-peak extra memory is about three of those.
+[B, Hq, last_q, chunk] score tensor holds at most ``_CHUNK_ELEMENTS`` values (128 MB in float32,
+updated in place), and line selection sorts at most ``_SORT_ELEMENTS`` scores at a time.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from .budgets import Budgets, load_budgets
 from .checks import check_qkv, default_positions
 from .pattern import VerticalSlashPattern
 
-_CHUNK_ELEMENTS = 1 << 24
+_CHUNK_ELEMENTS = 1 << 25
+_SORT_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -121,11 +122,17 @@ def last_query_partial_lse(q_last: Tensor, q_last_pos: Tensor, k: Tensor, k_pos:
     """
     q_last_pos, k_pos = _check_line_inputs(q_last, q_last_pos, k, k_pos)
     b, r, hq, _ = q_last.shape
-    qg = _grouped_queries(q_last, k.shape[2])
-    lse = torch.full((b, hq, r), float("-inf"), dtype=qg.dtype, device=q_last.device)
-    for start, stop in _key_chunks(k.shape[1], b * hq * r):
-        s = _chunk_scores(qg, q_last_pos, k, k_pos, scale, start, stop)
-        lse = torch.logaddexp(lse, torch.logsumexp(s, dim=-1))
+    chunks, _ = _plan(q_last_pos, k_pos, b * hq * r)
+    qs = _grouped_queries(q_last, k.shape[2], scale)
+    lse = torch.full((b, hq, r), float("-inf"), dtype=qs.dtype, device=q_last.device)
+    for start, stop, partly_causal in chunks:
+        s = torch.matmul(qs, k[:, start:stop].to(qs.dtype).permute(0, 2, 3, 1)).view(b, hq, r, stop - start)
+        if partly_causal:
+            s.masked_fill_(k_pos[None, start:stop] > q_last_pos[:, None], float("-inf"))
+        # logsumexp in place: no second [B, Hq, R, C] buffer
+        top = s.amax(dim=-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        lse = torch.logaddexp(lse, s.sub_(top).exp_().sum(dim=-1).log_().add_(top[..., 0]))
     return lse.float()
 
 
@@ -151,26 +158,32 @@ def line_scores(
             f"row_lse must be a float tensor [B, Hq, R] = {(b, hq, r)} on {q_last.device}, got "
             f"{tuple(row_lse.shape)} {row_lse.dtype} on {row_lse.device}; pass the global LSE of these rows"
         )
-    q_lo, q_hi, k_lo, k_hi, q_run, k_run = _position_summary(q_last_pos, k_pos)
+    chunks, (q_lo, q_hi, k_lo, k_hi, runs) = _plan(q_last_pos, k_pos, b * hq * r)
     if q_lo < 0 or k_lo < 0 or q_hi >= seq_len or k_hi >= seq_len:
         raise ValueError(
             f"positions must lie in [0, seq_len={seq_len}): q_last_pos spans [{q_lo}, {q_hi}], k_pos spans "
             f"[{k_lo}, {k_hi}]; pass the global sequence length"
         )
-    qg = _grouped_queries(q_last, k.shape[2])
     bh = b * hq
-    safe_lse = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse)).to(qg.dtype)[..., None]
+    qa = _grouped_queries(q_last, k.shape[2], scale, row_lse)
     vertical = torch.empty(b, hq, sk, dtype=torch.float32, device=q_last.device)
-    slash = torch.zeros(bh, seq_len + 1, dtype=qg.dtype, device=q_last.device)  # last slot: non-causal pairs
-    for start, stop in _key_chunks(sk, bh * r):
-        p = _chunk_scores(qg, q_last_pos, k, k_pos, scale, start, stop).sub_(safe_lse).exp_()
-        vertical[..., start:stop] = p.sum(dim=-2)
-        if q_run and k_run:
-            _add_diagonal_sums(slash, p.view(bh, r, stop - start), q_lo - (k_lo + start))
+    slash = torch.zeros(bh, seq_len + 1, dtype=qa.dtype, device=q_last.device)  # last slot: non-causal pairs
+    for start, stop, partly_causal in chunks:
+        c = stop - start
+        # contiguous: keys reversed and R padding columns, so diagonals are strided views (_add_diagonal_sums)
+        pad = r if runs else 0
+        p = torch.matmul(qa, _augmented_keys(k, start, stop, pad, runs, qa.dtype)).view(b, hq, r, c + pad)
+        if partly_causal:
+            kp = k_pos[start:stop].flip(0) if runs else k_pos[start:stop]
+            p[..., :c].masked_fill_(kp[None, :] > q_last_pos[:, None], float("-inf"))
+        p.exp_()  # p[..., r, j] = exp(q_r . k_j * scale - row_lse[r]); padding columns are 0
+        if runs:
+            vertical[..., start:stop] = p[..., :c].sum(dim=-2).flip(-1)
+            _add_diagonal_sums(slash, p.view(bh, r, c + r), q_lo - (k_lo + start))
         else:
+            vertical[..., start:stop] = p.sum(dim=-2)
             offsets = q_last_pos[:, None] - k_pos[None, start:stop]
-            index = torch.where(offsets >= 0, offsets, seq_len).flatten()
-            slash.index_add_(1, index, p.view(bh, -1))
+            slash.index_add_(1, torch.where(offsets >= 0, offsets, seq_len).flatten(), p.view(bh, -1))
     return vertical, slash[:, :seq_len].float().view(b, hq, seq_len)
 
 
@@ -253,58 +266,72 @@ def _check_int(value: object, name: str, minimum: int) -> None:
 
 def _check_line_inputs(q_last: Tensor, q_last_pos: Tensor, k: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
     check_qkv(q_last, k, k)
+    if q_last.shape[1] == 0 or k.shape[1] == 0:
+        raise ValueError(f"need at least one row and one key, got q_last {tuple(q_last.shape)}, k {tuple(k.shape)}")
     if q_last_pos is None or k_pos is None:
         raise ValueError("q_last_pos and k_pos are required: the global positions of the rows and keys")
     q_last_pos, k_pos = default_positions(q_last, k, q_last_pos, k_pos)
     return q_last_pos.long(), k_pos.long()
 
 
-def _position_summary(q_pos: Tensor, k_pos: Tensor) -> tuple[int, int, int, int, bool, bool]:
-    """(q min, q max, k min, k max, q is an ascending run, k is an ascending run) in one device sync."""
-    stats = torch.stack(
-        [
-            q_pos.min(),
-            q_pos.max(),
-            k_pos.min(),
-            k_pos.max(),
-            (q_pos.diff() == 1).all().long(),
-            (k_pos.diff() == 1).all().long(),
-        ]
-    ).tolist()
-    return stats[0], stats[1], stats[2], stats[3], bool(stats[4]), bool(stats[5])
+def _plan(
+    q_pos: Tensor, k_pos: Tensor, values_per_key: int
+) -> tuple[list[tuple[int, int, bool]], tuple[int, int, int, int, bool]]:
+    """Key chunks and position facts, in one device sync.
 
-
-def _grouped_queries(q_last: Tensor, kv_heads: int) -> Tensor:
-    """[B, R, Hq, D] -> [B, Hkv, group * R, D] in the accumulation dtype (query head h uses kv head h // group)."""
-    b, r, hq, d = q_last.shape
-    acc = torch.float64 if q_last.dtype == torch.float64 else torch.float32
-    return q_last.transpose(1, 2).to(acc).reshape(b, kv_heads, (hq // kv_heads) * r, d)
-
-
-def _key_chunks(num_keys: int, values_per_key: int) -> list[tuple[int, int]]:
+    Returns ([(start, stop, has non-causal pairs)], (q min, q max, k min, k max, rows and keys are
+    both ascending runs of consecutive positions)). A chunk's [B, Hq, R, C] tensor holds at most
+    _CHUNK_ELEMENTS values.
+    """
+    n = k_pos.shape[0]
     step = max(1, _CHUNK_ELEMENTS // max(values_per_key, 1))
-    return [(start, min(start + step, num_keys)) for start in range(0, num_keys, step)]
+    num = -(-n // step)
+    chunk_max = F.pad(k_pos, (0, num * step - n), value=-1).view(num, step).amax(1)
+    runs = (q_pos.diff() == 1).all() & (k_pos.diff() == 1).all()
+    facts = torch.stack([q_pos.min(), q_pos.max(), k_pos.min(), k_pos.max(), runs.long()])
+    values = torch.cat([facts, (chunk_max > q_pos.min()).long()]).tolist()
+    chunks = [(i * step, min((i + 1) * step, n), bool(values[5 + i])) for i in range(num)]
+    return chunks, (*values[:4], bool(values[4]))
 
 
-def _chunk_scores(
-    qg: Tensor, q_pos: Tensor, k: Tensor, k_pos: Tensor, scale: float, start: int, stop: int
-) -> Tensor:
-    """Scaled causal scores [B, Hq, R, C] of keys start..stop-1 (-inf on non-causal pairs); GQA without K copies."""
-    b, hkv, gr, _ = qg.shape
-    kc = k[:, start:stop].to(qg.dtype).permute(0, 2, 3, 1)  # [B, Hkv, D, C]
-    s = torch.matmul(qg, kc).mul_(scale).view(b, -1, q_pos.shape[0], stop - start)
-    return s.masked_fill_(k_pos[None, start:stop] > q_pos[:, None], float("-inf"))
+def _grouped_queries(q_last: Tensor, kv_heads: int, scale: float, row_lse: Tensor | None = None) -> Tensor:
+    """[B, R, Hq, D] -> [B, Hkv, group * R, D'] scaled, in the accumulation dtype (head h uses kv head h // group).
+
+    With row_lse, two columns are appended, -row_lse (0 where -inf) and 1, so that against
+    ``_augmented_keys`` one matmul gives q.k*scale - row_lse directly.
+    """
+    b, r, hq, _ = q_last.shape
+    acc = torch.float64 if q_last.dtype == torch.float64 else torch.float32
+    q = q_last.transpose(1, 2).to(acc) * scale
+    if row_lse is not None:
+        safe = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse)).to(acc)[..., None]
+        q = torch.cat([q, -safe, torch.ones_like(safe)], dim=-1)
+    return q.reshape(b, kv_heads, (hq // kv_heads) * r, -1)
+
+
+def _augmented_keys(k: Tensor, start: int, stop: int, pad: int, reverse: bool, dtype: torch.dtype) -> Tensor:
+    """[B, Hkv, D + 2, C + pad]: keys start..stop-1 (reversed if asked), a row of ones (meets -row_lse),
+    and ``pad`` columns whose score is -1e30 (probability 0)."""
+    b, _, hkv, d = k.shape
+    c = stop - start
+    keys = k[:, start:stop]
+    out = torch.zeros(b, hkv, d + 2, c + pad, dtype=dtype, device=k.device)
+    out[:, :, :d, :c] = (keys.flip(1) if reverse else keys).permute(0, 2, 3, 1)
+    out[:, :, d, :c] = 1.0
+    out[:, :, d + 1, c:] = -1e30
+    return out
 
 
 def _add_diagonal_sums(slash: Tensor, p: Tensor, base: int) -> None:
-    """slash[:, base + r - c] += p[:, r, c] for p [BH, R, C] of contiguous rows and keys (base = q0 - k0).
+    """slash[:, base + r - c] += P[:, r, c] for contiguous rows and keys (base = q0 - k0).
 
-    Flip the keys so diagonals become anti-diagonals, pad each row with R zeros and re-view the
-    flat buffer with row length C + R - 1: row r shifts by r and columns collect r + (C-1-c).
+    p [BH, R, C + R] holds P with its keys reversed in the first C columns and zeros in the last R.
+    Re-viewing the flat buffer with row length C + R - 1 shifts row r by r, so column u collects
+    the pairs with r + (C-1-c) = u, i.e. offset base - (C-1) + u.
     """
-    bh, r, c = p.shape
-    padded = F.pad(p.flip(-1), (0, r))
-    sums = padded.view(bh, -1)[:, : r * (c + r - 1)].view(bh, r, c + r - 1).sum(1)
+    bh, r, width = p.shape
+    c = width - r
+    sums = p.view(bh, -1)[:, : r * (c + r - 1)].view(bh, r, c + r - 1).sum(1)
     d_lo = base - (c - 1)  # offset of sums[:, 0]
     lo = max(d_lo, 0)
     slash[:, lo : d_lo + c + r - 1] += sums[:, lo - d_lo :]
@@ -312,17 +339,23 @@ def _add_diagonal_sums(slash: Tensor, p: Tensor, base: int) -> None:
 
 def _top_lines(scores: Tensor, budget: Tensor, forced: int, threshold: float | None) -> Tensor:
     """Kept line indices [B, H, max budget], -1 padded: forced lines 0..forced-1, then by score."""
-    b, h, _ = scores.shape
+    b, h, n = scores.shape
     width = int(budget.max())
-    key = scores.clone()
-    key[..., :forced] = float("inf")
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
-    budget = budget.to(scores.device)[None, :]
-    if threshold is None:
-        count = budget.expand(b, h)
-    else:
-        mass = scores.gather(-1, order).double().cumsum(-1)
-        reached = (mass < threshold * mass[..., -1:]).sum(-1) + 1
-        count = torch.minimum(reached.clamp(min=forced), budget)
+    out = torch.empty(b, h, width, dtype=torch.int64, device=scores.device)
     rank = torch.arange(width, device=scores.device)
-    return torch.where(rank < count[..., None], order[..., :width], -1)
+    step = max(1, _SORT_ELEMENTS // (b * n))
+    for lo in range(0, h, step):
+        part = scores[:, lo : lo + step]
+        key = part.clone()
+        key[..., :forced] = float("inf")
+        order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+        del key
+        cap = budget[lo : lo + step].to(scores.device)
+        if threshold is None:
+            count = cap.expand(b, -1)
+        else:
+            mass = part.gather(-1, order).double().cumsum(-1)
+            reached = (mass < threshold * mass[..., -1:]).sum(-1) + 1
+            count = torch.minimum(reached.clamp(min=forced), cap)
+        out[:, lo : lo + step] = torch.where(rank < count[..., None], order[..., :width], -1)
+    return out
