@@ -364,6 +364,8 @@ def test_line_function_errors():
         line_scores(q, qp, k, kp, 0.25, lse, 0)
     with pytest.raises(ValueError, match="q_last_pos and k_pos are required"):
         last_query_partial_lse(q, None, k, kp, 0.25)
+    with pytest.raises(ValueError, match="need at least one row and one key"):
+        last_query_partial_lse(q, qp, k[:, :0], kp[:0], 0.25)
     with pytest.raises(ValueError, match="k_pos must be 1-D with 10 entries"):
         last_query_partial_lse(q, qp, k, kp[:5], 0.25)
 

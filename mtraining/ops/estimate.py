@@ -236,23 +236,26 @@ def estimate_pattern(
     if not isinstance(config, PatternConfig):
         raise ValueError(f"config must be a PatternConfig, got {type(config).__name__}")
     check_qkv(q, k, k)
+    given_q, given_k = q_pos is not None, k_pos is not None
     q_pos, k_pos = default_positions(q, k, q_pos, k_pos)
     b, sq, hq, d = q.shape
     seq_len = k.shape[1]
     if config.last_q > sq:
         raise ValueError(f"last_q ({config.last_q}) exceeds the {sq} query rows; lower last_q to at most {sq}")
     config.head_budgets(layer_idx, hq, seq_len)  # fail on budgets before any work
-    if not torch.equal(torch.sort(k_pos).values, torch.arange(seq_len, device=k_pos.device, dtype=k_pos.dtype)):
+    everything = torch.arange(seq_len, device=k_pos.device, dtype=k_pos.dtype)
+    if given_k and not torch.equal(torch.sort(k_pos).values, everything):
         raise ValueError(
             f"k_pos must hold each position 0..{seq_len - 1} once (the whole sequence); for a subset of keys "
             "compose last_query_partial_lse, line_scores and select_lines"
         )
-    rows = torch.sort(q_pos, stable=True).indices[-config.last_q :]
+    rows = torch.sort(q_pos, stable=True).indices[-config.last_q :] if given_q else slice(sq - config.last_q, sq)
     q_last, q_last_pos = q[:, rows], q_pos[rows]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     lse = last_query_partial_lse(q_last, q_last_pos, k, k_pos, scale)
-    vertical_local, slash = line_scores(q_last, q_last_pos, k, k_pos, scale, lse, seq_len)
-    vertical = torch.empty_like(vertical_local).index_copy_(-1, k_pos.long(), vertical_local)
+    vertical, slash = line_scores(q_last, q_last_pos, k, k_pos, scale, lse, seq_len)
+    if given_k:  # scores follow k's row order; the pattern indexes them by position
+        vertical = torch.empty_like(vertical).index_copy_(-1, k_pos.long(), vertical)
     return select_lines(vertical, slash, config, seq_len, layer_idx)
 
 
