@@ -186,13 +186,13 @@ class Engine:
             )
         labels = torch.cat([ids[1:], ids.new_full((1,), IGNORE)])  # shift on the full sequence, then shard
         hidden = self._prefill(ids)[0]
-        nll = self._token_nll(hidden, self._local(labels[None].to(self.device), seq_len)[0]).cpu()
-        if self.group is not None:
+        nll = self._token_nll(hidden, self._local(labels[None].to(self.device), seq_len)[0])
+        if self.group is not None:  # gathered on the device (NCCL needs device tensors)
             shards = [torch.empty_like(nll) for _ in range(self.world_size)]
             dist.all_gather(shards, nll, group=self.group)
             layout = make_layout(self.spec.layout, seq_len, self.world_size, self.spec.block_size)
             nll = layout.gather(shards, dim=0)
-        return nll[:-1]
+        return nll[:-1].cpu()
 
     # ------------------------------------------------------------------ generation
     def _gathered_cache(self, cache, prefix_len: int):
