@@ -249,3 +249,53 @@ def error_case(group, case):
 def test_ring_errors_name_the_fix(pool, case, message):
     for got in pool.run(error_case, 2, case):
         assert re.search(message, got), got
+
+
+# ----------------------------------------------------------------------------- NCCL on GPUs
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double(), ref.double()
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _nccl_worker(rank: int, world: int, store_path: str) -> None:
+    """bf16 ring with the Triton kernels on NCCL vs the float32 torch backend on the full sequence."""
+    from mtraining.ops.attention import attention_backward, attention_forward, row_delta
+
+    torch.cuda.set_device(rank)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    n, b, hq, hkv, d, g = 8192, 1, 8, 2, 64, 128
+    config = PatternConfig(v_size=256, s_size=1024, last_q=64, block_size=g, sink_tokens=4, local_window=128)
+    q, k, v = rope_structured_qkv(b, n, hq, hkv, d, dtype=torch.bfloat16, device="cuda", seed=5)
+    dout = torch.randn(b, n, hq, d, generator=torch.Generator().manual_seed(6)).to("cuda", torch.bfloat16)
+    pos = torch.arange(n, device="cuda", dtype=torch.int32)
+    for name in LAYOUTS:
+        layout = make_layout(name, n, world, g)
+        shards = [layout.shard(t, rank) for t in (q, k, v)]
+        for estimated in (False, True):
+            pattern = estimate_pattern_cp(shards[0], shards[1], config, None, layout) if estimated else None
+            if estimated:
+                full = estimate_pattern(q, k, config)
+                assert torch.equal(pattern.block_diags, full.block_diags), name
+                assert torch.equal(pattern.vertical_pos, full.vertical_pos), name
+            ql, kl, vl = (t.detach().clone().requires_grad_() for t in shards)
+            out, lse = ring_attention(ql, kl, vl, None, layout, pattern=pattern, return_lse=True, backend="triton")
+            out.backward(layout.shard(dout, rank))
+            qf, kf, vf, df = (t.float() for t in (q, k, v, dout))
+            ref_out, ref_lse = attention_forward(qf, kf, vf, pattern, pos, pos, d**-0.5, backend="torch")
+            delta = row_delta(df, ref_out)
+            grads = attention_backward(df, qf, kf, vf, ref_lse, delta, pattern, pos, pos, d**-0.5, backend="torch")
+            mine = layout.positions(rank).cuda()
+            assert _rel_err(out, ref_out[:, mine]) < 1e-2, name
+            assert (lse - ref_lse[:, :, mine]).abs().max().item() < 5e-2, name
+            assert _rel_err(ql.grad, grads[0][:, mine]) < 2e-2, name
+            assert _rel_err(kl.grad, grads[1][:, mine]) < 2e-2, name
+            assert _rel_err(vl.grad, grads[2][:, mine]) < 2e-2, name
+    dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA GPUs")
+def test_ring_nccl_bf16_matches_reference(tmp_path):
+    world = min(torch.cuda.device_count(), 4)
+    torch.multiprocessing.spawn(_nccl_worker, args=(world, str(tmp_path / "store")), nprocs=world)

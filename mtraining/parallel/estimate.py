@@ -27,7 +27,8 @@ def _last_queries(q: Tensor, layout: Layout, rank: int, last_q: int, group) -> t
     last_pos = torch.arange(n - last_q, n)
     owner, local = layout.owner(last_pos)  # on the CPU: the layout is static, no device sync
     mine = (owner == rank).to(q.device)[None, :, None, None]
-    q_last = torch.where(mine, q.index_select(1, local.to(q.device)), torch.zeros((), dtype=q.dtype, device=q.device))
+    rows = q.index_select(1, local.to(q.device))
+    q_last = torch.where(mine, rows, torch.zeros((), dtype=q.dtype, device=q.device)).contiguous()
     dist.all_reduce(q_last, group=group)  # each row is non-zero on its owner only: the sum is exact
     return q_last, last_pos.to(q.device)
 
@@ -70,6 +71,7 @@ def estimate_pattern_cp(
     k_pos = layout.positions(rank).to(q.device)
     row_lse = _global_lse(last_query_partial_lse(q_last, last_pos, k, k_pos, scale), group)
     vertical_local, slash = line_scores(q_last, last_pos, k, k_pos, scale, row_lse, n)
+    slash = slash.contiguous()  # collectives need dense buffers
     dist.all_reduce(slash, group=group)
     gathered = [torch.empty_like(vertical_local) for _ in range(world)]
     dist.all_gather(gathered, vertical_local.contiguous(), group=group)
