@@ -77,6 +77,7 @@ def _stop_and_resume(cfg: Config, export_dir: str) -> dict:
     resumed = Trainer(cfg)
     start = resumed.step
     again = resumed.train_step()
+    resumed.save()
     resumed.export(export_dir)
     state = full_model_state(resumed.model)
     resumed.close()
@@ -93,7 +94,13 @@ def test_checkpoint_resume_is_bit_identical_and_export_loads(tmp_path):
 
     from mtraining.models import build_model
 
-    exported = build_model(path=tmp_path / "hf")
+    from mtraining.train.checkpoint import latest_checkpoint
+    from mtraining.train.export import export_checkpoint
+
+    export_checkpoint(cfg, latest_checkpoint(tmp_path / "ck"), tmp_path / "offline")  # one process
     trained = {k.removeprefix("model."): v for k, v in out["state"].items()}
-    for name, tensor in exported.state_dict().items():
-        assert torch.equal(tensor, trained[name]), name
+    for directory in ("hf", "offline"):
+        exported = build_model(path=tmp_path / directory)
+        for name, tensor in exported.state_dict().items():
+            assert torch.equal(tensor, trained[name]), (directory, name)
+        assert (tmp_path / directory / "tokenizer.json").is_file()

@@ -7,6 +7,7 @@ trainer decides the compute dtype.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch import nn
 from .adapter import ATTN_IMPLEMENTATION, register
 
 SUPPORTED_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def build_config(
@@ -72,8 +74,17 @@ def build_model(
     return AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation, dtype=torch.float32)
 
 
-def export_hf(state_dict: dict[str, torch.Tensor], hf_config, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Write ``state_dict`` (full, unsharded) and ``hf_config`` as a HF directory loadable by from_pretrained."""
+def export_hf(
+    state_dict: dict[str, torch.Tensor],
+    hf_config,
+    out_dir: str | Path,
+    tokenizer: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write ``state_dict`` (full, unsharded) and ``hf_config`` as a HF directory loadable by from_pretrained.
+
+    ``tokenizer`` (a tokenizer.json file, or a HF directory holding tokenizer files) is copied along.
+    """
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
@@ -83,4 +94,10 @@ def export_hf(state_dict: dict[str, torch.Tensor], hf_config, out_dir: str | Pat
     model.tie_weights()
     model.config._attn_implementation = "sdpa"
     model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer = Path(tokenizer)
+        files = [tokenizer] if tokenizer.is_file() else [tokenizer / n for n in _TOKENIZER_FILES]
+        for file in files:
+            if file.is_file():
+                shutil.copyfile(file, out_dir / file.name)
     return out_dir

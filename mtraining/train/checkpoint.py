@@ -9,9 +9,11 @@ the same next step as never stopping. A checkpoint counts only once DCP has writ
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -50,14 +52,19 @@ def save_checkpoint(root: str | Path, step: int, model: nn.Module, optimizer: to
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Collective: restore model (and optimizer) state in place; returns the step it was saved at."""
+    """Restore model (and optimizer) state in place; returns the step it was saved at.
+
+    Collective when a process group is up; without one (offline export) the model is loaded in this process.
+    """
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise ValueError(f"{path} is not a complete checkpoint (no .metadata); pick a step_N folder that has one")
     step = torch.tensor(0)
     if optimizer is None:
         state = {"model": get_model_state_dict(model), "step": step}
-        dcp.load(state, checkpoint_id=path)
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: intended here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
         set_model_state_dict(model, state["model"])
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)

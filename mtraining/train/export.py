@@ -14,4 +14,4 @@ def export_checkpoint(cfg: Config, checkpoint: str | Path, out_dir: str | Path) 
     """Load the model state of ``checkpoint`` (any number of ranks wrote it) and save it under ``out_dir``."""
     hf = build_model(cfg.model.path, cfg.model.config, cfg.model.rope_theta, cfg.model.rope_parameters)
     load_checkpoint(checkpoint, CausalLMLoss(hf))
-    return export_hf(hf.state_dict(), hf.config, out_dir)
+    return export_hf(hf.state_dict(), hf.config, out_dir, tokenizer=cfg.data.tokenizer or cfg.model.path)

@@ -92,8 +92,8 @@ class Monitor:
                 if value is not None and math.isfinite(value):
                     self._writer.add_scalar(f"train/{key}", value, step)
         if self._bar is not None:
-            self._bar.update(1)
             self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+            self._bar.update(1)
         if step % self.every == 0:
             self.write(f"step {step} " + " ".join(_fmt(k, v) for k, v in metrics.items() if v is not None))
 

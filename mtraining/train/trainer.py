@@ -204,7 +204,8 @@ class Trainer:
         state = full_model_state(self.model)
         if self.par.is_main:
             prefix = "model."
-            export_hf({k.removeprefix(prefix): v for k, v in state.items()}, self.hf_config, out_dir)
+            weights = {k.removeprefix(prefix): v for k, v in state.items()}
+            export_hf(weights, self.hf_config, out_dir, tokenizer=self.cfg.data.tokenizer or self.cfg.model.path)
             self.monitor.write(f"exported HF model to {out_dir}")
         dist.barrier()
         return Path(out_dir)
