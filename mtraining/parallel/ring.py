@@ -45,7 +45,8 @@ def _active_steps(layout: Layout, rank: int) -> tuple[bool, ...]:
 
 
 @functools.lru_cache(maxsize=16)
-def _ring_comm(group: dist.ProcessGroup | None, device: torch.device) -> RingComm:
+def _ring_comm(group: dist.ProcessGroup, device: torch.device) -> RingComm:
+    """One RingComm (neighbours, side stream) per group object and device; a re-created group is a new key."""
     return RingComm(group, device)
 
 
@@ -233,6 +234,7 @@ def ring_attention(
         pattern = estimate_pattern_cp(q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale)
     if pattern is None and name == "triton":
         pattern = _dense_pattern(q.shape[0], q.shape[2], layout.seq_len, layout.block_size, q.device)
-    plan = _Plan(_ring_comm(group, q.device), layout, q.device, name, scale)
+    comm = _ring_comm(group if group is not None else dist.group.WORLD, q.device)
+    plan = _Plan(comm, layout, q.device, name, scale)
     out, lse = _RingAttention.apply(q, k, v, pattern, plan)
     return (out, lse) if return_lse else out
