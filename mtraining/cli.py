@@ -1,4 +1,4 @@
-"""Command line: ``mtraining train CONFIG.yaml [key=value ...]`` and ``mtraining export``.
+"""Command line: ``mtraining train CONFIG.yaml [key=value ...]``, ``mtraining export``, ``mtraining tokenize``.
 
 Run under torchrun for several ranks (``torchrun --nproc_per_node 4 -m mtraining.cli train ...``)
 or let ``--nproc N`` start torchrun for you on this machine.
@@ -76,6 +76,31 @@ def export(
     except ValueError as err:
         _fail(err)
     typer.echo(f"exported {path} to {out}")
+
+
+@app.command()
+def tokenize(
+    config: Path = typer.Argument(..., help="YAML config whose data.sources and tokenizer to use."),
+    out: Path = typer.Argument(..., help="Output .npy token file (use it as data.sources: [OUT.npy])."),
+    overrides: list[str] = typer.Option([], "--set", help="section.key=value overrides."),
+) -> None:
+    """Tokenise the config's text sources once into a token file, so ranks need not tokenise at start."""
+    import numpy as np
+
+    from .train.config import load_config
+    from .train.data import TextTokenizer, token_stream
+
+    try:
+        cfg = load_config(config, overrides)
+        d = cfg.data
+        tok_path = d.tokenizer or cfg.model.path
+        stream = token_stream(d.sources, TextTokenizer(tok_path) if tok_path else None, d.text_field, d.separator, d.token_dtype)
+    except ValueError as err:
+        _fail(err)
+    dtype = np.uint16 if stream.max() < 2**16 else np.uint32
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.save(out, stream.astype(dtype))
+    typer.echo(f"wrote {len(stream)} tokens ({np.dtype(dtype).name}) to {out}")
 
 
 if __name__ == "__main__":

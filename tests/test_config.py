@@ -17,7 +17,7 @@ BASE = {
     "data": {"sources": ["x.jsonl"], "seq_len": 1024},
     "train": {"steps": 10},
     "parallel": {"context": 4},
-    "attention": {"block_size": 128},
+    "attention": {"block_size": 128, "v_size": 256, "s_size": 512},
 }
 
 
@@ -49,9 +49,16 @@ def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
         (["attention.threshold=1.5"], "attention.threshold"),
         (["attention.dense_layers=[-1]"], "layer indices >= 0"),
         (["train.steps=0"], "train.steps"),
+        (["attention.v_size=2048"], "attention.v_size (2048) exceeds data.seq_len (1024)"),
+        (["attention.local_window=512", "attention.s_size=256"], "attention: local_window (512) exceeds"),
+        (["attention.block_size=96", "data.seq_len=1536", "parallel.context=1"], "attention: block_size must be a power of two"),
+        (["attention.sparse=false", "attention.block_size=96", "data.seq_len=1536", "parallel.context=1"], None),
     ],
 )
 def test_bad_configs_fail_with_the_fix(overrides, expected):
+    if expected is None:  # the control: valid once the offending part is switched off
+        parse_config(BASE, overrides)
+        return
     with pytest.raises(ConfigError) as err:
         parse_config(BASE, overrides)
     assert expected in str(err.value)
@@ -83,3 +90,18 @@ def test_cli_reports_config_errors_without_traceback(tmp_path):
     assert result.exit_code == 2 and "does not exist" in result.output
     result = CliRunner().invoke(app, ["train", str(ROOT / "configs" / "tiny_cpu.yaml"), "--nproc", "3"])
     assert result.exit_code == 2 and "parallel.data x parallel.context" in result.output
+
+
+def test_cli_tokenize_writes_the_token_stream(tmp_path, monkeypatch):
+    import numpy as np
+
+    monkeypatch.chdir(ROOT)  # the config's paths are relative to the repository root
+    from mtraining.train.data import TextTokenizer, token_stream
+
+    out = tmp_path / "tokens.npy"
+    result = CliRunner().invoke(app, ["tokenize", str(ROOT / "configs" / "tiny_cpu.yaml"), str(out)])
+    assert result.exit_code == 0, result.output
+    expected = token_stream([str(ROOT / "data" / "tiny_corpus.jsonl")], TextTokenizer(ROOT / "data" / "tokenizer.json"))
+    saved = np.load(out)
+    assert saved.dtype == np.uint16 and np.array_equal(saved, expected)
+    assert np.array_equal(token_stream([str(out)], None), expected)

@@ -151,6 +151,8 @@ class Config(_Section):
             make_layout(att.layout, seq, self.parallel.context, att.block_size)
         except ValueError as err:
             raise ValueError(f"data.seq_len: {err} (or change attention.layout / attention.block_size)") from None
+        if att.sparse:
+            self._check_pattern()
         if self.optim.warmup_steps > self.train.steps:
             raise ValueError(
                 f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps}); lower it"
@@ -160,6 +162,26 @@ class Config(_Section):
         if any(layer < 0 for layer in att.dense_layers):
             raise ValueError(f"attention.dense_layers must be layer indices >= 0, got {att.dense_layers}")
         return self
+
+    def _check_pattern(self) -> None:
+        from ..ops.estimate import PatternConfig
+
+        att, seq = self.attention, self.data.seq_len
+        budgets = {"v_size": att.v_size, "s_size": att.s_size, "last_q": att.last_q}
+        for name, value in budgets.items():
+            if att.budgets is None and value > seq:
+                raise ValueError(f"attention.{name} ({value}) exceeds data.seq_len ({seq}); lower it to at most {seq}")
+        try:
+            PatternConfig(
+                **({} if att.budgets is not None else {"v_size": att.v_size, "s_size": att.s_size}),
+                last_q=att.last_q,
+                block_size=att.block_size,
+                sink_tokens=att.sink_tokens,
+                local_window=att.local_window,
+                threshold=att.threshold,
+            )
+        except ValueError as err:
+            raise ValueError(f"attention: {err}") from None
 
     @property
     def world_size(self) -> int:
