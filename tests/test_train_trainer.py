@@ -31,7 +31,7 @@ RAW = {
     },
     "attention": {"layout": "striped", "block_size": 16, "backend": "torch", "last_q": 16, "local_window": 16},
     "data": {"sources": [str(DATA / "tiny_corpus.jsonl")], "tokenizer": str(DATA / "tokenizer.json"), "seq_len": 128},
-    "train": {"steps": 4, "seed": 0, "loss_chunk_tokens": 96},
+    "train": {"steps": 4, "seed": 0, "loss_chunk_tokens": 96, "device": "cpu"},
     "optim": {"lr": 1e-2, "warmup_steps": 1},
     "log": {"progress": False, "every": 1},
 }

@@ -105,6 +105,8 @@ class OptimSection(_Section):
 
 class TrainSection(_Section):
     steps: PositiveInt
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """cuda: one GPU per rank (NCCL); cpu: gloo; auto: CUDA when available."""
     seed: int = 0
     activation_checkpointing: bool = True
     loss_chunk_tokens: PositiveInt = 4096

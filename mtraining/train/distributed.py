@@ -36,9 +36,21 @@ class ParallelState:
         return self.rank == 0
 
 
-def init_parallel(data: int, context: int, timeout_s: float = 1800.0) -> ParallelState:
-    """Join (or form) the process group and build the data x context mesh; sizes must multiply to the world."""
-    use_cuda = torch.cuda.is_available()
+def init_parallel(data: int, context: int, device: str = "auto", timeout_s: float = 1800.0) -> ParallelState:
+    """Join (or form) the process group and build the data x context mesh; sizes must multiply to the world.
+
+    ``device``: "cuda" (one GPU per rank, NCCL), "cpu" (gloo) or "auto" (CUDA when available).
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device is cuda but no GPU is visible; use train.device=cpu")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        where = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(where)  # before NCCL starts, so each rank talks from its own GPU
+    else:
+        where = torch.device("cpu")
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         backend = "nccl" if use_cuda else "gloo"
@@ -52,14 +64,9 @@ def init_parallel(data: int, context: int, timeout_s: float = 1800.0) -> Paralle
             f"{world} ranks were launched but parallel.data x parallel.context = {data} x {context}; "
             f"launch {data * context} ranks or change parallel.data"
         )
-    if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    mesh = init_device_mesh(device.type, (data, context), mesh_dim_names=("dp", "cp"))
+    mesh = init_device_mesh(where.type, (data, context), mesh_dim_names=("dp", "cp"))
     return ParallelState(
-        device=device,
+        device=where,
         rank=rank,
         world_size=world,
         dp_rank=mesh.get_local_rank("dp"),

@@ -73,7 +73,7 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         cfg.check_world_size(dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1)))
-        self.par = par = init_parallel(cfg.parallel.data, cfg.parallel.context)
+        self.par = par = init_parallel(cfg.parallel.data, cfg.parallel.context, cfg.train.device)
         att, data = cfg.attention, cfg.data
         self.data = self._load_data()
         torch.manual_seed(cfg.train.seed)
