@@ -105,3 +105,15 @@ def test_cli_tokenize_writes_the_token_stream(tmp_path, monkeypatch):
     saved = np.load(out)
     assert saved.dtype == np.uint16 and np.array_equal(saved, expected)
     assert np.array_equal(token_stream([str(out)], None), expected)
+
+
+def test_budgets_file_gives_per_layer_per_head_budgets(tmp_path):
+    from mtraining.train.trainer import pattern_config
+
+    budgets = tmp_path / "budgets.yaml"
+    budgets.write_text(yaml.safe_dump({"default": {"v_size": 128, "s_size": 256}, "layers": {1: {"v_size": [64, 96, 128, 160]}}}))
+    cfg = parse_config(BASE, [f"attention.budgets={budgets}"])
+    v0, s0 = pattern_config(cfg.attention).head_budgets(0, 4, 1024)
+    v1, s1 = pattern_config(cfg.attention).head_budgets(1, 4, 1024)
+    assert v0.tolist() == [128] * 4 and s0.tolist() == s1.tolist() == [256] * 4 and v1.tolist() == [64, 96, 128, 160]
+    assert pattern_config(parse_config(BASE, ["attention.sparse=false"]).attention) is None
