@@ -67,6 +67,7 @@ class Monitor:
     ) -> None:
         self.enabled = enabled
         self.every = every
+        self.total_steps = total_steps
         self._jsonl = self._writer = self._bar = None
         if not enabled:
             return
@@ -94,7 +95,7 @@ class Monitor:
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
             self._bar.update(1)
-        if step % self.every == 0:
+        if step % self.every == 0 or step == self.total_steps:
             self.write(f"step {step} " + " ".join(_fmt(k, v) for k, v in metrics.items() if v is not None))
 
     def write(self, line: str) -> None:
