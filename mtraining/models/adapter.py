@@ -19,8 +19,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..ops.attention import sparse_attention
-from ..ops.estimate import PatternConfig
+from ..ops.estimate import PatternConfig, estimate_pattern
+from ..parallel.estimate import estimate_pattern_cp
 from ..parallel.layout import Layout
+from ..parallel.ring import ring_attention
 from .recall import pattern_recall
 
 ATTN_IMPLEMENTATION = "mtraining"
@@ -122,8 +124,6 @@ def mtraining_attention(
                 recall = pattern_recall(q.detach(), k.detach(), pattern, config.last_q, scale, group, layout)
             ctx.stats[layer] = PatternStats(density=float(pattern.density().mean()), recall=recall)
     if cp:
-        from ..parallel.ring import ring_attention
-
         out = ring_attention(
             q, k, v, ctx.group, ctx.layout, pattern=pattern, softmax_scale=scale, backend=ctx.backend, layer_idx=layer
         )
@@ -135,11 +135,7 @@ def mtraining_attention(
 def _estimate(ctx: AttentionContext, config: PatternConfig, layer: int, q: Tensor, k: Tensor, scale: float):
     """The global pattern of this layer from the current q/k (identical on every rank of the ring)."""
     if ctx.cp_size > 1:
-        from ..parallel.estimate import estimate_pattern_cp
-
         return estimate_pattern_cp(q, k, config, ctx.group, ctx.layout, layer_idx=layer, softmax_scale=scale)
-    from ..ops.estimate import estimate_pattern
-
     return estimate_pattern(q, k, config, layer_idx=layer, softmax_scale=scale)
 
 

@@ -152,7 +152,8 @@ class Trainer:
         counts = torch.zeros(2, dtype=torch.float64, device=par.device)
         counts[0] = (labels != IGNORE_INDEX).sum()
         self.attention.stats.clear()
-        self.attention.record = "recall" if (step + 1) % cfg.log.every == 0 else "density"
+        logged = (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps
+        self.attention.record = "recall" if logged else "density"
         loss_sum = self.model(input_ids, labels, position_ids)
         self.attention.record = "off"  # activation checkpointing re-runs the forward in backward
         counts[1] = loss_sum.detach()
