@@ -6,19 +6,18 @@ Structured model, per key/value head h (query head hq uses h = hq // (Hq / Hkv))
     q_i = a * u_h + e_q(i) + c * w_h
     v_j = e_v(j)
 
-u_h is a random unit direction in the high-frequency half of the RoPE pairs, w_h one in the
-lowest-frequency eighth (pairs that barely rotate over the sequence), e_* Gaussian noise with
+u_h is a random unit direction with 20% of its energy in the high-frequency half of the RoPE
+pairs and 80% in the pairs whose wavelength lies in [seq_len/24, seq_len/3]; w_h is one in the
+lowest-frequency eighth (pairs that barely rotate over the sequence); e_* Gaussian noise with
 per-element std ``noise * a / sqrt(D)``. q and k are then rotated by RoPE (rotate-half layout,
 base ``rope_base``, 1e6 as in Qwen2.5) at their positions. Scaled by 1/sqrt(D):
 
-- a * u_h on both sides gives a logit of ``local_logit`` at distance 0 that decays with distance
-  as the high-frequency pairs decorrelate: a local, RoPE-shaped slash band;
+- a * u_h on both sides gives a logit of ``local_logit`` at distance 0: a sharp peak over the first
+  tens of tokens (the fast pairs decorrelate), then a smooth band that decays over a few percent of
+  the sequence (the band pairs), far above the weak far field: a local-heavy, RoPE-shaped slash
+  pattern whose top slashes are the nearest offsets, as in real LLM heads;
 - c * w_h meets the anchor keys with a logit of about ``anchor_logit`` at every distance:
   vertical lines at the anchors (``anchor_positions``: 0 and ``num_anchors - 1`` random positions).
-
-The far field is not silent: u_h has only head_dim/4 rotating pairs, so logits of distant keys
-fluctuate with std about local_logit / sqrt(head_dim/2); at very long seq_len raise local_logit
-to keep the local band dominant.
 
 Every noise element is drawn by a counter-based hash of (seed, stream, batch, position, head, dim), so
 any subset of positions (a context-parallel shard) is generated directly on the device and a
@@ -36,6 +35,7 @@ from torch import Tensor
 _MASK32 = 0xFFFFFFFF
 _ROWS_PER_CHUNK = 4096
 _STREAM_Q, _STREAM_K, _STREAM_V = 1, 2, 3
+_SHARP_ENERGY = 0.2  # share of the local direction in fast-rotating pairs (the rest: the smooth band)
 
 
 def rope_structured_qkv(
@@ -68,7 +68,7 @@ def rope_structured_qkv(
     if rope_base <= 1:
         raise ValueError(f"rope_base must be > 1 (RoPE frequencies base**(-2f/D)), got {rope_base}")
     anchors = anchor_positions(seq_len, num_anchors, seed).to(device)
-    u, w = _directions(seed, heads_kv, head_dim)
+    u, w = _directions(seed, heads_kv, head_dim, seq_len, rope_base)
     u, w = u.to(device), w.to(device)
     root_d = math.sqrt(head_dim)
     a, c = math.sqrt(local_logit * root_d), math.sqrt(anchor_logit * root_d)
@@ -92,18 +92,32 @@ def anchor_positions(seq_len: int, num_anchors: int, seed: int = 0) -> Tensor:
     return torch.cat([torch.zeros(min(num_anchors, 1), dtype=torch.int64), others]).sort().values
 
 
-def _directions(seed: int, heads_kv: int, head_dim: int) -> tuple[Tensor, Tensor]:
-    """Unit directions [Hkv, D]: u in the high-frequency half of the RoPE pairs, w in the lowest eighth."""
+def _directions(seed: int, heads_kv: int, head_dim: int, seq_len: int, rope_base: float) -> tuple[Tensor, Tensor]:
+    """Unit directions [Hkv, D]: u for the local band, w for the anchors (lowest-frequency eighth of the pairs).
+
+    u puts ``_SHARP_ENERGY`` of its energy on the high-frequency half of the RoPE pairs (a sharp
+    peak at distance 0 that decorrelates within tens of tokens) and the rest on the pairs whose
+    wavelength 1/theta lies in [seq_len/24, seq_len/3] (a smooth band a few percent of the sequence
+    wide, whose logits stay far above the far field): a local-heavy slash pattern at any length.
+    """
     gen = torch.Generator().manual_seed(seed + 1)
     half = head_dim // 2
     n_high, n_low = max(1, half // 2), max(1, head_dim // 8)
-    high = torch.cat([torch.arange(n_high), torch.arange(half, half + n_high)])
-    low = torch.cat([torch.arange(half - n_low, half), torch.arange(head_dim - n_low, head_dim)])
-    u = torch.zeros(heads_kv, head_dim)
-    u[:, high] = torch.nn.functional.normalize(torch.randn(heads_kv, high.numel(), generator=gen), dim=-1)
-    w = torch.zeros(heads_kv, head_dim)
-    w[:, low] = torch.nn.functional.normalize(torch.randn(heads_kv, low.numel(), generator=gen), dim=-1)
-    return u, w
+    pair = torch.arange(half)
+    wavelength = rope_base ** (2 * pair.double() / head_dim)
+    band = (wavelength >= seq_len / 24) & (wavelength <= seq_len / 3) & (pair >= n_high) & (pair < half - n_low)
+    if not bool(band.any()):  # short sequences or tiny heads: the one pair nearest to seq_len / 8
+        nearest = int((wavelength.log() - math.log(seq_len / 8)).abs()[n_high : half - n_low].argmin()) + n_high
+        band = pair == nearest
+
+    def unit_on(pairs: Tensor) -> Tensor:
+        dims = torch.cat([pairs, pairs + half])
+        out = torch.zeros(heads_kv, head_dim)
+        out[:, dims] = torch.nn.functional.normalize(torch.randn(heads_kv, dims.numel(), generator=gen), dim=-1)
+        return out
+
+    u = math.sqrt(_SHARP_ENERGY) * unit_on(pair[:n_high]) + math.sqrt(1 - _SHARP_ENERGY) * unit_on(pair[band])
+    return u, unit_on(pair[half - n_low :])
 
 
 def random_qkv(
