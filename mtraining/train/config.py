@@ -193,11 +193,12 @@ class Config(_Section):
         """Fail unless the launched ranks form the data x context mesh."""
         if world_size != self.world_size:
             p = self.parallel
-            hint = (
-                f"set parallel.data={world_size // p.context}"
-                if world_size % p.context == 0
-                else f"launch {self.world_size} ranks or set parallel.context to a divisor of {world_size}"
-            )
+            launch = f"launch {self.world_size} ranks (mtraining train --nproc {self.world_size}, or torchrun --nproc_per_node {self.world_size})"
+            if world_size % p.context == 0:
+                hint = f"set parallel.data={world_size // p.context} or {launch}"
+            else:
+                fit = f"a divisor of {world_size}" if world_size > 1 else "1"
+                hint = f"{launch}, or set parallel.context to {fit}"
             raise ValueError(
                 f"{world_size} ranks were launched but parallel.data x parallel.context = {p.data} x {p.context} "
                 f"= {self.world_size}; {hint}"
