@@ -132,6 +132,7 @@ def test_training_checkpoint_with_config(tiny, tmp_path):
         "data": {"sources": [str(CORPUS)], "tokenizer": str(TOKENIZER), "seq_len": 256, "batch_size": 1},
         "train": {"steps": 1},
         "optim": {"warmup_steps": 0},
+        "attention": {"sparse": False, "v_size": 64, "s_size": 128, "local_window": 64, "block_size": 64},
     }
     (tmp_path / "train.yaml").write_text(yaml.safe_dump(cfg))
     args = ["--data", CORPUS, "--pack", "--lengths", "256", *FAST]
