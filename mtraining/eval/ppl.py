@@ -46,10 +46,7 @@ class _Windows:
             eos = self.tokenizer.eos_id
             need = length * samples
 
-            def total() -> int:
-                return sum(len(d) + 1 for d in self.ids)
-
-            self._tokenise_until(lambda: total() >= need)
+            self._tokenise_until(lambda: sum(len(d) + 1 for d in self.ids) >= need)
             stream: list[int] = []
             for doc in self.ids:
                 stream.extend(doc + ([eos] if eos is not None else []))
