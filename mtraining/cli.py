@@ -1,4 +1,5 @@
-"""Command line: ``mtraining train CONFIG.yaml [key=value ...]``, ``mtraining export``, ``mtraining tokenize``.
+"""Command line: ``mtraining train CONFIG.yaml [key=value ...]``, ``mtraining export``, ``mtraining tokenize``,
+and the evaluation suite under ``mtraining eval`` (ppl, niah, ruler, report).
 
 Run under torchrun for several ranks (``torchrun --nproc_per_node 4 -m mtraining.cli train ...``)
 or let ``--nproc N`` start torchrun for you on this machine.
@@ -13,7 +14,10 @@ from pathlib import Path
 
 import typer
 
+from .eval.cli import eval_app
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Ultra-long-context training with dynamic sparse attention.")
+app.add_typer(eval_app, name="eval")
 
 
 def _fail(err: Exception) -> None:
