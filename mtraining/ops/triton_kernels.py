@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# The kernels take the widths and strides of their index lists as plain ints (do_not_specialize):
+# the lists change size with every pattern and ring step, and specialising on them would recompile.
 INT_MAX = tl.constexpr(2147483647)
 
 
@@ -43,7 +45,7 @@ def _vertical_use(cols_idx, n_vert, VColsRow, KPos, MaskRow, qB, G: tl.constexpr
     return cols, tl.where(use, k_pos, INT_MAX), use
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['s_sb', 's_sh', 's_st', 's_wb', 's_wh'])
 def _fwd_kernel(
     Q, K, V, Out, Lse, QPos, KPos,
     QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,
@@ -118,7 +120,7 @@ def _dq_step(dq, q, do, lse2, delta_row, kT, vT, s):
     return dq + tl.dot(ds.to(kT.dtype), tl.trans(kT))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['s_sb', 's_sh', 's_st', 's_wb', 's_wh'])
 def _bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, QPos, KPos,
     QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,
@@ -208,7 +210,7 @@ def _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, rows, b, h, qk_
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['s_sb', 's_sh', 's_st'])
 def _bwd_dkdv_block_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DQ, QPos, KPos,
     Starts, Count, DiagStart,
@@ -252,7 +254,7 @@ def _bwd_dkdv_block_kernel(
     tl.store(DV + out_off, dv, mask=col_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['s_wb', 's_wh', 's_tb', 's_th', 'VWIDTH'])
 def _bwd_dkdv_vertical_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DQ, QPos, KPos,
     QGBlock, DiagMask, VCols, VStartQ,
