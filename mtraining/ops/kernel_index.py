@@ -5,7 +5,8 @@ The Triton kernels never search: for every query tile they get the list of key t
 causal-diagonal block that needs a mask, and the vertical columns of this key chunk. Everything is
 derived on the device with vectorised torch ops from the global pattern and the global positions
 of the rows, so one kernel serves any layout and any ring step, and the kernel loops are plain
-`for j in range(n)` loops that Triton can software-pipeline.
+`for j in range(n)` loops that Triton can software-pipeline. Building a walk never waits for the
+device (list widths are host-known upper bounds), so ring steps queue without host syncs.
 
 Positions must come in *aligned runs*: every G rows of a chunk (from local row 0) hold G
 consecutive global positions starting at a multiple of G (the last run may be shorter). All
@@ -111,7 +112,8 @@ def _tile_lists(
     offsets = torch.arange(0, block_size, sub_tile, device=diags.device, dtype=torch.int32)
     starts = start[..., None] + offsets  # [B, H, nT, D, G / sub_tile]
     ok = ok[..., None] & (starts < other_len)
-    return compact(starts.flatten(-2), ok.flatten(-2), _ABSENT)
+    starts, ok = starts.flatten(-2), ok.flatten(-2)
+    return compact(starts, ok, _ABSENT, width=starts.shape[-1])  # host-known width: no device sync
 
 
 def _connected_diags(q_present: Tensor, k_present: Tensor) -> Tensor:
@@ -154,7 +156,7 @@ def _chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> 
     vpos = pattern.vertical_pos
     real_v = torch.arange(vpos.shape[-1], device=dev) < pattern.num_verticals[..., None]
     local = torch.searchsorted(k_pos, vpos.contiguous()).clamp(max=sk - 1)
-    vcols, _ = compact(local, real_v & (k_pos[local.long()] == vpos), sk)
+    vcols, _ = compact(local, real_v & (k_pos[local.long()] == vpos), sk, width=local.shape[-1])
     vcol_pos = torch.where(vcols < sk, k_pos[vcols.clamp(max=sk - 1).long()], _ABSENT).contiguous()
     diag_mask = pattern.diag_mask()
     return _ChunkPair(q_pos, k_pos, q_block_start, k_block_start, diags, real,

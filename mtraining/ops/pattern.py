@@ -35,13 +35,16 @@ def slashes_to_block_diags(offsets: Tensor, block_size: int, num_blocks: int) ->
     return mask[..., :num_blocks]
 
 
-def compact(values: Tensor, keep: Tensor, fill: int) -> tuple[Tensor, Tensor]:
+def compact(values: Tensor, keep: Tensor, fill: int, width: int | None = None) -> tuple[Tensor, Tensor]:
     """Move the kept entries of each row of ``values`` [..., L] to the front, in order.
 
-    Returns (packed [..., W] int32 padded with ``fill``, counts [...] int32), W = max count (>= 1).
+    Returns (packed [..., W] int32 padded with ``fill``, counts [...] int32). W is ``width`` when
+    given (>= every count; no device sync) or else the largest count (one device sync), at least 1.
     """
     counts = keep.sum(-1, dtype=torch.int32)
-    width = max(int(counts.max().item()) if counts.numel() else 0, 1)
+    if width is None:
+        width = int(counts.max().item()) if counts.numel() else 0
+    width = max(width, 1)
     slot = torch.where(keep, keep.cumsum(-1) - 1, width)
     packed = torch.full((*values.shape[:-1], width + 1), fill, dtype=torch.int32, device=values.device)
     packed.scatter_(-1, slot.long(), values.to(torch.int32))
