@@ -112,8 +112,9 @@ def _tile_lists(
     offsets = torch.arange(0, block_size, sub_tile, device=diags.device, dtype=torch.int32)
     starts = start[..., None] + offsets  # [B, H, nT, D, G / sub_tile]
     ok = ok[..., None] & (starts < other_len)
-    starts, ok = starts.flatten(-2), ok.flatten(-2)
-    return compact(starts, ok, _ABSENT, width=starts.shape[-1])  # host-known width: no device sync
+    # a tile meets each block of the other chunk at most once: a host-known bound, no device sync.
+    width = min(diags.shape[-1], -(-other_len // block_size)) * offsets.numel()
+    return compact(starts.flatten(-2), ok.flatten(-2), _ABSENT, width=width)
 
 
 def _connected_diags(q_present: Tensor, k_present: Tensor) -> Tensor:
