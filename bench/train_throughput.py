@@ -1,0 +1,119 @@
+"""End-to-end training throughput: dense vs mtraining sparse attention (launches ``mtraining train``).
+
+For each sequence length and attention mode it writes a config (Qwen2.5-3B architecture with random
+weights by default, context parallel over all GPUs, bf16, activation checkpointing), trains a few
+steps on random token ids through torchrun, and reads the trainer's metrics.jsonl: the median over
+steps after warm-up of step time and tokens/s, the peak memory and MFU.
+
+    python bench/train_throughput.py --gpus 4 --seq-lens 131072 262144 524288
+    python bench/train_throughput.py --arch tiny --device cpu --gpus 2 --seq-lens 2048 --steps 4   # plumbing check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import command_line, commit, device_name, write_results  # noqa: E402
+
+ARCHS = {
+    "qwen2.5-3b": dict(model_type="qwen2", vocab_size=151936, hidden_size=2048, intermediate_size=11008,
+                       num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                       max_position_embeddings=1048576, tie_word_embeddings=True, rope_theta=1.0e6),
+    "tiny": dict(model_type="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1048576,
+                 tie_word_embeddings=True),
+}
+MODES = {  # attention section per mode
+    "dense": dict(sparse=False, layout="zigzag"),
+    "sparse": dict(sparse=True, layout="striped", v_size=1024, s_size=6144, local_window=128),
+}
+
+
+def write_config(folder: Path, args, seq_len: int, mode: str, tokens: Path) -> Path:
+    arch = ARCHS[args.arch]
+    attention = dict(MODES[mode], block_size=128, backend="auto")
+    if args.arch == "tiny":  # budgets and stripes that fit the short sequences of a plumbing check
+        attention["block_size"] = 32
+        if mode == "sparse":
+            attention.update(v_size=64, s_size=256, local_window=32)
+    cfg = dict(
+        model=dict(config=arch, dtype="bfloat16" if args.device == "cuda" else "float32"),
+        attention=attention,
+        parallel=dict(data=1, context=args.gpus),
+        data=dict(sources=[str(tokens)], seq_len=seq_len, batch_size=1, shuffle=False),
+        optim=dict(lr=1.0e-5, warmup_steps=1),
+        train=dict(steps=args.steps, device=args.device, seed=0, activation_checkpointing=True),
+        checkpoint=dict(dir=None),
+        log=dict(dir=str(folder / "log"), every=1),
+    )
+    path = folder / f"{mode}_{seq_len}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_one(path: Path, gpus: int, log_dir: Path, warmup: int) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+           "-m", "mtraining.cli", "train", str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    metrics = log_dir / "metrics.jsonl"
+    if proc.returncode != 0 or not metrics.exists():
+        return dict(error=(proc.stderr or proc.stdout)[-2000:])
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    timed = steps[warmup:] or steps
+    return dict(
+        step_s=statistics.median(s["step_s"] for s in timed),
+        tokens_per_s=statistics.median(s["tokens_per_s"] for s in timed),
+        peak_mem_gb=max(s["peak_mem_gb"] for s in steps),
+        mfu=statistics.median(s["mfu"] for s in timed) if all("mfu" in s for s in timed) else None,
+        density=statistics.median(s["density"] for s in timed) if all("density" in s for s in timed) else None,
+        losses=[s["loss"] for s in steps],
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=list(ARCHS), default="qwen2.5-3b")
+    p.add_argument("--gpus", type=int, default=4, help="context-parallel ranks (GPUs, or gloo ranks on the CPU)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[131072, 262144, 524288])
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians (compilation)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    vocab = ARCHS[args.arch]["vocab_size"]
+    records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        tokens = tmp / "tokens.npy"
+        rng = np.random.default_rng(0)
+        np.save(tokens, rng.integers(0, vocab, size=max(args.seq_lens) * (args.steps + 2), dtype=np.int64))
+        for seq_len in args.seq_lens:
+            for mode in args.modes:
+                folder = tmp / f"{mode}_{seq_len}"
+                folder.mkdir()
+                path = write_config(folder, args, seq_len, mode, tokens)
+                result = run_one(path, args.gpus, folder / "log", args.warmup)
+                rec = dict(device=device_name() if args.device == "cuda" else "cpu", gpus=args.gpus, commit=commit(),
+                           command=command_line(), model=args.arch, seq_len=seq_len,
+                           attention="mtraining sparse" if mode == "sparse" else "dense (our zigzag ring)",
+                           layout=MODES[mode]["layout"], ring="flat", config=yaml.safe_load(path.read_text()),
+                           **result)
+                records.append(rec)
+                shown = {k: rec.get(k) for k in ("step_s", "tokens_per_s", "peak_mem_gb", "mfu", "density", "error")}
+                print(f"{seq_len:>8} {mode:>6} {shown}", flush=True)
+    print(f"wrote {write_results('train_throughput', records, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
