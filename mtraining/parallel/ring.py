@@ -215,6 +215,8 @@ def ring_attention(
     return_lse: bool = False,
     backend: Backend = "auto",
     layer_idx: int = 0,
+    ring: str = "flat",
+    inner_size: int | None = None,
 ):
     """Context-parallel causal attention (vertical-slash sparse with a pattern) over ``group``.
 
@@ -222,8 +224,19 @@ def ring_attention(
     the global pattern (identical on all ranks); ``pattern_config`` (a ``PatternConfig``) estimates
     it from these q/k across the group first; neither means dense causal. Returns out
     [B, S/W, Hq, D] (and lse [B, Hq, S/W], float32 or float64 for float64 inputs). Differentiable
-    in q, k, v.
+    in q, k, v. ``ring="hierarchical"`` runs an inner ring of ``inner_size`` ranks per node (default
+    LOCAL_WORLD_SIZE) inside an outer ring across nodes (hierarchical.py); flat is inner_size = W.
     """
+    if ring == "hierarchical":
+        from .hierarchical import hierarchical_ring_attention
+
+        return hierarchical_ring_attention(
+            q, k, v, group, layout, pattern, pattern_config, softmax_scale, return_lse, backend, layer_idx, inner_size
+        )
+    if ring != "flat":
+        raise ValueError(f"ring must be 'flat' or 'hierarchical', got {ring!r}")
+    if inner_size is not None and inner_size != dist.get_world_size(group):
+        raise ValueError(f"inner_size={inner_size} needs ring='hierarchical' (the flat ring is one ring of all ranks)")
     if pattern is not None and pattern_config is not None:
         raise ValueError("pass either pattern (a global VerticalSlashPattern) or pattern_config (to estimate one), not both")
     name = resolve_backend(backend, q.device)
