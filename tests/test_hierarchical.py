@@ -203,3 +203,35 @@ def test_link_model_label_and_context():
     assert emulation.outer_link_label() == "real"
     with pytest.raises(ValueError, match="bandwidth must be > 0"):
         emulation.LinkModel(0.0)
+
+
+# ----------------------------------------------------------------------------- six ranks: 3 x 2 and 2 x 3
+SIX_CASES = [(2, "striped", "local_sinks"), (3, "zigzag", "random"), (2, "contiguous", "causal")]
+
+
+def _six_worker(rank: int, store_path: str, cases, inputs, patterns, out_dir: str) -> None:
+    import datetime
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 6), rank=rank, world_size=6,
+                            timeout=datetime.timedelta(seconds=60))
+    results = [tuple(t.clone() for t in hier_case(None, layout_name, inputs, pattern, inner))
+               for (inner, layout_name, _), pattern in zip(cases, patterns)]
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_hierarchical_six_ranks_three_nodes_and_two_nodes(tmp_path):
+    n, b, hq, hkv = 384, 1, 4, 2  # a multiple of 2 * 6 * G
+    inputs = make_inputs(21, b, n, hq, hkv, torch.float64)
+    patterns = [make_pattern(kind, b, hq, n, 21) for _, _, kind in SIX_CASES]
+    torch.multiprocessing.spawn(_six_worker, args=(str(tmp_path / "store"), SIX_CASES, inputs, patterns, str(tmp_path)), nprocs=6)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(6)]
+    for c, ((inner, layout_name, kind), pattern) in enumerate(zip(SIX_CASES, patterns)):
+        layout = make_layout(layout_name, n, 6, G)
+        ref = reference([t.clone() for t in inputs], pattern)  # float64 .double() is the same tensor: fresh grads
+        for i, name in enumerate(["out", "lse", "dq", "dk", "dv"]):
+            got = layout.gather([results[r][c][i] for r in range(6)], dim=2 if name == "lse" else 1)
+            assert_close(f"{name} (6 ranks, inner {inner}, {layout_name}, {kind})", got, ref[i], TOL[torch.float64])
