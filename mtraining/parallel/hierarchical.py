@@ -40,7 +40,16 @@ from . import emulation
 from .comm import RingComm
 from .estimate import estimate_pattern_cp
 from .layout import Layout
-from .ring import _check_inputs, _dense_pattern, _merge_into, _positions, _ring_comm, _spares
+from .ring import (
+    RingEngine,
+    _check_inputs,
+    _dense_pattern,
+    _merge_into,
+    _positions,
+    _ring_comm,
+    _RingAttention,
+    _spares,
+)
 from .topology import Topology, ring_groups
 
 
@@ -190,21 +199,7 @@ def _hier_backward(do, q, k, v, out, lse, pattern, plan: _HierPlan):
     return dq, grads[0], grads[1]
 
 
-class _HierRingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, pattern, plan):
-        out, lse = _hier_forward(q, k, v, pattern, plan)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pattern, ctx.plan = pattern, plan
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _hier_backward(dout, q, k, v, out, lse, ctx.pattern, ctx.plan)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+HIERARCHICAL = RingEngine(_hier_forward, _hier_backward)
 
 
 def hierarchical_ring_attention(
@@ -245,5 +240,5 @@ def hierarchical_ring_attention(
     if outer is not None and link is not None:
         outer = emulation.EmulatedComm(outer, link)
     plan = _HierPlan(groups.topology, inner, outer, layout, q.device, name, scale)
-    out, lse = _HierRingAttention.apply(q, k, v, pattern, plan)
+    out, lse = _RingAttention.apply(q, k, v, pattern, plan, HIERARCHICAL)
     return (out, lse) if return_lse else out

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -156,21 +158,33 @@ def _ring_backward(do, q, k, v, out, lse, pattern, plan: _Plan):
     return dq, grads[0], grads[1]
 
 
+class RingEngine(NamedTuple):
+    """A ring schedule: forward -> (out in the accumulation dtype, lse); backward -> (dq, dk, dv)."""
+
+    forward: Callable
+    backward: Callable
+
+
 class _RingAttention(torch.autograd.Function):
+    """Autograd wrapper shared by the ring schedules (flat here, hierarchical in hierarchical.py)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, pattern, plan):
-        out, lse = _ring_forward(q, k, v, pattern, plan)
+    def forward(ctx, q, k, v, pattern, plan, engine: RingEngine):
+        out, lse = engine.forward(q, k, v, pattern, plan)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.pattern, ctx.plan = pattern, plan
+        ctx.pattern, ctx.plan, ctx.engine = pattern, plan, engine
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.pattern, ctx.plan)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq, dk, dv = ctx.engine.backward(dout, q, k, v, out, lse, ctx.pattern, ctx.plan)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+FLAT = RingEngine(_ring_forward, _ring_backward)
 
 
 def _check_inputs(
@@ -249,5 +263,5 @@ def ring_attention(
         pattern = _dense_pattern(q.shape[0], q.shape[2], layout.seq_len, layout.block_size, q.device)
     comm = _ring_comm(group if group is not None else dist.group.WORLD, q.device)
     plan = _Plan(comm, layout, q.device, name, scale)
-    out, lse = _RingAttention.apply(q, k, v, pattern, plan)
+    out, lse = _RingAttention.apply(q, k, v, pattern, plan, FLAT)
     return (out, lse) if return_lse else out
