@@ -27,23 +27,20 @@ inner cycle). After O outer hops every rank holds the full dK/dV of its own shar
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops.attention import attention_backward, attention_forward, resolve_backend, row_delta
+from ..ops.attention import attention_backward, attention_forward, row_delta
 from ..ops.estimate import PatternConfig
 from ..ops.pattern import VerticalSlashPattern
 from . import emulation
 from .comm import RingComm
-from .estimate import estimate_pattern_cp
 from .layout import Layout
 from .ring import (
     RingEngine,
-    _check_inputs,
-    _dense_pattern,
+    _prepare,
     _merge_into,
     _positions,
     _ring_comm,
@@ -223,17 +220,8 @@ def hierarchical_ring_attention(
     k, v). ``outer_link`` (benchmarks only; default: the active ``emulation.emulate_outer_link``
     context, else none) makes outer-ring transfers take as long as on that link.
     """
-    if pattern is not None and pattern_config is not None:
-        raise ValueError("pass either pattern (a global VerticalSlashPattern) or pattern_config (to estimate one), not both")
-    name = resolve_backend(backend, q.device)
-    world_size = dist.get_world_size(group)
     groups = ring_groups(group, inner_size)  # validates inner_size first
-    _check_inputs(q, k, v, world_size, layout, pattern, name)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if pattern_config is not None:
-        pattern = estimate_pattern_cp(q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale)
-    if pattern is None and name == "triton":
-        pattern = _dense_pattern(q.shape[0], q.shape[2], layout.seq_len, layout.block_size, q.device)
+    pattern, name, scale = _prepare(q, k, v, group, layout, pattern, pattern_config, softmax_scale, backend, layer_idx)
     inner = _ring_comm(groups.inner, q.device) if groups.inner is not None else None
     outer = _ring_comm(groups.outer, q.device) if groups.outer is not None else None
     link = outer_link if outer_link is not None else emulation.active_outer_link()

@@ -217,6 +217,31 @@ def _check_inputs(
     layout.check_pattern_block(pattern.block_size)
 
 
+def _prepare(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup | None,
+    layout: Layout,
+    pattern: VerticalSlashPattern | None,
+    pattern_config: PatternConfig | None,
+    softmax_scale: float | None,
+    backend: str,
+    layer_idx: int,
+) -> tuple[VerticalSlashPattern | None, str, float]:
+    """Validate a ring call and settle its (global pattern, backend name, softmax scale), for every schedule."""
+    if pattern is not None and pattern_config is not None:
+        raise ValueError("pass either pattern (a global VerticalSlashPattern) or pattern_config (to estimate one), not both")
+    name = resolve_backend(backend, q.device)
+    _check_inputs(q, k, v, dist.get_world_size(group), layout, pattern, name)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if pattern_config is not None:
+        pattern = estimate_pattern_cp(q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale)
+    if pattern is None and name == "triton":
+        pattern = _dense_pattern(q.shape[0], q.shape[2], layout.seq_len, layout.block_size, q.device)
+    return pattern, name, scale
+
+
 def ring_attention(
     q: Tensor,
     k: Tensor,
@@ -251,16 +276,7 @@ def ring_attention(
         raise ValueError(f"ring must be 'flat' or 'hierarchical', got {ring!r}")
     if inner_size is not None and inner_size != dist.get_world_size(group):
         raise ValueError(f"inner_size={inner_size} needs ring='hierarchical' (the flat ring is one ring of all ranks)")
-    if pattern is not None and pattern_config is not None:
-        raise ValueError("pass either pattern (a global VerticalSlashPattern) or pattern_config (to estimate one), not both")
-    name = resolve_backend(backend, q.device)
-    world_size = dist.get_world_size(group)
-    _check_inputs(q, k, v, world_size, layout, pattern, name)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if pattern_config is not None:
-        pattern = estimate_pattern_cp(q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale)
-    if pattern is None and name == "triton":
-        pattern = _dense_pattern(q.shape[0], q.shape[2], layout.seq_len, layout.block_size, q.device)
+    pattern, name, scale = _prepare(q, k, v, group, layout, pattern, pattern_config, softmax_scale, backend, layer_idx)
     comm = _ring_comm(group if group is not None else dist.group.WORLD, q.device)
     plan = _Plan(comm, layout, q.device, name, scale)
     out, lse = _RingAttention.apply(q, k, v, pattern, plan, FLAT)
