@@ -38,8 +38,13 @@ def sparse_attention_table() -> str:
     return "\n".join(lines)
 
 
+def _dq_mode(tiles: dict) -> str:
+    """How the record made dQ; records before dq_mode carried fused_dq (True = per-element atomics)."""
+    return tiles.get("dq_mode") or ("atomic" if tiles.get("fused_dq") else "kernel")
+
+
 def kernel_table() -> str:
-    head = ["stage", "tiles (m, n, v, warps, stages, fused dQ)", "pattern", "fwd ms", "dQ ms", "dK/dV block ms",
+    head = ["stage", "tiles (m, n, v, warps, stages, dQ)", "pattern", "fwd ms", "dQ ms", "dK/dV block ms",
             "dK/dV vertical ms"]
     lines = [_row(head), _row(["---"] * len(head))]
     for r in _load("tune_kernels"):
@@ -47,7 +52,7 @@ def kernel_table() -> str:
         t = r["tiles"]
         lines.append(_row([
             r["stage"], f"({t['block_m']}, {t['block_n']}, {t['block_v']}, {t['num_warps']}, {t['num_stages']}, "
-            f"{t['fused_dq']})", f"{r['pattern']} ({r['density']:.3f})",
+            f"{_dq_mode(t)})", f"{r['pattern']} ({r['density']:.3f})",
             *(f"{k.get(name, 0.0):.1f}" for name in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_block_kernel",
                                                      "_bwd_dkdv_vertical_kernel")),
         ]))

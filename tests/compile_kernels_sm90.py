@@ -21,6 +21,11 @@ def signature(fn, constexprs: dict) -> dict:
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
+        elif name == "DQDesc":  # a TMA descriptor of dQ tiles in DQ_MODE 2, else None
+            if constexprs.get("DQ_MODE") == 2:
+                sig[name] = f"tensordesc<fp32[{constexprs['BLOCK_M']}, {constexprs['HEAD_DIM']}]>"
+            else:
+                sig[name], constexprs[name] = "constexpr", None
         elif name in INT_POINTERS:
             sig[name] = "*i32"
         elif name == "DiagMask":
@@ -42,9 +47,11 @@ def main() -> None:
     for fn, extra in [
         (tk._fwd_kernel, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_V=64)),
         (tk._bwd_dq_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_V=64)),
-        (tk._bwd_dkdv_block_kernel, dict(BLOCK_M=64, BLOCK_N=64, FUSED_DQ=False)),
-        (tk._bwd_dkdv_block_kernel, dict(BLOCK_M=64, BLOCK_N=128, FUSED_DQ=True)),
-        (tk._bwd_dkdv_vertical_kernel, dict(BLOCK_M=64, BLOCK_V=64, FUSED_DQ=False)),
+        (tk._bwd_dkdv_block_kernel, dict(BLOCK_M=64, BLOCK_N=64, DQ_MODE=0)),
+        (tk._bwd_dkdv_block_kernel, dict(BLOCK_M=64, BLOCK_N=128, DQ_MODE=1)),
+        (tk._bwd_dkdv_block_kernel, dict(BLOCK_M=64, BLOCK_N=128, DQ_MODE=2)),
+        (tk._bwd_dkdv_vertical_kernel, dict(BLOCK_M=64, BLOCK_V=64, DQ_MODE=0)),
+        (tk._bwd_dkdv_vertical_kernel, dict(BLOCK_M=64, BLOCK_V=64, DQ_MODE=2)),
     ]:
         constexprs = {**tiles, **extra}
         src = triton.compiler.ASTSource(fn=fn, signature=signature(fn, constexprs), constexprs=constexprs)

@@ -173,7 +173,7 @@ def test_fused_dq_backward_matches_oracle(monkeypatch, dtype):
     def fused_config(block_size, head_dim, device):
         t = min(block_size, 32)
         plain = tb.Tiles(t, t, t, 4, 1)
-        return tb.TileConfig(plain, plain, tb.Tiles(t, t, t, 4, 1, fused_dq=True))
+        return tb.TileConfig(plain, plain, tb.Tiles(t, t, t, 4, 1, dq_mode="atomic"))
 
     monkeypatch.setattr(tb, "tile_config", fused_config)
     gen = torch.Generator().manual_seed(5)

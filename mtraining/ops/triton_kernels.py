@@ -180,15 +180,18 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, rows, b, h, qk_scale, sm_scale, Sq,
+def _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, DQDesc, row0, b, h, qk_scale, sm_scale, Sq,
                s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh,
-               HEAD_DIM: tl.constexpr, MASK: tl.constexpr, FUSED_DQ: tl.constexpr):
-    """Accumulate dK/dV [N, D] of key rows k/v against query rows ``rows`` of head h.
+               BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, DQ_MODE: tl.constexpr):
+    """Accumulate dK/dV [N, D] of key rows k/v against the query rows row0 .. row0 + BLOCK_M - 1 of head h.
 
-    Rows past Sq load lse = +inf, so they add nothing; MASK adds the causal test by position.
-    FUSED_DQ also adds this tile's dQ = dS K into the float32 DQ (Q's strides) atomically.
+    Rows past Sq load lse = +inf, so they add nothing (and their dQ is exactly 0); MASK adds the
+    causal test by position. DQ_MODE 1 also adds this tile's dQ = dS K into the float32 DQ (Q's
+    strides) with per-element atomics, DQ_MODE 2 through the TMA unit (DQDesc: a [B * Sq, Hq * D]
+    descriptor of a contiguous DQ, one bulk reduce-add per tile); 0 leaves dQ to its own kernel.
     """
     d = tl.arange(0, HEAD_DIM)
+    rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < Sq
     q_off = b * s_qb + rows[:, None] * s_qs + h * s_qh + d[None, :]
     q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
@@ -204,21 +207,24 @@ def _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, rows, b, h, qk_
     dv += tl.dot(pT.to(do.dtype), do)
     dsT = (pT * (tl.dot(v, tl.trans(do)) - delta_row[None, :])).to(q.dtype)
     dk += tl.dot(dsT, q)
-    if FUSED_DQ:
+    if DQ_MODE == 1:
         dq = tl.dot(tl.trans(dsT), k) * sm_scale
         tl.atomic_add(DQ + q_off, dq, mask=row_ok[:, None], sem="relaxed")
+    elif DQ_MODE == 2:
+        dq = tl.dot(tl.trans(dsT), k) * sm_scale
+        DQDesc.atomic_add([b * Sq + row0, h * HEAD_DIM], dq)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=['s_sb', 's_sh', 's_st'])
 def _bwd_dkdv_block_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DQ, QPos, KPos,
+    Q, K, V, DO, Lse, Delta, DK, DV, DQ, DQDesc, QPos, KPos,
     Starts, Count, DiagStart,
     qk_scale, sm_scale, Sq, Sk, H, GROUP,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ob, s_os, s_oh, s_lb, s_lh,
     s_gb, s_gs, s_gh, s_sb, s_sh, s_st, s_cb, s_ch,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    FUSED_DQ: tl.constexpr,
+    DQ_MODE: tl.constexpr,
 ):
     """dK/dV (float32, strides s_g*) of one key tile's block part, over the query heads of its group."""
     tile = tl.program_id(0)
@@ -239,16 +245,15 @@ def _bwd_dkdv_block_kernel(
         tile_off = b * s_cb + h * s_ch + tile
         starts = Starts + b * s_sb + h * s_sh + tile * s_st
         for j in range(0, tl.load(Count + tile_off)):
-            rows = tl.load(starts + j) + tl.arange(0, BLOCK_M)
-            dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, rows, b, h, qk_scale, sm_scale,
-                                Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, HEAD_DIM, False, FUSED_DQ)
+            dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, DQDesc, tl.load(starts + j), b, h,
+                                qk_scale, sm_scale, Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh,
+                                BLOCK_M, HEAD_DIM, False, DQ_MODE)
         diag_start = tl.load(DiagStart + tile_off)
         if diag_start >= 0:
             for sub in tl.static_range(G // BLOCK_M):
-                rows = diag_start + sub * BLOCK_M + tl.arange(0, BLOCK_M)
-                dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, rows, b, h, qk_scale,
-                                    sm_scale, Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, HEAD_DIM, True,
-                                    FUSED_DQ)
+                dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, DQDesc,
+                                    diag_start + sub * BLOCK_M, b, h, qk_scale, sm_scale, Sq,
+                                    s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, BLOCK_M, HEAD_DIM, True, DQ_MODE)
     out_off = b * s_gb + cols[:, None] * s_gs + hk * s_gh + d[None, :]
     tl.store(DK + out_off, dk * sm_scale, mask=col_ok[:, None])
     tl.store(DV + out_off, dv, mask=col_ok[:, None])
@@ -256,13 +261,13 @@ def _bwd_dkdv_block_kernel(
 
 @triton.jit(do_not_specialize=['s_wb', 's_wh', 's_tb', 's_th', 'VWIDTH'])
 def _bwd_dkdv_vertical_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DQ, QPos, KPos,
+    Q, K, V, DO, Lse, Delta, DK, DV, DQ, DQDesc, QPos, KPos,
     QGBlock, DiagMask, VCols, VStartQ,
     qk_scale, sm_scale, Sq, Sk, H, GROUP, NQT, VWIDTH,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ob, s_os, s_oh, s_lb, s_lh,
     s_gb, s_gs, s_gh, s_mb, s_mh, s_wb, s_wh, s_tb, s_th,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, HEAD_DIM: tl.constexpr,
-    FUSED_DQ: tl.constexpr,
+    DQ_MODE: tl.constexpr,
 ):
     """dK/dV of one chunk of a head's vertical columns (those not covered by a selected diagonal)."""
     chunk = tl.program_id(0)
@@ -286,9 +291,9 @@ def _bwd_dkdv_vertical_kernel(
         qB = tl.load(QGBlock + t)
         covered = tl.load(mask_row + (qB - k_blk), mask=valid & (k_blk <= qB), other=0)
         k_pos_use = tl.where(valid & (covered == 0), k_pos, INT_MAX)
-        rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
-        dk, dv = _dkdv_step(dk, dv, k, v, k_pos_use, Q, DO, Lse, Delta, QPos, DQ, rows, b, h, qk_scale, sm_scale,
-                            Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, HEAD_DIM, True, FUSED_DQ)
+        dk, dv = _dkdv_step(dk, dv, k, v, k_pos_use, Q, DO, Lse, Delta, QPos, DQ, DQDesc, t * BLOCK_M, b, h,
+                            qk_scale, sm_scale, Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh,
+                            BLOCK_M, HEAD_DIM, True, DQ_MODE)
     out_off = b * s_gb + cols[:, None] * s_gs + hk * s_gh + d[None, :]
     tl.atomic_add(DK + out_off, dk * sm_scale, mask=valid[:, None])
     tl.atomic_add(DV + out_off, dv, mask=valid[:, None])

@@ -1,0 +1,90 @@
+"""Where the time of one sparse attention call goes on a GPU: the top CUDA kernels of each phase.
+
+Phases (structured inputs, Qwen2.5-3B attention shape, online pattern v_size/s_size):
+estimate (pattern estimation), walks (kernel index building), forward, backward (kernels only,
+indices cached). For each phase prints the CUDA time of the phase (CUDA events, median) and the
+top kernels by total CUDA time (torch.profiler), and writes them as JSON records.
+
+    python bench/profile_phases.py --seq-lens 131072 262144
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_ms, command_line, commit, device_name, write_results  # noqa: E402
+
+from mtraining.ops import triton_backend as tb  # noqa: E402
+from mtraining.ops.attention import sparse_attention  # noqa: E402
+from mtraining.ops.estimate import PatternConfig, estimate_pattern  # noqa: E402
+from mtraining.ops.kernel_index import build_key_walk, build_query_walk  # noqa: E402
+from mtraining.ops.synthetic import rope_structured_qkv  # noqa: E402
+
+
+def top_kernels(fn, top: int) -> list[tuple[str, float]]:
+    """(kernel name, total ms) of the ``top`` costliest CUDA kernels of one profiled call of fn."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            totals[evt.name[:90]] += evt.device_time / 1e3
+    return sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[131072])
+    p.add_argument("--v-size", type=int, default=1024)
+    p.add_argument("--s-size", type=int, default=6144)
+    p.add_argument("--top", type=int, default=8)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    hq, hkv, d, g = 16, 2, 128, 128
+    config = PatternConfig(v_size=args.v_size, s_size=args.s_size, block_size=g)
+    records = []
+    for n in args.seq_lens:
+        q, k, v = rope_structured_qkv(1, n, hq, hkv, d, dtype=torch.bfloat16, device="cuda", seed=0)
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        do = torch.randn_like(q)
+        pattern = estimate_pattern(q, k, config)
+        pos = torch.arange(n, device="cuda", dtype=torch.int32)
+        tiles = tb.tile_config(g, d, q.device)
+
+        def walks():
+            build_query_walk(pattern, pos, pos, tiles.fwd.block_m, tiles.fwd.block_n)
+            build_key_walk(pattern, pos, pos, tiles.dkdv.block_m, tiles.dkdv.block_n, tiles.dkdv.block_v)
+
+        out = sparse_attention(qg, kg, vg, pattern)  # builds and caches the walks
+        phases = {
+            "estimate": lambda: estimate_pattern(q, k, config),
+            "walks": walks,
+            "forward": lambda: sparse_attention(q, k, v, pattern),
+            "backward": lambda: out.backward(do, retain_graph=True),
+        }
+        for name, fn in phases.items():
+            ms = bench_ms(fn, warmup_ms=50, rep_ms=300)
+            kernels = top_kernels(fn, args.top)
+            records.append(dict(device=device_name(), commit=commit(), command=command_line(), seq_len=n,
+                                density=float(pattern.density().mean()), phase=name, ms=ms,
+                                top_kernels=[dict(name=k_, ms=v_) for k_, v_ in kernels]))
+            print(f"{n:>7} {name:9s} {ms:8.2f} ms", flush=True)
+            for k_, v_ in kernels:
+                print(f"          {v_:8.2f}  {k_}", flush=True)
+        del q, k, v, qg, kg, vg, do, out, pattern
+        torch.cuda.empty_cache()
+    print(f"wrote {write_results('profile_phases', records, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
