@@ -2,7 +2,10 @@
 
 Qwen2.5-3B attention shape by default (16 query heads, 2 KV heads, head_dim 128, bf16, causal).
 For each sequence length and input kind it estimates the pattern online (v_size, s_size), times the
-estimation, the sparse forward and backward, and cuDNN SDPA on the same inputs in the same run.
+estimation, the sparse forward and backward (pattern and kernel indices reused), the whole step as
+training runs it (estimate + forward + backward with a new pattern and new kernel indices every
+call: sparse_total_ms, what the speedup is computed from), and cuDNN SDPA on the same inputs in the
+same run.
 A density sweep times hand-made local + vertical patterns of about 1%, 3%, 10%, 30% density.
 
     python bench/sparse_attention.py --seq-lens 32768 65536 131072 262144
@@ -62,6 +65,19 @@ def sparse_times(q, k, v, do, pattern) -> tuple[float, float, float]:
     return f, b, fb
 
 
+def training_step_ms(q, k, v, do, config) -> float:
+    """Estimate + forward + backward as a training step runs them: a new pattern every call, so its
+    kernel indices are built inside the timed region too."""
+    from mtraining.ops.estimate import estimate_pattern
+
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def step():
+        sparse_attention(qg, kg, vg, estimate_pattern(q, k, config)).backward(do)
+
+    return bench_ms(step)
+
+
 def sweep_pattern(b: int, h: int, n: int, g: int, density: float, n_verticals: int) -> VerticalSlashPattern:
     """Local block diagonals plus spread verticals, sized to roughly the target density."""
     nb = -(-n // g)
@@ -95,12 +111,14 @@ def run(args) -> list[dict]:
                 if source == "estimated":
                     est_ms = bench_ms(lambda: estimate_pattern(q, k, config), warmup_ms=50, rep_ms=300)
                     pattern = estimate_pattern(q, k, config)
+                    total = training_step_ms(q, k, v, do, config)
                 else:
                     est_ms = 0.0
                     pattern = sweep_pattern(1, hq, n, g, target, 1024)
+                    total = None
                 density = float(pattern.density().mean())
                 f, b, fb = sparse_times(q, k, v, do, pattern)
-                total = est_ms + fb
+                total = total if total is not None else fb
                 rec = dict(base, seq_len=n, inputs=kind, pattern=source, target_density=target,
                            v_size=v_size, s_size=s_size, density=density, estimate_ms=est_ms,
                            sparse_fwd_ms=f, sparse_bwd_ms=b, sparse_fwd_bwd_ms=fb, sparse_total_ms=total,

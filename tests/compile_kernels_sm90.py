@@ -21,11 +21,6 @@ def signature(fn, constexprs: dict) -> dict:
     for name in fn.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
-        elif name == "DQDesc":  # a TMA descriptor of dQ tiles in DQ_MODE 2, else None
-            if constexprs.get("DQ_MODE") == 2:
-                sig[name] = f"tensordesc<fp32[{constexprs['BLOCK_M']}, {constexprs['HEAD_DIM']}]>"
-            else:
-                sig[name], constexprs[name] = "constexpr", None
         elif name in INT_POINTERS:
             sig[name] = "*i32"
         elif name == "DiagMask":
@@ -49,9 +44,8 @@ def main() -> None:
         (tk._bwd_dq_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_V=64)),
         (tk._bwd_dkdv_block_kernel, dict(BLOCK_M=64, BLOCK_N=64, DQ_MODE=0)),
         (tk._bwd_dkdv_block_kernel, dict(BLOCK_M=64, BLOCK_N=128, DQ_MODE=1)),
-        (tk._bwd_dkdv_block_kernel, dict(BLOCK_M=64, BLOCK_N=128, DQ_MODE=2)),
         (tk._bwd_dkdv_vertical_kernel, dict(BLOCK_M=64, BLOCK_V=64, DQ_MODE=0)),
-        (tk._bwd_dkdv_vertical_kernel, dict(BLOCK_M=64, BLOCK_V=64, DQ_MODE=2)),
+        (tk._bwd_dkdv_vertical_kernel, dict(BLOCK_M=64, BLOCK_V=64, DQ_MODE=1)),
     ]:
         constexprs = {**tiles, **extra}
         src = triton.compiler.ASTSource(fn=fn, signature=signature(fn, constexprs), constexprs=constexprs)

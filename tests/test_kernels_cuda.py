@@ -36,7 +36,7 @@ def local_vertical_pattern(b, h, n, g, n_diags, n_verts, gen):
     return VerticalSlashPattern.from_masks(diag, vert, g).to("cuda")
 
 
-@pytest.fixture(params=["kernel", "atomic", "tma"])
+@pytest.fixture(params=["kernel", "atomic"])
 def dq_mode(request, monkeypatch):
     """Run the test with each way of making dQ (its own kernel, or added by the dK/dV kernels)."""
     from dataclasses import replace

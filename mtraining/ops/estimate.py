@@ -123,10 +123,10 @@ def last_query_partial_lse(q_last: Tensor, q_last_pos: Tensor, k: Tensor, k_pos:
     q_last_pos, k_pos = _check_line_inputs(q_last, q_last_pos, k, k_pos)
     b, r, hq, _ = q_last.shape
     chunks, _ = _plan(q_last_pos, k_pos, b * hq * r)
-    qs = _grouped_queries(q_last, k.shape[2], scale)
-    lse = torch.full((b, hq, r), float("-inf"), dtype=qs.dtype, device=q_last.device)
+    qs = _grouped_queries(q_last, k.shape[2])
+    lse = torch.full((b, hq, r), float("-inf"), dtype=_acc_dtype(q_last), device=q_last.device)
     for start, stop, partly_causal in chunks:
-        s = torch.matmul(qs, k[:, start:stop].to(qs.dtype).permute(0, 2, 3, 1)).view(b, hq, r, stop - start)
+        s = _scores(qs, k[:, start:stop].permute(0, 2, 3, 1)).mul_(scale).view(b, hq, r, stop - start)
         if partly_causal:
             s.masked_fill_(k_pos[None, start:stop] > q_last_pos[:, None], float("-inf"))
         # logsumexp in place: no second [B, Hq, R, C] buffer
@@ -165,18 +165,22 @@ def line_scores(
             f"[{k_lo}, {k_hi}]; pass the global sequence length"
         )
     bh = b * hq
-    qa = _grouped_queries(q_last, k.shape[2], scale, row_lse)
+    qg = _grouped_queries(q_last, k.shape[2])
+    acc = _acc_dtype(q_last)
+    lse_rows = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse)).to(acc)[..., None]
     vertical = torch.empty(b, hq, sk, dtype=torch.float32, device=q_last.device)
-    slash = torch.zeros(bh, seq_len + 1, dtype=qa.dtype, device=q_last.device)  # last slot: non-causal pairs
+    slash = torch.zeros(bh, seq_len + 1, dtype=acc, device=q_last.device)  # last slot: non-causal pairs
     for start, stop, partly_causal in chunks:
         c = stop - start
         # contiguous: keys reversed and R padding columns, so diagonals are strided views (_add_diagonal_sums)
         pad = r if runs else 0
-        p = torch.matmul(qa, _augmented_keys(k, start, stop, pad, runs, qa.dtype)).view(b, hq, r, c + pad)
+        p = _scores(qg, _padded_keys(k, start, stop, pad, runs)).view(b, hq, r, c + pad)
+        p.mul_(scale).sub_(lse_rows)
         if partly_causal:
             kp = k_pos[start:stop].flip(0) if runs else k_pos[start:stop]
             p[..., :c].masked_fill_(kp[None, :] > q_last_pos[:, None], float("-inf"))
-        p.exp_()  # p[..., r, j] = exp(q_r . k_j * scale - row_lse[r]); padding columns are 0
+        p.exp_()  # p[..., r, j] = exp(q_r . k_j * scale - row_lse[r])
+        p[..., c:] = 0.0  # padding columns carry no probability
         if runs:
             vertical[..., start:stop] = p[..., :c].sum(dim=-2).flip(-1)
             _add_diagonal_sums(slash, p.view(bh, r, c + r), q_lo - (k_lo + start))
@@ -297,32 +301,36 @@ def _plan(
     return chunks, (*values[:4], bool(values[4]))
 
 
-def _grouped_queries(q_last: Tensor, kv_heads: int, scale: float, row_lse: Tensor | None = None) -> Tensor:
-    """[B, R, Hq, D] -> [B, Hkv, group * R, D'] scaled, in the accumulation dtype (head h uses kv head h // group).
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
-    With row_lse, two columns are appended, -row_lse (0 where -inf) and 1, so that against
-    ``_augmented_keys`` one matmul gives q.k*scale - row_lse directly.
+
+def _grouped_queries(q_last: Tensor, kv_heads: int) -> Tensor:
+    """[B, R, Hq, D] -> [B, Hkv, group * R, D] (head h uses kv head h // group), for ``_scores``."""
+    b, r, hq, d = q_last.shape
+    return q_last.transpose(1, 2).reshape(b, kv_heads, (hq // kv_heads) * r, d)
+
+
+def _scores(q: Tensor, keys: Tensor) -> Tensor:
+    """q [B, Hkv, M, D] @ keys [B, Hkv, D, C] in float32 (float64 for float64 inputs), a new tensor.
+
+    Half-precision inputs on CUDA multiply on the tensor cores with a float32 result: their
+    products are exact and they add in float32, as the float32 matmul of the upcast inputs would.
     """
-    b, r, hq, _ = q_last.shape
-    acc = torch.float64 if q_last.dtype == torch.float64 else torch.float32
-    q = q_last.transpose(1, 2).to(acc) * scale
-    if row_lse is not None:
-        safe = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse)).to(acc)[..., None]
-        q = torch.cat([q, -safe, torch.ones_like(safe)], dim=-1)
-    return q.reshape(b, kv_heads, (hq // kv_heads) * r, -1)
+    b, h, m, d = q.shape
+    c = keys.shape[-1]
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        out = torch.bmm(q.reshape(b * h, m, d), keys.to(q.dtype).reshape(b * h, d, c), out_dtype=torch.float32)
+        return out.view(b, h, m, c)
+    acc = _acc_dtype(q)
+    return torch.matmul(q.to(acc), keys.to(acc))
 
 
-def _augmented_keys(k: Tensor, start: int, stop: int, pad: int, reverse: bool, dtype: torch.dtype) -> Tensor:
-    """[B, Hkv, D + 2, C + pad]: keys start..stop-1 (reversed if asked), a row of ones (meets -row_lse),
-    and ``pad`` columns whose score is -1e30 (probability 0)."""
-    b, _, hkv, d = k.shape
-    c = stop - start
+def _padded_keys(k: Tensor, start: int, stop: int, pad: int, reverse: bool) -> Tensor:
+    """[B, Hkv, D, C + pad]: keys start..stop-1 (reversed if asked), then ``pad`` zero columns."""
     keys = k[:, start:stop]
-    out = torch.zeros(b, hkv, d + 2, c + pad, dtype=dtype, device=k.device)
-    out[:, :, :d, :c] = (keys.flip(1) if reverse else keys).permute(0, 2, 3, 1)
-    out[:, :, d, :c] = 1.0
-    out[:, :, d + 1, c:] = -1e30
-    return out
+    keys = (keys.flip(1) if reverse else keys).permute(0, 2, 3, 1)
+    return F.pad(keys, (0, pad)) if pad else keys
 
 
 def _add_diagonal_sums(slash: Tensor, p: Tensor, base: int) -> None:

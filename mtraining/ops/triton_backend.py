@@ -8,7 +8,6 @@ from typing import Literal
 import torch
 import triton
 from torch import Tensor
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import triton_kernels as tk
 from .kernel_index import DENSE_BLOCK, QueryWalk, build_key_walk, build_query_walk
@@ -24,10 +23,12 @@ class Tiles:
     block_v: int
     num_warps: int
     num_stages: int
-    # backward only, how dQ is made: "kernel" (its own kernel, 3 more matrix products per tile) or
-    # added by the dK/dV kernels as they go, "atomic" (per-element atomics) or "tma" (one bulk
-    # reduce-add per tile through the TMA unit: Hopper and newer, not in the interpreter).
-    dq_mode: Literal["kernel", "atomic", "tma"] = "kernel"
+    # backward only, how dQ is made: "kernel" (its own kernel: 3 more matrix products per tile) or
+    # "atomic" (added by the dK/dV kernels as they go; on an H200 slower, bench/results/tune_kernels.json).
+    dq_mode: Literal["kernel", "atomic"] = "kernel"
+    # backward only: query tiles per program of the vertical dK/dV kernel (long columns are split
+    # over programs so that they fill the GPU)
+    v_split: int = 64
 
 
 @dataclass(frozen=True)
@@ -42,14 +43,14 @@ class TileConfig:
 def tile_config(block_size: int, head_dim: int, device: torch.device) -> TileConfig:
     """Small tiles under the interpreter; on the GPU the fastest measured on an H200 (bench/tune_kernels.py)."""
     if device.type != "cuda":
-        t = Tiles(min(block_size, 32), min(block_size, 32), min(block_size, 32), 4, 1)
+        t = Tiles(min(block_size, 32), min(block_size, 32), min(block_size, 32), 4, 1, v_split=2)
         return TileConfig(t, t, t)
     g = block_size
     bwd = Tiles(min(g, 64), min(g, 64), 64, 4, 2)
     return TileConfig(Tiles(min(g, 128), min(g, 128), 64, 8, 3), bwd, bwd)
 
 
-_DQ_MODES = {"kernel": 0, "atomic": 1, "tma": 2}
+_DQ_MODES = {"kernel": 0, "atomic": 1}
 
 
 def _cached(pattern: VerticalSlashPattern, kind: str, q_pos: Tensor, k_pos: Tensor, tiles: Tiles):
@@ -130,15 +131,9 @@ def backward(
     cfg = tile_config(pattern.block_size, d, q.device)
     lse = lse.float().contiguous()
     delta = delta.float().contiguous()
-    # dq accumulated by the dK/dV kernels must start at zero. Pointer access indexes it with q's
-    # strides (empty_like keeps them); the TMA descriptor views a contiguous dq as [B * Sq, Hq * D].
+    # dq has q's strides (the kernels index both alike); atomically accumulated dq must start at zero.
     mode = cfg.dkdv.dq_mode
-    if mode == "tma":
-        dq = torch.zeros((b, sq, hq, d), dtype=torch.float32, device=q.device)
-        dq_desc = TensorDescriptor.from_tensor(dq.view(b * sq, hq * d), [cfg.dkdv.block_m, d])
-    else:
-        dq = torch.empty_like(q, dtype=torch.float32).fill_(float("nan") if mode == "kernel" else 0.0)
-        dq_desc = None
+    dq = torch.empty_like(q, dtype=torch.float32).fill_(float("nan") if mode == "kernel" else 0.0)
     dk = torch.full((b, sk, hkv, d), float("nan"), dtype=torch.float32, device=q.device)
     dv = torch.full_like(dk, float("nan"))
     scales = (scale * tk.LOG2E, scale)
@@ -156,13 +151,14 @@ def backward(
     w = _cached(pattern, "key", q_pos, k_pos, t)
     launch = dict(DQ_MODE=_DQ_MODES[mode], num_warps=t.num_warps, num_stages=t.num_stages)
     tk._bwd_dkdv_block_kernel[(triton.cdiv(sk, t.block_n), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, dq, dq_desc, q_pos, k_pos, w.starts, w.count, w.diag,
+        q, k, v, do, lse, delta, dk, dv, dq, q_pos, k_pos, w.starts, w.count, w.diag,
         *scales, sq, sk, hq, group, *qkv_strides, *dk.stride()[:3], *w.starts.stride()[:3], *w.count.stride()[:2],
         G=pattern.block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, **launch,
     )
-    tk._bwd_dkdv_vertical_kernel[(triton.cdiv(w.vcols.shape[-1], t.block_v), b * hq)](
-        q, k, v, do, lse, delta, dk, dv, dq, dq_desc, q_pos, k_pos, w.q_gblock, w.diag_mask, w.vcols, w.vstart,
-        *scales, sq, sk, hq, group, w.q_gblock.shape[0], w.vcols.shape[-1], *qkv_strides, *dk.stride()[:3],
+    n_qt = w.q_gblock.shape[0]
+    tk._bwd_dkdv_vertical_kernel[(triton.cdiv(w.vcols.shape[-1], t.block_v), b * hq, triton.cdiv(n_qt, t.v_split))](
+        q, k, v, do, lse, delta, dk, dv, dq, q_pos, k_pos, w.q_gblock, w.diag_mask, w.vcols, w.vstart,
+        *scales, sq, sk, hq, group, n_qt, w.vcols.shape[-1], t.v_split, *qkv_strides, *dk.stride()[:3],
         *w.diag_mask.stride()[:2], *w.vcols.stride()[:2], *w.vstart.stride()[:2],
         G=pattern.block_size, BLOCK_M=t.block_m, BLOCK_V=t.block_v, HEAD_DIM=d, **launch,
     )

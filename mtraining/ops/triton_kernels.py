@@ -180,15 +180,14 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, DQDesc, row0, b, h, qk_scale, sm_scale, Sq,
+def _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, row0, b, h, qk_scale, sm_scale, Sq,
                s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh,
                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, DQ_MODE: tl.constexpr):
     """Accumulate dK/dV [N, D] of key rows k/v against the query rows row0 .. row0 + BLOCK_M - 1 of head h.
 
     Rows past Sq load lse = +inf, so they add nothing (and their dQ is exactly 0); MASK adds the
     causal test by position. DQ_MODE 1 also adds this tile's dQ = dS K into the float32 DQ (Q's
-    strides) with per-element atomics, DQ_MODE 2 through the TMA unit (DQDesc: a [B * Sq, Hq * D]
-    descriptor of a contiguous DQ, one bulk reduce-add per tile); 0 leaves dQ to its own kernel.
+    strides) atomically; 0 leaves dQ to its own kernel.
     """
     d = tl.arange(0, HEAD_DIM)
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -210,15 +209,12 @@ def _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, DQDesc, row0, b
     if DQ_MODE == 1:
         dq = tl.dot(tl.trans(dsT), k) * sm_scale
         tl.atomic_add(DQ + q_off, dq, mask=row_ok[:, None], sem="relaxed")
-    elif DQ_MODE == 2:
-        dq = tl.dot(tl.trans(dsT), k) * sm_scale
-        DQDesc.atomic_add([b * Sq + row0, h * HEAD_DIM], dq)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=['s_sb', 's_sh', 's_st'])
 def _bwd_dkdv_block_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DQ, DQDesc, QPos, KPos,
+    Q, K, V, DO, Lse, Delta, DK, DV, DQ, QPos, KPos,
     Starts, Count, DiagStart,
     qk_scale, sm_scale, Sq, Sk, H, GROUP,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ob, s_os, s_oh, s_lb, s_lh,
@@ -245,13 +241,13 @@ def _bwd_dkdv_block_kernel(
         tile_off = b * s_cb + h * s_ch + tile
         starts = Starts + b * s_sb + h * s_sh + tile * s_st
         for j in range(0, tl.load(Count + tile_off)):
-            dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, DQDesc, tl.load(starts + j), b, h,
+            dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, tl.load(starts + j), b, h,
                                 qk_scale, sm_scale, Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh,
                                 BLOCK_M, HEAD_DIM, False, DQ_MODE)
         diag_start = tl.load(DiagStart + tile_off)
         if diag_start >= 0:
             for sub in tl.static_range(G // BLOCK_M):
-                dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, DQDesc,
+                dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ,
                                     diag_start + sub * BLOCK_M, b, h, qk_scale, sm_scale, Sq,
                                     s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, BLOCK_M, HEAD_DIM, True, DQ_MODE)
     out_off = b * s_gb + cols[:, None] * s_gs + hk * s_gh + d[None, :]
@@ -261,17 +257,20 @@ def _bwd_dkdv_block_kernel(
 
 @triton.jit(do_not_specialize=['s_wb', 's_wh', 's_tb', 's_th', 'VWIDTH'])
 def _bwd_dkdv_vertical_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DQ, DQDesc, QPos, KPos,
+    Q, K, V, DO, Lse, Delta, DK, DV, DQ, QPos, KPos,
     QGBlock, DiagMask, VCols, VStartQ,
-    qk_scale, sm_scale, Sq, Sk, H, GROUP, NQT, VWIDTH,
+    qk_scale, sm_scale, Sq, Sk, H, GROUP, NQT, VWIDTH, SPLIT,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ob, s_os, s_oh, s_lb, s_lh,
     s_gb, s_gs, s_gh, s_mb, s_mh, s_wb, s_wh, s_tb, s_th,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, HEAD_DIM: tl.constexpr,
     DQ_MODE: tl.constexpr,
 ):
-    """dK/dV of one chunk of a head's vertical columns (those not covered by a selected diagonal)."""
+    """dK/dV of one chunk of a head's vertical columns (those not covered by a selected diagonal),
+    against the query tiles [split * SPLIT, (split + 1) * SPLIT): the rows are split over programs
+    (grid axis 2) so that a few long columns keep the whole GPU busy; partial sums add atomically."""
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
+    split = tl.program_id(2)
     b = bh // H
     h = bh % H
     hk = h // GROUP
@@ -287,13 +286,16 @@ def _bwd_dkdv_vertical_kernel(
     mask_row = DiagMask + b * s_mb + h * s_mh
     dk = tl.zeros([BLOCK_V, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_V, HEAD_DIM], dtype=tl.float32)
-    for t in range(tl.load(VStartQ + b * s_tb + h * s_th + chunk), NQT):
-        qB = tl.load(QGBlock + t)
-        covered = tl.load(mask_row + (qB - k_blk), mask=valid & (k_blk <= qB), other=0)
-        k_pos_use = tl.where(valid & (covered == 0), k_pos, INT_MAX)
-        dk, dv = _dkdv_step(dk, dv, k, v, k_pos_use, Q, DO, Lse, Delta, QPos, DQ, DQDesc, t * BLOCK_M, b, h,
-                            qk_scale, sm_scale, Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh,
-                            BLOCK_M, HEAD_DIM, True, DQ_MODE)
-    out_off = b * s_gb + cols[:, None] * s_gs + hk * s_gh + d[None, :]
-    tl.atomic_add(DK + out_off, dk * sm_scale, mask=valid[:, None])
-    tl.atomic_add(DV + out_off, dv, mask=valid[:, None])
+    t_lo = tl.maximum(tl.load(VStartQ + b * s_tb + h * s_th + chunk), split * SPLIT)
+    t_hi = tl.minimum(NQT, (split + 1) * SPLIT)
+    if t_lo < t_hi:
+        for t in range(t_lo, t_hi):
+            qB = tl.load(QGBlock + t)
+            covered = tl.load(mask_row + (qB - k_blk), mask=valid & (k_blk <= qB), other=0)
+            k_pos_use = tl.where(valid & (covered == 0), k_pos, INT_MAX)
+            dk, dv = _dkdv_step(dk, dv, k, v, k_pos_use, Q, DO, Lse, Delta, QPos, DQ, t * BLOCK_M, b, h,
+                                qk_scale, sm_scale, Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh,
+                                BLOCK_M, HEAD_DIM, True, DQ_MODE)
+        out_off = b * s_gb + cols[:, None] * s_gs + hk * s_gh + d[None, :]
+        tl.atomic_add(DK + out_off, dk * sm_scale, mask=valid[:, None])
+        tl.atomic_add(DV + out_off, dv, mask=valid[:, None])
