@@ -99,14 +99,20 @@ def attention_backward(
     scale: float,
     *,
     backend: str = "auto",
+    dq_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv, float32) of one block given the full-row lse and delta = rowsum(dO * O)."""
+    """Gradients (dq, dk, dv, float32; dq in ``dq_dtype`` if given) of one block given the full-row
+    lse and delta = rowsum(dO * O)."""
     name = resolve_backend(backend, q.device)
-    return _backend_module(name).backward(do, q, k, v, lse, delta, pattern, q_pos, k_pos, scale)
+    return _backend_module(name).backward(do, q, k, v, lse, delta, pattern, q_pos, k_pos, scale, dq_dtype)
 
 
 def row_delta(do: Tensor, out: Tensor) -> Tensor:
-    """delta [B, H, S] = rowsum(dO * O) in float32: the softmax-backward correction term."""
+    """delta [B, H, S] = rowsum(dO * O) in float32 (float64 for float64): the softmax-backward correction term."""
+    if out.is_cuda and out.dtype != torch.float64 and out.shape[-1] in SUPPORTED_HEAD_DIMS:
+        from .triton_backend import row_delta as one_pass
+
+        return one_pass(do, out)
     acc = torch.float64 if out.dtype == torch.float64 else torch.float32
     return (do.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
 
@@ -125,7 +131,7 @@ class _SparseAttention(torch.autograd.Function):
         q, k, v, out, lse, q_pos, k_pos = ctx.saved_tensors
         delta = row_delta(dout, out)
         dq, dk, dv = attention_backward(
-            dout, q, k, v, lse, delta, ctx.pattern, q_pos, k_pos, ctx.scale, backend=ctx.backend
+            dout, q, k, v, lse, delta, ctx.pattern, q_pos, k_pos, ctx.scale, backend=ctx.backend, dq_dtype=q.dtype
         )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 

@@ -10,7 +10,7 @@ parallelism composes them (keys spread over ranks, the last queries broadcast):
    window always kept, as a ``VerticalSlashPattern``. Deterministic (stable sort, ties -> lower index).
 
 ``estimate_pattern`` runs them on one device. Keys are processed in chunks so that a
-[B, Hq, last_q, chunk] score tensor holds at most ``_CHUNK_ELEMENTS`` values (64 MB in float32,
+[B, Hq, last_q, chunk] score tensor holds at most ``_CHUNK_ELEMENTS`` values (256 MB in float32,
 updated in place), and line selection sorts at most ``_SORT_ELEMENTS`` scores at a time.
 """
 
@@ -28,7 +28,7 @@ from .budgets import Budgets, load_budgets
 from .checks import check_qkv, default_positions
 from .pattern import VerticalSlashPattern
 
-_CHUNK_ELEMENTS = 1 << 24
+_CHUNK_ELEMENTS = 1 << 26
 _SORT_ELEMENTS = 1 << 22
 
 

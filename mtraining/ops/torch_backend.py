@@ -67,8 +67,10 @@ def backward(
     q_pos: Tensor,
     k_pos: Tensor,
     scale: float,
+    dq_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) in float32 (float64 for float64 inputs) for the pairs of this (q, k) block.
+    """(dq, dk, dv) in float32 (float64 for float64 inputs; dq in ``dq_dtype`` if given) for the
+    pairs of this (q, k) block.
 
     lse [B, Hq, Sq] and delta [B, Hq, Sq] are those of the *whole* attention row, so the
     contribution of these keys is exact even when other keys live elsewhere (ring steps).
@@ -95,4 +97,5 @@ def backward(
         dvh += torch.matmul(p.transpose(-1, -2), doh[:, :, rows])
     dk = dkh.view(b, hkv, group, -1, d).sum(2).transpose(1, 2)
     dv = dvh.view(b, hkv, group, -1, d).sum(2).transpose(1, 2)
-    return dq.transpose(1, 2), dk, dv
+    dq = dq.transpose(1, 2)
+    return (dq if dq_dtype is None else dq.to(dq_dtype)), dk, dv

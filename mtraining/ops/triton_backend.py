@@ -69,6 +69,12 @@ def _cached(pattern: VerticalSlashPattern, kind: str, q_pos: Tensor, k_pos: Tens
     return hit[2]
 
 
+def _unit_stride(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The kernels step along head_dim by 1: copy any tensor whose last dim is not contiguous
+    (an expanded gradient such as that of ``out.sum()`` has stride 0 there)."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+
+
 def _resolve(q: Tensor, pattern: VerticalSlashPattern | None, q_pos: Tensor, k_pos: Tensor) -> VerticalSlashPattern:
     """A dense pattern stands in for pattern=None (dense causal)."""
     if pattern is not None:
@@ -95,6 +101,7 @@ def forward(
     out_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
     """(out [B, Sq, Hq, D] in out_dtype, lse [B, Hq, Sq] float32)."""
+    q, k, v = _unit_stride(q, k, v)
     pattern = _resolve(q, pattern, q_pos, k_pos)
     b, sq, hq, d = q.shape
     t = tile_config(pattern.block_size, d, q.device).fwd
@@ -122,8 +129,13 @@ def backward(
     q_pos: Tensor,
     k_pos: Tensor,
     scale: float,
+    dq_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) float32 for the pairs of this chunk pair, given the full-row lse and delta."""
+    """(dq, dk, dv) float32 for the pairs of this chunk pair, given the full-row lse and delta.
+
+    dq comes in ``dq_dtype`` if given (the dQ kernel writes it directly: no float32 copy).
+    """
+    do, q, k, v = _unit_stride(do, q, k, v)
     pattern = _resolve(q, pattern, q_pos, k_pos)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
@@ -133,12 +145,14 @@ def backward(
     delta = delta.float().contiguous()
     # dq has q's strides (the kernels index both alike); atomically accumulated dq must start at zero.
     mode = cfg.dkdv.dq_mode
-    dq = torch.empty_like(q, dtype=torch.float32).fill_(float("nan") if mode == "kernel" else 0.0)
+    own_kernel = mode == "kernel"
+    dq_out = dq_dtype or torch.float32
+    dq = torch.empty_like(q, dtype=dq_out if own_kernel else torch.float32).fill_(float("nan") if own_kernel else 0.0)
     dk = torch.full((b, sk, hkv, d), float("nan"), dtype=torch.float32, device=q.device)
     dv = torch.full_like(dk, float("nan"))
     scales = (scale * tk.LOG2E, scale)
     qkv_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2])
-    if mode == "kernel":
+    if own_kernel:
         t = cfg.dq
         tensors, strides = _query_walk_args(_cached(pattern, "query", q_pos, k_pos, t))
         tk._bwd_dq_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
@@ -162,4 +176,18 @@ def backward(
         *w.diag_mask.stride()[:2], *w.vcols.stride()[:2], *w.vstart.stride()[:2],
         G=pattern.block_size, BLOCK_M=t.block_m, BLOCK_V=t.block_v, HEAD_DIM=d, **launch,
     )
-    return dq, dk, dv
+    return dq.to(dq_out), dk, dv
+
+
+def row_delta(do: Tensor, out: Tensor) -> Tensor:
+    """delta [B, H, S] = rowsum(dO * O) in float32 in one pass (no float32 copies of dO and O)."""
+    do, out = _unit_stride(do, out)
+    b, sq, h, d = out.shape
+    delta = torch.empty((b, h, sq), dtype=torch.float32, device=out.device)
+    rows, block = b * sq * h, 64
+    tk._row_delta_kernel[(triton.cdiv(rows, block),)](
+        do, out, delta, rows, h, sq, *do.stride()[:3], *delta.stride()[:2], *out.stride()[:3],
+        BLOCK_R=block, HEAD_DIM=d,
+    )
+    return delta
+

@@ -299,3 +299,19 @@ def _bwd_dkdv_vertical_kernel(
         out_off = b * s_gb + cols[:, None] * s_gs + hk * s_gh + d[None, :]
         tl.atomic_add(DK + out_off, dk * sm_scale, mask=valid[:, None])
         tl.atomic_add(DV + out_off, dv, mask=valid[:, None])
+
+
+@triton.jit
+def _row_delta_kernel(DO, Out, Delta, R, H, S, s_ob, s_os, s_oh, s_db, s_dh, s_pb, s_ps, s_ph,
+                      BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Delta[b, h, s] = sum_d dO * O in float32 for BLOCK_R of the R = B * S * H rows (row = (b, s, h))."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < R
+    b = rows // (S * H)
+    s = (rows // H) % S
+    h = rows % H
+    d = tl.arange(0, HEAD_DIM)
+    do = tl.load(DO + (b * s_ob + s * s_os + h * s_oh)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+    o = tl.load(Out + (b * s_pb + s * s_ps + h * s_ph)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+    tl.store(Delta + b * s_db + h * s_dh + s, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1), mask=ok)
+
