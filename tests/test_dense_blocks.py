@@ -148,6 +148,7 @@ def test_single_device_dense_through_blocks_equals_oracle(sq, sk):
 
 
 def test_dense_backend_setting(monkeypatch):
+    monkeypatch.delenv(dense_blocks.ENV_VAR, raising=False)
     q = torch.zeros(1, 4, 2, 16)
     assert dense_blocks.dense_setting() == "auto"
     assert dense_blocks.select_ops(q, q, "torch") is None  # CPU: the backend's own dense path
