@@ -345,10 +345,16 @@ def forward(
         return o.to(out_dtype), lse.to(acc)
     out = torch.zeros(b, sq, hq, d, dtype=acc, device=q.device)
     lse = torch.full((b, hq, sq), float("-inf"), dtype=acc, device=q.device)
+    written: list[Block] = []
     for blk in blocks:
         rows = slice(blk.q0, blk.q1)
         o, part = ops.forward(q[:, rows], k[:, blk.k0 : blk.k1], v[:, blk.k0 : blk.k1], blk.causal, scale)
-        _merge_rows(out[:, rows], lse[:, :, rows], o, part.to(acc))
+        if any(w.q0 < blk.q1 and blk.q0 < w.q1 for w in written):
+            _merge_rows(out[:, rows], lse[:, :, rows], o, part.to(acc))
+        else:  # first block of these rows: a copy, no merge
+            out[:, rows] = o
+            lse[:, :, rows] = part
+        written.append(blk)
     return out.to(out_dtype), lse
 
 
