@@ -262,8 +262,9 @@ def _cudnn_backward(do, q, k, v, out, lse, causal, scale):
         lse = lse.unsqueeze(-1)
     seed = torch.empty((), dtype=torch.int64, device=q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        _unit_last(do.to(q.dtype)).transpose(1, 2), _unit_last(q).transpose(1, 2), _heads_view(k, group),
-        _heads_view(v, group), _unit_last(out.to(q.dtype)).transpose(1, 2), lse, seed, seed, None, None, None,
+        # dO and O in one layout (contiguous [B, S, H, D]; no copy for the ring's row slices at batch 1)
+        do.to(q.dtype).contiguous().transpose(1, 2), _unit_last(q).transpose(1, 2), _heads_view(k, group),
+        _heads_view(v, group), out.to(q.dtype).contiguous().transpose(1, 2), lse, seed, seed, None, None, None,
         sq, sk, 0.0, causal, scale=scale,
     )
     dq = dq.transpose(1, 2).float()
