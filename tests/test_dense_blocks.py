@@ -162,6 +162,48 @@ def test_dense_backend_setting(monkeypatch):
         dense_blocks.dense_setting()
 
 
+# ----------------------------------------------------------------------------- the cuDNN wrapper, on a fake op
+def _fake_cudnn_forward(q, k, v, attn_bias, compute_lse, dropout_p, is_causal, debug, *, scale):
+    """The aten op's contract in plain PyTorch: [B, H, S, D] in, lse [B, H, Sq, 1]; no GQA shapes."""
+    assert attn_bias is None and compute_lse and dropout_p == 0.0 and not debug
+    assert q.shape[1] == k.shape[1] == v.shape[1], "the dense cuDNN path is not given GQA shapes"
+    out, lse = REFERENCE.forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal, scale)
+    seed = torch.empty((), dtype=torch.int64)
+    return out.transpose(1, 2), lse.unsqueeze(-1).float(), None, None, q.shape[2], k.shape[2], seed, seed, None
+
+
+def _fake_cudnn_backward(do, q, k, v, out, lse, seed, offset, attn_bias, cum_q, cum_k, max_q, max_k, dropout_p,
+                         is_causal, *, scale):
+    """Backward from the out/lse it is given (delta = rowsum(dO * O)), as cuDNN does; dense only."""
+    assert cum_q is None and cum_k is None and attn_bias is None and dropout_p == 0.0
+    assert lse.shape == (*q.shape[:3], 1) and (max_q, max_k) == (q.shape[2], k.shape[2])
+    assert do.stride() == out.stride()
+    grads = REFERENCE.backward(*(t.transpose(1, 2) for t in (do, q, k, v, out)), lse.squeeze(-1), is_causal, scale)
+    return tuple(g.to(q.dtype).transpose(1, 2) for g in grads)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4)])
+def test_cudnn_wrapper_on_fake_op(monkeypatch, causal, hq, hkv):
+    """Head expansion for GQA, dK/dV group sums, layouts and LSE shapes of the cuDNN wrapper."""
+    fakes = {"_scaled_dot_product_cudnn_attention": _fake_cudnn_forward,
+             "_scaled_dot_product_cudnn_attention_backward": _fake_cudnn_backward}
+    monkeypatch.setattr(dense_blocks, "_aten", fakes.__getitem__)
+    monkeypatch.setattr(dense_blocks, "_LSE_DIMS", [])
+    sq, sk = 32, 32 if causal else 48
+    q, k, v, do = _random_qkv(hq + causal, 2, sq, sk, hq, hkv, 16)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # heads-major q, as Hugging Face gives
+    out, lse = dense_blocks.CUDNN.forward(q, k, v, causal, 0.25)
+    ref_out, ref_lse = REFERENCE.forward(q, k, v, causal, 0.25)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape and lse.dtype == torch.float32
+    assert_close("out", out, ref_out, 1e-10)
+    assert_close("lse", lse, ref_lse, 1e-6)
+    grads = dense_blocks.CUDNN.backward(do, q, k, v, ref_out, ref_lse, causal, 0.25)
+    for name, got, ref in zip(["dq", "dk", "dv"], grads, REFERENCE.backward(do, q, k, v, ref_out, ref_lse, causal, 0.25)):
+        assert got.shape == ref.shape and got.dtype == torch.float32, name
+        assert_close(name, got, ref, 1e-6)
+
+
 # ----------------------------------------------------------------------------- rings on gloo
 @pytest.fixture(scope="module")
 def pool():

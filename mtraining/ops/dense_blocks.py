@@ -210,6 +210,11 @@ _LSE_DIMS: list[int] = []  # the logsumexp rank the forward returned (3 or 4), f
 NATIVE_GQA = os.environ.get("MTRAINING_CUDNN_NATIVE_GQA", "0") == "1"
 
 
+def _aten(name: str):
+    """torch.ops.aten.<name> (one seam: CPU tests stand a fake cuDNN op in here)."""
+    return getattr(torch.ops.aten, name)
+
+
 def _schema_names(op) -> list[str]:
     return [a.name for a in op.default._schema.arguments]
 
@@ -217,11 +222,10 @@ def _schema_names(op) -> list[str]:
 def cudnn_available() -> bool:
     """cuDNN attention ops present with the argument lists this module calls them with."""
     try:
-        ops = torch.ops.aten
         return (
             torch.backends.cudnn.is_available()
-            and _schema_names(ops._scaled_dot_product_cudnn_attention) == _FWD_ARGS
-            and _schema_names(ops._scaled_dot_product_cudnn_attention_backward) == _BWD_ARGS
+            and _schema_names(_aten("_scaled_dot_product_cudnn_attention")) == _FWD_ARGS
+            and _schema_names(_aten("_scaled_dot_product_cudnn_attention_backward")) == _BWD_ARGS
         )
     except (AttributeError, RuntimeError):
         return False
@@ -241,7 +245,7 @@ def _heads_view(t: Tensor, group: int) -> Tensor:
 
 def _cudnn_forward(q, k, v, causal, scale):
     group = q.shape[2] // k.shape[2]
-    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+    res = _aten("_scaled_dot_product_cudnn_attention")(
         _unit_last(q).transpose(1, 2), _heads_view(k, group), _heads_view(v, group), None, True, 0.0, causal, False,
         scale=scale,
     )
@@ -261,7 +265,7 @@ def _cudnn_backward(do, q, k, v, out, lse, causal, scale):
     if not _LSE_DIMS or _LSE_DIMS[0] == 4:
         lse = lse.unsqueeze(-1)
     seed = torch.empty((), dtype=torch.int64, device=q.device)
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+    dq, dk, dv = _aten("_scaled_dot_product_cudnn_attention_backward")(
         # dO and O in one layout (contiguous [B, S, H, D]; no copy for the ring's row slices at batch 1)
         do.to(q.dtype).contiguous().transpose(1, 2), _unit_last(q).transpose(1, 2), _heads_view(k, group),
         _heads_view(v, group), out.to(q.dtype).contiguous().transpose(1, 2), lse, seed, seed, None, None, None,
