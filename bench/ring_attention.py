@@ -1,8 +1,11 @@
 """Context-parallel attention benchmark on several GPUs of one host (launch with torchrun).
 
 Methods, on identical inputs in the same run: torch's own context_parallel ring with cuDNN SDPA
-(the dense peer), our dense ring (zigzag), our sparse ring on the contiguous layout (the naive
-baseline) and on the striped layout (balanced). Sparse methods estimate the pattern inside the
+(the dense peer), our dense ring (zigzag; ``dense_zigzag``: steps as dense blocks through cuDNN,
+ops/dense_blocks.py; ``dense_zigzag_triton``: the same ring on our Triton kernels with a dense
+pattern, the path before cuDNN), our sparse ring on the contiguous layout (the naive baseline) and
+on the striped layout (balanced). Method names are ``dense_<layout>[_<cudnn|triton>]`` or
+``sparse_<layout>``. Sparse methods estimate the pattern inside the
 call (v_size/s_size per head), so their times include estimation. Times are medians over
 iterations of the max over ranks; bwd_ms = fwd_bwd_ms - fwd_ms.
 
@@ -23,6 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command_line, commit, device_name, write_results  # noqa: E402
 
+from mtraining.ops import dense_blocks  # noqa: E402
 from mtraining.ops.estimate import PatternConfig  # noqa: E402
 from mtraining.ops.synthetic import random_qkv, rope_structured_qkv  # noqa: E402
 from mtraining.parallel.layout import make_layout  # noqa: E402
@@ -93,6 +97,17 @@ def ours_times(q, k, v, do, layout, group, pattern_config, iters: int) -> tuple[
     return timed(fwd, iters), timed(fwd_bwd, iters)
 
 
+def dense_note(q, k, layout, setting: str) -> str:
+    """Which path this rank's dense ring steps take (cuDNN blocks per step, or the Triton kernels)."""
+    with dense_blocks.dense_backend(setting):
+        ops = dense_blocks.select_ops(q, k, "triton")
+    if ops is None:
+        return "triton"
+    rank = dist.get_rank()
+    counts = [dense_blocks.decompose(layout.positions(rank), layout.positions(s)) for s in range(layout.world_size)]
+    return f"{ops.name} blocks per source rank " + ",".join("triton" if c is None else str(len(c)) for c in counts)
+
+
 def pattern_stats(q, k, layout, config) -> tuple[float, float]:
     """(density, max/mean over ranks of computed pairs) of the pattern estimated on the full inputs."""
     from mtraining.ops.estimate import estimate_pattern
@@ -106,7 +121,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[131072, 262144, 524288])
     p.add_argument("--inputs", nargs="+", default=["structured"], choices=list(GENERATORS))
-    p.add_argument("--methods", nargs="+", default=["torch_cp", "dense_zigzag", "sparse_contiguous", "sparse_striped"])
+    p.add_argument("--methods", nargs="+",
+                   default=["torch_cp", "dense_zigzag", "dense_zigzag_triton", "sparse_contiguous", "sparse_striped"])
     p.add_argument("--v-size", type=int, default=1024)
     p.add_argument("--s-size", type=int, default=6144)
     p.add_argument("--iters", type=int, default=5)
@@ -134,11 +150,17 @@ def main() -> None:
                     if method == "torch_cp":
                         f, fb, note = torch_cp_times(q, k, v, do, args.iters)
                     else:
-                        sparse = method.startswith("sparse")
-                        layout_name = method.split("_", 1)[1]
+                        kind_name, layout_name, *rest = method.split("_")
+                        sparse = kind_name == "sparse"
+                        dense_setting = rest[0] if rest else "auto"  # dense_<layout>: cuDNN blocks where they apply
+                        if rest and (sparse or len(rest) > 1 or dense_setting not in ("cudnn", "triton")):
+                            raise ValueError(f"unknown method {method!r}: use dense_<layout>[_cudnn|_triton]")
                         layout = make_layout(layout_name, n, world, g)
                         cfg = config if sparse else None
-                        f, fb = ours_times(q, k, v, do, layout, group, cfg, args.iters)
+                        with dense_blocks.dense_backend(dense_setting):
+                            f, fb = ours_times(q, k, v, do, layout, group, cfg, args.iters)
+                        if not sparse:
+                            note = f"dense steps: {dense_note(q, k, layout, dense_setting)}"
                         if sparse:
                             dens, imb = pattern_stats(q, k, layout, config)
                 except Exception as exc:  # keep the other methods' numbers; say what failed

@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from . import torch_backend
+from . import dense_blocks, torch_backend
 from .checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv, default_positions
 from .kernel_index import DENSE_BLOCK, check_aligned_positions
 from .pattern import VerticalSlashPattern
@@ -117,22 +117,40 @@ def row_delta(do: Tensor, out: Tensor) -> Tensor:
     return (do.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()
 
 
+def _dense_route(q: Tensor, k: Tensor, pattern, q_pos: Tensor, k_pos: Tensor, backend: str):
+    """(block ops, blocks) when a dense call runs as dense blocks (cuDNN on CUDA; dense_blocks.py), else None."""
+    if pattern is not None:
+        return None
+    ops = dense_blocks.select_ops(q, k, backend)
+    blocks = dense_blocks.blocks_for(q_pos, k_pos) if ops is not None else None
+    return (ops, blocks) if blocks is not None else None
+
+
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, pattern, q_pos, k_pos, scale, backend):
-        out, lse = attention_forward(q, k, v, pattern, q_pos, k_pos, scale, backend=backend)
+        route = _dense_route(q, k, pattern, q_pos, k_pos, backend)
+        if route is not None:
+            out, lse = dense_blocks.forward(q, k, v, route[1], scale, q.dtype, route[0])
+        else:
+            out, lse = attention_forward(q, k, v, pattern, q_pos, k_pos, scale, backend=backend)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos)
-        ctx.pattern, ctx.scale, ctx.backend = pattern, scale, backend
+        ctx.pattern, ctx.scale, ctx.backend, ctx.route = pattern, scale, backend, route
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, q_pos, k_pos = ctx.saved_tensors
-        delta = row_delta(dout, out)
-        dq, dk, dv = attention_backward(
-            dout, q, k, v, lse, delta, ctx.pattern, q_pos, k_pos, ctx.scale, backend=ctx.backend, dq_dtype=q.dtype
-        )
+        if ctx.route is not None:
+            ops, blocks = ctx.route
+            dq, dk, dv = dense_blocks.backward(dout, q, k, v, out, lse, blocks, ctx.scale, ops)
+        else:
+            delta = row_delta(dout, out)
+            dq, dk, dv = attention_backward(
+                dout, q, k, v, lse, delta, ctx.pattern, q_pos, k_pos, ctx.scale, backend=ctx.backend,
+                dq_dtype=q.dtype,
+            )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
@@ -147,7 +165,8 @@ def sparse_attention(
     return_lse: bool = False,
     backend: Backend = "auto",
 ):
-    """Causal vertical-slash sparse attention (dense causal when ``pattern`` is None).
+    """Causal vertical-slash sparse attention (dense causal when ``pattern`` is None: on CUDA in
+    fp16/bf16 through cuDNN as a few dense blocks, see ops/dense_blocks.py and MTRAINING_DENSE_BACKEND).
 
     q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]; positions are global (default: the last Sq of Sk keys).
     Returns out [B, Sq, Hq, D] (and lse [B, Hq, Sq] float32 with ``return_lse``). Differentiable in

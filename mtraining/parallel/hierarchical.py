@@ -13,8 +13,8 @@ node (n - o) mod O (rank (n, l) holds the one that started on rank ((n - o) mod 
 - after the inner loop the outer transfer is waited for.
 
 Every step calls ``attention_forward`` with the global positions of the visited shard's original
-owner, so any layout and the global pattern work as in the flat ring, and (out, lse) merge exactly
-(ring.py's helpers). With I = W (one node) this is exactly the flat ring's schedule.
+owner (dense steps: cuDNN blocks where they apply, as in the flat ring), so any layout and the
+global pattern work as in the flat ring, and (out, lse) merge exactly (ring.py's helpers). With I = W (one node) this is exactly the flat ring's schedule.
 
 Backward: K/V circulate the same way. The dK/dV accumulator of the shard being visited travels one
 hop behind it around the inner ring, so after an inner cycle rank (n, l) holds node n's whole
@@ -32,13 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops.attention import attention_backward, attention_forward, row_delta
+from ..ops.attention import row_delta
 from ..ops.estimate import PatternConfig
 from ..ops.pattern import VerticalSlashPattern
 from . import emulation
 from .comm import RingComm
 from .layout import Layout
 from .ring import (
+    DenseSteps,
     RingEngine,
     _prepare,
     _merge_into,
@@ -46,6 +47,8 @@ from .ring import (
     _ring_comm,
     _RingAttention,
     _spares,
+    _step_backward,
+    _step_forward,
 )
 from .topology import Topology, ring_groups
 
@@ -69,6 +72,7 @@ class _HierPlan:
         device: torch.device,
         backend: str,
         scale: float,
+        dense_ops=None,
     ) -> None:
         self.topo = topo
         self.inner = inner
@@ -77,6 +81,7 @@ class _HierPlan:
         self.visible = _visible(layout, topo.rank)
         self.backend = backend
         self.scale = scale
+        self.dense = DenseSteps(layout, topo.rank, dense_ops) if dense_ops is not None else None
 
     @property
     def q_pos(self) -> Tensor:
@@ -107,10 +112,7 @@ def _hier_forward(q: Tensor, k: Tensor, v: Tensor, pattern: VerticalSlashPattern
                 transfer = plan.inner.start(cur, nxt)
             src = plan.source(o, i)
             if plan.visible[src]:
-                part_out, part_lse = attention_forward(
-                    q, cur[0], cur[1], pattern, plan.q_pos, plan.positions[src], plan.scale,
-                    backend=plan.backend, out_dtype=acc,
-                )
+                part_out, part_lse = _step_forward(q, cur[0], cur[1], pattern, plan, src, acc)
                 if out is None:
                     out, lse = part_out, part_lse
                 else:
@@ -150,10 +152,7 @@ def _hier_backward(do, q, k, v, out, lse, pattern, plan: _HierPlan):
             src = plan.source(o, i)
             part = None
             if plan.visible[src]:
-                part = attention_backward(
-                    do, q, cur[0], cur[1], lse, delta, pattern, plan.q_pos, plan.positions[src], plan.scale,
-                    backend=plan.backend,
-                )
+                part = _step_backward(do, q, cur[0], cur[1], out, lse, delta, pattern, plan, src)
                 dq = part[0] if dq is None else dq.add_(part[0])
             if i == 0:
                 if part is None:  # this rank sees none of the shard's keys: start from zeros (never written)
@@ -221,12 +220,14 @@ def hierarchical_ring_attention(
     context, else none) makes outer-ring transfers take as long as on that link.
     """
     groups = ring_groups(group, inner_size)  # validates inner_size first
-    pattern, name, scale = _prepare(q, k, v, group, layout, pattern, pattern_config, softmax_scale, backend, layer_idx)
+    pattern, name, scale, dense_ops = _prepare(
+        q, k, v, group, layout, pattern, pattern_config, softmax_scale, backend, layer_idx
+    )
     inner = _ring_comm(groups.inner, q.device) if groups.inner is not None else None
     outer = _ring_comm(groups.outer, q.device) if groups.outer is not None else None
     link = outer_link if outer_link is not None else emulation.active_outer_link()
     if outer is not None and link is not None:
         outer = emulation.EmulatedComm(outer, link)
-    plan = _HierPlan(groups.topology, inner, outer, layout, q.device, name, scale)
+    plan = _HierPlan(groups.topology, inner, outer, layout, q.device, name, scale, dense_ops)
     out, lse = _RingAttention.apply(q, k, v, pattern, plan, HIERARCHICAL)
     return (out, lse) if return_lse else out

@@ -4,7 +4,9 @@ At step t rank r attends its Q shard to the K/V shard that started on rank (r - 
 the next K/V shard is already travelling (comm.py: asynchronous P2P, double-buffered, a side
 stream on CUDA). Each step is one call of ``attention_forward`` with the global positions of the
 rows, so the global pattern (or dense causal) selects exactly the right pairs in every layout;
-partial (out, lse) merge exactly in float32 (float64 for float64 inputs).
+partial (out, lse) merge exactly in float32 (float64 for float64 inputs). Dense calls (no pattern)
+run a step as a few dense blocks through cuDNN instead where the step decomposes so
+(ops/dense_blocks.py: every contiguous and zigzag step, the striped layout's step 0).
 
 The backward computes delta = rowsum(dO * O) once, circulates K/V again and, one hop behind,
 the dK/dV accumulator of the keys being visited: at step t rank r adds its contribution to the
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..ops import dense_blocks
 from ..ops.attention import KERNEL_DTYPES, Backend, attention_backward, attention_forward, resolve_backend, row_delta
 from ..ops.checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv
 from ..ops.estimate import PatternConfig
@@ -58,10 +61,56 @@ def _dense_pattern(batch: int, heads: int, seq_len: int, block: int, device: tor
     return VerticalSlashPattern.dense(batch, heads, seq_len, block, device=device)
 
 
-class _Plan:
-    """What a ring call needs besides tensors: neighbours, positions, active steps, backend, scale."""
+@functools.lru_cache(maxsize=256)
+def _layout_blocks(layout: Layout, rank: int, src: int) -> tuple[dense_blocks.Block, ...] | None:
+    """Dense blocks of rank's queries against src's keys (None: too many, run the backend's dense path)."""
+    return dense_blocks.decompose(layout.positions(rank), layout.positions(src))
 
-    def __init__(self, comm: RingComm, layout: Layout, device: torch.device, backend: str, scale: float) -> None:
+
+class DenseSteps:
+    """Dense (pattern=None) ring steps through per-block attention (cuDNN on CUDA) where they decompose."""
+
+    def __init__(self, layout: Layout, rank: int, ops: dense_blocks.BlockOps) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.ops = ops
+
+    def blocks(self, src: int) -> tuple[dense_blocks.Block, ...] | None:
+        return _layout_blocks(self.layout, self.rank, src)
+
+
+def _step_forward(q: Tensor, k: Tensor, v: Tensor, pattern, plan, src: int, out_dtype: torch.dtype):
+    """One ring step's (out, lse) of this rank's queries against the keys that started on ``src``."""
+    blocks = plan.dense.blocks(src) if plan.dense is not None else None
+    if blocks is not None:
+        return dense_blocks.forward(q, k, v, blocks, plan.scale, out_dtype, plan.dense.ops)
+    return attention_forward(
+        q, k, v, pattern, plan.q_pos, plan.positions[src], plan.scale, backend=plan.backend, out_dtype=out_dtype
+    )
+
+
+def _step_backward(do, q, k, v, out, lse, delta, pattern, plan, src: int):
+    """One ring step's (dq, dk, dv) given the whole rows' out, lse and delta."""
+    blocks = plan.dense.blocks(src) if plan.dense is not None else None
+    if blocks is not None:
+        return dense_blocks.backward(do, q, k, v, out, lse, blocks, plan.scale, plan.dense.ops)
+    return attention_backward(
+        do, q, k, v, lse, delta, pattern, plan.q_pos, plan.positions[src], plan.scale, backend=plan.backend
+    )
+
+
+class _Plan:
+    """What a ring call needs besides tensors: neighbours, positions, active steps, backend, scale, dense steps."""
+
+    def __init__(
+        self,
+        comm: RingComm,
+        layout: Layout,
+        device: torch.device,
+        backend: str,
+        scale: float,
+        dense_ops: dense_blocks.BlockOps | None = None,
+    ) -> None:
         self.comm = comm
         self.rank = comm.rank
         self.world_size = comm.world_size
@@ -69,6 +118,7 @@ class _Plan:
         self.active = _active_steps(layout, self.rank)
         self.backend = backend
         self.scale = scale
+        self.dense = DenseSteps(layout, self.rank, dense_ops) if dense_ops is not None else None
 
     @property
     def q_pos(self) -> Tensor:
@@ -106,10 +156,8 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, pattern: VerticalSlashPattern
             nxt = spares[step % 2]
             transfer = plan.comm.start(cur, nxt)
         if plan.active[step]:  # always at step 0 (own keys)
-            part_out, part_lse = attention_forward(
-                q, cur[0], cur[1], pattern, plan.q_pos, plan.k_pos(step), plan.scale,
-                backend=plan.backend, out_dtype=acc,
-            )
+            src = (plan.rank - step) % w
+            part_out, part_lse = _step_forward(q, cur[0], cur[1], pattern, plan, src, acc)
             if out is None:
                 out, lse = part_out, part_lse
             else:
@@ -134,10 +182,7 @@ def _ring_backward(do, q, k, v, out, lse, pattern, plan: _Plan):
             kv_transfer = plan.comm.start(cur, nxt)
         part = None
         if plan.active[step]:
-            part = attention_backward(
-                do, q, cur[0], cur[1], lse, delta, pattern, plan.q_pos, plan.k_pos(step), plan.scale,
-                backend=plan.backend,
-            )
+            part = _step_backward(do, q, cur[0], cur[1], out, lse, delta, pattern, plan, (plan.rank - step) % w)
             dq = part[0] if dq is None else dq.add_(part[0])
         if step == 0:
             grads = (part[1].contiguous(), part[2].contiguous())
@@ -228,8 +273,11 @@ def _prepare(
     softmax_scale: float | None,
     backend: str,
     layer_idx: int,
-) -> tuple[VerticalSlashPattern | None, str, float]:
-    """Validate a ring call and settle its (global pattern, backend name, softmax scale), for every schedule."""
+) -> tuple[VerticalSlashPattern | None, str, float, dense_blocks.BlockOps | None]:
+    """Validate a ring call and settle its (global pattern, backend name, softmax scale, dense block ops),
+    for every schedule. Dense calls (no pattern, no config) take per-block attention (cuDNN on CUDA) for
+    the steps that decompose into a few dense blocks; the Triton kernels run the others on a dense pattern.
+    """
     if pattern is not None and pattern_config is not None:
         raise ValueError("pass either pattern (a global VerticalSlashPattern) or pattern_config (to estimate one), not both")
     name = resolve_backend(backend, q.device)
@@ -237,9 +285,10 @@ def _prepare(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if pattern_config is not None:
         pattern = estimate_pattern_cp(q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale)
+    dense_ops = dense_blocks.select_ops(q, k, name) if pattern is None else None
     if pattern is None and name == "triton":
         pattern = _dense_pattern(q.shape[0], q.shape[2], layout.seq_len, layout.block_size, q.device)
-    return pattern, name, scale
+    return pattern, name, scale, dense_ops
 
 
 def ring_attention(
@@ -276,8 +325,10 @@ def ring_attention(
         raise ValueError(f"ring must be 'flat' or 'hierarchical', got {ring!r}")
     if inner_size is not None and inner_size != dist.get_world_size(group):
         raise ValueError(f"inner_size={inner_size} needs ring='hierarchical' (the flat ring is one ring of all ranks)")
-    pattern, name, scale = _prepare(q, k, v, group, layout, pattern, pattern_config, softmax_scale, backend, layer_idx)
+    pattern, name, scale, dense_ops = _prepare(
+        q, k, v, group, layout, pattern, pattern_config, softmax_scale, backend, layer_idx
+    )
     comm = _ring_comm(group if group is not None else dist.group.WORLD, q.device)
-    plan = _Plan(comm, layout, q.device, name, scale)
+    plan = _Plan(comm, layout, q.device, name, scale, dense_ops)
     out, lse = _RingAttention.apply(q, k, v, pattern, plan, FLAT)
     return (out, lse) if return_lse else out
