@@ -121,18 +121,19 @@ def last_query_partial_lse(q_last: Tensor, q_last_pos: Tensor, k: Tensor, k_pos:
     disjoint key sets combine exactly with ``torch.logaddexp`` (or logsumexp over ranks).
     """
     q_last_pos, k_pos = _check_line_inputs(q_last, q_last_pos, k, k_pos)
+    return _partial_lse(q_last, q_last_pos, k, k_pos, scale, _plan(q_last_pos, k_pos, _values_per_key(q_last)))
+
+
+def _partial_lse(q_last: Tensor, q_last_pos: Tensor, k: Tensor, k_pos: Tensor, scale: float, plan) -> Tensor:
     b, r, hq, _ = q_last.shape
-    chunks, _ = _plan(q_last_pos, k_pos, b * hq * r)
+    chunks, _ = plan
     qs = _grouped_queries(q_last, k.shape[2])
     lse = torch.full((b, hq, r), float("-inf"), dtype=_acc_dtype(q_last), device=q_last.device)
     for start, stop, partly_causal in chunks:
         s = _scores(qs, k[:, start:stop].permute(0, 2, 3, 1)).mul_(scale).view(b, hq, r, stop - start)
         if partly_causal:
             s.masked_fill_(k_pos[None, start:stop] > q_last_pos[:, None], float("-inf"))
-        # logsumexp in place: no second [B, Hq, R, C] buffer
-        top = s.amax(dim=-1, keepdim=True)
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        lse = torch.logaddexp(lse, s.sub_(top).exp_().sum(dim=-1).log_().add_(top[..., 0]))
+        lse = torch.logaddexp(lse, torch.logsumexp(s, dim=-1))  # rows with no key here: -inf
     return lse.float()
 
 
@@ -151,14 +152,22 @@ def line_scores(
     """
     q_last_pos, k_pos = _check_line_inputs(q_last, q_last_pos, k, k_pos)
     b, r, hq, _ = q_last.shape
-    sk = k.shape[1]
     _check_int(seq_len, "seq_len", minimum=1)
     if row_lse.shape != (b, hq, r) or not row_lse.is_floating_point() or row_lse.device != q_last.device:
         raise ValueError(
             f"row_lse must be a float tensor [B, Hq, R] = {(b, hq, r)} on {q_last.device}, got "
             f"{tuple(row_lse.shape)} {row_lse.dtype} on {row_lse.device}; pass the global LSE of these rows"
         )
-    chunks, (q_lo, q_hi, k_lo, k_hi, runs) = _plan(q_last_pos, k_pos, b * hq * r)
+    plan = _plan(q_last_pos, k_pos, _values_per_key(q_last))
+    return _line_scores(q_last, q_last_pos, k, k_pos, scale, row_lse, seq_len, plan)
+
+
+def _line_scores(
+    q_last: Tensor, q_last_pos: Tensor, k: Tensor, k_pos: Tensor, scale: float, row_lse: Tensor, seq_len: int, plan
+) -> tuple[Tensor, Tensor]:
+    b, r, hq, _ = q_last.shape
+    sk = k.shape[1]
+    chunks, (q_lo, q_hi, k_lo, k_hi, runs) = plan
     if q_lo < 0 or k_lo < 0 or q_hi >= seq_len or k_hi >= seq_len:
         raise ValueError(
             f"positions must lie in [0, seq_len={seq_len}): q_last_pos spans [{q_lo}, {q_hi}], k_pos spans "
@@ -180,7 +189,8 @@ def line_scores(
             kp = k_pos[start:stop].flip(0) if runs else k_pos[start:stop]
             p[..., :c].masked_fill_(kp[None, :] > q_last_pos[:, None], float("-inf"))
         p.exp_()  # p[..., r, j] = exp(q_r . k_j * scale - row_lse[r])
-        p[..., c:] = 0.0  # padding columns carry no probability
+        if pad:
+            p[..., c:] = 0.0  # padding columns carry no probability
         if runs:
             vertical[..., start:stop] = p[..., :c].sum(dim=-2).flip(-1)
             _add_diagonal_sums(slash, p.view(bh, r, c + r), q_lo - (k_lo + start))
@@ -205,11 +215,14 @@ def select_lines(
     if not isinstance(config, PatternConfig):
         raise ValueError(f"config must be a PatternConfig, got {type(config).__name__}")
     _check_int(seq_len, "seq_len", minimum=1)
-    for name, t in (("vertical_scores", vertical_scores), ("slash_scores", slash_scores)):
+    named = (("vertical_scores", vertical_scores), ("slash_scores", slash_scores))
+    for name, t in named:
         if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != seq_len or not t.is_floating_point():
             shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a float tensor [B, Hq, seq_len={seq_len}], got {shape}")
-        if not bool(((t >= 0) & (t < float("inf"))).all()):
+    finite = torch.stack([((t >= 0) & (t < float("inf"))).all() for _, t in named]).tolist()  # one device sync
+    for (name, _), ok in zip(named, finite):
+        if not ok:
             raise ValueError(f"{name} has negative, NaN or infinite entries; check q and k for non-finite values")
     if vertical_scores.shape != slash_scores.shape or vertical_scores.device != slash_scores.device:
         raise ValueError(
@@ -256,8 +269,10 @@ def estimate_pattern(
     rows = torch.sort(q_pos, stable=True).indices[-config.last_q :] if given_q else slice(sq - config.last_q, sq)
     q_last, q_last_pos = q[:, rows], q_pos[rows]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    lse = last_query_partial_lse(q_last, q_last_pos, k, k_pos, scale)
-    vertical, slash = line_scores(q_last, q_last_pos, k, k_pos, scale, lse, seq_len)
+    q_last_pos, k_pos = _check_line_inputs(q_last, q_last_pos, k, k_pos)
+    plan = _plan(q_last_pos, k_pos, _values_per_key(q_last))  # one device sync serves both passes
+    lse = _partial_lse(q_last, q_last_pos, k, k_pos, scale, plan)
+    vertical, slash = _line_scores(q_last, q_last_pos, k, k_pos, scale, lse.float(), seq_len, plan)
     if given_k:  # scores follow k's row order; the pattern indexes them by position
         vertical = torch.empty_like(vertical).index_copy_(-1, k_pos.long(), vertical)
     return select_lines(vertical, slash, config, seq_len, layer_idx)
@@ -279,6 +294,12 @@ def _check_line_inputs(q_last: Tensor, q_last_pos: Tensor, k: Tensor, k_pos: Ten
         raise ValueError("q_last_pos and k_pos are required: the global positions of the rows and keys")
     q_last_pos, k_pos = default_positions(q_last, k, q_last_pos, k_pos)
     return q_last_pos.long(), k_pos.long()
+
+
+def _values_per_key(q_last: Tensor) -> int:
+    """Scores per key of the rows q_last [B, R, Hq, D]: B * Hq * R."""
+    b, r, hq, _ = q_last.shape
+    return b * hq * r
 
 
 def _plan(

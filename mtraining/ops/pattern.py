@@ -51,10 +51,10 @@ def compact(values: Tensor, keep: Tensor, fill: int, width: int | None = None) -
     return packed[..., :width].contiguous(), counts
 
 
-def _mask_to_sorted(mask: Tensor, fill: int) -> tuple[Tensor, Tensor]:
-    """Boolean [..., L] -> (ascending indices padded with ``fill``, counts)."""
+def _mask_to_sorted(mask: Tensor, fill: int, width: int) -> tuple[Tensor, Tensor]:
+    """Boolean [..., L] with at most ``width`` set per row -> (ascending indices padded with ``fill``, counts)."""
     positions = torch.arange(mask.shape[-1], device=mask.device, dtype=torch.int32).expand_as(mask)
-    return compact(positions, mask, fill)
+    return compact(positions, mask, fill, width=width)
 
 
 @dataclass(frozen=True)
@@ -128,8 +128,9 @@ class VerticalSlashPattern:
                 f"diag_mask {tuple(diag_mask.shape)} must be [B, H, ceil(N/G)={num_blocks}] with the "
                 f"same [B, H] as vertical_mask {tuple(vertical_mask.shape)}"
             )
-        diags, n_diags = _mask_to_sorted(diag_mask, num_blocks)
-        verts, n_verts = _mask_to_sorted(vertical_mask, seq_len)
+        widths = torch.stack([diag_mask.sum(-1).amax(), vertical_mask.sum(-1).amax()]).tolist()  # one device sync
+        diags, n_diags = _mask_to_sorted(diag_mask, num_blocks, widths[0])
+        verts, n_verts = _mask_to_sorted(vertical_mask, seq_len, widths[1])
         return cls(seq_len, block_size, diags, n_diags, verts, n_verts)
 
     @classmethod
