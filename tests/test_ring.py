@@ -258,8 +258,10 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _nccl_worker(rank: int, world: int, store_path: str) -> None:
-    """bf16 ring with the Triton kernels on NCCL vs the float32 torch backend on the full sequence."""
+    """bf16 rings (flat, hierarchical) with the Triton kernels on NCCL vs the float32 torch backend."""
     from mtraining.ops.attention import attention_backward, attention_forward, row_delta
+    from mtraining.parallel.emulation import LinkModel
+    from mtraining.parallel.hierarchical import hierarchical_ring_attention
 
     torch.cuda.set_device(rank)
     store = dist.FileStore(store_path, world)
@@ -278,19 +280,33 @@ def _nccl_worker(rank: int, world: int, store_path: str) -> None:
                 full = estimate_pattern(q, k, config)
                 assert torch.equal(pattern.block_diags, full.block_diags), name
                 assert torch.equal(pattern.vertical_pos, full.vertical_pos), name
-            ql, kl, vl = (t.detach().clone().requires_grad_() for t in shards)
-            out, lse = ring_attention(ql, kl, vl, None, layout, pattern=pattern, return_lse=True, backend="triton")
-            out.backward(layout.shard(dout, rank))
             qf, kf, vf, df = (t.float() for t in (q, k, v, dout))
             ref_out, ref_lse = attention_forward(qf, kf, vf, pattern, pos, pos, d**-0.5, backend="torch")
             delta = row_delta(df, ref_out)
             grads = attention_backward(df, qf, kf, vf, ref_lse, delta, pattern, pos, pos, d**-0.5, backend="torch")
             mine = layout.positions(rank).cuda()
-            assert _rel_err(out, ref_out[:, mine]) < 1e-2, name
-            assert (lse - ref_lse[:, :, mine]).abs().max().item() < 5e-2, name
-            assert _rel_err(ql.grad, grads[0][:, mine]) < 2e-2, name
-            assert _rel_err(kl.grad, grads[1][:, mine]) < 2e-2, name
-            assert _rel_err(vl.grad, grads[2][:, mine]) < 2e-2, name
+            # flat; hierarchical as world/2 "nodes" over a real link and over an emulated slow one
+            rings = [dict(ring="flat")]
+            if world % 2 == 0:
+                hier = dict(ring="hierarchical", inner_size=world // 2)
+                rings += [hier, dict(hier, outer_link=LinkModel(25e9, 5e-6))]
+            for ring in rings:
+                ql, kl, vl = (t.detach().clone().requires_grad_() for t in shards)
+                where = f"{name} {ring}"
+                if "outer_link" in ring:
+                    out, lse = hierarchical_ring_attention(
+                        ql, kl, vl, None, layout, pattern, return_lse=True, backend="triton",
+                        inner_size=ring["inner_size"], outer_link=ring["outer_link"],
+                    )
+                else:
+                    out, lse = ring_attention(ql, kl, vl, None, layout, pattern=pattern, return_lse=True,
+                                              backend="triton", **ring)
+                out.backward(layout.shard(dout, rank))
+                assert _rel_err(out, ref_out[:, mine]) < 1e-2, where
+                assert (lse - ref_lse[:, :, mine]).abs().max().item() < 5e-2, where
+                assert _rel_err(ql.grad, grads[0][:, mine]) < 2e-2, where
+                assert _rel_err(kl.grad, grads[1][:, mine]) < 2e-2, where
+                assert _rel_err(vl.grad, grads[2][:, mine]) < 2e-2, where
     dist.destroy_process_group()
 
 
