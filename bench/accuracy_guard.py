@@ -87,13 +87,15 @@ SPARSE = {  # attention budgets per arch (tiny: fit a 1K-token plumbing check)
     "small": dict(block_size=128, v_size=512, s_size=2048, local_window=128, last_q=64),
     "tiny": dict(block_size=32, v_size=64, s_size=256, local_window=32, last_q=64),
 }
-LOG_LINES: list[str] = []
+LOG: list[Path] = []  # the console is also appended here (set in main), so a killed run leaves its log
 
 
 def say(*parts) -> None:
     line = " ".join(str(p) for p in parts)
-    LOG_LINES.append(line)
     print(line, flush=True)
+    for path in LOG:
+        with open(path, "a") as f:
+            f.write(line + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- corpus
@@ -232,7 +234,7 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def train_once(folder: Path, cfg: Path, steps: int, args, probe: bool) -> dict:
+def train_once(folder: Path, cfg: Path, steps: int, args, probe: bool, deadline: float) -> dict:
     """Run one training; returns {status: done|retry|failed|timeout, metrics, wall_s, new_steps?}."""
     if folder.joinpath("log").exists():
         shutil.rmtree(folder / "log")
@@ -242,7 +244,7 @@ def train_once(folder: Path, cfg: Path, steps: int, args, probe: bool) -> dict:
     started = time.time()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     budget = args.max_minutes * 60
-    hard_limit = 2.0 * budget + 180  # startup and compilation included
+    hard_limit = min(2.0 * budget + 180, deadline - 60 - started)  # startup and compilation included
     shown, first_step_at = 0, None
     try:
         while proc.poll() is None:
@@ -303,33 +305,50 @@ def summarise(mode: str, cfg_path: Path, run: dict, last: int) -> dict:
     return rec
 
 
+def _moving_average(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot(records: dict, path: Path, title: str) -> Path:
+    """Loss curves (raw and a moving average), the relative gap per step, the sparse pattern's density and recall."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw=dict(width_ratios=[2, 1]))
+    fig, (ax, ax_gap, ax2) = plt.subplots(1, 3, figsize=(15, 4.5), gridspec_kw=dict(width_ratios=[2, 1.2, 1]))
     colours = dict(dense="tab:blue", sparse="tab:orange")
-    for mode, rec in records.items():
-        if not rec.get("curve"):
-            continue
-        steps = [c["step"] for c in rec["curve"]]
-        loss = [c["loss"] for c in rec["curve"]]
-        ema, smooth = loss[0], []
-        for v in loss:
-            ema = 0.9 * ema + 0.1 * v
-            smooth.append(ema)
+    curves = {m: r["curve"] for m, r in records.items() if r.get("curve")}
+    window = max(1, max((len(c) for c in curves.values()), default=1) // 25)
+    for mode, curve in curves.items():
+        steps, loss = [c["step"] for c in curve], [c["loss"] for c in curve]
         ax.plot(steps, loss, color=colours[mode], alpha=0.25, lw=0.8)
-        ax.plot(steps, smooth, color=colours[mode], lw=2, label=f"{mode} (final {rec['final_loss']:.4f})")
-        if mode == "sparse" and "density" in rec["curve"][0]:
-            ax2.plot(steps, [c.get("density") for c in rec["curve"]], label="density (kept / causal pairs)")
-            ax2.plot(steps, [c.get("recall") for c in rec["curve"]], label="recall (attention mass kept)")
+        ax.plot(steps, _moving_average(loss, window), color=colours[mode], lw=2,
+                label=f"{mode} (final {records[mode]['final_loss']:.4f})")
+        if mode == "sparse" and "density" in curve[0]:
+            ax2.plot(steps, [c.get("density") for c in curve], label="density (kept / causal pairs)")
+            ax2.plot(steps, [c.get("recall") for c in curve], label="recall (attention mass kept)")
+    if len(curves) == 2:
+        n = min(len(curves["dense"]), len(curves["sparse"]))
+        gap = [100 * (s["loss"] - d["loss"]) / d["loss"] for d, s in zip(curves["dense"][:n], curves["sparse"][:n])]
+        steps = [c["step"] for c in curves["dense"][:n]]
+        ax_gap.plot(steps, gap, color="grey", alpha=0.3, lw=0.8)
+        ax_gap.plot(steps, _moving_average(gap, window), color="black", lw=1.5, label=f"moving average ({window} steps)")
+        ax_gap.axhline(100 * GOAL, color="red", ls="--", lw=1, label=f"goal: +{GOAL:.0%}")
+        ax_gap.axhline(0, color="grey", lw=0.8)
+        ax_gap.legend(fontsize=8)
     ax.set(xlabel="step", ylabel="training loss (nats/token)", title=title)
-    ax.set_yscale("log")
     ax.legend()
     ax.grid(alpha=0.3)
-    ax2.set(xlabel="step", title="sparse pattern (mean over sparse layers)", ylim=(0, 1.05))
+    ax_gap.set(xlabel="step", ylabel="%", title="sparse vs dense loss, same step")
+    ax_gap.grid(alpha=0.3)
+    ax2.set(xlabel="step", title="sparse pattern (sparse layers)", ylim=(0, 1.05))
     ax2.legend(loc="lower right", fontsize=8)
     ax2.grid(alpha=0.3)
     fig.tight_layout()
@@ -459,8 +478,9 @@ def main() -> None:
     p.add_argument("--max-minutes", type=float, default=1.75,
                    help="time for the training steps of one run; the steps are cut to fit (measured on the dense run)")
     p.add_argument("--probe-steps", type=int, default=10, help="dense steps measured before deciding the step count")
-    p.add_argument("--deadline-minutes", type=float, default=9.0, help="evaluations still running then are stopped")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--deadline-minutes", type=float, default=8.5,
+                   help="from the start: a training still running 1 minute before is stopped, evaluations running then are stopped")
+    p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--rope-theta", type=float, default=1e6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--v-size", type=int, default=None)
@@ -490,6 +510,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="accuracy_guard_"))
     work.mkdir(parents=True, exist_ok=True)
+    LOG.append(out / "accuracy_guard.log")
+    LOG[0].write_text("")
     say(f"accuracy guard: arch {args.arch}, seq_len {args.seq_len}, {args.steps} steps, device {args.device}; work dir {work}")
 
     tokens = work / "tokens.npy"
@@ -506,7 +528,7 @@ def main() -> None:
         for attempt in range(2):
             cfgs[mode] = write_config(folder, args, mode, tokens, steps)
             say(f"[{time.time() - t_start:5.0f}s] training {mode}: {steps} steps")
-            run = train_once(folder, cfgs[mode], steps, args, probe=mode == "dense" and attempt == 0)
+            run = train_once(folder, cfgs[mode], steps, args, mode == "dense" and attempt == 0, deadline)
             if run["status"] != "retry":
                 break
             steps = run["new_steps"]
@@ -568,7 +590,6 @@ def main() -> None:
         for line in eval_summary(bundle):
             say(line)
     say(f"[{time.time() - t_start:5.0f}s] done; outputs in {out}")
-    (out / "accuracy_guard.log").write_text("\n".join(LOG_LINES) + "\n")
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
 
