@@ -28,7 +28,8 @@ One script, meant for one GPU (an H200: about 6-8 minutes with the defaults):
    ``accuracy_guard.png`` (both curves; the sparse pattern's density and recall).
 5. ``mtraining eval ppl`` (held-out generated documents), ``niah`` (built-in filler) and ``ruler``
    (all tasks) on the dense-trained and the sparse-trained export, each with dense and with sparse
-   attention (4 labels, run concurrently: on the GPU they are small), then ``mtraining eval report``.
+   attention (4 labels, run concurrently: on the GPU they are small; sparse evaluation keeps layer 0
+   dense as training did), then ``mtraining eval report``.
 
 Outputs (at most 8 files, flat, so the device tool returns them all):
     accuracy_guard.json, accuracy_guard.png, accuracy_guard.log (this script's console),
@@ -87,6 +88,7 @@ SPARSE = {  # attention budgets per arch (tiny: fit a 1K-token plumbing check)
     "small": dict(block_size=128, v_size=512, s_size=2048, local_window=128, last_q=64),
     "tiny": dict(block_size=32, v_size=64, s_size=256, local_window=32, last_q=64),
 }
+DENSE_LAYERS = [0]  # layers that stay dense in the sparse configuration (training and sparse evaluation)
 LOG: list[Path] = []  # the console is also appended here (set in main), so a killed run leaves its log
 
 
@@ -193,7 +195,7 @@ def build_heldout(path: Path, min_tokens: int, count: int, seq_len: int, seed: i
 
 # ---------------------------------------------------------------------------------------------- training
 def write_config(folder: Path, args, mode: str, tokens: Path, steps: int) -> Path:
-    attention = dict(SPARSE[args.arch], layout="striped", backend="auto", sparse=mode == "sparse", dense_layers=[0])
+    attention = dict(SPARSE[args.arch], layout="striped", backend="auto", sparse=mode == "sparse", dense_layers=DENSE_LAYERS)
     if args.v_size:
         attention["v_size"] = args.v_size
     if args.s_size:
@@ -362,13 +364,17 @@ def eval_jobs(args, exports: dict[str, Path], heldout: Path, work: Path) -> list
     """Per label (trained-attention): the eval commands to run one after the other."""
     sp = SPARSE[args.arch]
     sparse_flags = ["--attention", "sparse", "--v-size", str(args.v_size or sp["v_size"]), "--s-size",
-                    str(args.s_size or sp["s_size"]), "--local-window", str(sp["local_window"]), "--last-q", str(sp["last_q"])]
+                    str(args.s_size or sp["s_size"]), "--local-window", str(sp["local_window"]), "--last-q", str(sp["last_q"]),
+                    "--dense-layers", ",".join(map(str, DENSE_LAYERS))]
     base = [sys.executable, "-m", "mtraining.cli", "eval"]
     jobs = []
     for trained, export in exports.items():
         for attention in ("dense", "sparse"):
             label = f"{trained}-trained_{attention}-attn"
             common = ["--block-size", str(sp["block_size"]), "--label", label, "--out-dir", str(work / "eval" / label)]
+            # generation: prefill all but the last partial block through the attention under test (default granule 2048
+            # would leave up to 2047 prompt tokens to the dense tail)
+            granule = ["--prefill-granule", str(sp["block_size"])]
             common += sparse_flags if attention == "sparse" else ["--attention", "dense"]
             if args.device == "cpu":
                 common += ["--device", "cpu"]
@@ -376,9 +382,9 @@ def eval_jobs(args, exports: dict[str, Path], heldout: Path, work: Path) -> list
                 base + ["ppl", str(export), "--data", str(heldout), "--lengths", args.eval_lengths, "--samples",
                         str(args.ppl_samples), "--first-bucket", str(args.first_bucket)] + common,
                 base + ["niah", str(export), "--lengths", args.eval_lengths, "--depths", "0,25,50,75,100", "--samples",
-                        str(args.niah_samples)] + common,
+                        str(args.niah_samples)] + granule + common,
                 base + ["ruler", str(export), "--lengths", args.eval_lengths, "--tasks", args.ruler_tasks, "--samples",
-                        str(args.ruler_samples)] + common,
+                        str(args.ruler_samples)] + granule + common,
             ]
             jobs.append((label, cmds))
     return jobs
@@ -497,6 +503,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="flat output folder (default: bench/results)")
     p.add_argument("--unbundle", type=Path, default=None, help="split an eval_accuracy_guard.json into bench/results")
     args = p.parse_args()
+    args.probe_steps = max(args.probe_steps, 4)
     if args.unbundle:
         for path in unbundle(args.unbundle, args.out or RESULTS_DIR):
             print(f"wrote {path}")
@@ -577,7 +584,7 @@ def main() -> None:
                            "labels: <how the model was trained>-trained_<attention at evaluation>-attn",
                            "training corpus holds needle/vt documents in the eval's format with disjoint seeds; "
                            "cwe/fwe are not in the training mixture",
-                           "sparse evaluation runs every layer sparse (the eval CLI has no dense_layers); training kept layer 0 dense",
+                           f"sparse evaluation keeps layers {DENSE_LAYERS} dense, as training did (--dense-layers)",
                        ], evals=bundle, report_md=report_md)
         (out / "eval_accuracy_guard.json").write_text(json.dumps(payload, indent=1) + "\n")
         if report_md is not None:

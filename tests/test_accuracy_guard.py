@@ -65,3 +65,14 @@ def test_configs_differ_only_in_attention_sparse(tmp_path):
     for path in paths.values():
         cfg = load_config(path)  # valid for the trainer
         assert cfg.world_size == 1 and cfg.train.activation_checkpointing and cfg.data.tokenizer
+
+
+def test_unbundle_writes_flat_eval_files(tmp_path):
+    guard = _guard()
+    bundle = {"evals": {"dense-trained_dense-attn": {"status": [], "ppl": {"kind": "ppl"}, "niah": {"kind": "niah"}},
+                        "sparse-trained_sparse-attn": {"status": ["ruler: stopped at the deadline"], "ruler": {"kind": "ruler"}}}}
+    (tmp_path / "b.json").write_text(json.dumps(bundle))
+    written = guard.unbundle(tmp_path / "b.json", tmp_path)
+    assert sorted(p.name for p in written) == ["eval_dense-trained_dense-attn_niah.json", "eval_dense-trained_dense-attn_ppl.json",
+                                               "eval_sparse-trained_sparse-attn_ruler.json"]
+    assert json.loads((tmp_path / "eval_dense-trained_dense-attn_ppl.json").read_text()) == {"kind": "ppl"}
