@@ -261,7 +261,7 @@ def train_once(folder: Path, cfg: Path, steps: int, args, probe: bool, deadline:
                 say(f"    step {r['step']}/{steps} loss={r['loss']:.4f} step_s={r['step_s']:.3f}{extra}")
             if probe and len(rows) >= args.probe_steps and steps > args.probe_steps:
                 probe = False
-                step_s = statistics.median(r["step_s"] for r in rows[2 : args.probe_steps])
+                step_s = statistics.median(r["step_s"] for r in rows[args.probe_steps // 2 : args.probe_steps])  # past compilation
                 projected = step_s * steps
                 if projected > budget:
                     new_steps = max(args.probe_steps + 1, int(0.92 * budget / step_s))
@@ -483,7 +483,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--max-minutes", type=float, default=1.75,
                    help="time for the training steps of one run; the steps are cut to fit (measured on the dense run)")
-    p.add_argument("--probe-steps", type=int, default=10, help="dense steps measured before deciding the step count")
+    p.add_argument("--probe-steps", type=int, default=12,
+                   help="dense steps run before deciding the step count (the median of the second half is the step time)")
     p.add_argument("--deadline-minutes", type=float, default=8.5,
                    help="from the start: a training still running 1 minute before is stopped, evaluations running then are stopped")
     p.add_argument("--lr", type=float, default=6e-4)
