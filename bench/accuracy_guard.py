@@ -247,13 +247,11 @@ def train_once(folder: Path, cfg: Path, steps: int, args, probe: bool, deadline:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     budget = args.max_minutes * 60
     hard_limit = min(2.0 * budget + 180, deadline - 60 - started)  # startup and compilation included
-    shown, first_step_at = 0, None
+    shown = 0
     try:
         while proc.poll() is None:
             time.sleep(1.0)
             rows = read_metrics(folder)
-            if rows and first_step_at is None:
-                first_step_at = time.time()
             if rows and (len(rows) - shown >= max(1, steps // 12)):
                 shown = len(rows)
                 r = rows[-1]
@@ -552,6 +550,7 @@ def main() -> None:
     result = dict(
         name="accuracy_guard", device=device_name() if args.device == "cuda" else "cpu", commit=commit(),
         command=command_line(), arch=args.arch, model_config=ARCHS[args.arch], seq_len=args.seq_len, steps=steps,
+        requested_steps=args.steps, max_minutes_per_run=args.max_minutes,
         tokens_per_step=args.seq_len, corpus=corpus, goal=f"sparse final loss within {GOAL:.0%} of dense",
         final_loss_definition=f"mean training loss of the last {args.last} steps",
         relative_gap=gap, passed=None if gap is None else gap <= GOAL,
