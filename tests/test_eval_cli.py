@@ -142,6 +142,17 @@ def test_training_checkpoint_with_config(tiny, tmp_path):
     assert a == pytest.approx(b, rel=1e-6)
 
 
+def test_dense_layers_stay_dense_like_training(tiny, tmp_path):
+    """--dense-layers 0 (attention.dense_layers of training): layer 0 dense, recorded in the JSON."""
+    base = ["--data", CORPUS, "--pack", "--lengths", "256", *FAST, *SPARSE]
+    ok("ppl", tiny, *base, "--out-dir", tmp_path / "all")
+    ok("ppl", tiny, *base, "--dense-layers", "0", "--out-dir", tmp_path / "first")
+    every, first = (json.loads((tmp_path / n / "ppl.json").read_text()) for n in ("all", "first"))
+    assert every["dense_layers"] == [] and first["dense_layers"] == [0]
+    assert every["result"][0]["nll"] != first["result"][0]["nll"]
+    assert "layer indices" in fails("ppl", tiny, *base, "--dense-layers", "zero", "--out-dir", tmp_path / "bad")
+
+
 def test_bad_input_names_the_fix(tiny, tmp_path):
     base = ["--lengths", "256", *FAST, "--out-dir", tmp_path / "out"]
     assert "does not exist" in fails("ppl", tiny, "--data", tmp_path / "missing.jsonl", *base)

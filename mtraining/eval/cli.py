@@ -34,6 +34,7 @@ LastQ = Annotated[Optional[int], typer.Option("--last-q", help="Sparse: queries 
 Window = Annotated[Optional[int], typer.Option("--local-window", help="Sparse: offsets always kept.")]
 Threshold = Annotated[Optional[float], typer.Option("--threshold", help="Sparse: keep lines up to this score mass.")]
 Budgets = Annotated[Optional[Path], typer.Option("--budgets", help="Sparse: per-layer/head budgets YAML.")]
+DenseLayers = Annotated[Optional[str], typer.Option("--dense-layers", help="Sparse: layers that stay dense, e.g. 0 (as attention.dense_layers in training).")]
 Device = Annotated[Optional[str], typer.Option("--device", help="Default: this rank's GPU, else cpu.")]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="bfloat16 (GPU default), float16 or float32 (CPU default).")]
 OutDir = Annotated[Optional[Path], typer.Option("--out-dir", help="Default: eval-results/LABEL.")]
@@ -73,7 +74,8 @@ class _Session:
     """Loaded model, tokenizer, context-parallel group and engine for one command on this rank."""
 
     def __init__(
-        self, checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend, pattern, granule=2048
+        self, checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend, pattern, granule=2048,
+        dense_layers=None,
     ) -> None:
         from .engine import AttentionSpec, Engine
         from .loading import load, pick_device
@@ -81,12 +83,13 @@ class _Session:
 
         if attention not in ("dense", "sparse"):
             raise ValueError(f"--attention must be dense or sparse, got {attention!r}")
+        layers = _layers(dense_layers)
         self.group = init_group(pick_device(device))
         self.root = is_root(self.group)
         self.loaded = load(checkpoint, tokenizer, config, device, dtype)
         self.spec = AttentionSpec(
             sparse=attention == "sparse", layout=layout, block_size=block_size, backend=backend, pattern=pattern,
-            prefill_granule=granule,
+            prefill_granule=granule, dense_layers=layers,
         )
         self.spec.pattern_config()  # validate the sparse options before any work
         self.engine = Engine(self.loaded.model, self.spec, self.group)
@@ -123,6 +126,7 @@ class _Session:
             "checkpoint": self.checkpoint,
             "attention": self.spec.name,
             "pattern": _jsonable(self.spec.pattern) if self.spec.sparse else None,
+            "dense_layers": list(self.spec.dense_layers) if self.spec.sparse else None,
             "sparse_density": sum(self.engine.densities) / len(self.engine.densities) if self.engine.densities else None,
             "layout": self.spec.layout,
             "prefill_granule": self.spec.prefill_granule,
@@ -133,6 +137,17 @@ class _Session:
             "settings": settings,
             "elapsed_s": round(time.time() - self.started, 2),
         }
+
+
+def _layers(text: str | None) -> tuple[int, ...]:
+    """Layer indices from '0' or '0,1' (None or empty: none)."""
+    try:
+        layers = tuple(int(x) for x in (text or "").split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--dense-layers takes layer indices like 0 or 0,1, got {text!r}") from None
+    if any(layer < 0 for layer in layers):
+        raise ValueError(f"--dense-layers takes layer indices >= 0, got {text!r}")
+    return layers
 
 
 def _pattern(v_size, s_size, last_q, local_window, threshold, budgets) -> dict:
@@ -178,7 +193,8 @@ def ppl(
     text_field: TextField = "text",
     tokenizer: TokenizerOpt = None, config: ConfigOpt = None, attention: Attention = "dense", layout: Layout = "striped",
     block_size: Block = 128, backend: Backend = "auto", v_size: VSize = None, s_size: SSize = None, last_q: LastQ = None,
-    local_window: Window = None, threshold: Threshold = None, budgets: Budgets = None, device: Device = None,
+    local_window: Window = None, threshold: Threshold = None, budgets: Budgets = None, dense_layers: DenseLayers = None,
+    device: Device = None,
     dtype: Dtype = None, out_dir: OutDir = None, label: Label = None, allow_extrapolation: Extrapolate = False,
     memory_limit_gib: MemLimit = None, nproc: Nproc = 1,
 ) -> None:
@@ -192,7 +208,7 @@ def ppl(
         grid = parse_lengths(lengths)
         docs = load_documents(data, text_field)
         s = _Session(checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend,
-                     _pattern(v_size, s_size, last_q, local_window, threshold, budgets))
+                     _pattern(v_size, s_size, last_q, local_window, threshold, budgets), dense_layers=dense_layers)
         s.check(grid, 0, False, allow_extrapolation, memory_limit_gib)
         results = run_ppl(s.engine, s.loaded.tokenizer, docs, grid, samples, first_bucket, pack, s.root)
         settings = {"lengths": grid, "samples": samples, "first_bucket": first_bucket, "pack": pack, "data": [str(p) for p in data]}
@@ -217,7 +233,8 @@ def niah(
     text_field: TextField = "text",
     tokenizer: TokenizerOpt = None, config: ConfigOpt = None, attention: Attention = "dense", layout: Layout = "striped",
     block_size: Block = 128, backend: Backend = "auto", v_size: VSize = None, s_size: SSize = None, last_q: LastQ = None,
-    local_window: Window = None, threshold: Threshold = None, budgets: Budgets = None, device: Device = None,
+    local_window: Window = None, threshold: Threshold = None, budgets: Budgets = None, dense_layers: DenseLayers = None,
+    device: Device = None,
     dtype: Dtype = None, out_dir: OutDir = None, label: Label = None, allow_extrapolation: Extrapolate = False,
     memory_limit_gib: MemLimit = None, prefill_granule: Granule = 2048, nproc: Nproc = 1,
 ) -> None:
@@ -231,7 +248,7 @@ def niah(
         grid, depth_list = parse_lengths(lengths), parse_numbers(depths, "depths")
         stack = _haystack(haystack, text_field, seed)
         s = _Session(checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend,
-                     _pattern(v_size, s_size, last_q, local_window, threshold, budgets), prefill_granule)
+                     _pattern(v_size, s_size, last_q, local_window, threshold, budgets), prefill_granule, dense_layers)
         s.check(grid, 0, True, allow_extrapolation, memory_limit_gib)
         result = run_niah(s.engine, s.loaded.tokenizer, grid, depth_list, samples, seed, stack, max_new_tokens, s.root)
         settings = {"lengths": grid, "depths": depth_list, "samples": samples, "seed": seed, "max_new_tokens": max_new_tokens}
@@ -258,7 +275,8 @@ def ruler(
     text_field: TextField = "text",
     tokenizer: TokenizerOpt = None, config: ConfigOpt = None, attention: Attention = "dense", layout: Layout = "striped",
     block_size: Block = 128, backend: Backend = "auto", v_size: VSize = None, s_size: SSize = None, last_q: LastQ = None,
-    local_window: Window = None, threshold: Threshold = None, budgets: Budgets = None, device: Device = None,
+    local_window: Window = None, threshold: Threshold = None, budgets: Budgets = None, dense_layers: DenseLayers = None,
+    device: Device = None,
     dtype: Dtype = None, out_dir: OutDir = None, label: Label = None, allow_extrapolation: Extrapolate = False,
     memory_limit_gib: MemLimit = None, prefill_granule: Granule = 2048, nproc: Nproc = 1,
 ) -> None:
@@ -271,7 +289,7 @@ def ruler(
         grid, task_list = parse_lengths(lengths), parse_tasks(tasks)
         stack = _haystack(haystack, text_field, seed)
         s = _Session(checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend,
-                     _pattern(v_size, s_size, last_q, local_window, threshold, budgets), prefill_granule)
+                     _pattern(v_size, s_size, last_q, local_window, threshold, budgets), prefill_granule, dense_layers)
         s.check(grid, 0, True, allow_extrapolation, memory_limit_gib)
         result = run_ruler(s.engine, s.loaded.tokenizer, task_list, grid, samples, seed, stack, max_new_tokens, s.root)
         settings = {"lengths": grid, "tasks": task_list, "samples": samples, "seed": seed, "max_new_tokens": max_new_tokens}

@@ -53,6 +53,7 @@ class AttentionSpec:
         backend: "auto", "torch" or "triton".
         pattern: ``PatternConfig`` fields (v_size, s_size, last_q, threshold, ...) for sparse runs.
         min_sparse_len: sequences shorter than this run dense even when ``sparse``.
+        dense_layers: layers that run dense even when ``sparse`` (as ``attention.dense_layers`` in training).
         prefill_granule: generation prefills the longest prompt prefix that is a multiple of this
             (rounded up to a multiple of the layout's unit); the rest runs dense.
     """
@@ -64,6 +65,7 @@ class AttentionSpec:
     pattern: dict = field(default_factory=dict)
     min_sparse_len: int = 0
     prefill_granule: int = 2048
+    dense_layers: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
@@ -93,6 +95,7 @@ def attention_context(spec: AttentionSpec, group: dist.ProcessGroup | None, seq_
         group=group if world_size > 1 else None,
         layout=layout,
         pattern_config=spec.pattern_config(),
+        dense_layers=frozenset(spec.dense_layers),
         min_sparse_len=spec.min_sparse_len,
         backend=spec.backend,
     )
