@@ -40,7 +40,8 @@ def main() -> None:
     target = GPUTarget("cuda", 90, 32)
     tiles = dict(G=128, HEAD_DIM=128)
     for fn, extra in [
-        (tk._fwd_kernel, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_V=64)),
+        (tk._fwd_kernel, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_V=64, MERGE=False)),
+        (tk._fwd_kernel, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_V=64, MERGE=True)),
         (tk._bwd_dq_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_V=64)),
         (tk._bwd_dkdv_block_kernel, dict(BLOCK_M=64, BLOCK_N=64, DQ_MODE=0)),
         (tk._bwd_dkdv_block_kernel, dict(BLOCK_M=64, BLOCK_N=128, DQ_MODE=1)),

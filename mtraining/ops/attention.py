@@ -80,10 +80,15 @@ def attention_forward(
     *,
     backend: str = "auto",
     out_dtype: torch.dtype | None = None,
+    merge_into: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """One block of attention: (out [B, Sq, Hq, D], lse [B, Hq, Sq] float32). No validation (hot path)."""
+    """One block of attention: (out [B, Sq, Hq, D], lse [B, Hq, Sq] float32). No validation (hot path).
+
+    ``merge_into``: (out, lse) over other keys (an earlier ring step, out in ``out_dtype``), into
+    which this block's result is merged in place (by the kernel itself on the Triton backend).
+    """
     name = resolve_backend(backend, q.device)
-    return _backend_module(name).forward(q, k, v, pattern, q_pos, k_pos, scale, out_dtype or q.dtype)
+    return _backend_module(name).forward(q, k, v, pattern, q_pos, k_pos, scale, out_dtype or q.dtype, merge_into)
 
 
 def attention_backward(

@@ -355,21 +355,12 @@ def forward(
         rows = slice(blk.q0, blk.q1)
         o, part = ops.forward(q[:, rows], k[:, blk.k0 : blk.k1], v[:, blk.k0 : blk.k1], blk.causal, scale)
         if any(w.q0 < blk.q1 and blk.q0 < w.q1 for w in written):
-            _merge_rows(out[:, rows], lse[:, :, rows], o, part.to(acc))
+            torch_backend.merge_partial(out[:, rows], lse[:, :, rows], o, part.to(acc))
         else:  # first block of these rows: a copy, no merge
             out[:, rows] = o
             lse[:, :, rows] = part
         written.append(blk)
     return out.to(out_dtype), lse
-
-
-def _merge_rows(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> None:
-    """In place on (views of) out/lse: exact merge with a partial over disjoint keys; -inf rows stay 0/-inf."""
-    new = torch.logaddexp(lse, part_lse)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-    out.mul_(torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1))
-    out.add_(part_out.to(out.dtype) * torch.exp(part_lse - safe).transpose(1, 2).unsqueeze(-1))
-    lse.copy_(new)
 
 
 def backward(

@@ -35,6 +35,7 @@ def forward(
     k_pos: Tensor,
     scale: float,
     out_dtype: torch.dtype,
+    merge_into: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out [B, Sq, Hq, D] in out_dtype, lse [B, Hq, Sq] float32; -inf and 0 for rows seeing nothing)."""
     b, sq, hq, d = q.shape
@@ -53,7 +54,11 @@ def forward(
         out[:, :, rows] = torch.matmul(torch.exp(s - safe[..., None]), vh)
         lse[:, :, rows] = row_lse
     lse_dtype = torch.float64 if acc == torch.float64 else torch.float32
-    return out.transpose(1, 2).to(out_dtype), lse.to(lse_dtype)
+    out, lse = out.transpose(1, 2).to(out_dtype), lse.to(lse_dtype)
+    if merge_into is None:
+        return out, lse
+    merge_partial(*merge_into, out, lse)
+    return merge_into
 
 
 def backward(
@@ -99,3 +104,13 @@ def backward(
     dv = dvh.view(b, hkv, group, -1, d).sum(2).transpose(1, 2)
     dq = dq.transpose(1, 2)
     return (dq if dq_dtype is None else dq.to(dq_dtype)), dk, dv
+
+
+def merge_partial(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> None:
+    """In place on out [B, S, H, D] / lse [B, H, S] (or views): exact merge with a partial result
+    over disjoint keys; rows that see no key on either side stay 0 / -inf."""
+    new = torch.logaddexp(lse, part_lse)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    out.mul_(torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1))
+    out.add_(part_out.to(out.dtype) * torch.exp(part_lse - safe).transpose(1, 2).unsqueeze(-1))
+    lse.copy_(new)

@@ -99,21 +99,26 @@ def forward(
     k_pos: Tensor,
     scale: float,
     out_dtype: torch.dtype,
+    merge_into: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(out [B, Sq, Hq, D] in out_dtype, lse [B, Hq, Sq] float32)."""
+    """(out [B, Sq, Hq, D] in out_dtype, lse [B, Hq, Sq] float32); with ``merge_into`` (out, lse) of
+    earlier keys, the kernel merges its result into them in place and returns them."""
     q, k, v = _unit_stride(q, k, v)
     pattern = _resolve(q, pattern, q_pos, k_pos)
     b, sq, hq, d = q.shape
     t = tile_config(pattern.block_size, d, q.device).fwd
     tensors, strides = _query_walk_args(_cached(pattern, "query", q_pos, k_pos, t))
-    out = torch.full((b, sq, hq, d), float("nan"), dtype=out_dtype, device=q.device)
-    lse = torch.full((b, hq, sq), float("nan"), dtype=torch.float32, device=q.device)
+    if merge_into is not None:
+        out, lse = merge_into
+    else:
+        out = torch.full((b, sq, hq, d), float("nan"), dtype=out_dtype, device=q.device)
+        lse = torch.full((b, hq, sq), float("nan"), dtype=torch.float32, device=q.device)
     tk._fwd_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
         q, k, v, out, lse, q_pos, k_pos, *tensors,
         scale * tk.LOG2E, sq, k.shape[1], hq, hq // k.shape[2],
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride()[:2], *strides,
         G=pattern.block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_V=t.block_v, HEAD_DIM=d,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        MERGE=merge_into is not None, num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out, lse
 

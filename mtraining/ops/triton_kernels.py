@@ -53,8 +53,10 @@ def _fwd_kernel(
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ob, s_os, s_oh, s_lb, s_lh,
     s_sb, s_sh, s_st, s_cb, s_ch, s_mb, s_mh, s_wb, s_wh,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MERGE: tl.constexpr,
 ):
+    """(out, lse) of one query tile; MERGE: Out/Lse already hold a partial result over other keys
+    (an earlier ring step) and this tile's result is merged into them by LSE, in place."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -104,12 +106,20 @@ def _fwd_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / 1.4426950408889634)
-    tl.store(
-        Out + b * s_ob + rows[:, None] * s_os + h * s_oh + d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=row_ok[:, None],
-    )
-    tl.store(Lse + b * s_lb + h * s_lh + rows, lse, mask=row_ok)
+    out_ptr = Out + b * s_ob + rows[:, None] * s_os + h * s_oh + d[None, :]
+    lse_ptr = Lse + b * s_lb + h * s_lh + rows
+    if MERGE:
+        prev_lse = tl.load(lse_ptr, mask=row_ok, other=float("-inf"))
+        prev_out = tl.load(out_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        top = tl.maximum(prev_lse, lse)
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        w_prev = tl.exp(prev_lse - top_safe)
+        w_new = tl.exp(lse - top_safe)
+        total = w_prev + w_new
+        out = (prev_out * w_prev[:, None] + out * w_new[:, None]) / tl.where(total == 0.0, 1.0, total)[:, None]
+        lse = tl.where(top == float("-inf"), float("-inf"), top_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
+    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_ptr, lse, mask=row_ok)
 
 
 @triton.jit

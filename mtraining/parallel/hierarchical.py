@@ -42,7 +42,6 @@ from .ring import (
     DenseSteps,
     RingEngine,
     _prepare,
-    _merge_into,
     _positions,
     _ring_comm,
     _RingAttention,
@@ -112,11 +111,8 @@ def _hier_forward(q: Tensor, k: Tensor, v: Tensor, pattern: VerticalSlashPattern
                 transfer = plan.inner.start(cur, nxt)
             src = plan.source(o, i)
             if plan.visible[src]:
-                part_out, part_lse = _step_forward(q, cur[0], cur[1], pattern, plan, src, acc)
-                if out is None:
-                    out, lse = part_out, part_lse
-                else:
-                    _merge_into(out, lse, part_out, part_lse)
+                out, lse = _step_forward(q, cur[0], cur[1], pattern, plan, src, acc,
+                                         merge_into=None if out is None else (out, lse))
             if i + 1 < n_inner:
                 transfer.wait()
                 cur = nxt

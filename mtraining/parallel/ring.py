@@ -30,6 +30,7 @@ from ..ops.attention import KERNEL_DTYPES, Backend, attention_backward, attentio
 from ..ops.checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv
 from ..ops.estimate import PatternConfig
 from ..ops.pattern import VerticalSlashPattern
+from ..ops.torch_backend import merge_partial
 from .comm import RingComm
 from .estimate import estimate_pattern_cp
 from .layout import Layout
@@ -79,14 +80,19 @@ class DenseSteps:
         return _layout_blocks(self.layout, self.rank, src)
 
 
-def _step_forward(q: Tensor, k: Tensor, v: Tensor, pattern, plan, src: int, out_dtype: torch.dtype):
-    """One ring step's (out, lse) of this rank's queries against the keys that started on ``src``."""
+def _step_forward(q: Tensor, k: Tensor, v: Tensor, pattern, plan, src: int, out_dtype: torch.dtype,
+                  merge_into: tuple[Tensor, Tensor] | None = None):
+    """One ring step's (out, lse) of this rank's queries against the keys that started on ``src``;
+    with ``merge_into`` (the earlier steps' out and lse) merged into those, in place."""
     blocks = plan.dense.blocks(src) if plan.dense is not None else None
-    if blocks is not None:
-        return dense_blocks.forward(q, k, v, blocks, plan.scale, out_dtype, plan.dense.ops)
-    return attention_forward(
-        q, k, v, pattern, plan.q_pos, plan.positions[src], plan.scale, backend=plan.backend, out_dtype=out_dtype
-    )
+    if blocks is None:
+        return attention_forward(q, k, v, pattern, plan.q_pos, plan.positions[src], plan.scale,
+                                 backend=plan.backend, out_dtype=out_dtype, merge_into=merge_into)
+    part = dense_blocks.forward(q, k, v, blocks, plan.scale, out_dtype, plan.dense.ops)
+    if merge_into is None:
+        return part
+    merge_partial(*merge_into, *part)
+    return merge_into
 
 
 def _step_backward(do, q, k, v, out, lse, delta, pattern, plan, src: int):
@@ -135,15 +141,6 @@ def _spares(like: Tensor, count: int, dtype: torch.dtype | None = None) -> list[
     return [(make(), make()) for _ in range(count)]
 
 
-def _merge_into(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> None:
-    """In place: (out, lse) <- exact merge with a partial over disjoint keys; -inf rows stay 0/-inf."""
-    new = torch.logaddexp(lse, part_lse)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-    out.mul_(torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1))
-    out.add_(part_out * torch.exp(part_lse - safe).transpose(1, 2).unsqueeze(-1))
-    lse.copy_(new)
-
-
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, pattern: VerticalSlashPattern | None, plan: _Plan):
     """(out in the accumulation dtype, lse) of this rank's queries against all keys."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -157,11 +154,8 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, pattern: VerticalSlashPattern
             transfer = plan.comm.start(cur, nxt)
         if plan.active[step]:  # always at step 0 (own keys)
             src = (plan.rank - step) % w
-            part_out, part_lse = _step_forward(q, cur[0], cur[1], pattern, plan, src, acc)
-            if out is None:
-                out, lse = part_out, part_lse
-            else:
-                _merge_into(out, lse, part_out, part_lse)
+            out, lse = _step_forward(q, cur[0], cur[1], pattern, plan, src, acc,
+                                     merge_into=None if out is None else (out, lse))
         if step + 1 < w:
             transfer.wait()
             cur = nxt
