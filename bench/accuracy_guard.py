@@ -195,7 +195,8 @@ def build_heldout(path: Path, min_tokens: int, count: int, seq_len: int, seed: i
 
 # ---------------------------------------------------------------------------------------------- training
 def write_config(folder: Path, args, mode: str, tokens: Path, steps: int) -> Path:
-    attention = dict(SPARSE[args.arch], layout="striped", backend="auto", sparse=mode == "sparse", dense_layers=DENSE_LAYERS)
+    attention = dict(SPARSE[args.arch], layout="striped", backend="auto", sparse=mode == "sparse", dense_layers=DENSE_LAYERS,
+                     max_density=None)  # every sparse step stays sparse: this guards sparse accuracy
     if args.v_size:
         attention["v_size"] = args.v_size
     if args.s_size:

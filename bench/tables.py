@@ -20,22 +20,32 @@ def _row(cells) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+def _runs(records: list[dict], key) -> list[tuple[object, list[dict]]]:
+    """Records grouped by run, newest run first (records are appended run after run)."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault(key(r), []).append(r)
+    return list(reversed(groups.items()))
+
+
 def sparse_attention_table() -> str:
     head = ["seq", "inputs", "pattern", "density", "estimate ms", "fwd ms", "bwd ms", "bwd/fwd",
-            "sparse total ms", "cuDNN fwd+bwd ms", "speedup", "total / (density x cuDNN)", "run", "commit"]
-    lines = [_row(head), _row(["---"] * len(head))]
-    for r in sorted(_load("sparse_attention"), key=lambda r: (r["run"] != "h200x4-gpu0-run2", r["seq_len"],
-                                                           r["inputs"], r["pattern"], r["density"])):
-        label = r["pattern"] if r["pattern"] != "sweep" else f"sweep ~{r['target_density']:.0%}"
-        if r["pattern"] == "estimated" and r["inputs"] == "structured" and "before" in r.get("inputs_note", ""):
-            label += " (old generator)"
-        lines.append(_row([
-            f"{r['seq_len'] // 1024}K", r["inputs"], label, f"{r['density']:.3f}", f"{r['estimate_ms']:.1f}",
-            f"{r['sparse_fwd_ms']:.1f}", f"{r['sparse_bwd_ms']:.1f}", f"{r['bwd_over_fwd']:.2f}",
-            f"{r['sparse_total_ms']:.1f}", f"{r['dense_fwd_bwd_ms']:.1f}", f"{r['speedup_fwd_bwd']:.2f}x",
-            f"{r['over_ideal']:.2f}", r["run"], r["commit"],
-        ]))
-    return "\n".join(lines)
+            "sparse total ms", "cuDNN fwd+bwd ms", "speedup", "total / (density x cuDNN)", "commit"]
+    blocks = []
+    for run, records in _runs(_load("sparse_attention"), lambda r: r["run"]):
+        lines = [f"Run `{run}`:", "", _row(head), _row(["---"] * len(head))]
+        for r in sorted(records, key=lambda r: (r["seq_len"], r["inputs"], r["pattern"], r["density"])):
+            label = r["pattern"] if r["pattern"] != "sweep" else f"sweep ~{r['target_density']:.0%}"
+            if r["pattern"] == "estimated" and r["inputs"] == "structured" and "before" in r.get("inputs_note", ""):
+                label += " (old generator)"
+            lines.append(_row([
+                f"{r['seq_len'] // 1024}K", r["inputs"], label, f"{r['density']:.3f}", f"{r['estimate_ms']:.1f}",
+                f"{r['sparse_fwd_ms']:.1f}", f"{r['sparse_bwd_ms']:.1f}", f"{r['bwd_over_fwd']:.2f}",
+                f"{r['sparse_total_ms']:.1f}", f"{r['dense_fwd_bwd_ms']:.1f}", f"{r['speedup_fwd_bwd']:.2f}x",
+                f"{r['over_ideal']:.2f}", r["commit"],
+            ]))
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
 
 
 def _dq_mode(tiles: dict) -> str:
@@ -61,23 +71,77 @@ def kernel_table() -> str:
 
 def ring_table() -> str:
     head = ["seq", "method", "layout", "density", "fwd ms", "bwd ms", "fwd+bwd ms", "vs torch CP",
-            "imbalance max/mean", "note", "commit"]
-    rows = _load("ring_attention")
-    torch_cp = {r["seq_len"]: r["fwd_bwd_ms"] for r in rows if r["method"] == "torch_cp"}
-    lines = [_row(head), _row(["---"] * len(head))]
-    for r in rows:
-        ratio = torch_cp.get(r["seq_len"], float("nan")) / r["fwd_bwd_ms"]
-        imb = "" if r["imbalance_max_over_mean"] is None else f"{r['imbalance_max_over_mean']:.3f}"
-        lines.append(_row([
-            f"{r['seq_len'] // 1024}K", r["method"], r["layout"] or "", f"{r['density']:.3f}", f"{r['fwd_ms']:.1f}",
-            f"{r['bwd_ms']:.1f}", f"{r['fwd_bwd_ms']:.1f}", f"{ratio:.2f}x", imb, r["note"], r["commit"],
-        ]))
+            "imbalance max/mean", "note"]
+    blocks = []
+    for (gpus, device, run_commit), rows in _runs(_load("ring_attention"), lambda r: (r["gpus"], r["device"], r["commit"])):
+        torch_cp = {r["seq_len"]: r["fwd_bwd_ms"] for r in rows if r["method"] == "torch_cp"}
+        lines = [f"{gpus} x {device}, commit {run_commit}:", "", _row(head), _row(["---"] * len(head))]
+        for r in rows:
+            ratio = torch_cp.get(r["seq_len"], float("nan")) / r["fwd_bwd_ms"]
+            imb = "" if r["imbalance_max_over_mean"] is None else f"{r['imbalance_max_over_mean']:.3f}"
+            lines.append(_row([
+                f"{r['seq_len'] // 1024}K", r["method"], r["layout"] or "", f"{r['density']:.3f}", f"{r['fwd_ms']:.1f}",
+                f"{r['bwd_ms']:.1f}", f"{r['fwd_bwd_ms']:.1f}", f"{ratio:.2f}x", imb, r["note"],
+            ]))
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def training_tables() -> str:
+    """The accuracy guard (dense vs sparse training) and end-to-end training throughput."""
+    lines = []
+    guard = json.loads((RESULTS / "accuracy_guard.json").read_text()) if (RESULTS / "accuracy_guard.json").exists() else None
+    if guard:
+        head = ["run", "steps", "final loss (last 20 steps)", "tokens/s", "step s", "peak GB", "density", "recall"]
+        lines += [f"Accuracy guard, {guard['device']}, commit {guard['commit']}, {guard['seq_len']} tokens/step: "
+                  f"sparse vs dense final loss {guard['relative_gap']:+.2%} ({'pass' if guard['passed'] else 'FAIL'}, "
+                  "goal within 2%)", "", _row(head), _row(["---"] * len(head))]
+        for name, r in guard["runs"].items():
+            lines.append(_row([name, r["steps"], f"{r['final_loss']:.4f}", f"{r['tokens_per_s']:.0f}",
+                               f"{r['step_s']:.3f}", f"{r['peak_mem_gb']:.1f}",
+                               "" if r["density"] is None else f"{r['density']:.3f}",
+                               "" if r["recall"] is None else f"{r['recall']:.3f}"]))
+        lines.append("")
+    head = ["gpus", "model", "seq", "attention", "layout", "step s", "tokens/s", "peak GB", "MFU", "density", "commit"]
+    rows = _load("train_throughput")
+    if rows:
+        lines += [f"Training throughput ({rows[0]['device']}):", "", _row(head), _row(["---"] * len(head))]
+        for r in rows:
+            lines.append(_row([r["gpus"], r["model"], f"{r['seq_len'] // 1024}K", r["attention"], r["layout"],
+                               f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['peak_mem_gb']:.1f}",
+                               f"{r['mfu']:.3f}", "" if r["density"] is None else f"{r['density']:.3f}", r["commit"]]))
     return "\n".join(lines)
+
+
+def eval_table() -> str:
+    """Per evaluated checkpoint: perplexity, NIAH and RULER by length (bench/results/eval_*_{ppl,niah,ruler}.json)."""
+    labels = sorted({p.name[len("eval_"):-len("_ppl.json")] for p in RESULTS.glob("eval_*_ppl.json")})
+    if not labels:
+        return ""
+    head = ["checkpoint / attention", "metric", "by length"]
+    lines = [_row(head), _row(["---"] * len(head))]
+    for label in labels:
+        for task in ("ppl", "niah", "ruler"):
+            path = RESULTS / f"eval_{label}_{task}.json"
+            if path.exists():
+                lines.append(_row([label, task, _eval_summary(task, json.loads(path.read_text())["result"])]))
+    return "\n".join(lines)
+
+
+def _eval_summary(task: str, result) -> str:
+    """Compact 'length: value' pairs of one eval result (ppl; NIAH % found, mean over depths; RULER task mean %)."""
+    if task == "ppl":
+        return ", ".join(f"{r['length'] // 1024}K: {r['ppl']:.3f}" for r in result)
+    if task == "niah":
+        depths = len(result["scores"])
+        found = [sum(row[i] for row in result["scores"]) / depths for i in range(len(result["lengths"]))]
+        return ", ".join(f"{n // 1024}K: {f:.0f}%" for n, f in zip(result["lengths"], found))
+    return ", ".join(f"{n // 1024}K: {a:.0f}%" for n, a in zip(result["lengths"], result["average"]))
 
 
 def main() -> None:
     for title, table in (("sparse_attention", sparse_attention_table()), ("tune_kernels", kernel_table()),
-                         ("ring_attention", ring_table())):
+                         ("ring_attention", ring_table()), ("training", training_tables()), ("eval", eval_table())):
         print(f"<!-- {title} -->\n{table}\n")
 
 

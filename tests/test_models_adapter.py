@@ -107,3 +107,18 @@ def test_generation_with_a_kv_cache_matches_eager():
     prompt = torch.randint(0, 96, (1, 10))
     greedy = dict(max_new_tokens=6, do_sample=False)
     assert torch.equal(ours.generate(prompt, **greedy), eager.generate(prompt, **greedy))
+
+
+def test_dense_fallback_above_max_density():
+    """A layer whose estimated pattern is denser than max_density runs dense (and says so); below it, sparse."""
+    ours, eager = _pair("qwen2")
+    ids = torch.randint(0, 96, (1, 64))
+    sparse = PatternConfig(v_size=8, s_size=16, last_q=8, block_size=16, sink_tokens=2, local_window=16)
+    ref = eager(input_ids=ids, use_cache=False).logits
+    ctx = bind(ours, AttentionContext(pattern_config=sparse, max_density=0.01))
+    torch.testing.assert_close(ours(input_ids=ids, use_cache=False).logits, ref, rtol=1e-6, atol=1e-6)
+    assert all(s.ran_dense and s.density > 0.01 for s in ctx.stats.values()) and len(ctx.stats) == 2
+    ctx = bind(ours, AttentionContext(pattern_config=sparse, max_density=None))
+    out = ours(input_ids=ids, use_cache=False).logits
+    assert not any(s.ran_dense for s in ctx.stats.values())
+    assert (out - ref).abs().max() > 1e-4  # the sparse pattern drops pairs: a different result

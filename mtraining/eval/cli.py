@@ -179,7 +179,7 @@ def _run(command: str, nproc: int, body) -> None:
     except ValueError as err:
         shutdown()
         _fail(err)
-    shutdown()
+    shutdown(together=True)
 
 
 @eval_app.command()

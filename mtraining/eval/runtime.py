@@ -30,8 +30,12 @@ def init_group(device: torch.device) -> dist.ProcessGroup | None:
     return dist.group.WORLD if dist.get_world_size() > 1 else None
 
 
-def shutdown() -> None:
+def shutdown(together: bool = False) -> None:
+    """Leave the process group; ``together`` (after success, when every rank gets here) first waits
+    for all ranks: a rank tearing gloo down while another still talks to it can abort that one."""
     if dist.is_initialized():
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
 
 

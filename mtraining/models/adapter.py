@@ -31,10 +31,12 @@ CONTEXT_ATTR = "mtraining_context"
 
 @dataclass
 class PatternStats:
-    """One layer's sparse pattern on the last forward: kept fraction of causal pairs, estimated recall."""
+    """One layer's sparse pattern on the last forward: kept fraction of causal pairs, estimated recall,
+    and whether the layer ran dense instead (density above ``AttentionContext.max_density``)."""
 
     density: float
     recall: float | None
+    ran_dense: bool = False
 
 
 @dataclass
@@ -48,6 +50,8 @@ class AttentionContext:
             None: dense everywhere.
         dense_layers: layers that always run dense.
         min_sparse_len: global sequence lengths below this run dense (sparse does not pay).
+        max_density: a layer whose estimated pattern keeps more than this fraction of the causal
+            pairs runs dense for that call (sparse kernels are slower than dense there); None: never.
         backend: "auto", "torch" or "triton".
         record: what each sparse layer records in ``stats``: nothing, density, or density and recall
             (recall costs about two estimation passes). The trainer turns it off for the backward
@@ -60,6 +64,7 @@ class AttentionContext:
     pattern_config: PatternConfig | None = None
     dense_layers: frozenset[int] = frozenset()
     min_sparse_len: int = 0
+    max_density: float | None = None
     backend: str = "auto"
     record: Literal["off", "density", "recall"] = "density"
     stats: dict[int, PatternStats] = field(default_factory=dict)
@@ -117,12 +122,18 @@ def mtraining_attention(
     pattern = None
     if config is not None:
         pattern = _estimate(ctx, config, layer, q.detach(), k.detach(), scale)
+        measured = ctx.record != "off" or ctx.max_density is not None
+        density = float(pattern.density().mean()) if measured else None
+        # the same decision on every rank: the pattern, so its density, is global
+        ran_dense = ctx.max_density is not None and density > ctx.max_density
         if ctx.record != "off":
             recall = None
             if ctx.record == "recall":
                 group, layout = (ctx.group, ctx.layout) if cp else (None, None)
                 recall = pattern_recall(q.detach(), k.detach(), pattern, config.last_q, scale, group, layout)
-            ctx.stats[layer] = PatternStats(density=float(pattern.density().mean()), recall=recall)
+            ctx.stats[layer] = PatternStats(density=density, recall=recall, ran_dense=ran_dense)
+        if ran_dense:
+            pattern = None
     if cp:
         out = ring_attention(
             q, k, v, ctx.group, ctx.layout, pattern=pattern, softmax_scale=scale, backend=ctx.backend, layer_idx=layer

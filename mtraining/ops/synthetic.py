@@ -92,6 +92,14 @@ def anchor_positions(seq_len: int, num_anchors: int, seed: int = 0) -> Tensor:
     return torch.cat([torch.zeros(min(num_anchors, 1), dtype=torch.int64), others]).sort().values
 
 
+def local_band_directions(heads_kv: int, head_dim: int, seq_len: int, rope_base: float = 1e6, seed: int = 0) -> Tensor:
+    """Unit directions [Hkv, D] (rotate-half RoPE layout) that give a local-heavy slash pattern at
+    ``seq_len``: a query and a key that both carry ``a * u_h`` meet with logit ``a**2 / sqrt(D)`` at
+    distance 0, decaying over a few percent of the sequence (``rope_structured_qkv``'s local part;
+    also used to give randomly initialised models realistic attention for benchmarks)."""
+    return _directions(seed, heads_kv, head_dim, seq_len, rope_base)[0]
+
+
 def _directions(seed: int, heads_kv: int, head_dim: int, seq_len: int, rope_base: float) -> tuple[Tensor, Tensor]:
     """Unit directions [Hkv, D]: u for the local band, w for the anchors (lowest-frequency eighth of the pairs).
 

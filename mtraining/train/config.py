@@ -67,6 +67,10 @@ class AttentionSection(_Section):
     """Layers that always run dense attention."""
     min_sparse_len: int = Field(0, ge=0)
     """Sequences shorter than this run dense (sparse does not pay there)."""
+    max_density: float | None = Field(0.6, gt=0, le=1)
+    """A layer whose estimated pattern keeps more than this fraction of the causal pairs runs dense
+    for that step: the sparse kernels are slower than dense attention (cuDNN on GPUs) there. The
+    metrics count such layers (dense_fallback). null: always sparse."""
 
 
 class ParallelSection(_Section):

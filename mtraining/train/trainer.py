@@ -24,7 +24,7 @@ from ..ops.estimate import PatternConfig
 from ..parallel.layout import make_layout
 from .checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import AttentionSection, Config
-from .data import TextTokenizer, token_stream
+from .data import TOKEN_SUFFIXES, TextTokenizer, expand_sources, token_stream
 from .distributed import ParallelState, init_parallel
 from .loss import IGNORE_INDEX, CausalLMLoss
 from .monitor import Monitor, flops_per_token, matmul_params, peak_memory_gb, peak_tflops
@@ -89,6 +89,7 @@ class Trainer:
                 pattern_config=pattern_config(att),
                 dense_layers=frozenset(att.dense_layers),
                 min_sparse_len=att.min_sparse_len,
+                max_density=att.max_density,
                 backend=att.backend,
             ),
         )
@@ -112,7 +113,9 @@ class Trainer:
     # ------------------------------------------------------------------ setup helpers
     def _load_data(self) -> PackedSamples:
         d, m = self.cfg.data, self.cfg.model
-        tok_path = d.tokenizer or m.path
+        # the model directory's tokenizer only matters for text sources (token files need none)
+        has_text = any(p.suffix not in TOKEN_SUFFIXES for p in expand_sources(d.sources))
+        tok_path = d.tokenizer or (m.path if has_text else None)
         tokenizer = TextTokenizer(tok_path) if tok_path is not None else None
         stream = token_stream(d.sources, tokenizer, d.text_field, d.separator, d.token_dtype)
         self.vocab_needed = int(stream.max()) + 1
@@ -177,10 +180,13 @@ class Trainer:
         recalls = [s.recall for s in stats if s.recall is not None]
         tokens_per_s = self.tokens_per_step / elapsed
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens_per_s}
+        if stats:
+            metrics["dense_fallback"] = sum(s.ran_dense for s in stats)
         if self._peak is not None:
             # Attention FLOPs actually computed: sparse layers at their density, the others dense.
-            layers, sparse = self.hf_config.num_hidden_layers, len(stats)
-            attention = self._flops_attention * ((layers - sparse) + (density or 0.0) * sparse) / layers
+            layers = self.hf_config.num_hidden_layers
+            computed = sum(1.0 if s.ran_dense else s.density for s in stats)
+            attention = self._flops_attention * ((layers - len(stats)) + computed) / layers
             executed = self._flops_matmul + attention
             metrics["mfu"] = executed * tokens_per_s / (self.par.world_size * self._peak * 1e12)
         metrics["peak_mem_gb"] = peak_memory_gb(self.par.device)
