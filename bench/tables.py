@@ -56,17 +56,20 @@ def _dq_mode(tiles: dict) -> str:
 def kernel_table() -> str:
     head = ["stage", "tiles (m, n, v, warps, stages, dQ)", "pattern", "fwd ms", "dQ ms", "dK/dV block ms",
             "dK/dV vertical ms"]
-    lines = [_row(head), _row(["---"] * len(head))]
-    for r in _load("tune_kernels"):
-        k = r["kernel_ms"]
-        t = r["tiles"]
-        lines.append(_row([
-            r["stage"], f"({t['block_m']}, {t['block_n']}, {t['block_v']}, {t['num_warps']}, {t['num_stages']}, "
-            f"{_dq_mode(t)})", f"{r['pattern']} ({r['density']:.3f})",
-            *(f"{k.get(name, 0.0):.1f}" for name in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_block_kernel",
-                                                     "_bwd_dkdv_vertical_kernel")),
-        ]))
-    return "\n".join(lines)
+    blocks = []
+    for (device, run_commit), records in _runs(_load("tune_kernels"), lambda r: (r["device"], r["commit"])):
+        lines = [f"{device}, commit {run_commit}:", "", _row(head), _row(["---"] * len(head))]
+        for r in records:
+            k = r["kernel_ms"]
+            t = r["tiles"]
+            lines.append(_row([
+                r["stage"], f"({t['block_m']}, {t['block_n']}, {t['block_v']}, {t['num_warps']}, {t['num_stages']}, "
+                f"{_dq_mode(t)})", f"{r['pattern']} ({r['density']:.3f})",
+                *(f"{k.get(name, 0.0):.1f}" for name in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_block_kernel",
+                                                         "_bwd_dkdv_vertical_kernel")),
+            ]))
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
 
 
 def ring_table() -> str:
@@ -102,12 +105,14 @@ def training_tables() -> str:
                                "" if r["density"] is None else f"{r['density']:.3f}",
                                "" if r["recall"] is None else f"{r['recall']:.3f}"]))
         lines.append("")
-    head = ["gpus", "model", "seq", "attention", "layout", "step s", "tokens/s", "peak GB", "MFU", "density", "commit"]
+    head = ["gpus", "model", "init", "seq", "attention", "layout", "step s", "tokens/s", "peak GB", "MFU", "density",
+            "commit"]
     rows = _load("train_throughput")
     if rows:
         lines += [f"Training throughput ({rows[0]['device']}):", "", _row(head), _row(["---"] * len(head))]
         for r in rows:
-            lines.append(_row([r["gpus"], r["model"], f"{r['seq_len'] // 1024}K", r["attention"], r["layout"],
+            lines.append(_row([r["gpus"], r["model"], r.get("init", "random"), f"{r['seq_len'] // 1024}K",
+                               r["attention"], r["layout"],
                                f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['peak_mem_gb']:.1f}",
                                f"{r['mfu']:.3f}", "" if r["density"] is None else f"{r['density']:.3f}", r["commit"]]))
     return "\n".join(lines)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from numerics import rel_err
 import torch.distributed as dist
 
 from mtraining.ops import dense_blocks
@@ -19,11 +20,6 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.double(), ref.double()
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def randn(gen, *shape):

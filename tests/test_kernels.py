@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from numerics import rel_err
 
 from mtraining.ops import VerticalSlashPattern, attention_oracle
 from mtraining.ops.attention import attention_backward, attention_forward, row_delta, sparse_attention
 
 CPU_TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.double(), ref.double()
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def assert_lse_close(got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:

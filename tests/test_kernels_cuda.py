@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from numerics import rel_err
 
 from mtraining.ops import VerticalSlashPattern
 from mtraining.ops.attention import attention_backward, attention_forward, row_delta, sparse_attention
@@ -17,11 +18,6 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.double(), ref.double()
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def local_vertical_pattern(b, h, n, g, n_diags, n_verts, gen):

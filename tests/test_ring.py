@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from numerics import rel_err
 import torch.distributed as dist
 from distributed import ProcessPool
 
@@ -252,11 +253,6 @@ def test_ring_errors_name_the_fix(pool, case, message):
 
 
 # ----------------------------------------------------------------------------- NCCL on GPUs
-def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.double(), ref.double()
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def _nccl_worker(rank: int, world: int, store_path: str) -> None:
     """bf16 rings (flat, hierarchical) with the Triton kernels on NCCL vs the float32 torch backend."""
     from mtraining.ops.attention import attention_backward, attention_forward, row_delta
@@ -302,11 +298,11 @@ def _nccl_worker(rank: int, world: int, store_path: str) -> None:
                     out, lse = ring_attention(ql, kl, vl, None, layout, pattern=pattern, return_lse=True,
                                               backend="triton", **ring)
                 out.backward(layout.shard(dout, rank))
-                assert _rel_err(out, ref_out[:, mine]) < 1e-2, where
+                assert rel_err(out, ref_out[:, mine]) < 1e-2, where
                 assert (lse - ref_lse[:, :, mine]).abs().max().item() < 5e-2, where
-                assert _rel_err(ql.grad, grads[0][:, mine]) < 2e-2, where
-                assert _rel_err(kl.grad, grads[1][:, mine]) < 2e-2, where
-                assert _rel_err(vl.grad, grads[2][:, mine]) < 2e-2, where
+                assert rel_err(ql.grad, grads[0][:, mine]) < 2e-2, where
+                assert rel_err(kl.grad, grads[1][:, mine]) < 2e-2, where
+                assert rel_err(vl.grad, grads[2][:, mine]) < 2e-2, where
     dist.destroy_process_group()
 
 
