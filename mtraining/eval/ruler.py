@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .answers import check_samples, score_cells
 from .documents import Haystack
 from .engine import Engine
 from .loading import Tokenizer
-from .niah import answer
-from .runtime import track
-from .scoring import match_all, mean_percent
-from .tasks import TASKS, generate
+from .tasks import TASKS, Sample, generate
 
 
 def parse_tasks(text: str) -> list[str]:
@@ -36,22 +34,15 @@ def run_ruler(
     show_progress: bool = True,
 ) -> dict:
     """{"tasks", "lengths", "scores": {task: [percent per length]}, "average": [...], "records"}."""
-    if samples < 1:
-        raise ValueError(f"samples must be at least 1, got {samples}")
+    check_samples(samples)
     haystack = haystack or Haystack(seed=seed)
-    cells = [(t, n, s) for t in tasks for n in lengths for s in range(seed, seed + samples)]
-    scores: dict[tuple[str, int], list[float]] = {}
-    records = []
-    for task, length, s in track(cells, len(cells), "ruler", show_progress):
-        sample = generate(task, length, s, tokenizer.count, haystack, max_new_tokens=max_new_tokens)
-        prediction = answer(engine, tokenizer, sample.prompt, sample.max_new_tokens)
-        score = match_all(prediction, sample.answers)
-        scores.setdefault((task, length), []).append(score)
-        records.append({
-            "task": task, "length": length, "seed": s, "prompt_tokens": sample.prompt_tokens,
-            "answers": sample.answers, "prediction": prediction, "score": score,
-        })
-    table = {t: [mean_percent(scores[(t, n)]) for n in lengths] for t in tasks}
+    cells = [{"task": t, "length": n} for t in tasks for n in lengths]
+
+    def prompt(cell: dict, s: int) -> Sample:
+        return generate(cell["task"], cell["length"], s, tokenizer.count, haystack, max_new_tokens=max_new_tokens)
+
+    scores, records = score_cells(engine, tokenizer, cells, prompt, samples, seed, "ruler", show_progress)
+    table = {t: [scores[(t, n)] for n in lengths] for t in tasks}
     average = [sum(table[t][i] for t in tasks) / len(tasks) for i in range(len(lengths))]
     return {"tasks": list(tasks), "lengths": list(lengths), "scores": table, "average": average, "records": records}
 
