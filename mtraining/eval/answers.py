@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from .documents import Haystack
 from .engine import Engine
 from .loading import Tokenizer
 from .runtime import track
@@ -17,10 +19,21 @@ def answer(engine: Engine, tokenizer: Tokenizer, prompt: str, max_new_tokens: in
     return tokenizer.decode(ids)
 
 
-def check_samples(samples: int) -> None:
-    """Every cell needs at least one prompt."""
-    if samples < 1:
-        raise ValueError(f"samples must be at least 1, got {samples}")
+@dataclass(frozen=True)
+class Prompting:
+    """How each cell of a grid is prompted: ``samples`` prompts seeded ``seed ..``, from ``haystack``."""
+
+    samples: int = 1
+    seed: int = 0
+    haystack: Haystack | None = None  # None: the built-in filler, seeded with ``seed``
+    max_new_tokens: int | None = None  # None: the task's own
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.samples < 1:
+            raise ValueError(f"samples must be at least 1, got {self.samples}")
+        if self.haystack is None:
+            object.__setattr__(self, "haystack", Haystack(seed=self.seed))
 
 
 def score_cells(
@@ -28,20 +41,19 @@ def score_cells(
     tokenizer: Tokenizer,
     cells: Sequence[dict],
     prompt: Callable[[dict, int], Sample],
-    samples: int,
-    seed: int,
+    prompting: Prompting,
     title: str,
-    show_progress: bool,
 ) -> tuple[dict[tuple, float], list[dict]]:
-    """Answer ``samples`` prompts per cell (seeds ``seed ..``), built by ``prompt(cell, seed)``.
+    """Answer ``prompting.samples`` prompts per cell, built by ``prompt(cell, seed)``.
 
     Returns the mean percent per cell (keyed by the tuple of the cell's values) and a record per prompt
     (the cell's fields first).
     """
-    runs = [(cell, s) for cell in cells for s in range(seed, seed + samples)]
+    seeds = range(prompting.seed, prompting.seed + prompting.samples)
+    runs = [(cell, s) for cell in cells for s in seeds]
     scores: dict[tuple, list[float]] = {}
     records = []
-    for cell, s in track(runs, len(runs), title, show_progress):
+    for cell, s in track(runs, len(runs), title, prompting.show_progress):
         sample = prompt(cell, s)
         prediction = answer(engine, tokenizer, sample.prompt, sample.max_new_tokens)
         score = match_all(prediction, sample.answers)

@@ -241,6 +241,7 @@ def niah(
     """Needle in a haystack over lengths x depths: a JSON of the grid and a heatmap PNG."""
 
     def body() -> None:
+        from .answers import Prompting
         from .niah import run_niah
         from .plots import niah_heatmaps
         from .runtime import console, parse_lengths, parse_numbers, write_json
@@ -250,7 +251,8 @@ def niah(
         s = _Session(checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend,
                      _pattern(v_size, s_size, last_q, local_window, threshold, budgets), prefill_granule, dense_layers)
         s.check(grid, 0, True, allow_extrapolation, memory_limit_gib)
-        result = run_niah(s.engine, s.loaded.tokenizer, grid, depth_list, samples, seed, stack, max_new_tokens, s.root)
+        prompting = Prompting(samples, seed, stack, max_new_tokens, s.root)
+        result = run_niah(s.engine, s.loaded.tokenizer, grid, depth_list, prompting)
         settings = {"lengths": grid, "depths": depth_list, "samples": samples, "seed": seed, "max_new_tokens": max_new_tokens}
         out = s.header("niah", label, settings) | {"result": result}
         if s.root:
@@ -283,6 +285,7 @@ def ruler(
     """RULER-style synthetic tasks from a seed: scores per task and length (JSON and a Markdown table)."""
 
     def body() -> None:
+        from .answers import Prompting
         from .ruler import markdown_table, parse_tasks, run_ruler
         from .runtime import console, parse_lengths, write_json
 
@@ -291,7 +294,8 @@ def ruler(
         s = _Session(checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend,
                      _pattern(v_size, s_size, last_q, local_window, threshold, budgets), prefill_granule, dense_layers)
         s.check(grid, 0, True, allow_extrapolation, memory_limit_gib)
-        result = run_ruler(s.engine, s.loaded.tokenizer, task_list, grid, samples, seed, stack, max_new_tokens, s.root)
+        prompting = Prompting(samples, seed, stack, max_new_tokens, s.root)
+        result = run_ruler(s.engine, s.loaded.tokenizer, task_list, grid, prompting)
         settings = {"lengths": grid, "tasks": task_list, "samples": samples, "seed": seed, "max_new_tokens": max_new_tokens}
         out = s.header("ruler", label, settings) | {"result": result}
         if s.root:

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .answers import check_samples, score_cells
-from .documents import Haystack
+from .answers import Prompting, score_cells
 from .engine import Engine
 from .loading import Tokenizer
 from .tasks import Sample, generate
@@ -24,23 +23,18 @@ def run_niah(
     tokenizer: Tokenizer,
     lengths: Sequence[int],
     depths: Sequence[float],
-    samples: int = 1,
-    seed: int = 0,
-    haystack: Haystack | None = None,
-    max_new_tokens: int | None = None,
-    show_progress: bool = True,
+    prompting: Prompting = Prompting(),
 ) -> dict:
     """{"lengths", "depths", "scores": [depth][length] percent, "records": per prompt}."""
-    check_samples(samples)
     bad = [d for d in depths if not 0 <= d <= 100]
     if bad:
         raise ValueError(f"depths are percentages in [0, 100], got {bad}")
-    haystack = haystack or Haystack(seed=seed)
+    haystack, max_new_tokens = prompting.haystack, prompting.max_new_tokens
     cells = [{"length": n, "depth": d} for n in lengths for d in depths]
 
     def prompt(cell: dict, s: int) -> Sample:
         return generate(TASK, cell["length"], s, tokenizer.count, haystack, cell["depth"] / 100, max_new_tokens)
 
-    scores, records = score_cells(engine, tokenizer, cells, prompt, samples, seed, "needle in a haystack", show_progress)
+    scores, records = score_cells(engine, tokenizer, cells, prompt, prompting, "needle in a haystack")
     grid = [[scores[(n, d)] for n in lengths] for d in depths]
     return {"lengths": list(lengths), "depths": list(depths), "scores": grid, "haystack": haystack.name, "records": records}

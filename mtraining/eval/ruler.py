@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .answers import check_samples, score_cells
-from .documents import Haystack
+from .answers import Prompting, score_cells
 from .engine import Engine
 from .loading import Tokenizer
 from .tasks import TASKS, Sample, generate
@@ -27,21 +26,16 @@ def run_ruler(
     tokenizer: Tokenizer,
     tasks: Sequence[str],
     lengths: Sequence[int],
-    samples: int = 1,
-    seed: int = 0,
-    haystack: Haystack | None = None,
-    max_new_tokens: int | None = None,
-    show_progress: bool = True,
+    prompting: Prompting = Prompting(),
 ) -> dict:
     """{"tasks", "lengths", "scores": {task: [percent per length]}, "average": [...], "records"}."""
-    check_samples(samples)
-    haystack = haystack or Haystack(seed=seed)
+    haystack, max_new_tokens = prompting.haystack, prompting.max_new_tokens
     cells = [{"task": t, "length": n} for t in tasks for n in lengths]
 
     def prompt(cell: dict, s: int) -> Sample:
         return generate(cell["task"], cell["length"], s, tokenizer.count, haystack, max_new_tokens=max_new_tokens)
 
-    scores, records = score_cells(engine, tokenizer, cells, prompt, samples, seed, "ruler", show_progress)
+    scores, records = score_cells(engine, tokenizer, cells, prompt, prompting, "ruler")
     table = {t: [scores[(t, n)] for n in lengths] for t in tasks}
     average = [sum(table[t][i] for t in tasks) / len(tasks) for i in range(len(lengths))]
     return {"tasks": list(tasks), "lengths": list(lengths), "scores": table, "average": average, "records": records}
