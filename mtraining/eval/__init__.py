@@ -10,5 +10,6 @@ One job per module:
 - ``engine``: the forward passes (per-token loss, prefill + greedy answer), single process or
   context parallel through the same ring attention as training;
 - ``ppl``, ``niah``, ``ruler``: the three evaluations; ``report`` and ``plots``: comparison output;
+- ``options``: the model, attention and output options every command takes, declared once;
 - ``cli``: the ``mtraining eval`` typer sub-app.
 """

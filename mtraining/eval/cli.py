@@ -12,38 +12,24 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+
+from .options import SessionOptions, with_session_options
+
+if TYPE_CHECKING:
+    from .answers import Prompting
 
 eval_app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Evaluate checkpoints: perplexity, needle in a haystack, RULER-style tasks."
 )
 
 Checkpoint = Annotated[Path, typer.Argument(help="Local HF model directory, or a training checkpoint with --config.")]
-TokenizerOpt = Annotated[Optional[Path], typer.Option("--tokenizer", help="tokenizer.json or a directory; default: the checkpoint's.")]
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="Training YAML, to evaluate a training checkpoint (step_N).")]
 Lengths = Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 4K,32K,128K,512K.")]
-Attention = Annotated[str, typer.Option("--attention", help="dense or sparse (dynamic vertical-slash).")]
-Layout = Annotated[str, typer.Option("--layout", help="Context-parallel layout: striped, zigzag or contiguous.")]
-Block = Annotated[int, typer.Option("--block-size", help="Kernel block / layout stripe.")]
-Backend = Annotated[str, typer.Option("--backend", help="auto, torch or triton.")]
-VSize = Annotated[Optional[int], typer.Option("--v-size", help="Sparse: verticals per head.")]
-SSize = Annotated[Optional[int], typer.Option("--s-size", help="Sparse: slashes per head.")]
-LastQ = Annotated[Optional[int], typer.Option("--last-q", help="Sparse: queries that estimate the pattern.")]
-Window = Annotated[Optional[int], typer.Option("--local-window", help="Sparse: offsets always kept.")]
-Threshold = Annotated[Optional[float], typer.Option("--threshold", help="Sparse: keep lines up to this score mass.")]
-Budgets = Annotated[Optional[Path], typer.Option("--budgets", help="Sparse: per-layer/head budgets YAML.")]
-DenseLayers = Annotated[Optional[str], typer.Option("--dense-layers", help="Sparse: layers that stay dense, e.g. 0 (as attention.dense_layers in training).")]
-Device = Annotated[Optional[str], typer.Option("--device", help="Default: this rank's GPU, else cpu.")]
-Dtype = Annotated[Optional[str], typer.Option("--dtype", help="bfloat16 (GPU default), float16 or float32 (CPU default).")]
-OutDir = Annotated[Optional[Path], typer.Option("--out-dir", help="Default: eval-results/LABEL.")]
-Label = Annotated[Optional[str], typer.Option("--label", help="Name in reports; default: checkpoint-attention.")]
 Samples = Annotated[int, typer.Option("--samples", help="Sequences / prompts per cell.")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of the generated prompts.")]
-Haystack = Annotated[Optional[list[Path]], typer.Option("--haystack", help="Local text for the haystack; default: built-in filler.")]
-Extrapolate = Annotated[bool, typer.Option("--allow-extrapolation", help="Allow lengths beyond the model's RoPE range.")]
-MemLimit = Annotated[Optional[float], typer.Option("--memory-limit-gib", help="Memory per rank for the up-front check.")]
+HaystackOpt = Annotated[Optional[list[Path]], typer.Option("--haystack", help="Local text for the haystack; default: built-in filler.")]
 Granule = Annotated[int, typer.Option("--prefill-granule", help="Prefill the longest prompt prefix that is a multiple of this; the rest runs dense.")]
 Nproc = Annotated[int, typer.Option("--nproc", help="Start this many local context-parallel ranks with torchrun.")]
 TextField = Annotated[str, typer.Option("--text-field", help="JSONL/parquet field holding the text.")]
@@ -73,41 +59,40 @@ def _relaunch(command: str, nproc: int) -> None:
 class _Session:
     """Loaded model, tokenizer, context-parallel group and engine for one command on this rank."""
 
-    def __init__(
-        self, checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend, pattern, granule=2048,
-        dense_layers=None,
-    ) -> None:
+    def __init__(self, checkpoint: Path, opts: SessionOptions, granule: int = 2048) -> None:
         from .engine import AttentionSpec, Engine
         from .loading import load, pick_device
         from .runtime import init_group, is_root
 
-        if attention not in ("dense", "sparse"):
-            raise ValueError(f"--attention must be dense or sparse, got {attention!r}")
-        layers = _layers(dense_layers)
-        self.group = init_group(pick_device(device))
+        pattern = opts.pattern()
+        if opts.attention not in ("dense", "sparse"):
+            raise ValueError(f"--attention must be dense or sparse, got {opts.attention!r}")
+        layers = _layers(opts.dense_layers)
+        self.opts = opts
+        self.group = init_group(pick_device(opts.device))
         self.root = is_root(self.group)
-        self.loaded = load(checkpoint, tokenizer, config, device, dtype)
+        self.loaded = load(checkpoint, opts.tokenizer, opts.config, opts.device, opts.dtype)
         self.spec = AttentionSpec(
-            sparse=attention == "sparse", layout=layout, block_size=block_size, backend=backend, pattern=pattern,
-            prefill_granule=granule, dense_layers=layers,
+            sparse=opts.attention == "sparse", layout=opts.layout, block_size=opts.block_size, backend=opts.backend,
+            pattern=pattern, prefill_granule=granule, dense_layers=layers,
         )
         self.spec.pattern_config()  # validate the sparse options before any work
         self.engine = Engine(self.loaded.model, self.spec, self.group)
         self.checkpoint = str(checkpoint)
         self.started = time.time()
 
-    def check(self, lengths: list[int], extra: int, generate: bool, allow_extrapolation: bool, limit_gib: float | None) -> None:
+    def check(self, lengths: list[int], generate: bool) -> None:
         """RoPE range and memory checks; every rank agrees on the outcome (no rank left waiting)."""
         from .loading import check_rope_range
         from .memory import check_memory
 
         error = None
         try:
-            check_rope_range(lengths, extra, self.loaded.max_positions, allow_extrapolation)
+            check_rope_range(lengths, 0, self.loaded.max_positions, self.opts.allow_extrapolation)
             model = self.loaded.model
             device = next(model.parameters()).device
             torch_backend = self.spec.backend == "torch" or (self.spec.backend == "auto" and device.type != "cuda")
-            check_memory(model.config, lengths, self.engine.world_size, next(model.parameters()).dtype, device, generate, torch_backend, limit_gib)
+            check_memory(model.config, lengths, self.engine.world_size, next(model.parameters()).dtype, device, generate, torch_backend, self.opts.memory_limit_gib)
         except ValueError as err:
             error = str(err)
         if self.group is not None:
@@ -119,10 +104,20 @@ class _Session:
         if error:
             raise ValueError(error)
 
-    def header(self, kind: str, label: str | None, settings: dict) -> dict:
+    def save(self, kind: str, settings: dict, result: object) -> tuple[dict, Path]:
+        """The result under its header, written to FOLDER/KIND.json on rank 0: (that dict, FOLDER)."""
+        from .runtime import write_json
+
+        out = self._header(kind, settings) | {"result": result}
+        folder = self.opts.folder(out["label"])
+        if self.root:
+            write_json(folder / f"{kind}.json", out)
+        return out, folder
+
+    def _header(self, kind: str, settings: dict) -> dict:
         return {
             "kind": kind,
-            "label": label or f"{self.loaded.name}-{self.spec.name}",
+            "label": self.opts.label or f"{self.loaded.name}-{self.spec.name}",
             "checkpoint": self.checkpoint,
             "attention": self.spec.name,
             "pattern": _jsonable(self.spec.pattern) if self.spec.sparse else None,
@@ -150,22 +145,8 @@ def _layers(text: str | None) -> tuple[int, ...]:
     return layers
 
 
-def _pattern(v_size, s_size, last_q, local_window, threshold, budgets) -> dict:
-    fields = {"v_size": v_size, "s_size": s_size, "last_q": last_q, "local_window": local_window, "threshold": threshold}
-    pattern = {k: v for k, v in fields.items() if v is not None}
-    if budgets is not None:
-        from ..ops.budgets import load_budgets
-
-        pattern["budgets"] = load_budgets(budgets)
-    return pattern
-
-
 def _jsonable(pattern: dict) -> dict:
     return {k: (getattr(v, "source", str(v)) if k == "budgets" else v) for k, v in pattern.items()}
-
-
-def _out_dir(out_dir: Path | None, label: str) -> Path:
-    return out_dir or Path("eval-results") / label
 
 
 def _run(command: str, nproc: int, body) -> None:
@@ -183,6 +164,7 @@ def _run(command: str, nproc: int, body) -> None:
 
 
 @eval_app.command()
+@with_session_options
 def ppl(
     checkpoint: Checkpoint,
     data: Annotated[list[Path], typer.Option("--data", help="Text/JSONL/parquet files or directories (e.g. PG-19 books).")],
@@ -191,120 +173,99 @@ def ppl(
     first_bucket: Annotated[int, typer.Option("--first-bucket", help="Positions in the first loss bucket; then doubling.")] = 1024,
     pack: Annotated[bool, typer.Option("--pack", help="Join documents (EOS between) instead of needing each to be long enough.")] = False,
     text_field: TextField = "text",
-    tokenizer: TokenizerOpt = None, config: ConfigOpt = None, attention: Attention = "dense", layout: Layout = "striped",
-    block_size: Block = 128, backend: Backend = "auto", v_size: VSize = None, s_size: SSize = None, last_q: LastQ = None,
-    local_window: Window = None, threshold: Threshold = None, budgets: Budgets = None, dense_layers: DenseLayers = None,
-    device: Device = None,
-    dtype: Dtype = None, out_dir: OutDir = None, label: Label = None, allow_extrapolation: Extrapolate = False,
-    memory_limit_gib: MemLimit = None, nproc: Nproc = 1,
+    *,
+    opts: SessionOptions,
+    nproc: Nproc = 1,
 ) -> None:
     """Perplexity of long documents at each length, with the loss per position bucket."""
 
     def body() -> None:
         from .documents import load_documents
         from .ppl import run_ppl
-        from .runtime import console, parse_lengths, write_json
+        from .runtime import console, parse_lengths
 
         grid = parse_lengths(lengths)
         docs = load_documents(data, text_field)
-        s = _Session(checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend,
-                     _pattern(v_size, s_size, last_q, local_window, threshold, budgets), dense_layers=dense_layers)
-        s.check(grid, 0, False, allow_extrapolation, memory_limit_gib)
+        s = _Session(checkpoint, opts)
+        s.check(grid, generate=False)
         results = run_ppl(s.engine, s.loaded.tokenizer, docs, grid, samples, first_bucket, pack, s.root)
         settings = {"lengths": grid, "samples": samples, "first_bucket": first_bucket, "pack": pack, "data": [str(p) for p in data]}
-        out = s.header("ppl", label, settings) | {"result": results}
+        out, folder = s.save("ppl", settings, results)
         if s.root:
-            path = write_json(_out_dir(out_dir, out["label"]) / "ppl.json", out)
             _print_ppl(console(), out)
-            console().print(f"wrote {path}")
+            console().print(f"wrote {folder / 'ppl.json'}")
 
     _run("ppl", nproc, body)
 
 
 @eval_app.command()
+@with_session_options
 def niah(
     checkpoint: Checkpoint,
     lengths: Lengths = "4K,8K,16K,32K",
     depths: Annotated[str, typer.Option("--depths", help="Needle depths in percent of the haystack.")] = "0,25,50,75,100",
     samples: Samples = 1,
     seed: Seed = 0,
-    haystack: Haystack = None,
+    haystack: HaystackOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Answer tokens to generate.")] = 24,
     text_field: TextField = "text",
-    tokenizer: TokenizerOpt = None, config: ConfigOpt = None, attention: Attention = "dense", layout: Layout = "striped",
-    block_size: Block = 128, backend: Backend = "auto", v_size: VSize = None, s_size: SSize = None, last_q: LastQ = None,
-    local_window: Window = None, threshold: Threshold = None, budgets: Budgets = None, dense_layers: DenseLayers = None,
-    device: Device = None,
-    dtype: Dtype = None, out_dir: OutDir = None, label: Label = None, allow_extrapolation: Extrapolate = False,
-    memory_limit_gib: MemLimit = None, prefill_granule: Granule = 2048, nproc: Nproc = 1,
+    *,
+    opts: SessionOptions,
+    prefill_granule: Granule = 2048,
+    nproc: Nproc = 1,
 ) -> None:
     """Needle in a haystack over lengths x depths: a JSON of the grid and a heatmap PNG."""
 
     def body() -> None:
-        from .answers import Prompting
         from .niah import run_niah
         from .plots import niah_heatmaps
-        from .runtime import console, parse_lengths, parse_numbers, write_json
+        from .runtime import console, parse_lengths, parse_numbers
 
         grid, depth_list = parse_lengths(lengths), parse_numbers(depths, "depths")
-        stack = _haystack(haystack, text_field, seed)
-        s = _Session(checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend,
-                     _pattern(v_size, s_size, last_q, local_window, threshold, budgets), prefill_granule, dense_layers)
-        s.check(grid, 0, True, allow_extrapolation, memory_limit_gib)
-        prompting = Prompting(samples, seed, stack, max_new_tokens, s.root)
+        s, prompting = _prompted(checkpoint, opts, prefill_granule, grid, haystack, text_field, seed, samples, max_new_tokens)
         result = run_niah(s.engine, s.loaded.tokenizer, grid, depth_list, prompting)
         settings = {"lengths": grid, "depths": depth_list, "samples": samples, "seed": seed, "max_new_tokens": max_new_tokens}
-        out = s.header("niah", label, settings) | {"result": result}
+        out, folder = s.save("niah", settings, result)
         if s.root:
-            folder = _out_dir(out_dir, out["label"])
-            path = write_json(folder / "niah.json", out)
             png = niah_heatmaps([(out["label"], result)], folder / "niah.png")
             _print_grid(console(), out)
-            console().print(f"wrote {path} and {png}")
+            console().print(f"wrote {folder / 'niah.json'} and {png}")
 
     _run("niah", nproc, body)
 
 
 @eval_app.command()
+@with_session_options
 def ruler(
     checkpoint: Checkpoint,
     lengths: Lengths = "4K,8K,16K,32K",
     tasks: Annotated[str, typer.Option("--tasks", help="'all' or some of: niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe.")] = "all",
     samples: Samples = 4,
     seed: Seed = 0,
-    haystack: Haystack = None,
+    haystack: HaystackOpt = None,
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Answer tokens; default: per task.")] = None,
     text_field: TextField = "text",
-    tokenizer: TokenizerOpt = None, config: ConfigOpt = None, attention: Attention = "dense", layout: Layout = "striped",
-    block_size: Block = 128, backend: Backend = "auto", v_size: VSize = None, s_size: SSize = None, last_q: LastQ = None,
-    local_window: Window = None, threshold: Threshold = None, budgets: Budgets = None, dense_layers: DenseLayers = None,
-    device: Device = None,
-    dtype: Dtype = None, out_dir: OutDir = None, label: Label = None, allow_extrapolation: Extrapolate = False,
-    memory_limit_gib: MemLimit = None, prefill_granule: Granule = 2048, nproc: Nproc = 1,
+    *,
+    opts: SessionOptions,
+    prefill_granule: Granule = 2048,
+    nproc: Nproc = 1,
 ) -> None:
     """RULER-style synthetic tasks from a seed: scores per task and length (JSON and a Markdown table)."""
 
     def body() -> None:
-        from .answers import Prompting
         from .ruler import markdown_table, parse_tasks, run_ruler
-        from .runtime import console, parse_lengths, write_json
+        from .runtime import console, parse_lengths
 
         grid, task_list = parse_lengths(lengths), parse_tasks(tasks)
-        stack = _haystack(haystack, text_field, seed)
-        s = _Session(checkpoint, tokenizer, config, device, dtype, attention, layout, block_size, backend,
-                     _pattern(v_size, s_size, last_q, local_window, threshold, budgets), prefill_granule, dense_layers)
-        s.check(grid, 0, True, allow_extrapolation, memory_limit_gib)
-        prompting = Prompting(samples, seed, stack, max_new_tokens, s.root)
+        s, prompting = _prompted(checkpoint, opts, prefill_granule, grid, haystack, text_field, seed, samples, max_new_tokens)
         result = run_ruler(s.engine, s.loaded.tokenizer, task_list, grid, prompting)
         settings = {"lengths": grid, "tasks": task_list, "samples": samples, "seed": seed, "max_new_tokens": max_new_tokens}
-        out = s.header("ruler", label, settings) | {"result": result}
+        out, folder = s.save("ruler", settings, result)
         if s.root:
-            folder = _out_dir(out_dir, out["label"])
-            path = write_json(folder / "ruler.json", out)
             table = markdown_table(result)
             (folder / "ruler.md").write_text(f"# RULER-style tasks: {out['label']}\n\n{table}\n")
             console().print(table)
-            console().print(f"wrote {path} and {folder / 'ruler.md'}")
+            console().print(f"wrote {folder / 'ruler.json'} and {folder / 'ruler.md'}")
 
     _run("ruler", nproc, body)
 
@@ -324,10 +285,18 @@ def report(
     typer.echo(f"wrote {path}")
 
 
-def _haystack(paths: list[Path] | None, text_field: str, seed: int):
+def _prompted(
+    checkpoint: Path, opts: SessionOptions, granule: int, lengths: list[int], haystack: list[Path] | None, text_field: str,
+    seed: int, samples: int, max_new_tokens: int | None,
+) -> tuple[_Session, Prompting]:
+    """The session of a niah or ruler command, checked for generating at ``lengths``, and how it prompts."""
+    from .answers import Prompting
     from .documents import Haystack, load_documents
 
-    return Haystack(load_documents(paths, text_field), seed=seed) if paths else Haystack(seed=seed)
+    stack = Haystack(load_documents(haystack, text_field), seed=seed) if haystack else Haystack(seed=seed)
+    s = _Session(checkpoint, opts, granule)
+    s.check(lengths, generate=True)
+    return s, Prompting(samples, seed, stack, max_new_tokens, s.root)
 
 
 def _print_ppl(out, data: dict) -> None:
