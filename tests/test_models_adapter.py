@@ -122,3 +122,21 @@ def test_dense_fallback_above_max_density():
     out = ours(input_ids=ids, use_cache=False).logits
     assert not any(s.ran_dense for s in ctx.stats.values())
     assert (out - ref).abs().max() > 1e-4  # the sparse pattern drops pairs: a different result
+
+
+def test_replay_reuses_the_forward_patterns(monkeypatch):
+    """Under replay the forward's patterns come back (no second estimate) and the output is the forward's."""
+    ours, _ = _pair("qwen2")
+    ids = torch.randint(0, 96, (1, 64))
+    sparse = PatternConfig(v_size=8, s_size=16, last_q=8, block_size=16, sink_tokens=2, local_window=16)
+    ctx = bind(ours, AttentionContext(pattern_config=sparse, replay_patterns={}))
+    first = ours(input_ids=ids, use_cache=False).logits
+    assert sorted(ctx.replay_patterns) == [0, 1]
+
+    def no_estimate(*args, **kwargs):
+        raise AssertionError("replay must not estimate again")
+
+    monkeypatch.setattr(adapter, "estimate_pattern", no_estimate)
+    ctx.replay = True
+    assert torch.equal(ours(input_ids=ids, use_cache=False).logits, first)
+    assert ctx.replay_patterns == {}  # each pattern is taken back once

@@ -104,3 +104,13 @@ def test_checkpoint_resume_is_bit_identical_and_export_loads(tmp_path):
         for name, tensor in exported.state_dict().items():
             assert torch.equal(tensor, trained[name]), (directory, name)
         assert (tmp_path / directory / "tokenizer.json").is_file()
+
+
+def test_activation_checkpointing_replays_the_forward_patterns():
+    """With checkpointing the backward recomputes each layer with the forward's pattern: same losses as without."""
+    sparse = ("attention.v_size=8", "attention.s_size=16", "attention.max_density=null", "train.steps=3")
+    with_ckpt = run_local(_train, 1, _config(*sparse, "train.activation_checkpointing=true"))[0]
+    without = run_local(_train, 1, _config(*sparse, "train.activation_checkpointing=false"))[0]
+    assert all(0 < m["density"] < 1 for m in with_ckpt)
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in with_ckpt]),
+                               torch.tensor([m["loss"] for m in without]), rtol=1e-6, atol=0)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from ..ops.attention import sparse_attention
 from ..ops.estimate import PatternConfig, estimate_pattern
+from ..ops.pattern import VerticalSlashPattern
 from ..parallel.estimate import estimate_pattern_cp
 from ..parallel.layout import Layout
 from ..parallel.ring import ring_attention
@@ -57,6 +58,12 @@ class AttentionContext:
             (recall costs about two estimation passes). The trainer turns it off for the backward
             pass, where activation checkpointing recomputes the forward.
         stats: per-layer ``PatternStats`` of the last recorded forward (for logging).
+        replay_patterns: None, or a dict in which each sparse layer's forward keeps the pattern it
+            ran with (None: it ran dense) while ``replay`` is False, and from which it takes that
+            pattern back while ``replay`` is True instead of estimating again. The trainer uses it
+            under activation checkpointing: the forward recomputed in the backward is then exactly
+            the forward, without a second estimation.
+        replay: see ``replay_patterns``.
     """
 
     group: dist.ProcessGroup | None = None
@@ -68,6 +75,8 @@ class AttentionContext:
     backend: str = "auto"
     record: Literal["off", "density", "recall"] = "density"
     stats: dict[int, PatternStats] = field(default_factory=dict)
+    replay_patterns: dict[int, VerticalSlashPattern | None] | None = None
+    replay: bool = False
 
     def __post_init__(self) -> None:
         if self.cp_size > 1 and self.layout is None:
@@ -120,20 +129,13 @@ def mtraining_attention(
     cp = ctx.cp_size > 1
     config = ctx.sparse_for(layer, ctx.layout.seq_len if cp else k.shape[1])
     pattern = None
-    if config is not None:
-        pattern = _estimate(ctx, config, layer, q.detach(), k.detach(), scale)
-        measured = ctx.record != "off" or ctx.max_density is not None
-        density = float(pattern.density().mean()) if measured else None
-        # the same decision on every rank: the pattern, so its density, is global
-        ran_dense = ctx.max_density is not None and density > ctx.max_density
-        if ctx.record != "off":
-            recall = None
-            if ctx.record == "recall":
-                group, layout = (ctx.group, ctx.layout) if cp else (None, None)
-                recall = pattern_recall(q.detach(), k.detach(), pattern, config.last_q, scale, group, layout)
-            ctx.stats[layer] = PatternStats(density=density, recall=recall, ran_dense=ran_dense)
-        if ran_dense:
-            pattern = None
+    saved = ctx.replay_patterns
+    if config is not None and ctx.replay and saved is not None and layer in saved:
+        pattern = saved.pop(layer)
+    elif config is not None:
+        pattern = _decide(ctx, config, layer, q, k, scale, cp)
+        if saved is not None:
+            saved[layer] = pattern
     if cp:
         out = ring_attention(
             q, k, v, ctx.group, ctx.layout, pattern=pattern, softmax_scale=scale, backend=ctx.backend, layer_idx=layer
@@ -141,6 +143,22 @@ def mtraining_attention(
     else:
         out = sparse_attention(q, k, v, pattern, softmax_scale=scale, backend=ctx.backend)
     return out, None
+
+
+def _decide(ctx: AttentionContext, config: PatternConfig, layer: int, q: Tensor, k: Tensor, scale: float, cp: bool):
+    """This layer's pattern for this call (None: run dense), with its stats recorded as asked."""
+    pattern = _estimate(ctx, config, layer, q.detach(), k.detach(), scale)
+    measured = ctx.record != "off" or ctx.max_density is not None
+    density = float(pattern.density().mean()) if measured else None
+    # the same decision on every rank: the pattern, so its density, is global
+    ran_dense = ctx.max_density is not None and density > ctx.max_density
+    if ctx.record != "off":
+        recall = None
+        if ctx.record == "recall":
+            group, layout = (ctx.group, ctx.layout) if cp else (None, None)
+            recall = pattern_recall(q.detach(), k.detach(), pattern, config.last_q, scale, group, layout)
+        ctx.stats[layer] = PatternStats(density=density, recall=recall, ran_dense=ran_dense)
+    return None if ran_dense else pattern
 
 
 def _estimate(ctx: AttentionContext, config: PatternConfig, layer: int, q: Tensor, k: Tensor, scale: float):

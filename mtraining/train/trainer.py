@@ -91,6 +91,7 @@ class Trainer:
                 min_sparse_len=att.min_sparse_len,
                 max_density=att.max_density,
                 backend=att.backend,
+                replay_patterns={} if cfg.train.activation_checkpointing else None,
             ),
         )
         self._flops_matmul = self._flops_per_token(hf, 0.0)
@@ -156,14 +157,18 @@ class Trainer:
         counts[0] = (labels != IGNORE_INDEX).sum()
         self.attention.stats.clear()
         logged = (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps
-        self.attention.record = "recall" if logged else "density"
+        self.attention.record, self.attention.replay = ("recall" if logged else "density"), False
         loss_sum = self.model(input_ids, labels, position_ids)
-        self.attention.record = "off"  # activation checkpointing re-runs the forward in backward
+        # activation checkpointing re-runs the forward in the backward: with the forward's patterns
+        # (attention.replay_patterns), recording nothing
+        self.attention.record, self.attention.replay = "off", True
         counts[1] = loss_sum.detach()
         dist.all_reduce(counts)  # [global tokens, global loss sum]
         tokens, total = counts.tolist()
         # FSDP averages gradients over all ranks: scale so they are d(global loss sum)/d(params) / tokens.
         (loss_sum * (par.world_size / tokens)).backward()
+        if self.attention.replay_patterns is not None:
+            self.attention.replay_patterns.clear()
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.train.steps, cfg.optim.min_lr_ratio)
