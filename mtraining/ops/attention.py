@@ -54,16 +54,16 @@ def prepare_inputs(
     check_qkv(q, k, v, float_dtypes=KERNEL_DTYPES if name == "triton" else None)
     if name == "triton" and q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {q.shape[-1]} is not supported by the kernels; use one of {SUPPORTED_HEAD_DIMS}")
-    given = {"q_pos": q_pos is not None, "k_pos": k_pos is not None}
+    q_given, k_given = q_pos is not None, k_pos is not None
     q_pos, k_pos = default_positions(q, k, q_pos, k_pos)
     if pattern is not None:
         check_pattern(pattern, q)
     if name == "triton":
         grid = pattern.block_size if pattern is not None else DENSE_BLOCK
         # default positions are checked on the host: the device check would wait for the GPU
-        if given["q_pos"] or (k.shape[1] - q.shape[1]) % grid:
+        if q_given or (k.shape[1] - q.shape[1]) % grid:
             check_aligned_positions(q_pos, grid, "q_pos")
-        if given["k_pos"]:
+        if k_given:
             check_aligned_positions(k_pos, grid, "k_pos")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return q_pos, k_pos, scale, name

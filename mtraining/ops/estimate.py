@@ -272,7 +272,7 @@ def estimate_pattern(
     q_last_pos, k_pos = _check_line_inputs(q_last, q_last_pos, k, k_pos)
     plan = _plan(q_last_pos, k_pos, _values_per_key(q_last))  # one device sync serves both passes
     lse = _partial_lse(q_last, q_last_pos, k, k_pos, scale, plan)
-    vertical, slash = _line_scores(q_last, q_last_pos, k, k_pos, scale, lse.float(), seq_len, plan)
+    vertical, slash = _line_scores(q_last, q_last_pos, k, k_pos, scale, lse, seq_len, plan)
     if given_k:  # scores follow k's row order; the pattern indexes them by position
         vertical = torch.empty_like(vertical).index_copy_(-1, k_pos.long(), vertical)
     return select_lines(vertical, slash, config, seq_len, layer_idx)

@@ -35,15 +35,13 @@ def slashes_to_block_diags(offsets: Tensor, block_size: int, num_blocks: int) ->
     return mask[..., :num_blocks]
 
 
-def compact(values: Tensor, keep: Tensor, fill: int, width: int | None = None) -> tuple[Tensor, Tensor]:
+def compact(values: Tensor, keep: Tensor, fill: int, width: int) -> tuple[Tensor, Tensor]:
     """Move the kept entries of each row of ``values`` [..., L] to the front, in order.
 
-    Returns (packed [..., W] int32 padded with ``fill``, counts [...] int32). W is ``width`` when
-    given (>= every count; no device sync) or else the largest count (one device sync), at least 1.
+    Returns (packed [..., W] int32 padded with ``fill``, counts [...] int32); W = max(``width``, 1),
+    where ``width`` (a host-known bound, so no device sync) is at least every row's count.
     """
     counts = keep.sum(-1, dtype=torch.int32)
-    if width is None:
-        width = int(counts.max().item()) if counts.numel() else 0
     width = max(width, 1)
     slot = torch.where(keep, keep.cumsum(-1) - 1, width)
     packed = torch.full((*values.shape[:-1], width + 1), fill, dtype=torch.int32, device=values.device)

@@ -195,4 +195,3 @@ def row_delta(do: Tensor, out: Tensor) -> Tensor:
         BLOCK_R=block, HEAD_DIM=d,
     )
     return delta
-

@@ -324,4 +324,3 @@ def _row_delta_kernel(DO, Out, Delta, R, H, S, s_ob, s_os, s_oh, s_db, s_dh, s_p
     do = tl.load(DO + (b * s_ob + s * s_os + h * s_oh)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
     o = tl.load(Out + (b * s_pb + s * s_ps + h * s_ph)[:, None] + d[None, :], mask=ok[:, None], other=0.0)
     tl.store(Delta + b * s_db + h * s_dh + s, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1), mask=ok)
-

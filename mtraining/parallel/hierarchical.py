@@ -14,7 +14,8 @@ node (n - o) mod O (rank (n, l) holds the one that started on rank ((n - o) mod 
 
 Every step calls ``attention_forward`` with the global positions of the visited shard's original
 owner (dense steps: cuDNN blocks where they apply, as in the flat ring), so any layout and the
-global pattern work as in the flat ring, and (out, lse) merge exactly (ring.py's helpers). With I = W (one node) this is exactly the flat ring's schedule.
+global pattern work as in the flat ring, and (out, lse) merge exactly (ring.py's helpers). With
+I = W (one node) this is exactly the flat ring's schedule.
 
 Backward: K/V circulate the same way. The dK/dV accumulator of the shard being visited travels one
 hop behind it around the inner ring, so after an inner cycle rank (n, l) holds node n's whole
