@@ -24,7 +24,7 @@ from common import bench_ms, command_line, commit, device_name, write_results  #
 from mtraining.ops import triton_backend as tb  # noqa: E402
 from mtraining.ops.attention import sparse_attention  # noqa: E402
 from mtraining.ops.estimate import PatternConfig, estimate_pattern  # noqa: E402
-from mtraining.ops.kernel_index import build_key_walk, build_query_walk  # noqa: E402
+from mtraining.ops.kernel_index import build_key_walk, build_query_walk, chunk_pair  # noqa: E402
 from mtraining.ops.synthetic import rope_structured_qkv  # noqa: E402
 
 
@@ -62,8 +62,9 @@ def main() -> None:
         tiles = tb.tile_config(g, d, q.device)
 
         def walks():
-            build_query_walk(pattern, pos, pos, tiles.fwd.block_m, tiles.fwd.block_n)
-            build_key_walk(pattern, pos, pos, tiles.dkdv.block_m, tiles.dkdv.block_n, tiles.dkdv.block_v)
+            pair = chunk_pair(pattern, pos, pos)
+            build_query_walk(pattern, pair)
+            build_key_walk(pattern, pair, tiles.dkdv.block_v)
 
         out = sparse_attention(qg, kg, vg, pattern)  # builds and caches the walks
         phases = {

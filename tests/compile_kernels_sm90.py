@@ -10,7 +10,7 @@ from triton.backends.compiler import GPUTarget
 
 from mtraining.ops import triton_kernels as tk
 
-INT_POINTERS = {"QPos", "KPos", "QGBlock", "Starts", "Count", "DiagStart", "VCols", "VCountQ", "VStartQ"}
+INT_POINTERS = {"QPos", "KPos", "QGBlock", "Starts", "Count", "DiagStart", "VCols", "VCountQ", "VStartRow"}
 FP32_POINTERS = {"Lse", "Delta", "DQ", "DK", "DV"}
 DATA_POINTERS = {"Q", "K", "V", "Out", "DO"}
 FLOAT_SCALARS = {"qk_scale", "sm_scale"}

@@ -181,6 +181,26 @@ def test_fused_dq_backward_matches_oracle(monkeypatch, dtype):
     check_against_oracle(q, k, v, make_pattern("local_plus_verticals", 1, 4, n, g, gen), q_pos, k_pos, gen)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tiles_smaller_than_the_block(monkeypatch, dtype):
+    """Kernel tiles of 16 and 32 inside G = 64 blocks (each tile walks its block's list in steps),
+    different per kernel, with a partial last block and a striped ring step."""
+    from mtraining.ops import triton_backend as tb
+
+    def small_tiles(block_size, head_dim, device):
+        return tb.TileConfig(tb.Tiles(32, 16, 16, 4, 1), tb.Tiles(16, 32, 32, 4, 1),
+                             tb.Tiles(16, 32, 16, 4, 1, v_split=3))
+
+    monkeypatch.setattr(tb, "tile_config", small_tiles)
+    gen = torch.Generator().manual_seed(23)
+    q, k, v = random_qkv(1, 230, 230, 4, 2, 16, dtype, gen)
+    check_against_oracle(q, k, v, make_pattern("random", 1, 4, 230, 64, gen), gen=gen)
+    n, g, world = 512, 64, 2
+    q_pos, k_pos = _striped_positions(n, g, world, 1), _striped_positions(n, g, world, 0)
+    q, k, v = random_qkv(1, q_pos.numel(), k_pos.numel(), 4, 2, 16, dtype, gen)
+    check_against_oracle(q, k, v, make_pattern("local_plus_verticals", 1, 4, n, g, gen), q_pos, k_pos, gen)
+
+
 def test_strided_inputs_and_expanded_gradient():
     """A gradient with stride 0 (that of out.sum()) and inputs whose head_dim is not contiguous."""
     gen = torch.Generator().manual_seed(11)

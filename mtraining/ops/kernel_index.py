@@ -1,12 +1,16 @@
 """Local kernel indices: the global pattern restricted to one (query chunk, key chunk) pair.
 
-The Triton kernels never search: for every query tile they get the list of key tiles to visit
-(forward and dQ), for every key tile the list of query tiles (dK/dV), plus the start of the one
-causal-diagonal block that needs a mask, and the vertical columns of this key chunk. Everything is
-derived on the device with vectorised torch ops from the global pattern and the global positions
-of the rows, so one kernel serves any layout and any ring step, and the kernel loops are plain
-`for j in range(n)` loops that Triton can software-pipeline. Building a walk never waits for the
-device (list widths are host-known upper bounds), so ring steps queue without host syncs.
+The Triton kernels never search: for every block of G query rows they get the list of key blocks
+to visit (forward and dQ), for every block of G keys the list of query blocks (dK/dV), plus the
+start of the one causal-diagonal block that needs a mask, and the vertical columns of this key
+chunk. The lists are per G-block, not per kernel tile, so one query walk and one key walk (from one
+``ChunkPair``) serve all three kernels whatever their tile sizes; a tile of B rows or keys (B
+divides G) walks its block's list and steps through each listed block in G / B tiles.
+Everything is derived on the device with vectorised torch ops from the global pattern and the
+global positions of the rows, so one kernel serves any layout and any ring step, and the kernel
+loops are plain `for j in range(n)` loops that Triton can software-pipeline. Building a walk never
+waits for the device (list widths are host-known upper bounds), so ring steps queue without host
+syncs.
 
 Positions must come in *aligned runs*: every G rows of a chunk (from local row 0) hold G
 consecutive global positions starting at a multiple of G (the last run may be shorter). All
@@ -29,14 +33,17 @@ _ABSENT = torch.iinfo(torch.int32).max
 
 @dataclass(frozen=True)
 class QueryWalk:
-    """What each query tile visits (forward and dQ kernels); int32 on the device.
+    """What each query block visits (forward and dQ kernels); int32 on the device.
 
-    q_gblock [nQT]: global block of each query tile (to test vertical columns against diagonals).
-    starts [B, H, nQT, W]: local key rows of the unmasked key tiles (off-diagonal blocks).
-    count, diag [B, H, nQT]: how many; local key row of the causal-diagonal block, or -1.
+    Lists are per block of G local query rows, so one walk serves every query tile size that
+    divides G (a tile reads the row of its block).
+
+    q_gblock [nQB]: global block of each local query block (to test vertical columns against diagonals).
+    starts [B, H, nQB, W]: local key rows of the unmasked key blocks (off-diagonal blocks, G keys each).
+    count, diag [B, H, nQB]: how many; local key row of the causal-diagonal block, or -1.
     diag_mask [B, H, nb] (int8): is block diagonal delta selected.
     vcols [B, H, Vk]: local key rows of the verticals present in this key chunk, ascending.
-    vcount [B, H, nQT]: how many of them a query tile may see (position <= its last query).
+    vcount [B, H, nQB]: how many of them the block may see (position <= its last query).
     """
 
     q_gblock: Tensor
@@ -50,20 +57,17 @@ class QueryWalk:
 
 @dataclass(frozen=True)
 class KeyWalk:
-    """What each key tile is seen by (dK/dV kernels); int32 on the device.
+    """What each key block is seen by (dK/dV kernels); int32 on the device, per block of G local keys.
 
-    starts [B, H, nKT, W]: local query rows of the unmasked query tiles (off-diagonal blocks).
-    count, diag [B, H, nKT]: how many; local query row of the causal-diagonal block, or -1.
-    q_gblock, diag_mask, vcols: as in QueryWalk (query tiles of size q_tile).
-    vstart [B, H, nVC]: per chunk of ``v_chunk`` verticals, the first query tile that may see it.
+    starts [B, H, nKB, W]: local query rows of the unmasked query blocks (off-diagonal blocks).
+    count, diag [B, H, nKB]: how many; local query row of the causal-diagonal block, or -1.
+    vstart [B, H, nVC]: per chunk of ``v_chunk`` verticals (QueryWalk.vcols), the first local query
+    row that may see it.
     """
 
     starts: Tensor
     count: Tensor
     diag: Tensor
-    q_gblock: Tensor
-    diag_mask: Tensor
-    vcols: Tensor
     vstart: Tensor
 
 
@@ -89,32 +93,18 @@ def _block_starts(pos: Tensor, block_size: int, num_blocks: int) -> Tensor:
     return starts
 
 
-def _tile_lists(
-    tile_gblock: Tensor,
-    diags: Tensor,
-    real: Tensor,
-    sign: int,
-    other_block_start: Tensor,
-    sub_tile: int,
-    block_size: int,
-    other_len: int,
+def _block_lists(
+    gblock: Tensor, diags: Tensor, real: Tensor, sign: int, other_block_start: Tensor, block_size: int, other_len: int
 ) -> tuple[Tensor, Tensor]:
-    """For each tile of one side, the unmasked tiles of the other side it meets (off-diagonal blocks).
-
-    The other side's global block is ``tile_gblock - delta`` (sign=-1, forward) or ``+ delta``
-    (sign=+1, backward); each of its blocks contributes G / sub_tile tiles.
-    """
+    """For each local block of one side, the local starts of the other side's blocks it meets
+    off the diagonal: global block ``gblock - delta`` (sign=-1, query side) or ``+ delta`` (sign=+1)."""
     nb = other_block_start.shape[0]
-    other = tile_gblock[None, None, :, None] + sign * diags[:, :, None, :]  # [B, H, nT, D]
+    other = gblock[None, None, :, None] + sign * diags[:, :, None, :]  # [B, H, nBlocks, D]
     ok = real[:, :, None, :] & (diags[:, :, None, :] > 0) & (other >= 0) & (other < nb)
     start = other_block_start[other.clamp(0, nb - 1).long()]
-    ok = ok & (start >= 0)
-    offsets = torch.arange(0, block_size, sub_tile, device=diags.device, dtype=torch.int32)
-    starts = start[..., None] + offsets  # [B, H, nT, D, G / sub_tile]
-    ok = ok[..., None] & (starts < other_len)
-    # a tile meets each block of the other chunk at most once: a host-known bound, no device sync.
-    width = min(diags.shape[-1], -(-other_len // block_size)) * offsets.numel()
-    return compact(starts.flatten(-2), ok.flatten(-2), _ABSENT, width=width)
+    # a block meets each block of the other chunk at most once: a host-known bound, no device sync.
+    width = min(diags.shape[-1], -(-other_len // block_size))
+    return compact(start, ok & (start >= 0), _ABSENT, width=width)
 
 
 def _connected_diags(q_present: Tensor, k_present: Tensor) -> Tensor:
@@ -127,7 +117,7 @@ def _connected_diags(q_present: Tensor, k_present: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class _ChunkPair:
+class ChunkPair:
     """What both walks need: block starts, useful diagonals, vertical columns of the key chunk."""
 
     q_pos: Tensor
@@ -141,7 +131,8 @@ class _ChunkPair:
     vcol_pos: Tensor
 
 
-def _chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> _ChunkPair:
+def chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ChunkPair:
+    """The part of the global pattern that a query chunk and a key chunk (global positions) share."""
     g, nb = pattern.block_size, pattern.num_blocks
     dev = q_pos.device
     q_pos, k_pos = q_pos.to(torch.int32), k_pos.to(torch.int32)
@@ -160,40 +151,33 @@ def _chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> 
     vcols, _ = compact(local, real_v & (k_pos[local.long()] == vpos), sk, width=local.shape[-1])
     vcol_pos = torch.where(vcols < sk, k_pos[vcols.clamp(max=sk - 1).long()], _ABSENT).contiguous()
     diag_mask = pattern.diag_mask()
-    return _ChunkPair(q_pos, k_pos, q_block_start, k_block_start, diags, real,
-                      diag_mask.to(torch.int8).contiguous(), vcols, vcol_pos)
+    return ChunkPair(q_pos, k_pos, q_block_start, k_block_start, diags, real,
+                     diag_mask.to(torch.int8).contiguous(), vcols, vcol_pos)
 
 
-def _tile_gblock(pos: Tensor, tile: int, block_size: int) -> Tensor:
-    return (pos[torch.arange(0, pos.shape[0], tile, device=pos.device)] // block_size).to(torch.int32)
+def _local_gblock(pos: Tensor, block_size: int) -> Tensor:
+    """int32 [ceil(len / G)]: global block of each run of G local rows."""
+    return (pos[::block_size] // block_size).to(torch.int32)
 
 
-def build_query_walk(
-    pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, q_tile: int, k_tile: int
-) -> QueryWalk:
-    """Restrict the global pattern to the chunk pair (q_pos, k_pos), seen from the query tiles."""
-    c = _chunk_pair(pattern, q_pos, k_pos)
+def build_query_walk(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWalk:
+    """The global pattern restricted to a chunk pair, seen from the query blocks."""
     g = pattern.block_size
-    sq, sk = c.q_pos.shape[0], c.k_pos.shape[0]
-    q_gblock = _tile_gblock(c.q_pos, q_tile, g)
-    starts, count = _tile_lists(q_gblock, c.diags, c.real, -1, c.k_block_start, k_tile, g, sk)
-    diag = torch.where(c.diag_mask[..., :1] > 0, c.k_block_start[q_gblock.long()], -1).to(torch.int32)
-    q_last = c.q_pos[(torch.arange(0, sq, q_tile, device=q_pos.device) + q_tile - 1).clamp(max=sq - 1)]
-    vcount = torch.searchsorted(c.vcol_pos, q_last.expand(*c.vcols.shape[:2], -1).contiguous(), right=True)
-    return QueryWalk(q_gblock, starts, count, diag.contiguous(), c.diag_mask, c.vcols,
+    sq, sk = pair.q_pos.shape[0], pair.k_pos.shape[0]
+    q_gblock = _local_gblock(pair.q_pos, g)
+    starts, count = _block_lists(q_gblock, pair.diags, pair.real, -1, pair.k_block_start, g, sk)
+    diag = torch.where(pair.diag_mask[..., :1] > 0, pair.k_block_start[q_gblock.long()], -1).to(torch.int32)
+    q_last = pair.q_pos[torch.arange(g - 1, sq + g - 1, g, device=pair.q_pos.device).clamp(max=sq - 1)]
+    vcount = torch.searchsorted(pair.vcol_pos, q_last.expand(*pair.vcols.shape[:2], -1).contiguous(), right=True)
+    return QueryWalk(q_gblock, starts, count, diag.contiguous(), pair.diag_mask, pair.vcols,
                      vcount.to(torch.int32).contiguous())
 
 
-def build_key_walk(
-    pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, q_tile: int, k_tile: int, v_chunk: int
-) -> KeyWalk:
-    """Restrict the global pattern to the chunk pair (q_pos, k_pos), seen from the key tiles."""
-    c = _chunk_pair(pattern, q_pos, k_pos)
+def build_key_walk(pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int) -> KeyWalk:
+    """The global pattern restricted to a chunk pair, seen from the key blocks."""
     g = pattern.block_size
-    sq = c.q_pos.shape[0]
-    k_gblock = _tile_gblock(c.k_pos, k_tile, g)
-    starts, count = _tile_lists(k_gblock, c.diags, c.real, +1, c.q_block_start, q_tile, g, sq)
-    diag = torch.where(c.diag_mask[..., :1] > 0, c.q_block_start[k_gblock.long()], -1).to(torch.int32)
-    first_row = torch.searchsorted(c.q_pos, c.vcol_pos[..., ::v_chunk].contiguous())
-    return KeyWalk(starts, count, diag.contiguous(), _tile_gblock(c.q_pos, q_tile, g), c.diag_mask, c.vcols,
-                   (first_row // q_tile).to(torch.int32).contiguous())
+    k_gblock = _local_gblock(pair.k_pos, g)
+    starts, count = _block_lists(k_gblock, pair.diags, pair.real, +1, pair.q_block_start, g, pair.q_pos.shape[0])
+    diag = torch.where(pair.diag_mask[..., :1] > 0, pair.q_block_start[k_gblock.long()], -1).to(torch.int32)
+    first_row = torch.searchsorted(pair.q_pos, pair.vcol_pos[..., ::v_chunk].contiguous())
+    return KeyWalk(starts, count, diag.contiguous(), first_row.to(torch.int32).contiguous())

@@ -10,7 +10,7 @@ import triton
 from torch import Tensor
 
 from . import triton_kernels as tk
-from .kernel_index import DENSE_BLOCK, QueryWalk, build_key_walk, build_query_walk
+from .kernel_index import DENSE_BLOCK, ChunkPair, KeyWalk, QueryWalk, build_key_walk, build_query_walk, chunk_pair
 from .pattern import VerticalSlashPattern
 
 
@@ -53,20 +53,33 @@ def tile_config(block_size: int, head_dim: int, device: torch.device) -> TileCon
 _DQ_MODES = {"kernel": 0, "atomic": 1}
 
 
-def _cached(pattern: VerticalSlashPattern, kind: str, q_pos: Tensor, k_pos: Tensor, tiles: Tiles):
-    """Build (or reuse, within one pattern's life) the query or key walk of this chunk pair.
+def _cached(pattern: VerticalSlashPattern, key: tuple, q_pos: Tensor, k_pos: Tensor, build):
+    """``build()``, computed once per (key, chunk pair) within one pattern's life.
 
     The cache holds the position tensors themselves, so their ids cannot be reused while it lives.
     """
-    key = (kind, id(q_pos), id(k_pos), tiles.block_m, tiles.block_n, tiles.block_v)
+    key = (*key, id(q_pos), id(k_pos))
     hit = pattern.index_cache.get(key)
     if hit is None:
-        if kind == "query":
-            walk = build_query_walk(pattern, q_pos, k_pos, tiles.block_m, tiles.block_n)
-        else:
-            walk = build_key_walk(pattern, q_pos, k_pos, tiles.block_m, tiles.block_n, tiles.block_v)
-        hit = pattern.index_cache[key] = (q_pos, k_pos, walk)
+        hit = pattern.index_cache[key] = (q_pos, k_pos, build())
     return hit[2]
+
+
+def _pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ChunkPair:
+    """What the query and key walks of a chunk pair share (built once per pattern and chunk pair)."""
+    return _cached(pattern, ("pair",), q_pos, k_pos, lambda: chunk_pair(pattern, q_pos, k_pos))
+
+
+def query_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> QueryWalk:
+    """The forward's and dQ kernel's index of this chunk pair (built once per pattern and chunk pair)."""
+    return _cached(pattern, ("query",), q_pos, k_pos,
+                   lambda: build_query_walk(pattern, _pair(pattern, q_pos, k_pos)))
+
+
+def key_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, v_chunk: int) -> KeyWalk:
+    """The dK/dV kernels' index of this chunk pair, verticals in chunks of ``v_chunk``."""
+    return _cached(pattern, ("key", v_chunk), q_pos, k_pos,
+                   lambda: build_key_walk(pattern, _pair(pattern, q_pos, k_pos), v_chunk))
 
 
 def _unit_stride(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -107,7 +120,7 @@ def forward(
     pattern = _resolve(q, pattern, q_pos, k_pos)
     b, sq, hq, d = q.shape
     t = tile_config(pattern.block_size, d, q.device).fwd
-    tensors, strides = _query_walk_args(_cached(pattern, "query", q_pos, k_pos, t))
+    tensors, strides = _query_walk_args(query_walk(pattern, q_pos, k_pos))
     if merge_into is not None:
         out, lse = merge_into
     else:
@@ -159,7 +172,7 @@ def backward(
     qkv_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2])
     if own_kernel:
         t = cfg.dq
-        tensors, strides = _query_walk_args(_cached(pattern, "query", q_pos, k_pos, t))
+        tensors, strides = _query_walk_args(query_walk(pattern, q_pos, k_pos))
         tk._bwd_dq_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
             q, k, v, do, lse, delta, dq, q_pos, k_pos, *tensors,
             *scales, sq, sk, hq, group, *qkv_strides, *strides,
@@ -167,18 +180,19 @@ def backward(
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
     t = cfg.dkdv
-    w = _cached(pattern, "key", q_pos, k_pos, t)
+    w = key_walk(pattern, q_pos, k_pos, t.block_v)
+    pair = _pair(pattern, q_pos, k_pos)
     launch = dict(DQ_MODE=_DQ_MODES[mode], num_warps=t.num_warps, num_stages=t.num_stages)
     tk._bwd_dkdv_block_kernel[(triton.cdiv(sk, t.block_n), b * hkv)](
         q, k, v, do, lse, delta, dk, dv, dq, q_pos, k_pos, w.starts, w.count, w.diag,
         *scales, sq, sk, hq, group, *qkv_strides, *dk.stride()[:3], *w.starts.stride()[:3], *w.count.stride()[:2],
         G=pattern.block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, **launch,
     )
-    n_qt = w.q_gblock.shape[0]
-    tk._bwd_dkdv_vertical_kernel[(triton.cdiv(w.vcols.shape[-1], t.block_v), b * hq, triton.cdiv(n_qt, t.v_split))](
-        q, k, v, do, lse, delta, dk, dv, dq, q_pos, k_pos, w.q_gblock, w.diag_mask, w.vcols, w.vstart,
-        *scales, sq, sk, hq, group, n_qt, w.vcols.shape[-1], t.v_split, *qkv_strides, *dk.stride()[:3],
-        *w.diag_mask.stride()[:2], *w.vcols.stride()[:2], *w.vstart.stride()[:2],
+    n_qt = triton.cdiv(sq, t.block_m)
+    tk._bwd_dkdv_vertical_kernel[(triton.cdiv(pair.vcols.shape[-1], t.block_v), b * hq, triton.cdiv(n_qt, t.v_split))](
+        q, k, v, do, lse, delta, dk, dv, dq, q_pos, k_pos, pair.diag_mask, pair.vcols, w.vstart,
+        *scales, sq, sk, hq, group, n_qt, pair.vcols.shape[-1], t.v_split, *qkv_strides, *dk.stride()[:3],
+        *pair.diag_mask.stride()[:2], *pair.vcols.stride()[:2], *w.vstart.stride()[:2],
         G=pattern.block_size, BLOCK_M=t.block_m, BLOCK_V=t.block_v, HEAD_DIM=d, **launch,
     )
     return dq.to(dq_out), dk, dv

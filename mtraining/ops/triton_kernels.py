@@ -1,13 +1,14 @@
 """Triton kernels for vertical-slash sparse attention: forward (out, lse), dQ, dK/dV.
 
-Each query tile visits (1) the unmasked key tiles of its selected off-diagonal blocks, from a
-precomputed list (kernel_index.py), (2) the causal-diagonal block with a position mask, and
-(3) the vertical columns of the head gathered from this key chunk, skipping any column whose block
-diagonal is already selected (so no pair counts twice). The backward recomputes P from Q, K and the
-saved LSE (FlashAttention-2 style): one kernel for dQ (same walk as the forward), one for dK/dV of
-the block part (per key tile over the query heads of its GQA group, from the transposed list), and
-one for dK/dV of the vertical columns (per chunk of columns, added atomically since the query heads
-of a GQA group share keys). Scores are kept in base 2 (``exp2``); the LSE written out is natural-log.
+Each query tile visits (1) the unmasked key blocks of its selected off-diagonal block diagonals,
+from a precomputed list per G-block of queries (kernel_index.py), in key tiles of BLOCK_N, (2) the
+causal-diagonal block with a position mask, and (3) the vertical columns of the head gathered from
+this key chunk, skipping any column whose block diagonal is already selected (so no pair counts
+twice). The backward recomputes P from Q, K and the saved LSE (FlashAttention-2 style): one kernel
+for dQ (same walk as the forward), one for dK/dV of the block part (per key tile over the query
+heads of its GQA group, from the per-key-block list), and one for dK/dV of the vertical columns
+(per chunk of columns, added atomically since the query heads of a GQA group share keys). Scores
+are kept in base 2 (``exp2``); the LSE written out is natural-log.
 """
 
 from __future__ import annotations
@@ -72,11 +73,12 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    tile_off = b * s_cb + h * s_ch + tile
-    # (1) off-diagonal key tiles: every pair is causal and in range, no mask.
-    starts = Starts + b * s_sb + h * s_sh + tile * s_st
-    for j in range(0, tl.load(Count + tile_off)):
-        cols = tl.load(starts + j) + tl.arange(0, BLOCK_N)
+    blk = tile // (G // BLOCK_M)  # the walk lists are per G-block of query rows
+    tile_off = b * s_cb + h * s_ch + blk
+    # (1) off-diagonal key blocks, G // BLOCK_N tiles each: every pair is causal and in range, no mask.
+    starts = Starts + b * s_sb + h * s_sh + blk * s_st
+    for j in range(0, tl.load(Count + tile_off) * (G // BLOCK_N)):
+        cols = tl.load(starts + j // (G // BLOCK_N)) + (j % (G // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = tl.load(k_base + cols[None, :] * s_ks + d[:, None])
         v = tl.load(v_base + cols[:, None] * s_vs + d[None, :])
         acc, m_i, l_i = _online_update(acc, m_i, l_i, tl.dot(q, k) * qk_scale, v)
@@ -92,7 +94,7 @@ def _fwd_kernel(
             s = tl.where(k_pos[None, :] <= q_pos[:, None], tl.dot(q, k) * qk_scale, float("-inf"))
             acc, m_i, l_i = _online_update(acc, m_i, l_i, s, v)
     # (3) vertical columns whose block diagonal is not selected.
-    qB = tl.load(QGBlock + tile)
+    qB = tl.load(QGBlock + blk)
     n_vert = tl.load(VCountQ + tile_off)
     vcols_row = VCols + b * s_wb + h * s_wh
     mask_row = DiagMask + b * s_mb + h * s_mh
@@ -159,10 +161,11 @@ def _bwd_dq_kernel(
     k_base = K + b * s_kb + hk * s_kh
     v_base = V + b * s_vb + hk * s_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    tile_off = b * s_cb + h * s_ch + tile
-    starts = Starts + b * s_sb + h * s_sh + tile * s_st
-    for j in range(0, tl.load(Count + tile_off)):
-        cols = tl.load(starts + j) + tl.arange(0, BLOCK_N)
+    blk = tile // (G // BLOCK_M)
+    tile_off = b * s_cb + h * s_ch + blk
+    starts = Starts + b * s_sb + h * s_sh + blk * s_st
+    for j in range(0, tl.load(Count + tile_off) * (G // BLOCK_N)):
+        cols = tl.load(starts + j // (G // BLOCK_N)) + (j % (G // BLOCK_N)) * BLOCK_N + tl.arange(0, BLOCK_N)
         kT = tl.load(k_base + cols[None, :] * s_ks + d[:, None])
         vT = tl.load(v_base + cols[None, :] * s_vs + d[:, None])
         dq = _dq_step(dq, q, do, lse2, delta_row, kT, vT, tl.dot(q, kT) * qk_scale)
@@ -176,7 +179,7 @@ def _bwd_dq_kernel(
             vT = tl.load(v_base + cols[None, :] * s_vs + d[:, None], mask=col_ok[None, :], other=0.0)
             s = tl.where(k_pos[None, :] <= q_pos[:, None], tl.dot(q, kT) * qk_scale, float("-inf"))
             dq = _dq_step(dq, q, do, lse2, delta_row, kT, vT, s)
-    qB = tl.load(QGBlock + tile)
+    qB = tl.load(QGBlock + blk)
     n_vert = tl.load(VCountQ + tile_off)
     vcols_row = VCols + b * s_wb + h * s_wh
     mask_row = DiagMask + b * s_mb + h * s_mh
@@ -246,12 +249,15 @@ def _bwd_dkdv_block_kernel(
     k_pos = tl.load(KPos + cols, mask=col_ok, other=INT_MAX)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    blk = tile // (G // BLOCK_N)  # the walk lists are per G-block of keys
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        tile_off = b * s_cb + h * s_ch + tile
-        starts = Starts + b * s_sb + h * s_sh + tile * s_st
-        for j in range(0, tl.load(Count + tile_off)):
-            dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, tl.load(starts + j), b, h,
+        tile_off = b * s_cb + h * s_ch + blk
+        starts = Starts + b * s_sb + h * s_sh + blk * s_st
+        # off-diagonal query blocks, G // BLOCK_M tiles each (rows past Sq of a last, partial block add nothing)
+        for j in range(0, tl.load(Count + tile_off) * (G // BLOCK_M)):
+            row0 = tl.load(starts + j // (G // BLOCK_M)) + (j % (G // BLOCK_M)) * BLOCK_M
+            dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, row0, b, h,
                                 qk_scale, sm_scale, Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh,
                                 BLOCK_M, HEAD_DIM, False, DQ_MODE)
         diag_start = tl.load(DiagStart + tile_off)
@@ -268,7 +274,7 @@ def _bwd_dkdv_block_kernel(
 @triton.jit(do_not_specialize=['s_wb', 's_wh', 's_tb', 's_th', 'VWIDTH'])
 def _bwd_dkdv_vertical_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DQ, QPos, KPos,
-    QGBlock, DiagMask, VCols, VStartQ,
+    DiagMask, VCols, VStartRow,
     qk_scale, sm_scale, Sq, Sk, H, GROUP, NQT, VWIDTH, SPLIT,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ob, s_os, s_oh, s_lb, s_lh,
     s_gb, s_gs, s_gh, s_mb, s_mh, s_wb, s_wh, s_tb, s_th,
@@ -296,11 +302,11 @@ def _bwd_dkdv_vertical_kernel(
     mask_row = DiagMask + b * s_mb + h * s_mh
     dk = tl.zeros([BLOCK_V, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_V, HEAD_DIM], dtype=tl.float32)
-    t_lo = tl.maximum(tl.load(VStartQ + b * s_tb + h * s_th + chunk), split * SPLIT)
+    t_lo = tl.maximum(tl.load(VStartRow + b * s_tb + h * s_th + chunk) // BLOCK_M, split * SPLIT)
     t_hi = tl.minimum(NQT, (split + 1) * SPLIT)
     if t_lo < t_hi:
         for t in range(t_lo, t_hi):
-            qB = tl.load(QGBlock + t)
+            qB = tl.load(QPos + t * BLOCK_M) // G  # runs of G aligned positions: one block per tile
             covered = tl.load(mask_row + (qB - k_blk), mask=valid & (k_blk <= qB), other=0)
             k_pos_use = tl.where(valid & (covered == 0), k_pos, INT_MAX)
             dk, dv = _dkdv_step(dk, dv, k, v, k_pos_use, Q, DO, Lse, Delta, QPos, DQ, t * BLOCK_M, b, h,
