@@ -184,8 +184,9 @@ def backward(
     pair = _pair(pattern, q_pos, k_pos)
     launch = dict(DQ_MODE=_DQ_MODES[mode], num_warps=t.num_warps, num_stages=t.num_stages)
     tk._bwd_dkdv_block_kernel[(triton.cdiv(sk, t.block_n), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, dq, q_pos, k_pos, w.starts, w.count,
+        q, k, v, do, lse, delta, dk, dv, dq, q_pos, k_pos, w.starts, w.count, w.diag,
         *scales, sq, sk, hq, group, *qkv_strides, *dk.stride()[:3], *w.starts.stride()[:3], *w.count.stride()[:2],
+        *w.diag.stride()[:2],
         G=pattern.block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, **launch,
     )
     n_qt = triton.cdiv(sq, t.block_m)

@@ -228,19 +228,17 @@ def _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, row0, b, h, qk_
 @triton.jit(do_not_specialize=['s_sb', 's_sh', 's_st'])
 def _bwd_dkdv_block_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, DQ, QPos, KPos,
-    Starts, Count,
+    Starts, Count, DiagStart,
     qk_scale, sm_scale, Sq, Sk, H, GROUP,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ob, s_os, s_oh, s_lb, s_lh,
-    s_gb, s_gs, s_gh, s_sb, s_sh, s_st, s_cb, s_ch,
+    s_gb, s_gs, s_gh, s_sb, s_sh, s_st, s_cb, s_ch, s_db, s_dh,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DQ_MODE: tl.constexpr,
 ):
     """dK/dV (float32, strides s_g*) of one key tile's block part, over the query heads of its group.
 
-    The query blocks of all the group's heads, causal-diagonal ones included, come as one list
-    (entries ``row * GROUP + head in group``) and run as one software-pipelined loop; the causal
-    test by position is applied to every tile (it is all-true off the diagonal). One loop keeps
-    the kernel within the register file: separate masked diagonal steps made it spill.
+    The off-diagonal query blocks of all the group's heads come as one list (entries
+    ``row * GROUP + head in group``), so the whole group is one software-pipelined loop.
     """
     tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -257,13 +255,21 @@ def _bwd_dkdv_block_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     blk = tile // (G // BLOCK_N)  # the walk lists are per G-block of keys
     starts = Starts + b * s_sb + hk * s_sh + blk * s_st
-    # G // BLOCK_M query tiles per listed block (rows past Sq of a last, partial block add nothing)
+    # off-diagonal query blocks, G // BLOCK_M tiles each (rows past Sq of a last, partial block add nothing)
     for j in range(0, tl.load(Count + b * s_cb + hk * s_ch + blk) * (G // BLOCK_M)):
         entry = tl.load(starts + j // (G // BLOCK_M))
         row0 = entry // GROUP + (j % (G // BLOCK_M)) * BLOCK_M
         dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, row0, b, hk * GROUP + entry % GROUP,
                             qk_scale, sm_scale, Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh,
-                            BLOCK_M, HEAD_DIM, True, DQ_MODE)
+                            BLOCK_M, HEAD_DIM, False, DQ_MODE)
+    for g in range(0, GROUP):  # the causal-diagonal block, per head that selects it
+        h = hk * GROUP + g
+        diag_start = tl.load(DiagStart + b * s_db + h * s_dh + blk)
+        if diag_start >= 0:
+            for sub in tl.static_range(G // BLOCK_M):
+                dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ,
+                                    diag_start + sub * BLOCK_M, b, h, qk_scale, sm_scale, Sq,
+                                    s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh, BLOCK_M, HEAD_DIM, True, DQ_MODE)
     out_off = b * s_gb + cols[:, None] * s_gs + hk * s_gh + d[None, :]
     tl.store(DK + out_off, dk * sm_scale, mask=col_ok[:, None])
     tl.store(DV + out_off, dv, mask=col_ok[:, None])
