@@ -64,7 +64,7 @@ def main() -> None:
         def walks():
             pair = chunk_pair(pattern, pos, pos)
             build_query_walk(pattern, pair)
-            build_key_walk(pattern, pair, tiles.dkdv.block_v, hq // hkv)
+            build_key_walk(pattern, pair, tiles.dkdv.block_v)
 
         out = sparse_attention(qg, kg, vg, pattern)  # builds and caches the walks
         phases = {

@@ -59,10 +59,8 @@ class QueryWalk:
 class KeyWalk:
     """What each key block is seen by (dK/dV kernels); int32 on the device, per block of G local keys.
 
-    starts [B, Hkv, nKB, W]: the unmasked query blocks (off-diagonal) of all query heads of the
-        GQA group, each as ``local query row * group + head index in the group``.
-    count [B, Hkv, nKB]: how many.
-    diag [B, H, nKB]: local query row of the causal-diagonal block per query head, or -1.
+    starts [B, H, nKB, W]: local query rows of the unmasked query blocks (off-diagonal blocks).
+    count, diag [B, H, nKB]: how many; local query row of the causal-diagonal block, or -1.
     vstart [B, H, nVC]: per chunk of ``v_chunk`` verticals (QueryWalk.vcols), the first local query
     row that may see it.
     """
@@ -175,17 +173,11 @@ def build_query_walk(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWal
                      vcount.to(torch.int32).contiguous())
 
 
-def build_key_walk(pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int, group: int) -> KeyWalk:
-    """The global pattern restricted to a chunk pair, seen from the key blocks; the lists of the
-    ``group`` query heads that share a KV head are merged into one."""
+def build_key_walk(pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int) -> KeyWalk:
+    """The global pattern restricted to a chunk pair, seen from the key blocks."""
     g = pattern.block_size
-    b, h, nd = pair.diags.shape
     k_gblock = _local_gblock(pair.k_pos, g)
     starts, count = _block_lists(k_gblock, pair.diags, pair.real, +1, pair.q_block_start, g, pair.q_pos.shape[0])
-    head = torch.arange(group, device=starts.device, dtype=torch.int32)[:, None, None]
-    entries = (starts.view(b, h // group, group, -1, starts.shape[-1]) * group + head).transpose(2, 3)
-    real = (starts != _ABSENT).view(b, h // group, group, -1, starts.shape[-1]).transpose(2, 3)
-    starts, count = compact(entries.flatten(-2), real.flatten(-2), _ABSENT, width=group * starts.shape[-1])
     diag = torch.where(pair.diag_mask[..., :1] > 0, pair.q_block_start[k_gblock.long()], -1).to(torch.int32)
     first_row = torch.searchsorted(pair.q_pos, pair.vcol_pos[..., ::v_chunk].contiguous())
     return KeyWalk(starts, count, diag.contiguous(), first_row.to(torch.int32).contiguous())

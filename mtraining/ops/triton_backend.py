@@ -76,10 +76,10 @@ def query_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> Q
                    lambda: build_query_walk(pattern, _pair(pattern, q_pos, k_pos)))
 
 
-def key_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, v_chunk: int, group: int) -> KeyWalk:
-    """The dK/dV kernels' index of this chunk pair, verticals in chunks of ``v_chunk``, lists per GQA group."""
-    return _cached(pattern, ("key", v_chunk, group), q_pos, k_pos,
-                   lambda: build_key_walk(pattern, _pair(pattern, q_pos, k_pos), v_chunk, group))
+def key_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, v_chunk: int) -> KeyWalk:
+    """The dK/dV kernels' index of this chunk pair, verticals in chunks of ``v_chunk``."""
+    return _cached(pattern, ("key", v_chunk), q_pos, k_pos,
+                   lambda: build_key_walk(pattern, _pair(pattern, q_pos, k_pos), v_chunk))
 
 
 def _unit_stride(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -180,13 +180,12 @@ def backward(
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
     t = cfg.dkdv
-    w = key_walk(pattern, q_pos, k_pos, t.block_v, group)
+    w = key_walk(pattern, q_pos, k_pos, t.block_v)
     pair = _pair(pattern, q_pos, k_pos)
     launch = dict(DQ_MODE=_DQ_MODES[mode], num_warps=t.num_warps, num_stages=t.num_stages)
     tk._bwd_dkdv_block_kernel[(triton.cdiv(sk, t.block_n), b * hkv)](
         q, k, v, do, lse, delta, dk, dv, dq, q_pos, k_pos, w.starts, w.count, w.diag,
         *scales, sq, sk, hq, group, *qkv_strides, *dk.stride()[:3], *w.starts.stride()[:3], *w.count.stride()[:2],
-        *w.diag.stride()[:2],
         G=pattern.block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, **launch,
     )
     n_qt = triton.cdiv(sq, t.block_m)

@@ -6,7 +6,7 @@ causal-diagonal block with a position mask, and (3) the vertical columns of the 
 this key chunk, skipping any column whose block diagonal is already selected (so no pair counts
 twice). The backward recomputes P from Q, K and the saved LSE (FlashAttention-2 style): one kernel
 for dQ (same walk as the forward), one for dK/dV of the block part (per key tile over the query
-heads of its GQA group, from one list per key block and group), and one for dK/dV of the vertical columns
+heads of its GQA group, from the per-key-block list), and one for dK/dV of the vertical columns
 (per chunk of columns, added atomically since the query heads of a GQA group share keys). Scores
 are kept in base 2 (``exp2``); the LSE written out is natural-log.
 """
@@ -231,15 +231,11 @@ def _bwd_dkdv_block_kernel(
     Starts, Count, DiagStart,
     qk_scale, sm_scale, Sq, Sk, H, GROUP,
     s_qb, s_qs, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_ob, s_os, s_oh, s_lb, s_lh,
-    s_gb, s_gs, s_gh, s_sb, s_sh, s_st, s_cb, s_ch, s_db, s_dh,
+    s_gb, s_gs, s_gh, s_sb, s_sh, s_st, s_cb, s_ch,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DQ_MODE: tl.constexpr,
 ):
-    """dK/dV (float32, strides s_g*) of one key tile's block part, over the query heads of its group.
-
-    The off-diagonal query blocks of all the group's heads come as one list (entries
-    ``row * GROUP + head in group``), so the whole group is one software-pipelined loop.
-    """
+    """dK/dV (float32, strides s_g*) of one key tile's block part, over the query heads of its group."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     hkv_count = H // GROUP
@@ -254,17 +250,17 @@ def _bwd_dkdv_block_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     blk = tile // (G // BLOCK_N)  # the walk lists are per G-block of keys
-    starts = Starts + b * s_sb + hk * s_sh + blk * s_st
-    # off-diagonal query blocks, G // BLOCK_M tiles each (rows past Sq of a last, partial block add nothing)
-    for j in range(0, tl.load(Count + b * s_cb + hk * s_ch + blk) * (G // BLOCK_M)):
-        entry = tl.load(starts + j // (G // BLOCK_M))
-        row0 = entry // GROUP + (j % (G // BLOCK_M)) * BLOCK_M
-        dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, row0, b, hk * GROUP + entry % GROUP,
-                            qk_scale, sm_scale, Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh,
-                            BLOCK_M, HEAD_DIM, False, DQ_MODE)
-    for g in range(0, GROUP):  # the causal-diagonal block, per head that selects it
+    for g in range(0, GROUP):
         h = hk * GROUP + g
-        diag_start = tl.load(DiagStart + b * s_db + h * s_dh + blk)
+        tile_off = b * s_cb + h * s_ch + blk
+        starts = Starts + b * s_sb + h * s_sh + blk * s_st
+        # off-diagonal query blocks, G // BLOCK_M tiles each (rows past Sq of a last, partial block add nothing)
+        for j in range(0, tl.load(Count + tile_off) * (G // BLOCK_M)):
+            row0 = tl.load(starts + j // (G // BLOCK_M)) + (j % (G // BLOCK_M)) * BLOCK_M
+            dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, row0, b, h,
+                                qk_scale, sm_scale, Sq, s_qb, s_qs, s_qh, s_ob, s_os, s_oh, s_lb, s_lh,
+                                BLOCK_M, HEAD_DIM, False, DQ_MODE)
+        diag_start = tl.load(DiagStart + tile_off)
         if diag_start >= 0:
             for sub in tl.static_range(G // BLOCK_M):
                 dk, dv = _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ,
