@@ -401,3 +401,39 @@ def test_from_lines_round_trip_of_selection():
     expected = VerticalSlashPattern.from_lines(v_top, s_top, 128, 32)
     assert torch.equal(pattern.vertical_mask(), expected.vertical_mask())
     assert torch.equal(pattern.diag_mask(), expected.diag_mask())
+
+
+@pytest.mark.parametrize("seq,g", [(128, 32), (100, 16), (75, 64)])
+def test_from_lines_matches_masks(seq, g):
+    """Lines with padding, offsets on block edges and a short last block give the masks' pattern."""
+    gen = torch.Generator().manual_seed(seq)
+    b, h, v, s = 2, 3, 9, 12
+    verts = torch.stack([torch.randperm(seq, generator=gen)[:v] for _ in range(b * h)]).view(b, h, v)
+    slashes = torch.randint(0, seq, (b, h, s), generator=gen)
+    slashes[0, 0, :4] = torch.tensor([0, g, (seq - 1) // g * g, seq - 1])
+    slashes[1, 2, 3] = slashes[1, 2, 4]  # a repeated slash is fine
+    verts[0, 1, 5:] = -1  # padding
+    slashes[1, 0, 2:] = -1
+    pattern = VerticalSlashPattern.from_lines(verts, slashes, seq, g)
+    num_blocks = -(-seq // g)
+    vmask = torch.zeros(b, h, seq + 1, dtype=torch.bool).scatter_(-1, verts.where(verts >= 0, seq), True)[..., :seq]
+    diag = torch.zeros(b, h, num_blocks, dtype=torch.bool)
+    for bi, hi, si in (slashes >= 0).nonzero().tolist():
+        d = int(slashes[bi, hi, si])
+        diag[bi, hi, d // g] = True
+        if d % g and d // g + 1 < num_blocks:
+            diag[bi, hi, d // g + 1] = True
+    expected = VerticalSlashPattern.from_masks(diag, vmask, g)
+    for name in ("block_diags", "num_diags", "vertical_pos", "num_verticals"):
+        assert torch.equal(getattr(pattern, name), getattr(expected, name)), name
+        assert getattr(pattern, name).is_contiguous()
+
+
+def test_from_lines_errors():
+    verts, slashes = torch.tensor([[[3, 7, 3]]]), torch.tensor([[[0, 5]]])
+    with pytest.raises(ValueError, match="repeats a position"):
+        VerticalSlashPattern.from_lines(verts, slashes, 64, 16)
+    with pytest.raises(ValueError, match=r"must be < seq_len \(64\)"):
+        VerticalSlashPattern.from_lines(torch.tensor([[[3, 64]]]), slashes, 64, 16)
+    with pytest.raises(ValueError, match=r"must be < seq_len \(64\)"):
+        VerticalSlashPattern.from_lines(torch.tensor([[[3]]]), torch.tensor([[[70]]]), 64, 16)

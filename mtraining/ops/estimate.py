@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .budgets import Budgets, load_budgets
 from .checks import check_qkv, default_positions
-from .pattern import VerticalSlashPattern
+from .pattern import VerticalSlashPattern, line_lists
 
 _CHUNK_ELEMENTS = 1 << 26
 _SORT_ELEMENTS = 1 << 22
@@ -96,18 +96,22 @@ class PatternConfig:
 
     def head_budgets(self, layer_idx: int, num_heads: int, seq_len: int) -> tuple[Tensor, Tensor]:
         """(v_size, s_size) int64 CPU tensors [num_heads] for a layer, checked against seq_len."""
+        v, s = self._budget_lists(layer_idx, num_heads, seq_len)
+        return torch.tensor(v), torch.tensor(s)
+
+    def _budget_lists(self, layer_idx: int, num_heads: int, seq_len: int) -> tuple[list[int], list[int]]:
+        """``head_budgets`` as Python lists (no tensor work)."""
         _check_int(layer_idx, "layer_idx", minimum=0)
         if self.budgets is not None:
-            v, s = self.budgets.for_layer(layer_idx, num_heads)
+            v, s = (t.tolist() for t in self.budgets.for_layer(layer_idx, num_heads))
         else:
-            v = torch.full((num_heads,), self.v_size, dtype=torch.int64)
-            s = torch.full((num_heads,), self.s_size, dtype=torch.int64)
+            v, s = [self.v_size] * num_heads, [self.s_size] * num_heads
         lines = (("v_size", v, "verticals than there are keys"), ("s_size", s, "slashes than offsets"))
         for name, budget, what in lines:
-            if int(budget.max()) > seq_len:
-                head = int(budget.argmax())
+            top = max(budget)
+            if top > seq_len:
                 raise ValueError(
-                    f"{name} {int(budget.max())} (layer {layer_idx}, head {head}) exceeds the sequence length "
+                    f"{name} {top} (layer {layer_idx}, head {budget.index(top)}) exceeds the sequence length "
                     f"{seq_len}: a head cannot keep more {what}; lower {name} to at most {seq_len}"
                 )
         return v, s
@@ -210,29 +214,38 @@ def select_lines(
     vertical_scores [B, Hq, seq_len] (index = key position), slash_scores [B, Hq, seq_len]
     (index = offset). Keeps the top budget lines per head (see PatternConfig.threshold for the
     mass mode), always including sinks and the local window. Ties go to the lower index, so
-    identical scores give an identical pattern on every rank.
+    identical scores give an identical pattern on every rank. One device sync.
     """
     if not isinstance(config, PatternConfig):
         raise ValueError(f"config must be a PatternConfig, got {type(config).__name__}")
     _check_int(seq_len, "seq_len", minimum=1)
-    named = (("vertical_scores", vertical_scores), ("slash_scores", slash_scores))
-    for name, t in named:
+    for name, t in (("vertical_scores", vertical_scores), ("slash_scores", slash_scores)):
         if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != seq_len or not t.is_floating_point():
             shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a float tensor [B, Hq, seq_len={seq_len}], got {shape}")
-    finite = torch.stack([((t >= 0) & (t < float("inf"))).all() for _, t in named]).tolist()  # one device sync
-    for (name, _), ok in zip(named, finite):
-        if not ok:
-            raise ValueError(f"{name} has negative, NaN or infinite entries; check q and k for non-finite values")
     if vertical_scores.shape != slash_scores.shape or vertical_scores.device != slash_scores.device:
         raise ValueError(
             f"vertical_scores {tuple(vertical_scores.shape)} and slash_scores {tuple(slash_scores.shape)} must "
             "have one shape and device"
         )
-    v_budget, s_budget = config.head_budgets(layer_idx, vertical_scores.shape[1], seq_len)
+    budgets = config._budget_lists(layer_idx, vertical_scores.shape[1], seq_len)
+    return _select_lines(vertical_scores, slash_scores, config, seq_len, *budgets)
+
+
+def _select_lines(
+    vertical_scores: Tensor, slash_scores: Tensor, config: PatternConfig, seq_len: int, v_budget, s_budget
+) -> VerticalSlashPattern:
     verticals = _top_lines(vertical_scores, v_budget, config.sink_tokens, config.threshold)
     slashes = _top_lines(slash_scores, s_budget, config.local_window, config.threshold)
-    return VerticalSlashPattern.from_lines(verticals, slashes, seq_len, config.block_size)
+    lists = line_lists(verticals, slashes, seq_len, config.block_size)
+    named = (("vertical_scores", vertical_scores), ("slash_scores", slash_scores))
+    bounds = [bound for _, t in named for bound in torch.aminmax(t)]  # NaN anywhere gives NaN bounds
+    # the score checks and the list widths in one device sync (in float64: widths stay exact)
+    *bounds, diag_width, vertical_width = torch.stack([bounds[0].double(), *bounds[1:], *lists.widths()]).tolist()
+    for (name, _), lo, hi in zip(named, bounds[::2], bounds[1::2]):
+        if not (lo >= 0 and hi < math.inf):
+            raise ValueError(f"{name} has negative, NaN or infinite entries; check q and k for non-finite values")
+    return lists.pattern(seq_len, config.block_size, int(diag_width), int(vertical_width))
 
 
 @torch.no_grad()
@@ -259,7 +272,7 @@ def estimate_pattern(
     seq_len = k.shape[1]
     if config.last_q > sq:
         raise ValueError(f"last_q ({config.last_q}) exceeds the {sq} query rows; lower last_q to at most {sq}")
-    config.head_budgets(layer_idx, hq, seq_len)  # fail on budgets before any work
+    budgets = config._budget_lists(layer_idx, hq, seq_len)  # fail on budgets before any work
     everything = torch.arange(seq_len, device=k_pos.device, dtype=k_pos.dtype)
     if given_k and not torch.equal(torch.sort(k_pos).values, everything):
         raise ValueError(
@@ -275,7 +288,7 @@ def estimate_pattern(
     vertical, slash = _line_scores(q_last, q_last_pos, k, k_pos, scale, lse, seq_len, plan)
     if given_k:  # scores follow k's row order; the pattern indexes them by position
         vertical = torch.empty_like(vertical).index_copy_(-1, k_pos.long(), vertical)
-    return select_lines(vertical, slash, config, seq_len, layer_idx)
+    return _select_lines(vertical, slash, config, seq_len, *budgets)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -369,25 +382,28 @@ def _add_diagonal_sums(slash: Tensor, p: Tensor, base: int) -> None:
     slash[:, lo : d_lo + c + r - 1] += sums[:, lo - d_lo :]
 
 
-def _top_lines(scores: Tensor, budget: Tensor, forced: int, threshold: float | None) -> Tensor:
+def _top_lines(scores: Tensor, budget: list[int], forced: int, threshold: float | None) -> Tensor:
     """Kept line indices [B, H, max budget], -1 padded: forced lines 0..forced-1, then by score."""
     b, h, n = scores.shape
-    width = int(budget.max())
-    out = torch.empty(b, h, width, dtype=torch.int64, device=scores.device)
-    rank = torch.arange(width, device=scores.device)
+    width = max(budget)
+    same = min(budget) == width  # every head keeps `width` lines in top-k mode: no padding
+    cap = None if same else torch.tensor(budget, device=scores.device)
     step = max(1, _SORT_ELEMENTS // (b * n))
+    parts = []
     for lo in range(0, h, step):
         part = scores[:, lo : lo + step]
         key = part.clone()
-        key[..., :forced] = float("inf")
+        if forced:
+            key[..., :forced].fill_(float("inf"))
         order = torch.sort(key, dim=-1, descending=True, stable=True).indices
         del key
-        cap = budget[lo : lo + step].to(scores.device)
-        if threshold is None:
-            count = cap.expand(b, -1)
-        else:
+        count = None if same else cap[lo : lo + step]
+        if threshold is not None:
             mass = part.gather(-1, order).double().cumsum(-1)
-            reached = (mass < threshold * mass[..., -1:]).sum(-1) + 1
-            count = torch.minimum(reached.clamp(min=forced), cap)
-        out[:, lo : lo + step] = torch.where(rank < count[..., None], order[..., :width], -1)
-    return out
+            reached = ((mass < threshold * mass[..., -1:]).sum(-1) + 1).clamp(min=forced)
+            count = reached.clamp(max=width) if same else torch.minimum(reached, count)
+        top = order[..., :width]
+        if count is not None:
+            top = torch.where(torch.arange(width, device=scores.device) < count[..., None], top, -1)
+        parts.append(top)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
