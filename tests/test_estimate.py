@@ -168,7 +168,7 @@ def _layout_keys(seq: int, kind: str, world: int, run: int) -> list[torch.Tensor
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("chunk_runs", [None, 2, 0], ids=["one-chunk", "two-runs-a-chunk", "one-key-chunks"])
+@pytest.mark.parametrize("chunk_runs", [None, 2, 0], ids=["one-chunk", "two-runs-a-chunk", "half-run-chunks"])
 @pytest.mark.parametrize(
     "kind,world,run,seq",
     [("striped", 2, 16, 200), ("striped", 3, 32, 250), ("striped", 2, 64, 256), ("zigzag", 2, 51, 203),
@@ -177,8 +177,9 @@ def _layout_keys(seq: int, kind: str, world: int, run: int) -> list[torch.Tensor
 def test_key_runs_match_brute_force(monkeypatch, kind, world, run, seq, chunk_runs, dtype):
     """Keys in runs of consecutive positions (striped/zigzag shards, short last runs): per-run diagonal sums."""
     b, hq, hkv, d, r = 2, 4, 2, 16, 24
-    if chunk_runs is not None:  # a chunk of two runs with their padding, or a chunk per key
-        monkeypatch.setattr(estimate, "_CHUNK_ELEMENTS", b * hq * r * chunk_runs * (run + r))
+    if chunk_runs is not None:  # chunks of two runs with their padding, or of half a run (runs cut in pieces)
+        step = chunk_runs * (run + r) if chunk_runs else run // 2
+        monkeypatch.setattr(estimate, "_CHUNK_ELEMENTS", b * hq * r * step)
     q, k = (t.to(dtype) for t in _qk(b, r, hq, hkv, d, seq, seed=seq + run))
     q_pos = torch.arange(seq - r, seq)
     scale = 1.0 / math.sqrt(d)
@@ -368,6 +369,22 @@ def test_estimate_pattern_ignores_row_order():
     assert torch.equal(plain.diag_mask(), shuffled.diag_mask())
     half = estimate_pattern(q.bfloat16(), k.bfloat16(), config)
     assert (half.num_verticals == 10).all() and half.vertical_mask()[..., 0].all()
+
+
+def test_estimate_pattern_with_keys_in_layout_order():
+    """Keys given in striped or zigzag order (runs of consecutive positions) give the plain pattern."""
+    seq, d = 256, 16
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, seq, 4, d, generator=g) * 2
+    k = torch.randn(2, seq, 2, d, generator=g) * 2
+    config = PatternConfig(v_size=12, s_size=40, last_q=24, block_size=16, sink_tokens=2, local_window=16)
+    plain = estimate_pattern(q, k, config)
+    for kind, run in (("striped", 16), ("zigzag", 32)):
+        order = torch.cat(_layout_keys(seq, kind, 4, run))
+        assert estimate.PositionPlan.from_positions(torch.arange(seq - 24, seq), order).run == run
+        ordered = estimate_pattern(q, k[:, order], config, k_pos=order)
+        for name in ("block_diags", "num_diags", "vertical_pos", "num_verticals"):
+            assert torch.equal(getattr(ordered, name), getattr(plain, name)), (kind, name)
 
 
 # --------------------------------------------------------------------------- errors
