@@ -11,6 +11,7 @@ from mtraining.ops import estimate
 from mtraining.ops.budgets import Budgets
 from mtraining.ops.estimate import (
     PatternConfig,
+    PositionPlan,
     estimate_pattern,
     last_query_partial_lse,
     line_scores,
@@ -128,9 +129,11 @@ def _split_keys(seq: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     return perm[: seq // 3], perm[seq // 3 :]
 
 
+@pytest.mark.parametrize("min_run", [16, 1], ids=["short-runs-general", "short-runs-as-runs"])
 @pytest.mark.parametrize("kind", ["striped", "zigzag", "shuffled"])
 @pytest.mark.parametrize("b,hq,hkv,d,seq,r", [(1, 4, 2, 16, 61, 7), (2, 2, 1, 32, 48, 16)])
-def test_key_subsets_combine_to_the_whole(chunking, kind, b, hq, hkv, d, seq, r):
+def test_key_subsets_combine_to_the_whole(monkeypatch, chunking, min_run, kind, b, hq, hkv, d, seq, r):
+    monkeypatch.setattr(estimate, "_MIN_RUN", min_run)  # 1: even runs of one key take the run path
     q, k = _qk(b, r, hq, hkv, d, seq, seed=seq + r)
     q_pos, k_all = torch.arange(seq - r, seq), torch.arange(seq)
     scale = 1.0 / math.sqrt(d)
@@ -150,6 +153,92 @@ def test_key_subsets_combine_to_the_whole(chunking, kind, b, hq, hkv, d, seq, r)
         slash += s
     assert_close(vertical, ref_v, "assembled vertical")
     assert_close(slash, ref_s, "summed slash")
+
+
+def _layout_keys(seq: int, kind: str, world: int, run: int) -> list[torch.Tensor]:
+    """Each rank's key positions: stripes of ``run`` dealt round-robin, or zigzag chunks (rank r: r, 2W-1-r).
+
+    ``seq`` need not divide: the last stripe or chunk is then shorter.
+    """
+    pos = torch.arange(seq)
+    if kind == "striped":
+        return [pos[pos // run % world == rank] for rank in range(world)]
+    return [torch.cat([pos[rank * run : (rank + 1) * run], pos[(2 * world - 1 - rank) * run :][:run]])
+            for rank in range(world)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("chunk_runs", [None, 2, 0], ids=["one-chunk", "two-runs-a-chunk", "half-run-chunks"])
+@pytest.mark.parametrize(
+    "kind,world,run,seq",
+    [("striped", 2, 16, 200), ("striped", 3, 32, 250), ("striped", 2, 64, 256), ("zigzag", 2, 51, 203),
+     ("zigzag", 3, 43, 256)],
+)
+def test_key_runs_match_brute_force(monkeypatch, kind, world, run, seq, chunk_runs, dtype):
+    """Keys in runs of consecutive positions (striped/zigzag shards, short last runs): per-run diagonal sums."""
+    b, hq, hkv, d, r = 2, 4, 2, 16, 24
+    if chunk_runs is not None:  # chunks of two runs with their padding, or of half a run (runs cut in pieces)
+        step = chunk_runs * (run + r) if chunk_runs else run // 2
+        monkeypatch.setattr(estimate, "_CHUNK_ELEMENTS", b * hq * r * step)
+    q, k = (t.to(dtype) for t in _qk(b, r, hq, hkv, d, seq, seed=seq + run))
+    q_pos = torch.arange(seq - r, seq)
+    scale = 1.0 / math.sqrt(d)
+    parts = _layout_keys(seq, kind, world, run)
+    assert sorted(torch.cat(parts).tolist()) == list(range(seq))
+    lse = torch.stack([last_query_partial_lse(q, q_pos, k[:, p], p, scale) for p in parts]).logsumexp(0)
+    ref_lse, ref_v, ref_s = brute_scores(q, q_pos, k, torch.arange(seq), scale, seq)
+    assert_close(lse, ref_lse, "combined lse")
+    slash = torch.zeros(b, hq, seq, dtype=torch.float64)
+    for p in parts:
+        plan = PositionPlan.from_positions(q_pos, p)
+        assert plan.run in (run, p.numel())  # the run path (zigzag's middle rank holds one contiguous run)
+        v, s = line_scores(q, q_pos, k[:, p], p, scale, lse, seq, plan=plan)
+        _, part_v, part_s = brute_scores(q, q_pos, k[:, p], p, scale, seq, row_lse=lse)
+        # float64 inputs: only the float32 outputs round, so any misplaced probability would show
+        tol = {"rtol": 1e-6, "atol": 1e-9} if dtype == torch.float64 else {"rtol": 2e-5, "atol": 2e-6}
+        torch.testing.assert_close(v.double(), part_v, **tol, msg=f"vertical of a {kind} shard")
+        torch.testing.assert_close(s.double(), part_s, **tol, msg=f"slash of a {kind} shard")
+        slash += s
+    torch.testing.assert_close(slash, ref_s, rtol=2e-5, atol=2e-6, msg="summed slash")
+
+
+def test_position_plan_detects_runs():
+    rows = torch.arange(90, 100)
+    plan = PositionPlan.from_positions
+    assert plan(rows, torch.arange(100)).run == 100  # one contiguous run
+    assert plan(rows, torch.arange(100)) == PositionPlan.contiguous(90, 10, 0, 100)
+    striped = _layout_keys(100, "striped", 2, 16)
+    assert plan(rows, striped[1]).run == 16  # 16..31, 48..63, 80..95
+    zigzag = _layout_keys(100, "zigzag", 2, 25)
+    assert plan(rows, zigzag[0]).run == 25 and plan(rows, zigzag[1]).run == 50  # 25..74: one run
+    assert plan(rows, torch.cat([torch.arange(0, 16), torch.arange(40, 60)])).run == 16  # short last run
+    off_grid = torch.cat([torch.arange(0, 20), torch.arange(40, 50), torch.arange(60, 80)])
+    assert plan(rows, off_grid).run == 0  # a run starts at key 30, off the grid of the first run (20)
+    assert plan(rows, torch.cat([torch.arange(0, 8), torch.arange(40, 48)])).run == 0  # runs below 16 keys
+    assert plan(rows, torch.arange(100).flip(0)).run == 0  # descending
+    assert plan(rows.flip(0), torch.arange(100)).run == 0  # rows not ascending
+    # keys after the first row: the index range a causal mask may be needed in
+    assert plan(rows, torch.arange(100)).late == (91, 99)
+    assert plan(rows, torch.arange(50)).late is None
+    assert plan(rows, torch.tensor([95, 3, 7, 99, 4])).late == (0, 3)
+
+
+@pytest.mark.parametrize("run,keys,step_keys", [(16, 100, 50), (16, 100, 5), (100, 100, 30), (0, 77, 10), (16, 96, 200)])
+def test_position_plan_chunks_cover_whole_runs(monkeypatch, run, keys, step_keys):
+    rows = 8
+    monkeypatch.setattr(estimate, "_CHUNK_ELEMENTS", step_keys * rows)
+    plan = PositionPlan(rows, keys, 200, 207, 0, 150, run, (40, keys - 1))
+    chunks = plan.chunks(rows)
+    assert [a for a, *_ in chunks] == [0] + [b for _, b, *_ in chunks[:-1]] and chunks[-1][1] == keys
+    for start, stop, chunk_run, partly_causal in chunks:
+        assert partly_causal == (stop > 40)
+        if run == 0:
+            assert chunk_run == 0 and stop - start <= step_keys
+            continue
+        assert chunk_run > 0 and (stop - start) % chunk_run == 0
+        assert start // run == (stop - 1) // run or chunk_run == run  # a piece of one run, or whole runs
+        if stop - start > chunk_run:
+            assert (stop - start) // chunk_run * (chunk_run + rows) <= step_keys
 
 
 def test_arbitrary_query_positions_and_empty_rows(chunking):
@@ -282,6 +371,22 @@ def test_estimate_pattern_ignores_row_order():
     assert (half.num_verticals == 10).all() and half.vertical_mask()[..., 0].all()
 
 
+def test_estimate_pattern_with_keys_in_layout_order():
+    """Keys given in striped or zigzag order (runs of consecutive positions) give the plain pattern."""
+    seq, d = 256, 16
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, seq, 4, d, generator=g) * 2
+    k = torch.randn(2, seq, 2, d, generator=g) * 2
+    config = PatternConfig(v_size=12, s_size=40, last_q=24, block_size=16, sink_tokens=2, local_window=16)
+    plain = estimate_pattern(q, k, config)
+    for kind, run in (("striped", 16), ("zigzag", 32)):
+        order = torch.cat(_layout_keys(seq, kind, 4, run))
+        assert estimate.PositionPlan.from_positions(torch.arange(seq - 24, seq), order).run == run
+        ordered = estimate_pattern(q, k[:, order], config, k_pos=order)
+        for name in ("block_diags", "num_diags", "vertical_pos", "num_verticals"):
+            assert torch.equal(getattr(ordered, name), getattr(plain, name)), (kind, name)
+
+
 # --------------------------------------------------------------------------- errors
 @pytest.mark.parametrize(
     "kwargs,match",
@@ -401,3 +506,39 @@ def test_from_lines_round_trip_of_selection():
     expected = VerticalSlashPattern.from_lines(v_top, s_top, 128, 32)
     assert torch.equal(pattern.vertical_mask(), expected.vertical_mask())
     assert torch.equal(pattern.diag_mask(), expected.diag_mask())
+
+
+@pytest.mark.parametrize("seq,g", [(128, 32), (100, 16), (75, 64)])
+def test_from_lines_matches_masks(seq, g):
+    """Lines with padding, offsets on block edges and a short last block give the masks' pattern."""
+    gen = torch.Generator().manual_seed(seq)
+    b, h, v, s = 2, 3, 9, 12
+    verts = torch.stack([torch.randperm(seq, generator=gen)[:v] for _ in range(b * h)]).view(b, h, v)
+    slashes = torch.randint(0, seq, (b, h, s), generator=gen)
+    slashes[0, 0, :4] = torch.tensor([0, g, (seq - 1) // g * g, seq - 1])
+    slashes[1, 2, 3] = slashes[1, 2, 4]  # a repeated slash is fine
+    verts[0, 1, 5:] = -1  # padding
+    slashes[1, 0, 2:] = -1
+    pattern = VerticalSlashPattern.from_lines(verts, slashes, seq, g)
+    num_blocks = -(-seq // g)
+    vmask = torch.zeros(b, h, seq + 1, dtype=torch.bool).scatter_(-1, verts.where(verts >= 0, seq), True)[..., :seq]
+    diag = torch.zeros(b, h, num_blocks, dtype=torch.bool)
+    for bi, hi, si in (slashes >= 0).nonzero().tolist():
+        d = int(slashes[bi, hi, si])
+        diag[bi, hi, d // g] = True
+        if d % g and d // g + 1 < num_blocks:
+            diag[bi, hi, d // g + 1] = True
+    expected = VerticalSlashPattern.from_masks(diag, vmask, g)
+    for name in ("block_diags", "num_diags", "vertical_pos", "num_verticals"):
+        assert torch.equal(getattr(pattern, name), getattr(expected, name)), name
+        assert getattr(pattern, name).is_contiguous()
+
+
+def test_from_lines_errors():
+    verts, slashes = torch.tensor([[[3, 7, 3]]]), torch.tensor([[[0, 5]]])
+    with pytest.raises(ValueError, match="repeats a position"):
+        VerticalSlashPattern.from_lines(verts, slashes, 64, 16)
+    with pytest.raises(ValueError, match=r"must be < seq_len \(64\)"):
+        VerticalSlashPattern.from_lines(torch.tensor([[[3, 64]]]), slashes, 64, 16)
+    with pytest.raises(ValueError, match=r"must be < seq_len \(64\)"):
+        VerticalSlashPattern.from_lines(torch.tensor([[[3]]]), torch.tensor([[[70]]]), 64, 16)

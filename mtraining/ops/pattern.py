@@ -15,24 +15,10 @@ global G-grid and verticals are computed column by column, each pair exactly onc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
-
-
-def slashes_to_block_diags(offsets: Tensor, block_size: int, num_blocks: int) -> Tensor:
-    """Boolean [..., num_blocks] mask of the block diagonals crossed by slash offsets [..., S].
-
-    Offset ``d = i - j >= 0`` crosses block diagonal ``d // G`` and, unless ``d % G == 0``, also
-    ``d // G + 1``. Negative offsets (padding) are ignored.
-    """
-    valid = offsets >= 0
-    lower = torch.where(valid, offsets // block_size, num_blocks)
-    upper = torch.where(valid & (offsets % block_size != 0), lower + 1, num_blocks)
-    mask = torch.zeros(*offsets.shape[:-1], num_blocks + 1, dtype=torch.bool, device=offsets.device)
-    mask.scatter_(-1, lower.clamp(max=num_blocks).long(), True)
-    mask.scatter_(-1, upper.clamp(max=num_blocks).long(), True)
-    return mask[..., :num_blocks]
 
 
 def compact(values: Tensor, keep: Tensor, fill: int, width: int) -> tuple[Tensor, Tensor]:
@@ -53,6 +39,63 @@ def _mask_to_sorted(mask: Tensor, fill: int, width: int) -> tuple[Tensor, Tensor
     """Boolean [..., L] with at most ``width`` set per row -> (ascending indices padded with ``fill``, counts)."""
     positions = torch.arange(mask.shape[-1], device=mask.device, dtype=torch.int32).expand_as(mask)
     return compact(positions, mask, fill, width=width)
+
+
+class LineLists(NamedTuple):
+    """A pattern's index lists before they are cut to their widths (``line_lists``).
+
+    block_diags int32 [B, H, num_blocks] ascending, padded with num_blocks; num_diags int32 [B, H];
+    vertical_pos int32 [B, H, V] ascending, padded with seq_len; num_verticals int32 [B, H].
+    """
+
+    block_diags: Tensor
+    num_diags: Tensor
+    vertical_pos: Tensor
+    num_verticals: Tensor
+
+    def widths(self) -> tuple[Tensor, Tensor]:
+        """Longest diagonal list and longest vertical list (0-d device tensors), what ``pattern`` needs."""
+        return self.num_diags.amax(), self.num_verticals.amax()
+
+    def pattern(self, seq_len: int, block_size: int, diag_width: int, vertical_width: int) -> "VerticalSlashPattern":
+        """The pattern, each list cut to its width (host ints, e.g. ``widths()`` fetched in one sync)."""
+        return VerticalSlashPattern(
+            seq_len,
+            block_size,
+            _cut(self.block_diags, diag_width),
+            self.num_diags,
+            _cut(self.vertical_pos, vertical_width),
+            self.num_verticals,
+        )
+
+
+def line_lists(vertical_pos: Tensor, slash_offsets: Tensor, seq_len: int, block_size: int) -> LineLists:
+    """Index lists of the pattern with verticals ``vertical_pos`` [B, H, V] and slashes ``slash_offsets``
+    [B, H, S] (negative = padding), without a device sync. Entries must be < seq_len and a row's
+    vertical positions distinct.
+
+    Verticals: the row's positions sorted. Slashes: offset d crosses block diagonals d // G and
+    ceil(d / G) (the same one when G divides d), marked on a [num_blocks] mask whose set entries,
+    sorted, are the list.
+    """
+    num_blocks = -(-seq_len // block_size)
+    verts = vertical_pos.masked_fill(vertical_pos < 0, seq_len).sort(-1).values.int()
+    num_verticals = (verts < seq_len).sum(-1, dtype=torch.int32)
+    beyond = num_blocks * block_size  # crosses only slot num_blocks, which is dropped: padding goes there
+    offsets = slash_offsets.masked_fill(slash_offsets < 0, beyond).clamp_(max=beyond)
+    mask = torch.zeros(*offsets.shape[:-1], num_blocks + 1, dtype=torch.bool, device=offsets.device)
+    mask.scatter_(-1, offsets // block_size, True)
+    mask.scatter_(-1, (offsets + (block_size - 1)) // block_size, True)
+    mask = mask[..., :num_blocks]
+    blocks = torch.arange(num_blocks, dtype=torch.int32, device=mask.device)
+    diags = torch.where(mask, blocks, num_blocks).sort(-1).values
+    return LineLists(diags, mask.sum(-1, dtype=torch.int32), verts, num_verticals)
+
+
+def _cut(lists: Tensor, width: int) -> Tensor:
+    """The first max(width, 1) entries of each row, contiguous."""
+    width = max(width, 1)
+    return lists if lists.shape[-1] == width else lists[..., :width].contiguous()
 
 
 @dataclass(frozen=True)
@@ -135,12 +178,20 @@ class VerticalSlashPattern:
     def from_lines(
         cls, vertical_pos: Tensor, slash_offsets: Tensor, seq_len: int, block_size: int
     ) -> "VerticalSlashPattern":
-        """Build from vertical positions [B, H, V] and slash offsets [B, H, S] (-1 = padding)."""
-        num_blocks = -(-seq_len // block_size)
-        diag_mask = slashes_to_block_diags(slash_offsets, block_size, num_blocks)
-        vmask = torch.zeros(*vertical_pos.shape[:2], seq_len + 1, dtype=torch.bool, device=vertical_pos.device)
-        vmask.scatter_(-1, vertical_pos.long().where(vertical_pos >= 0, seq_len).clamp(max=seq_len), True)
-        return cls.from_masks(diag_mask, vmask[..., :seq_len], block_size)
+        """Build from vertical positions [B, H, V] and slash offsets [B, H, S] (negative = padding).
+
+        Entries must be < seq_len and a row's vertical positions distinct (top-k indices are). One device sync.
+        """
+        lists = line_lists(vertical_pos, slash_offsets, seq_len, block_size)
+        verts = lists.vertical_pos  # sorted: a repeat sits next to itself
+        repeated = ((verts[..., 1:] == verts[..., :-1]) & (verts[..., 1:] < seq_len)).any()
+        outside = (vertical_pos >= seq_len).any() | (slash_offsets >= seq_len).any()
+        *widths, repeats, out = torch.stack([*lists.widths(), repeated, outside]).tolist()  # one device sync
+        if out:
+            raise ValueError(f"vertical_pos and slash_offsets must be < seq_len ({seq_len}); use -1 for padding")
+        if repeats:
+            raise ValueError("vertical_pos repeats a position within a row; pass each vertical once per row")
+        return lists.pattern(seq_len, block_size, *widths)
 
     @classmethod
     def dense(cls, batch: int, heads: int, seq_len: int, block_size: int, device=None) -> "VerticalSlashPattern":
