@@ -5,9 +5,9 @@ Methods, on identical inputs in the same run: torch's own context_parallel ring 
 ops/dense_blocks.py; ``dense_zigzag_triton``: the same ring on our Triton kernels with a dense
 pattern, the path before cuDNN), our sparse ring on the contiguous layout (the naive baseline) and
 on the striped layout (balanced). Method names are ``dense_<layout>[_<cudnn|triton>]`` or
-``sparse_<layout>``. Sparse methods estimate the pattern inside the
-call (v_size/s_size per head), so their times include estimation. Times are medians over
-iterations of the max over ranks; bwd_ms = fwd_bwd_ms - fwd_ms.
+``sparse_<layout>``. Sparse methods estimate the pattern inside the call (v_size/s_size per head),
+so their times include estimation; estimate_ms times it alone. Times are medians over iterations
+of the max over ranks; bwd_ms = fwd_bwd_ms - fwd_ms.
 
     torchrun --nproc_per_node 4 bench/ring_attention.py --seq-lens 131072 262144 524288
 """
@@ -29,6 +29,7 @@ from common import command_line, commit, device_name, write_results  # noqa: E40
 from mtraining.ops import dense_blocks  # noqa: E402
 from mtraining.ops.estimate import PatternConfig  # noqa: E402
 from mtraining.ops.synthetic import random_qkv, rope_structured_qkv  # noqa: E402
+from mtraining.parallel.estimate import estimate_pattern_cp  # noqa: E402
 from mtraining.parallel.layout import make_layout  # noqa: E402
 from mtraining.parallel.ring import ring_attention  # noqa: E402
 
@@ -82,7 +83,8 @@ def torch_cp_times(q, k, v, do, iters: int) -> tuple[float, float, str]:
     return f, fb, "cudnn, kv heads expanded to q heads"
 
 
-def ours_times(q, k, v, do, layout, group, pattern_config, iters: int) -> tuple[float, float]:
+def ours_times(q, k, v, do, layout, group, pattern_config, iters: int) -> tuple[float, float, float | None]:
+    """(fwd ms, fwd+bwd ms, ms of the pattern estimate alone or None for dense) of our ring."""
     rank = dist.get_rank()
     ql, kl, vl, dol = (layout.shard(t, rank).contiguous() for t in (q, k, v, do))
     leaves = [t.detach().requires_grad_() for t in (ql, kl, vl)]
@@ -94,7 +96,10 @@ def ours_times(q, k, v, do, layout, group, pattern_config, iters: int) -> tuple[
     def fwd_bwd():
         ring_attention(*leaves, group, layout, pattern_config=pattern_config).backward(dol)
 
-    return timed(fwd, iters), timed(fwd_bwd, iters)
+    estimate = None
+    if pattern_config is not None:
+        estimate = timed(lambda: estimate_pattern_cp(ql, kl, pattern_config, group, layout), iters)
+    return timed(fwd, iters), timed(fwd_bwd, iters), estimate
 
 
 def dense_note(q, k, layout, setting: str) -> str:
@@ -144,7 +149,7 @@ def main() -> None:
             do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16,
                              generator=torch.Generator(device="cuda").manual_seed(1))
             for method in args.methods:
-                note, layout_name, dens, imb = "", None, 1.0, None
+                note, layout_name, dens, imb, est = "", None, 1.0, None, None
                 torch.cuda.empty_cache()
                 try:
                     if method == "torch_cp":
@@ -158,7 +163,7 @@ def main() -> None:
                         layout = make_layout(layout_name, n, world, g)
                         cfg = config if sparse else None
                         with dense_blocks.dense_backend(dense_setting):
-                            f, fb = ours_times(q, k, v, do, layout, group, cfg, args.iters)
+                            f, fb, est = ours_times(q, k, v, do, layout, group, cfg, args.iters)
                         if not sparse:
                             note = f"dense steps: {dense_note(q, k, layout, dense_setting)}"
                         if sparse:
@@ -167,7 +172,7 @@ def main() -> None:
                     f = fb = float("nan")
                     note = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
                 rec = dict(base, seq_len=n, inputs=kind, method=method, layout=layout_name, density=dens, fwd_ms=f,
-                           bwd_ms=fb - f, fwd_bwd_ms=fb, imbalance_max_over_mean=imb, note=note)
+                           bwd_ms=fb - f, fwd_bwd_ms=fb, estimate_ms=est, imbalance_max_over_mean=imb, note=note)
                 records.append(rec)
                 if rank == 0:
                     print(f"{n:>8} {kind:>10} {method:>18} fwd={f:9.2f} bwd={fb - f:9.2f} fwd_bwd={fb:9.2f} "

@@ -73,7 +73,7 @@ def kernel_table() -> str:
 
 
 def ring_table() -> str:
-    head = ["seq", "method", "layout", "density", "fwd ms", "bwd ms", "fwd+bwd ms", "vs torch CP",
+    head = ["seq", "method", "layout", "density", "estimate ms", "fwd ms", "bwd ms", "fwd+bwd ms", "vs torch CP",
             "imbalance max/mean", "note"]
     blocks = []
     for (gpus, device, run_commit), rows in _runs(_load("ring_attention"), lambda r: (r["gpus"], r["device"], r["commit"])):
@@ -83,7 +83,8 @@ def ring_table() -> str:
             ratio = torch_cp.get(r["seq_len"], float("nan")) / r["fwd_bwd_ms"]
             imb = "" if r["imbalance_max_over_mean"] is None else f"{r['imbalance_max_over_mean']:.3f}"
             lines.append(_row([
-                f"{r['seq_len'] // 1024}K", r["method"], r["layout"] or "", f"{r['density']:.3f}", f"{r['fwd_ms']:.1f}",
+                f"{r['seq_len'] // 1024}K", r["method"], r["layout"] or "", f"{r['density']:.3f}",
+                "" if r.get("estimate_ms") is None else f"{r['estimate_ms']:.1f}", f"{r['fwd_ms']:.1f}",
                 f"{r['bwd_ms']:.1f}", f"{r['fwd_bwd_ms']:.1f}", f"{ratio:.2f}x", imb, r["note"],
             ]))
         blocks.append("\n".join(lines))
