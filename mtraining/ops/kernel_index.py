@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .pattern import VerticalSlashPattern, compact
@@ -94,11 +93,16 @@ def _block_starts(pos: Tensor, block_size: int, num_blocks: int) -> Tensor:
 
 
 def _block_lists(
-    gblock: Tensor, diags: Tensor, real: Tensor, sign: int, other_block_start: Tensor, block_size: int, other_len: int
+    pattern: VerticalSlashPattern, gblock: Tensor, sign: int, other_block_start: Tensor, other_len: int
 ) -> tuple[Tensor, Tensor]:
     """For each local block of one side, the local starts of the other side's blocks it meets
-    off the diagonal: global block ``gblock - delta`` (sign=-1, query side) or ``+ delta`` (sign=+1)."""
-    nb = other_block_start.shape[0]
+    off the diagonal: global block ``gblock - delta`` (sign=-1, query side) or ``+ delta`` (sign=+1).
+
+    Only blocks present on both sides are listed (``start >= 0``), so a diagonal that connects no
+    block of this chunk pair drops out here without a separate test."""
+    nb, block_size = other_block_start.shape[0], pattern.block_size
+    diags = pattern.block_diags
+    real = torch.arange(diags.shape[-1], device=diags.device) < pattern.num_diags[..., None]
     other = gblock[None, None, :, None] + sign * diags[:, :, None, :]  # [B, H, nBlocks, D]
     ok = real[:, :, None, :] & (diags[:, :, None, :] > 0) & (other >= 0) & (other < nb)
     start = other_block_start[other.clamp(0, nb - 1).long()]
@@ -107,25 +111,15 @@ def _block_lists(
     return compact(start, ok & (start >= 0), _ABSENT, width=width)
 
 
-def _connected_diags(q_present: Tensor, k_present: Tensor) -> Tensor:
-    """Boolean [nb]: delta such that some present q block qB has a present k block qB - delta."""
-    nb = q_present.shape[0]
-    qf = q_present.float().view(1, 1, nb)
-    kf = k_present.float().view(1, 1, nb)
-    # out[t] = sum_i kpad[t + i] q[i] = sum_b k[b - (nb - 1 - t)] q[b]: lag delta = nb - 1 - t.
-    return F.conv1d(F.pad(kf, (nb - 1, 0)), qf).flatten().flip(0) > 0.5
-
-
 @dataclass(frozen=True)
 class ChunkPair:
-    """What both walks need: block starts, useful diagonals, vertical columns of the key chunk."""
+    """What both walks need: block starts, the pattern's diagonals, vertical columns of the key chunk."""
 
     q_pos: Tensor
     k_pos: Tensor
     q_block_start: Tensor
     k_block_start: Tensor
     diags: Tensor
-    real: Tensor
     diag_mask: Tensor
     vcols: Tensor
     vcol_pos: Tensor
@@ -139,11 +133,6 @@ def chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> C
     sk = k_pos.shape[0]
     q_block_start = _block_starts(q_pos, g, nb)
     k_block_start = _block_starts(k_pos, g, nb)
-    # block part: only diagonals that connect blocks present in this chunk pair matter.
-    useful = _connected_diags(q_block_start >= 0, k_block_start >= 0)
-    diags = pattern.block_diags
-    real = torch.arange(diags.shape[-1], device=dev) < pattern.num_diags[..., None]
-    real = real & useful[diags.clamp(max=nb - 1).long()]
     # column part: verticals whose key lives in this chunk, as local rows (padding: sk).
     vpos = pattern.vertical_pos
     real_v = torch.arange(vpos.shape[-1], device=dev) < pattern.num_verticals[..., None]
@@ -151,7 +140,7 @@ def chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> C
     vcols, _ = compact(local, real_v & (k_pos[local.long()] == vpos), sk, width=local.shape[-1])
     vcol_pos = torch.where(vcols < sk, k_pos[vcols.clamp(max=sk - 1).long()], _ABSENT).contiguous()
     diag_mask = pattern.diag_mask()
-    return ChunkPair(q_pos, k_pos, q_block_start, k_block_start, diags, real,
+    return ChunkPair(q_pos, k_pos, q_block_start, k_block_start, pattern.block_diags,
                      diag_mask.to(torch.int8).contiguous(), vcols, vcol_pos)
 
 
@@ -165,7 +154,7 @@ def build_query_walk(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWal
     g = pattern.block_size
     sq, sk = pair.q_pos.shape[0], pair.k_pos.shape[0]
     q_gblock = _local_gblock(pair.q_pos, g)
-    starts, count = _block_lists(q_gblock, pair.diags, pair.real, -1, pair.k_block_start, g, sk)
+    starts, count = _block_lists(pattern, q_gblock, -1, pair.k_block_start, sk)
     diag = torch.where(pair.diag_mask[..., :1] > 0, pair.k_block_start[q_gblock.long()], -1).to(torch.int32)
     q_last = pair.q_pos[torch.arange(g - 1, sq + g - 1, g, device=pair.q_pos.device).clamp(max=sq - 1)]
     vcount = torch.searchsorted(pair.vcol_pos, q_last.expand(*pair.vcols.shape[:2], -1).contiguous(), right=True)
@@ -177,7 +166,7 @@ def build_key_walk(pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int)
     """The global pattern restricted to a chunk pair, seen from the key blocks."""
     g = pattern.block_size
     k_gblock = _local_gblock(pair.k_pos, g)
-    starts, count = _block_lists(k_gblock, pair.diags, pair.real, +1, pair.q_block_start, g, pair.q_pos.shape[0])
+    starts, count = _block_lists(pattern, k_gblock, +1, pair.q_block_start, pair.q_pos.shape[0])
     diag = torch.where(pair.diag_mask[..., :1] > 0, pair.q_block_start[k_gblock.long()], -1).to(torch.int32)
     first_row = torch.searchsorted(pair.q_pos, pair.vcol_pos[..., ::v_chunk].contiguous())
     return KeyWalk(starts, count, diag.contiguous(), first_row.to(torch.int32).contiguous())
