@@ -6,15 +6,16 @@ start of the one causal-diagonal block that needs a mask, and the vertical colum
 chunk. The lists are per G-block, not per kernel tile, so one query walk and one key walk (from one
 ``ChunkPair``) serve all three kernels whatever their tile sizes; a tile of B rows or keys (B
 divides G) walks its block's list and steps through each listed block in G / B tiles.
-Everything is derived on the device with vectorised torch ops from the global pattern and the
-global positions of the rows, so one kernel serves any layout and any ring step, and the kernel
-loops are plain `for j in range(n)` loops that Triton can software-pipeline. Building a walk never
-waits for the device (list widths are host-known upper bounds), so ring steps queue without host
-syncs.
+Everything is derived on the device from the global pattern and the global positions of the rows
+(on CUDA by three Triton launches, walk_kernels.py; elsewhere, and as their oracle, by vectorised
+torch ops), so one kernel serves any layout and any ring step, and the kernel loops are plain
+`for j in range(n)` loops that Triton can software-pipeline. Building a walk never waits for the
+device (list widths are host-known upper bounds), so ring steps queue without host syncs.
 
-Positions must come in *aligned runs*: every G rows of a chunk (from local row 0) hold G
-consecutive global positions starting at a multiple of G (the last run may be shorter). All
-layouts in ``mtraining.parallel`` produce such chunks.
+Positions must come in *aligned runs*, ascending: every G rows of a chunk (from local row 0) hold G
+consecutive global positions starting at a multiple of G (the last run may be shorter), and the
+runs rise with the local row (both builders search the positions). All layouts in
+``mtraining.parallel`` produce such chunks.
 """
 
 from __future__ import annotations
@@ -126,7 +127,19 @@ class ChunkPair:
 
 
 def chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ChunkPair:
-    """The part of the global pattern that a query chunk and a key chunk (global positions) share."""
+    """The part of the global pattern that a query chunk and a key chunk (global positions) share.
+
+    On CUDA one Triton launch (walk_kernels.py), elsewhere torch ops (``chunk_pair_torch``); the same
+    tensors either way."""
+    if q_pos.is_cuda:
+        from . import walk_kernels
+
+        return walk_kernels.chunk_pair(pattern, q_pos, k_pos)
+    return chunk_pair_torch(pattern, q_pos, k_pos)
+
+
+def chunk_pair_torch(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ChunkPair:
+    """``chunk_pair`` in torch ops: the CPU path and the oracle of the Triton builder."""
     g, nb = pattern.block_size, pattern.num_blocks
     dev = q_pos.device
     q_pos, k_pos = q_pos.to(torch.int32), k_pos.to(torch.int32)
@@ -150,7 +163,16 @@ def _local_gblock(pos: Tensor, block_size: int) -> Tensor:
 
 
 def build_query_walk(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWalk:
-    """The global pattern restricted to a chunk pair, seen from the query blocks."""
+    """The global pattern restricted to a chunk pair, seen from the query blocks (one Triton launch on CUDA)."""
+    if pair.q_pos.is_cuda:
+        from . import walk_kernels
+
+        return walk_kernels.query_walk(pattern, pair)
+    return query_walk_torch(pattern, pair)
+
+
+def query_walk_torch(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWalk:
+    """``build_query_walk`` in torch ops: the CPU path and the oracle of the Triton builder."""
     g = pattern.block_size
     sq, sk = pair.q_pos.shape[0], pair.k_pos.shape[0]
     q_gblock = _local_gblock(pair.q_pos, g)
@@ -163,7 +185,16 @@ def build_query_walk(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWal
 
 
 def build_key_walk(pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int) -> KeyWalk:
-    """The global pattern restricted to a chunk pair, seen from the key blocks."""
+    """The global pattern restricted to a chunk pair, seen from the key blocks (one Triton launch on CUDA)."""
+    if pair.q_pos.is_cuda:
+        from . import walk_kernels
+
+        return walk_kernels.key_walk(pattern, pair, v_chunk)
+    return key_walk_torch(pattern, pair, v_chunk)
+
+
+def key_walk_torch(pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int) -> KeyWalk:
+    """``build_key_walk`` in torch ops: the CPU path and the oracle of the Triton builder."""
     g = pattern.block_size
     k_gblock = _local_gblock(pair.k_pos, g)
     starts, count = _block_lists(pattern, k_gblock, +1, pair.q_block_start, pair.q_pos.shape[0])
