@@ -9,8 +9,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from mtraining.ops import triton_kernels as tk
+from mtraining.ops import walk_kernels as wk
 
-INT_POINTERS = {"QPos", "KPos", "QGBlock", "Starts", "Count", "DiagStart", "VCols", "VCountQ", "VStartRow"}
+INT_POINTERS = {"QPos", "KPos", "QGBlock", "Starts", "Count", "DiagStart", "VCols", "VCountQ", "VStartRow",
+                # index builders (walk_kernels.py)
+                "BlockDiags", "NumDiags", "VertPos", "NumVerts", "QStart", "KStart", "VColPos", "OtherStart",
+                "GBlock", "Diag", "Extra"}
 FP32_POINTERS = {"Lse", "Delta", "DQ", "DK", "DV"}
 DATA_POINTERS = {"Q", "K", "V", "Out", "DO"}
 FLOAT_SCALARS = {"qk_scale", "sm_scale"}
@@ -48,10 +52,21 @@ def main() -> None:
         (tk._bwd_dkdv_vertical_kernel, dict(BLOCK_M=64, BLOCK_V=64, DQ_MODE=0)),
         (tk._bwd_dkdv_vertical_kernel, dict(BLOCK_M=64, BLOCK_V=64, DQ_MODE=1)),
     ]:
-        constexprs = {**tiles, **extra}
-        src = triton.compiler.ASTSource(fn=fn, signature=signature(fn, constexprs), constexprs=constexprs)
-        compiled = triton.compile(src, target=target, options=dict(num_warps=8, num_stages=3))
-        print(f"{fn.__name__}: ok, {compiled.metadata.shared} bytes shared memory")
+        compile_one(fn, {**tiles, **extra}, target, dict(num_warps=8, num_stages=3))
+    # the index builders launch with Triton's defaults
+    blocks = wk.BLOCKS
+    for fn, extra in [
+        (wk._pair_kernel, dict(BLOCK_NB=blocks["nb"], BLOCK_V=blocks["verts"])),
+        (wk._walk_kernel, dict(QUERY=True, BLOCK_R=blocks["rows"], BLOCK_D=blocks["diags"])),
+        (wk._walk_kernel, dict(QUERY=False, BLOCK_R=blocks["rows"], BLOCK_D=blocks["diags"])),
+    ]:
+        compile_one(fn, dict(G=128, **extra), target, dict(num_warps=4, num_stages=3))
+
+
+def compile_one(fn, constexprs: dict, target, options: dict) -> None:
+    src = triton.compiler.ASTSource(fn=fn, signature=signature(fn, constexprs), constexprs=constexprs)
+    compiled = triton.compile(src, target=target, options=options)
+    print(f"{fn.__name__}: ok, {compiled.metadata.shared} bytes shared memory")
 
 
 if __name__ == "__main__":

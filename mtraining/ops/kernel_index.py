@@ -6,15 +6,16 @@ start of the one causal-diagonal block that needs a mask, and the vertical colum
 chunk. The lists are per G-block, not per kernel tile, so one query walk and one key walk (from one
 ``ChunkPair``) serve all three kernels whatever their tile sizes; a tile of B rows or keys (B
 divides G) walks its block's list and steps through each listed block in G / B tiles.
-Everything is derived on the device with vectorised torch ops from the global pattern and the
-global positions of the rows, so one kernel serves any layout and any ring step, and the kernel
-loops are plain `for j in range(n)` loops that Triton can software-pipeline. Building a walk never
-waits for the device (list widths are host-known upper bounds), so ring steps queue without host
-syncs.
+Everything is derived on the device from the global pattern and the global positions of the rows
+(on CUDA by three Triton launches, walk_kernels.py; elsewhere, and as their oracle, by vectorised
+torch ops), so one kernel serves any layout and any ring step, and the kernel loops are plain
+`for j in range(n)` loops that Triton can software-pipeline. Building a walk never waits for the
+device (list widths are host-known upper bounds), so ring steps queue without host syncs.
 
-Positions must come in *aligned runs*: every G rows of a chunk (from local row 0) hold G
-consecutive global positions starting at a multiple of G (the last run may be shorter). All
-layouts in ``mtraining.parallel`` produce such chunks.
+Positions must come in *aligned runs*, ascending: every G rows of a chunk (from local row 0) hold G
+consecutive global positions starting at a multiple of G (the last run may be shorter), and the
+runs rise with the local row (both builders search the positions). All layouts in
+``mtraining.parallel`` produce such chunks.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from .pattern import VerticalSlashPattern, compact
@@ -94,11 +94,16 @@ def _block_starts(pos: Tensor, block_size: int, num_blocks: int) -> Tensor:
 
 
 def _block_lists(
-    gblock: Tensor, diags: Tensor, real: Tensor, sign: int, other_block_start: Tensor, block_size: int, other_len: int
+    pattern: VerticalSlashPattern, gblock: Tensor, sign: int, other_block_start: Tensor, other_len: int
 ) -> tuple[Tensor, Tensor]:
     """For each local block of one side, the local starts of the other side's blocks it meets
-    off the diagonal: global block ``gblock - delta`` (sign=-1, query side) or ``+ delta`` (sign=+1)."""
-    nb = other_block_start.shape[0]
+    off the diagonal: global block ``gblock - delta`` (sign=-1, query side) or ``+ delta`` (sign=+1).
+
+    Only blocks present on both sides are listed (``start >= 0``), so a diagonal that connects no
+    block of this chunk pair drops out here without a separate test."""
+    nb, block_size = other_block_start.shape[0], pattern.block_size
+    diags = pattern.block_diags
+    real = torch.arange(diags.shape[-1], device=diags.device) < pattern.num_diags[..., None]
     other = gblock[None, None, :, None] + sign * diags[:, :, None, :]  # [B, H, nBlocks, D]
     ok = real[:, :, None, :] & (diags[:, :, None, :] > 0) & (other >= 0) & (other < nb)
     start = other_block_start[other.clamp(0, nb - 1).long()]
@@ -107,43 +112,40 @@ def _block_lists(
     return compact(start, ok & (start >= 0), _ABSENT, width=width)
 
 
-def _connected_diags(q_present: Tensor, k_present: Tensor) -> Tensor:
-    """Boolean [nb]: delta such that some present q block qB has a present k block qB - delta."""
-    nb = q_present.shape[0]
-    qf = q_present.float().view(1, 1, nb)
-    kf = k_present.float().view(1, 1, nb)
-    # out[t] = sum_i kpad[t + i] q[i] = sum_b k[b - (nb - 1 - t)] q[b]: lag delta = nb - 1 - t.
-    return F.conv1d(F.pad(kf, (nb - 1, 0)), qf).flatten().flip(0) > 0.5
-
-
 @dataclass(frozen=True)
 class ChunkPair:
-    """What both walks need: block starts, useful diagonals, vertical columns of the key chunk."""
+    """What both walks need: block starts, the pattern's diagonals, vertical columns of the key chunk."""
 
     q_pos: Tensor
     k_pos: Tensor
     q_block_start: Tensor
     k_block_start: Tensor
     diags: Tensor
-    real: Tensor
     diag_mask: Tensor
     vcols: Tensor
     vcol_pos: Tensor
 
 
 def chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ChunkPair:
-    """The part of the global pattern that a query chunk and a key chunk (global positions) share."""
+    """The part of the global pattern that a query chunk and a key chunk (global positions) share.
+
+    On CUDA one Triton launch (walk_kernels.py), elsewhere torch ops (``chunk_pair_torch``); the same
+    tensors either way."""
+    if q_pos.is_cuda:
+        from . import walk_kernels
+
+        return walk_kernels.chunk_pair(pattern, q_pos, k_pos)
+    return chunk_pair_torch(pattern, q_pos, k_pos)
+
+
+def chunk_pair_torch(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ChunkPair:
+    """``chunk_pair`` in torch ops: the CPU path and the oracle of the Triton builder."""
     g, nb = pattern.block_size, pattern.num_blocks
     dev = q_pos.device
     q_pos, k_pos = q_pos.to(torch.int32), k_pos.to(torch.int32)
     sk = k_pos.shape[0]
     q_block_start = _block_starts(q_pos, g, nb)
     k_block_start = _block_starts(k_pos, g, nb)
-    # block part: only diagonals that connect blocks present in this chunk pair matter.
-    useful = _connected_diags(q_block_start >= 0, k_block_start >= 0)
-    diags = pattern.block_diags
-    real = torch.arange(diags.shape[-1], device=dev) < pattern.num_diags[..., None]
-    real = real & useful[diags.clamp(max=nb - 1).long()]
     # column part: verticals whose key lives in this chunk, as local rows (padding: sk).
     vpos = pattern.vertical_pos
     real_v = torch.arange(vpos.shape[-1], device=dev) < pattern.num_verticals[..., None]
@@ -151,7 +153,7 @@ def chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> C
     vcols, _ = compact(local, real_v & (k_pos[local.long()] == vpos), sk, width=local.shape[-1])
     vcol_pos = torch.where(vcols < sk, k_pos[vcols.clamp(max=sk - 1).long()], _ABSENT).contiguous()
     diag_mask = pattern.diag_mask()
-    return ChunkPair(q_pos, k_pos, q_block_start, k_block_start, diags, real,
+    return ChunkPair(q_pos, k_pos, q_block_start, k_block_start, pattern.block_diags,
                      diag_mask.to(torch.int8).contiguous(), vcols, vcol_pos)
 
 
@@ -161,11 +163,20 @@ def _local_gblock(pos: Tensor, block_size: int) -> Tensor:
 
 
 def build_query_walk(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWalk:
-    """The global pattern restricted to a chunk pair, seen from the query blocks."""
+    """The global pattern restricted to a chunk pair, seen from the query blocks (one Triton launch on CUDA)."""
+    if pair.q_pos.is_cuda:
+        from . import walk_kernels
+
+        return walk_kernels.query_walk(pattern, pair)
+    return query_walk_torch(pattern, pair)
+
+
+def query_walk_torch(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWalk:
+    """``build_query_walk`` in torch ops: the CPU path and the oracle of the Triton builder."""
     g = pattern.block_size
     sq, sk = pair.q_pos.shape[0], pair.k_pos.shape[0]
     q_gblock = _local_gblock(pair.q_pos, g)
-    starts, count = _block_lists(q_gblock, pair.diags, pair.real, -1, pair.k_block_start, g, sk)
+    starts, count = _block_lists(pattern, q_gblock, -1, pair.k_block_start, sk)
     diag = torch.where(pair.diag_mask[..., :1] > 0, pair.k_block_start[q_gblock.long()], -1).to(torch.int32)
     q_last = pair.q_pos[torch.arange(g - 1, sq + g - 1, g, device=pair.q_pos.device).clamp(max=sq - 1)]
     vcount = torch.searchsorted(pair.vcol_pos, q_last.expand(*pair.vcols.shape[:2], -1).contiguous(), right=True)
@@ -174,10 +185,19 @@ def build_query_walk(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWal
 
 
 def build_key_walk(pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int) -> KeyWalk:
-    """The global pattern restricted to a chunk pair, seen from the key blocks."""
+    """The global pattern restricted to a chunk pair, seen from the key blocks (one Triton launch on CUDA)."""
+    if pair.q_pos.is_cuda:
+        from . import walk_kernels
+
+        return walk_kernels.key_walk(pattern, pair, v_chunk)
+    return key_walk_torch(pattern, pair, v_chunk)
+
+
+def key_walk_torch(pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int) -> KeyWalk:
+    """``build_key_walk`` in torch ops: the CPU path and the oracle of the Triton builder."""
     g = pattern.block_size
     k_gblock = _local_gblock(pair.k_pos, g)
-    starts, count = _block_lists(k_gblock, pair.diags, pair.real, +1, pair.q_block_start, g, pair.q_pos.shape[0])
+    starts, count = _block_lists(pattern, k_gblock, +1, pair.q_block_start, pair.q_pos.shape[0])
     diag = torch.where(pair.diag_mask[..., :1] > 0, pair.q_block_start[k_gblock.long()], -1).to(torch.int32)
     first_row = torch.searchsorted(pair.q_pos, pair.vcol_pos[..., ::v_chunk].contiguous())
     return KeyWalk(starts, count, diag.contiguous(), first_row.to(torch.int32).contiguous())

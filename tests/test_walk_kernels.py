@@ -1,0 +1,154 @@
+"""The Triton index builders (ops/walk_kernels.py, the CUDA path) equal the torch builders exactly.
+
+On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py); the
+torch builders of ops/kernel_index.py are the oracle: every tensor of the chunk pair and of both
+walks must match in dtype, shape and every entry (padding included), on random patterns, partial
+last blocks, empty and dense patterns, verticals only, and the chunk pairs of ring steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtraining.ops import VerticalSlashPattern
+from mtraining.ops import kernel_index as ki
+from mtraining.ops import walk_kernels as wk
+from mtraining.parallel.layout import ContiguousLayout, StripedLayout, ZigzagLayout
+
+V_CHUNKS = (1, 3, 16)  # vertical chunk sizes of the key walk (the dK/dV kernels' block_v)
+SMALL_BLOCKS = dict(nb=16, verts=16, rows=4, diags=8)  # every loop of the builders runs several steps
+
+
+def make_pattern(kind: str, b: int, h: int, n: int, g: int, gen: torch.Generator) -> VerticalSlashPattern:
+    nb = -(-n // g)
+    diag = torch.zeros(b, h, nb, dtype=torch.bool)
+    vert = torch.zeros(b, h, n, dtype=torch.bool)
+    if kind == "random":  # a different density per head, some heads nearly empty or nearly full
+        diag = torch.rand(b, h, nb, generator=gen) < torch.rand(b, h, 1, generator=gen)
+        vert = torch.rand(b, h, n, generator=gen) < 0.3 * torch.rand(b, h, 1, generator=gen)
+    elif kind == "dense":
+        diag[:] = True
+    elif kind == "verticals":
+        vert = torch.rand(b, h, n, generator=gen) < 0.15
+    elif kind == "local":
+        diag[..., :2] = True
+        vert[..., :4] = True
+    elif kind != "empty":
+        raise AssertionError(kind)
+    return VerticalSlashPattern.from_masks(diag, vert, g)
+
+
+def assert_same(got, want, what: str) -> None:
+    for name in want.__dataclass_fields__:
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.dtype == b.dtype, f"{what}.{name}: dtype {a.dtype}, want {b.dtype}"
+        assert a.shape == b.shape, f"{what}.{name}: shape {tuple(a.shape)}, want {tuple(b.shape)}"
+        assert torch.equal(a, b), f"{what}.{name} differs:\n{a}\nwant\n{b}"
+
+
+def check_builders(pattern: VerticalSlashPattern, q_pos: torch.Tensor, k_pos: torch.Tensor) -> None:
+    want = ki.chunk_pair_torch(pattern, q_pos, k_pos)
+    pair = wk.chunk_pair(pattern, q_pos, k_pos)
+    assert_same(pair, want, "chunk_pair")
+    assert_same(wk.query_walk(pattern, pair), ki.query_walk_torch(pattern, want), "query walk")
+    for v_chunk in V_CHUNKS:
+        assert_same(wk.key_walk(pattern, pair, v_chunk), ki.key_walk_torch(pattern, want, v_chunk), "key walk")
+
+
+@pytest.fixture(params=["launch_blocks", "small_blocks"])
+def blocks(request, monkeypatch):
+    """The builders' vector widths as launched, and small ones (loops over several steps)."""
+    if request.param == "small_blocks":
+        monkeypatch.setattr(wk, "BLOCKS", SMALL_BLOCKS)
+
+
+@pytest.mark.parametrize(
+    "g,n,heads,kind",
+    [
+        (16, 16 * 9 + 5, (2, 4), "random"),  # partial last block, 8 heads (a GQA model's query heads)
+        (16, 16 * 6, (1, 3), "dense"),
+        (32, 32 * 4 + 31, (1, 2), "verticals"),
+        (32, 32 * 5 - 7, (2, 1), "empty"),
+        (64, 64 * 3 + 1, (1, 4), "random"),  # last block of one row
+        (64, 64 * 2, (1, 2), "local"),
+        (16, 5, (1, 2), "random"),  # one partial block
+    ],
+)
+def test_single_chunk(blocks, g, n, heads, kind):
+    gen = torch.Generator().manual_seed(g * 1000 + n)
+    pattern = make_pattern(kind, *heads, n, g, gen)
+    pos = torch.arange(n, dtype=torch.int32)
+    check_builders(pattern, pos, pos)
+
+
+@pytest.mark.parametrize("kind", ["random", "verticals", "empty", "dense"])
+def test_key_chunk_is_a_prefix(kind):
+    """Fewer keys than queries (the earlier part of the sequence), int64 positions."""
+    gen = torch.Generator().manual_seed(5)
+    n, g = 16 * 10 + 3, 16
+    pattern = make_pattern(kind, 1, 4, n, g, gen)
+    pos = torch.arange(n)
+    check_builders(pattern, pos, pos[: 16 * 4])
+    check_builders(pattern, pos[16 * 3 :], pos[: 16 * 7])
+
+
+@pytest.mark.parametrize("layout", [ContiguousLayout, ZigzagLayout, StripedLayout])
+@pytest.mark.parametrize("world,steps", [(2, [(0, 1), (1, 0)]), (4, [(3, 1), (1, 2), (2, 2), (0, 3)])])
+def test_ring_steps(layout, world, steps):
+    """The chunk pairs of ring steps: rank q's queries against rank k's keys of a layout."""
+    g = 16
+    lay = layout(2 * world * g * 3, world, g)
+    gen = torch.Generator().manual_seed(world * 7 + len(layout.__name__))
+    pattern = make_pattern("random", 1, 3, lay.seq_len, g, gen)
+    for q_rank, k_rank in steps:
+        check_builders(pattern, lay.positions(q_rank).to(torch.int32), lay.positions(k_rank).to(torch.int32))
+
+
+def test_ring_step_small_blocks(monkeypatch):
+    """A striped ring step with every loop of the builders running several steps."""
+    monkeypatch.setattr(wk, "BLOCKS", SMALL_BLOCKS)
+    g, world = 16, 4
+    lay = StripedLayout(2 * world * g * 3, world, g)
+    pattern = make_pattern("random", 2, 2, lay.seq_len, g, torch.Generator().manual_seed(3))
+    check_builders(pattern, lay.positions(1).to(torch.int32), lay.positions(3).to(torch.int32))
+
+
+def test_dispatch_by_device(monkeypatch):
+    """CPU tensors take the torch builders (the Triton ones only where the positions live on CUDA)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Triton builder ran for CPU tensors")
+
+    for name in ("chunk_pair", "query_walk", "key_walk"):
+        monkeypatch.setattr(wk, name, refuse)
+    pattern = make_pattern("random", 1, 2, 64, 16, torch.Generator().manual_seed(2))
+    pos = torch.arange(64, dtype=torch.int32)
+    pair = ki.chunk_pair(pattern, pos, pos)
+    assert_same(ki.build_query_walk(pattern, pair), ki.query_walk_torch(pattern, pair), "query walk")
+    assert_same(ki.build_key_walk(pattern, pair, 16), ki.key_walk_torch(pattern, pair, 16), "key walk")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", [None, StripedLayout])
+def test_builders_agree_on_gpu(layout):
+    """Compiled on the GPU at a realistic size (128-blocks, 32K tokens, 16 heads), against the torch
+    builders run on the same CUDA tensors."""
+    gen = torch.Generator().manual_seed(0)
+    n, g = 32768, 128
+    nb = n // g
+    diag = torch.rand(1, 16, nb, generator=gen) < 0.1
+    diag[..., :2] = True
+    vert = torch.rand(1, 16, n, generator=gen) < 0.02
+    pattern = VerticalSlashPattern.from_masks(diag, vert, g).to("cuda")
+    if layout is None:
+        q_pos = k_pos = torch.arange(n, dtype=torch.int32, device="cuda")
+    else:
+        lay = layout(n, 4, g)
+        q_pos, k_pos = (lay.positions(r).to("cuda", torch.int32) for r in (2, 1))
+    want = ki.chunk_pair_torch(pattern, q_pos, k_pos)
+    pair = ki.chunk_pair(pattern, q_pos, k_pos)
+    assert_same(pair, want, "chunk_pair")
+    assert_same(ki.build_query_walk(pattern, pair), ki.query_walk_torch(pattern, want), "query walk")
+    for v_chunk in (64, 128):
+        assert_same(ki.build_key_walk(pattern, pair, v_chunk), ki.key_walk_torch(pattern, want, v_chunk), "key walk")
