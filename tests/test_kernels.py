@@ -143,6 +143,7 @@ def test_dense_pattern_equals_dense_attention():
         (dict(q=torch.randn(1, 32, 2, 24), k=torch.randn(1, 32, 1, 24), v=torch.randn(1, 32, 1, 24)), "head_dim 24"),
         (dict(q=torch.randn(1, 32, 2, 16).double()), "share a dtype"),
         (dict(q_pos=torch.arange(1, 33)), "runs of 16"),
+        (dict(q_pos=torch.cat([torch.arange(16, 32), torch.arange(16)])), "ascending runs of 16"),
         (dict(k_pos=torch.arange(31)), "k_pos must be 1-D with 32"),
     ],
 )

@@ -72,15 +72,16 @@ class KeyWalk:
 
 
 def check_aligned_positions(pos: Tensor, block_size: int, name: str) -> None:
-    """ValueError unless ``pos`` comes in runs of ``block_size`` consecutive, block-aligned positions."""
+    """ValueError unless ``pos`` ascends in runs of ``block_size`` consecutive, block-aligned positions."""
     n = pos.shape[0]
     local = torch.arange(n, device=pos.device)
     run_start = pos[(local // block_size) * block_size].long()
-    ok = bool(((run_start % block_size == 0) & (pos.long() == run_start + local % block_size)).all())
+    aligned = (run_start % block_size == 0) & (pos.long() == run_start + local % block_size)
+    ok = bool(aligned.all() & (pos[1:] > pos[:-1]).all())
     if not ok:
         raise ValueError(
-            f"{name} must hold runs of {block_size} consecutive global positions starting at multiples of "
-            f"{block_size} (the pattern's block size); shard the sequence with a layout from "
+            f"{name} must hold ascending runs of {block_size} consecutive global positions starting at "
+            f"multiples of {block_size} (the pattern's block size); shard the sequence with a layout from "
             "mtraining.parallel, or use dense attention for unaligned queries"
         )
 
