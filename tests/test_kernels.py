@@ -167,7 +167,7 @@ def test_fused_dq_backward_matches_oracle(monkeypatch, dtype):
     """The backward variant that adds dQ atomically inside the dK/dV kernels."""
     from mtraining.ops import triton_backend as tb
 
-    def fused_config(block_size, head_dim, device):
+    def fused_config(block_size, head_dim, device, dtype):
         t = min(block_size, 32)
         plain = tb.Tiles(t, t, t, 4, 1)
         return tb.TileConfig(plain, plain, tb.Tiles(t, t, t, 4, 1, dq_mode="atomic"))
@@ -188,7 +188,7 @@ def test_tiles_smaller_than_the_block(monkeypatch, dtype):
     different per kernel, with a partial last block and a striped ring step."""
     from mtraining.ops import triton_backend as tb
 
-    def small_tiles(block_size, head_dim, device):
+    def small_tiles(block_size, head_dim, device, dtype):
         return tb.TileConfig(tb.Tiles(32, 16, 16, 4, 1), tb.Tiles(16, 32, 32, 4, 1),
                              tb.Tiles(16, 32, 16, 4, 1, v_split=3))
 

@@ -41,8 +41,8 @@ def dq_mode(request, monkeypatch):
 
     default = tb.tile_config
 
-    def with_mode(block_size, head_dim, device):
-        cfg = default(block_size, head_dim, device)
+    def with_mode(block_size, head_dim, device, dtype):
+        cfg = default(block_size, head_dim, device, dtype)
         return tb.TileConfig(cfg.fwd, cfg.dq, replace(cfg.dkdv, dq_mode=request.param))
 
     monkeypatch.setattr(tb, "tile_config", with_mode)
@@ -90,3 +90,23 @@ def test_dense_equals_cudnn_sdpa():
             is_causal=True,
         ).transpose(1, 2)
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_float32_inputs_run_on_the_gpu(head_dim):
+    """float32 q/k/v take smaller tiles (the half-precision tiles need more shared memory than a GPU has)."""
+    gen = torch.Generator().manual_seed(head_dim)
+    b, seq, hq, hkv, g = 1, 2048 + 33, 4, 2, 128
+    q = torch.randn(b, seq, hq, head_dim, generator=gen).cuda()
+    k = torch.randn(b, seq, hkv, head_dim, generator=gen).cuda()
+    v = torch.randn(b, seq, hkv, head_dim, generator=gen).cuda()
+    pattern = local_vertical_pattern(b, hq, seq, g, 4, 64, gen)
+    do = torch.randn(b, seq, hq, head_dim, generator=gen).cuda()
+    results = []
+    for backend in ("triton", "torch"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = sparse_attention(*leaves, pattern, backend=backend)
+        results.append((out, *torch.autograd.grad(out, leaves, do)))
+    for got, ref in zip(*results):
+        assert not torch.isnan(got).any()
+        assert rel_err(got, ref) < 1e-2  # the kernels' float32 products may run as TF32

@@ -40,12 +40,16 @@ class TileConfig:
     dkdv: Tiles
 
 
-def tile_config(block_size: int, head_dim: int, device: torch.device) -> TileConfig:
-    """Small tiles under the interpreter; on the GPU the fastest measured on an H200 (bench/tune_kernels.py)."""
-    if device.type != "cuda":
-        t = Tiles(min(block_size, 32), min(block_size, 32), min(block_size, 32), 4, 1, v_split=2)
-        return TileConfig(t, t, t)
+def tile_config(block_size: int, head_dim: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+    """Small tiles under the interpreter; on the GPU the fastest measured on an H200 (bench/tune_kernels.py)
+    for half precision, and tiles that fit in shared memory for float32 (a correctness path)."""
     g = block_size
+    if device.type != "cuda":
+        t = Tiles(min(g, 32), min(g, 32), min(g, 32), 4, 1, v_split=2)
+        return TileConfig(t, t, t)
+    if dtype == torch.float32:
+        t = Tiles(min(g, 32), min(g, 32), 32, 4, 1)
+        return TileConfig(Tiles(min(g, 64), min(g, 64), 32, 4, 1), t, t)
     bwd = Tiles(min(g, 64), min(g, 64), 64, 4, 2)
     return TileConfig(Tiles(min(g, 128), min(g, 128), 64, 8, 3), bwd, bwd)
 
@@ -119,7 +123,7 @@ def forward(
     q, k, v = _unit_stride(q, k, v)
     pattern = _resolve(q, pattern, q_pos, k_pos)
     b, sq, hq, d = q.shape
-    t = tile_config(pattern.block_size, d, q.device).fwd
+    t = tile_config(pattern.block_size, d, q.device, q.dtype).fwd
     tensors, strides = _query_walk_args(query_walk(pattern, q_pos, k_pos))
     if merge_into is not None:
         out, lse = merge_into
@@ -158,7 +162,7 @@ def backward(
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
-    cfg = tile_config(pattern.block_size, d, q.device)
+    cfg = tile_config(pattern.block_size, d, q.device, q.dtype)
     lse = lse.float().contiguous()
     delta = delta.float().contiguous()
     # dq has q's strides (the kernels index both alike); atomically accumulated dq must start at zero.

@@ -200,7 +200,10 @@ def _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, row0, b, h, qk_
 
     Rows past Sq load lse = +inf, so they add nothing (and their dQ is exactly 0); MASK adds the
     causal test by position. DQ_MODE 1 also adds this tile's dQ = dS K into the float32 DQ (Q's
-    strides) atomically; 0 leaves dQ to its own kernel.
+    strides) atomically; 0 leaves dQ to its own kernel. Scores are formed query-major (S = Q K^T,
+    dP = dO V^T, K and V as the shared-memory operand) and transposed for dV += P^T dO and
+    dK += dS^T Q: 17% faster on an H200 than the key-major S^T = K Q^T, which keeps K and V as
+    register operands (bench/results/kernel_variants.json).
     """
     d = tl.arange(0, HEAD_DIM)
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -211,16 +214,16 @@ def _dkdv_step(dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, row0, b, h, qk_
     lse = tl.load(Lse + b * s_lb + h * s_lh + rows, mask=row_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta_row = tl.load(Delta + b * s_lb + h * s_lh + rows, mask=row_ok, other=0.0)
-    sT = tl.dot(k, tl.trans(q)) * qk_scale
+    s = tl.dot(q, tl.trans(k)) * qk_scale
     if MASK:
         q_pos = tl.load(QPos + rows, mask=row_ok, other=-1)
-        sT = tl.where(k_pos[:, None] <= q_pos[None, :], sT, float("-inf"))
-    pT = tl.exp2(sT - lse2[None, :])
-    dv += tl.dot(pT.to(do.dtype), do)
-    dsT = (pT * (tl.dot(v, tl.trans(do)) - delta_row[None, :])).to(q.dtype)
-    dk += tl.dot(dsT, q)
+        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+    p = tl.exp2(s - lse2[:, None])
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+    ds = (p * (tl.dot(do, tl.trans(v)) - delta_row[:, None])).to(q.dtype)
+    dk += tl.dot(tl.trans(ds), q)
     if DQ_MODE == 1:
-        dq = tl.dot(tl.trans(dsT), k) * sm_scale
+        dq = tl.dot(ds, k) * sm_scale
         tl.atomic_add(DQ + q_off, dq, mask=row_ok[:, None], sem="relaxed")
     return dk, dv
 

@@ -1,0 +1,329 @@
+"""``mtraining eval``: ppl, niah, ruler and report commands (a typer sub-app: ``eval_app``).
+
+Several ranks (context parallelism): run under torchrun, e.g.
+``torchrun --nproc-per-node 4 -m mtraining.eval.cli niah CKPT --lengths 128K,512K``, or pass
+``--nproc 4`` to have the command start torchrun on this machine. Rank 0 prints and writes files.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+from .options import SessionOptions, with_session_options
+
+if TYPE_CHECKING:
+    from .answers import Prompting
+
+eval_app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Evaluate checkpoints: perplexity, needle in a haystack, RULER-style tasks."
+)
+
+Checkpoint = Annotated[Path, typer.Argument(help="Local HF model directory, or a training checkpoint with --config.")]
+Lengths = Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 4K,32K,128K,512K.")]
+Samples = Annotated[int, typer.Option("--samples", help="Sequences / prompts per cell.")]
+Seed = Annotated[int, typer.Option("--seed", help="Seed of the generated prompts.")]
+HaystackOpt = Annotated[Optional[list[Path]], typer.Option("--haystack", help="Local text for the haystack; default: built-in filler.")]
+Granule = Annotated[int, typer.Option("--prefill-granule", help="Prefill the longest prompt prefix that is a multiple of this; the rest runs dense.")]
+Nproc = Annotated[int, typer.Option("--nproc", help="Start this many local context-parallel ranks with torchrun.")]
+TextField = Annotated[str, typer.Option("--text-field", help="JSONL/parquet field holding the text.")]
+
+
+def _fail(err: Exception) -> None:
+    typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def _relaunch(command: str, nproc: int) -> None:
+    """Run this same command under torchrun with ``nproc`` local ranks, and exit with its status."""
+    argv = sys.argv[1:]
+    args = argv[argv.index(command) + 1 :] if command in argv else argv
+    cleaned, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            cleaned.append(arg)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    raise typer.Exit(subprocess.call(cmd + ["-m", "mtraining.eval.cli", command, *cleaned]))
+
+
+class _Session:
+    """Loaded model, tokenizer, context-parallel group and engine for one command on this rank."""
+
+    def __init__(self, checkpoint: Path, opts: SessionOptions, granule: int = 2048) -> None:
+        from .engine import AttentionSpec, Engine
+        from .loading import load, pick_device
+        from .runtime import init_group, is_root
+
+        pattern = opts.pattern()
+        if opts.attention not in ("dense", "sparse"):
+            raise ValueError(f"--attention must be dense or sparse, got {opts.attention!r}")
+        layers = _layers(opts.dense_layers)
+        self.opts = opts
+        self.group = init_group(pick_device(opts.device))
+        self.root = is_root(self.group)
+        self.loaded = load(checkpoint, opts.tokenizer, opts.config, opts.device, opts.dtype)
+        self.spec = AttentionSpec(
+            sparse=opts.attention == "sparse", layout=opts.layout, block_size=opts.block_size, backend=opts.backend,
+            pattern=pattern, prefill_granule=granule, dense_layers=layers,
+        )
+        self.spec.pattern_config()  # validate the sparse options before any work
+        self.engine = Engine(self.loaded.model, self.spec, self.group)
+        self.checkpoint = str(checkpoint)
+        self.started = time.time()
+
+    def check(self, lengths: list[int], generate: bool) -> None:
+        """RoPE range and memory checks; every rank agrees on the outcome (no rank left waiting)."""
+        from .loading import check_rope_range
+        from .memory import check_memory
+
+        error = None
+        try:
+            check_rope_range(lengths, 0, self.loaded.max_positions, self.opts.allow_extrapolation)
+            model = self.loaded.model
+            device = next(model.parameters()).device
+            torch_backend = self.spec.backend == "torch" or (self.spec.backend == "auto" and device.type != "cuda")
+            check_memory(model.config, lengths, self.engine.world_size, next(model.parameters()).dtype, device, generate, torch_backend, self.opts.memory_limit_gib)
+        except ValueError as err:
+            error = str(err)
+        if self.group is not None:
+            import torch.distributed as dist
+
+            errors = [None] * self.engine.world_size
+            dist.all_gather_object(errors, error, group=self.group)
+            error = next((e for e in errors if e), None)
+        if error:
+            raise ValueError(error)
+
+    def save(self, kind: str, settings: dict, result: object) -> tuple[dict, Path]:
+        """The result under its header, written to FOLDER/KIND.json on rank 0: (that dict, FOLDER)."""
+        from .runtime import write_json
+
+        out = self._header(kind, settings) | {"result": result}
+        folder = self.opts.folder(out["label"])
+        if self.root:
+            write_json(folder / f"{kind}.json", out)
+        return out, folder
+
+    def _header(self, kind: str, settings: dict) -> dict:
+        return {
+            "kind": kind,
+            "label": self.opts.label or f"{self.loaded.name}-{self.spec.name}",
+            "checkpoint": self.checkpoint,
+            "attention": self.spec.name,
+            "pattern": _jsonable(self.spec.pattern) if self.spec.sparse else None,
+            "dense_layers": list(self.spec.dense_layers) if self.spec.sparse else None,
+            "sparse_density": sum(self.engine.densities) / len(self.engine.densities) if self.engine.densities else None,
+            "layout": self.spec.layout,
+            "prefill_granule": self.spec.prefill_granule,
+            "block_size": self.spec.block_size,
+            "world_size": self.engine.world_size,
+            "device": str(next(self.loaded.model.parameters()).device),
+            "dtype": str(next(self.loaded.model.parameters()).dtype).removeprefix("torch."),
+            "settings": settings,
+            "elapsed_s": round(time.time() - self.started, 2),
+        }
+
+
+def _layers(text: str | None) -> tuple[int, ...]:
+    """Layer indices from '0' or '0,1' (None or empty: none)."""
+    try:
+        layers = tuple(int(x) for x in (text or "").split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--dense-layers takes layer indices like 0 or 0,1, got {text!r}") from None
+    if any(layer < 0 for layer in layers):
+        raise ValueError(f"--dense-layers takes layer indices >= 0, got {text!r}")
+    return layers
+
+
+def _jsonable(pattern: dict) -> dict:
+    return {k: (getattr(v, "source", str(v)) if k == "budgets" else v) for k, v in pattern.items()}
+
+
+def _run(command: str, nproc: int, body) -> None:
+    """Relaunch under torchrun if asked, run ``body`` with clean errors, always leave the group."""
+    if nproc > 1 and "RANK" not in os.environ:
+        _relaunch(command, nproc)
+    from .runtime import shutdown
+
+    try:
+        body()
+    except ValueError as err:
+        shutdown()
+        _fail(err)
+    shutdown(together=True)
+
+
+@eval_app.command()
+@with_session_options
+def ppl(
+    checkpoint: Checkpoint,
+    data: Annotated[list[Path], typer.Option("--data", help="Text/JSONL/parquet files or directories (e.g. PG-19 books).")],
+    lengths: Lengths = "4K,8K,16K,32K",
+    samples: Samples = 1,
+    first_bucket: Annotated[int, typer.Option("--first-bucket", help="Positions in the first loss bucket; then doubling.")] = 1024,
+    pack: Annotated[bool, typer.Option("--pack", help="Join documents (EOS between) instead of needing each to be long enough.")] = False,
+    text_field: TextField = "text",
+    *,
+    opts: SessionOptions,
+    nproc: Nproc = 1,
+) -> None:
+    """Perplexity of long documents at each length, with the loss per position bucket."""
+
+    def body() -> None:
+        from .documents import load_documents
+        from .ppl import run_ppl
+        from .runtime import console, parse_lengths
+
+        grid = parse_lengths(lengths)
+        docs = load_documents(data, text_field)
+        s = _Session(checkpoint, opts)
+        s.check(grid, generate=False)
+        results = run_ppl(s.engine, s.loaded.tokenizer, docs, grid, samples, first_bucket, pack, s.root)
+        settings = {"lengths": grid, "samples": samples, "first_bucket": first_bucket, "pack": pack, "data": [str(p) for p in data]}
+        out, folder = s.save("ppl", settings, results)
+        if s.root:
+            _print_ppl(console(), out)
+            console().print(f"wrote {folder / 'ppl.json'}")
+
+    _run("ppl", nproc, body)
+
+
+@eval_app.command()
+@with_session_options
+def niah(
+    checkpoint: Checkpoint,
+    lengths: Lengths = "4K,8K,16K,32K",
+    depths: Annotated[str, typer.Option("--depths", help="Needle depths in percent of the haystack.")] = "0,25,50,75,100",
+    samples: Samples = 1,
+    seed: Seed = 0,
+    haystack: HaystackOpt = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Answer tokens to generate.")] = 24,
+    text_field: TextField = "text",
+    *,
+    opts: SessionOptions,
+    prefill_granule: Granule = 2048,
+    nproc: Nproc = 1,
+) -> None:
+    """Needle in a haystack over lengths x depths: a JSON of the grid and a heatmap PNG."""
+
+    def body() -> None:
+        from .niah import run_niah
+        from .plots import niah_heatmaps
+        from .runtime import console, parse_lengths, parse_numbers
+
+        grid, depth_list = parse_lengths(lengths), parse_numbers(depths, "depths")
+        s, prompting = _prompted(checkpoint, opts, prefill_granule, grid, haystack, text_field, seed, samples, max_new_tokens)
+        result = run_niah(s.engine, s.loaded.tokenizer, grid, depth_list, prompting)
+        settings = {"lengths": grid, "depths": depth_list, "samples": samples, "seed": seed, "max_new_tokens": max_new_tokens}
+        out, folder = s.save("niah", settings, result)
+        if s.root:
+            png = niah_heatmaps([(out["label"], result)], folder / "niah.png")
+            _print_grid(console(), out)
+            console().print(f"wrote {folder / 'niah.json'} and {png}")
+
+    _run("niah", nproc, body)
+
+
+@eval_app.command()
+@with_session_options
+def ruler(
+    checkpoint: Checkpoint,
+    lengths: Lengths = "4K,8K,16K,32K",
+    tasks: Annotated[str, typer.Option("--tasks", help="'all' or some of: niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe.")] = "all",
+    samples: Samples = 4,
+    seed: Seed = 0,
+    haystack: HaystackOpt = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Answer tokens; default: per task.")] = None,
+    text_field: TextField = "text",
+    *,
+    opts: SessionOptions,
+    prefill_granule: Granule = 2048,
+    nproc: Nproc = 1,
+) -> None:
+    """RULER-style synthetic tasks from a seed: scores per task and length (JSON and a Markdown table)."""
+
+    def body() -> None:
+        from .ruler import markdown_table, parse_tasks, run_ruler
+        from .runtime import console, parse_lengths
+
+        grid, task_list = parse_lengths(lengths), parse_tasks(tasks)
+        s, prompting = _prompted(checkpoint, opts, prefill_granule, grid, haystack, text_field, seed, samples, max_new_tokens)
+        result = run_ruler(s.engine, s.loaded.tokenizer, task_list, grid, prompting)
+        settings = {"lengths": grid, "tasks": task_list, "samples": samples, "seed": seed, "max_new_tokens": max_new_tokens}
+        out, folder = s.save("ruler", settings, result)
+        if s.root:
+            table = markdown_table(result)
+            (folder / "ruler.md").write_text(f"# RULER-style tasks: {out['label']}\n\n{table}\n")
+            console().print(table)
+            console().print(f"wrote {folder / 'ruler.json'} and {folder / 'ruler.md'}")
+
+    _run("ruler", nproc, body)
+
+
+@eval_app.command()
+def report(
+    results: Annotated[list[Path], typer.Argument(help="Result JSON files or directories (e.g. eval-results/).")],
+    out_dir: Annotated[Path, typer.Option("--out-dir", help="Where report.md and its PNGs go.")] = Path("eval-report"),
+) -> None:
+    """One Markdown report with comparison plots from the JSONs of several checkpoints."""
+    from .report import build_report
+
+    try:
+        path = build_report(results, out_dir)
+    except ValueError as err:
+        _fail(err)
+    typer.echo(f"wrote {path}")
+
+
+def _prompted(
+    checkpoint: Path, opts: SessionOptions, granule: int, lengths: list[int], haystack: list[Path] | None, text_field: str,
+    seed: int, samples: int, max_new_tokens: int | None,
+) -> tuple[_Session, Prompting]:
+    """The session of a niah or ruler command, checked for generating at ``lengths``, and how it prompts."""
+    from .answers import Prompting
+    from .documents import Haystack, load_documents
+
+    stack = Haystack(load_documents(haystack, text_field), seed=seed) if haystack else Haystack(seed=seed)
+    s = _Session(checkpoint, opts, granule)
+    s.check(lengths, generate=True)
+    return s, Prompting(samples, seed, stack, max_new_tokens, s.root)
+
+
+def _print_ppl(out, data: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"perplexity: {data['label']}")
+    for col in ("length", "windows", "ppl", "first bucket", "last bucket"):
+        table.add_column(col, justify="right")
+    for r in data["result"]:
+        first, last = r["buckets"][0], r["buckets"][-1]
+        table.add_row(str(r["length"]), str(r["windows"]), f"{r['ppl']:.3f}",
+                      f"{first['ppl']:.3f} (≤{first['end']})", f"{last['ppl']:.3f} ({last['start']}–{last['end']})")
+    out.print(table)
+
+
+def _print_grid(out, data: dict) -> None:
+    from rich.table import Table
+
+    res = data["result"]
+    table = Table(title=f"needle in a haystack (% found): {data['label']}")
+    table.add_column("depth \\ length")
+    for n in res["lengths"]:
+        table.add_column(str(n), justify="right")
+    for depth, row in zip(res["depths"], res["scores"]):
+        table.add_row(f"{depth:g}%", *(f"{v:.0f}" for v in row))
+    out.print(table)
+
+
+if __name__ == "__main__":
+    eval_app()

@@ -1,0 +1,35 @@
+"""AdamW with decoupled weight decay on matrices only, and a warm-up + cosine learning-rate schedule.
+
+The schedule is a pure function of the step (no scheduler state to checkpoint).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def build_optimizer(
+    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float
+) -> torch.optim.AdamW:
+    """AdamW; biases and norm weights (1-D parameters) get no weight decay."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Learning rate of (0-based) ``step``: linear warm-up to base_lr, then cosine down to base_lr * min_lr_ratio."""
+    if step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return base_lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

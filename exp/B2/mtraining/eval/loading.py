@@ -1,0 +1,161 @@
+"""Load what an evaluation needs: the model, its tokenizer, and the device; check lengths up front.
+
+A checkpoint is either a local Hugging Face directory (config.json + *.safetensors, e.g. what
+``mtraining export`` writes), or an mtraining training checkpoint (a ``step_N`` folder, or the
+checkpoint directory holding them) together with the training YAML given as ``config``. Models are
+built by the trainer's loader (``mtraining.models.build_model``) so they run mtraining attention.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Tokenizer:
+    """Text <-> ids with the model's special tokens (BOS where the tokenizer adds one)."""
+
+    def __init__(self, hf_tokenizer, source: str) -> None:
+        self.hf = hf_tokenizer
+        self.source = source
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf(text, add_special_tokens=True)["input_ids"])
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids without special tokens (for continuing documents)."""
+        return list(self.hf(text, add_special_tokens=False)["input_ids"])
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """Token ids that end an answer (EOS)."""
+        eos = self.hf.eos_token_id
+        return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+    @property
+    def eos_id(self) -> int | None:
+        ids = self.stop_ids
+        return ids[0] if ids else None
+
+
+@dataclass
+class Loaded:
+    model: nn.Module
+    tokenizer: Tokenizer
+    name: str
+    max_positions: int | None
+
+
+def load_tokenizer(checkpoint: str | Path, tokenizer: str | Path | None = None, fallback: str | Path | None = None) -> Tokenizer:
+    """The tokenizer at ``tokenizer`` (a tokenizer.json or a directory), else in the checkpoint, else ``fallback``."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    candidates = [Path(p) for p in (tokenizer, checkpoint, fallback) if p is not None]
+    if tokenizer is not None and not Path(tokenizer).exists():
+        raise ValueError(f"tokenizer {tokenizer} does not exist; pass a tokenizer.json file or a directory holding one")
+    for path in candidates if tokenizer is None else candidates[:1]:
+        if path.is_file():
+            return Tokenizer(PreTrainedTokenizerFast(tokenizer_file=str(path)), str(path))
+        if path.is_dir() and any((path / f).is_file() for f in TOKENIZER_FILES):
+            return Tokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True), str(path))
+    raise ValueError(
+        f"{checkpoint} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); pass --tokenizer PATH with a tokenizer.json "
+        "or the directory of the base model it was trained from (e.g. data/tokenizer.json for the demo models)"
+    )
+
+
+def pick_device(device: str | None) -> torch.device:
+    """``device`` or the default: this rank's GPU (LOCAL_RANK) when CUDA is available, else the CPU."""
+    if device:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _training_checkpoint(path: Path, config: str | Path) -> tuple[nn.Module, str | None]:
+    """(model with the checkpoint's weights, tokenizer path from the config) of a training checkpoint."""
+    from ..models import build_model
+    from ..train.checkpoint import latest_checkpoint, load_checkpoint
+    from ..train.config import load_config
+    from ..train.loss import CausalLMLoss
+
+    cfg = load_config(config)
+    step = path if (path / ".metadata").is_file() else latest_checkpoint(path)
+    if step is None:
+        raise ValueError(f"{path} holds no complete training checkpoint (step_N with .metadata); pass a step_N folder")
+    model = build_model(cfg.model.path, cfg.model.config, cfg.model.rope_theta, cfg.model.rope_parameters)
+    load_checkpoint(step, CausalLMLoss(model))
+    return model, cfg.data.tokenizer or cfg.model.path
+
+
+def load(
+    checkpoint: str | Path,
+    tokenizer: str | Path | None = None,
+    config: str | Path | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+) -> Loaded:
+    """Model (eval mode, on ``device`` in ``dtype``) and tokenizer of a checkpoint; see the module docstring."""
+    from transformers.utils import logging as hf_logging
+
+    from ..models import build_model
+
+    hf_logging.disable_progress_bar()
+    path = Path(checkpoint)
+    if not path.exists():
+        raise ValueError(
+            f"checkpoint {path} does not exist; pass a local Hugging Face directory (config.json + *.safetensors) "
+            "or a training checkpoint folder with --config TRAIN.yaml"
+        )
+    fallback = None
+    if (path / "config.json").is_file():
+        model = build_model(path)
+    elif config is not None:
+        model, fallback = _training_checkpoint(path, config)
+    else:
+        raise ValueError(
+            f"{path} has no config.json: for a training checkpoint pass --config TRAIN.yaml (the config it was "
+            "trained with), or export it first with `mtraining export TRAIN.yaml OUT_DIR`"
+        )
+    tok = load_tokenizer(path, tokenizer, fallback)
+    target = pick_device(device)
+    model = model.to(device=target, dtype=pick_dtype(dtype, target)).eval()
+    name = path.name if path.name not in ("", ".") else path.resolve().name
+    return Loaded(model, tok, name, getattr(model.config, "max_position_embeddings", None))
+
+
+def check_rope_range(lengths: list[int], extra: int, max_positions: int | None, allow: bool) -> None:
+    """ValueError naming the fix when ``length + extra`` exceeds the model's trained positions."""
+    if max_positions is None or allow:
+        return
+    too_long = [n for n in lengths if n + extra > max_positions]
+    if too_long:
+        extra_note = f" plus {extra} answer tokens" if extra else ""
+        raise ValueError(
+            f"length {max(too_long)}{extra_note} exceeds the model's RoPE range (max_position_embeddings="
+            f"{max_positions} in its config.json); drop lengths above {max_positions - extra}, evaluate a checkpoint "
+            "trained for that length (RoPE extended, e.g. model.rope_theta in the training config), or pass "
+            "--allow-extrapolation to measure beyond the range anyway"
+        )

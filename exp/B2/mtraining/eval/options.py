@@ -1,0 +1,71 @@
+"""Options that every ``mtraining eval`` command takes (model, attention, output), declared once."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Annotated, Optional, get_type_hints
+
+import typer
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """The checkpoint loading, attention, checks and output options of an evaluation command."""
+
+    tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", help="tokenizer.json or a directory; default: the checkpoint's.")] = None
+    config: Annotated[Optional[Path], typer.Option("--config", help="Training YAML, to evaluate a training checkpoint (step_N).")] = None
+    attention: Annotated[str, typer.Option("--attention", help="dense or sparse (dynamic vertical-slash).")] = "dense"
+    layout: Annotated[str, typer.Option("--layout", help="Context-parallel layout: striped, zigzag or contiguous.")] = "striped"
+    block_size: Annotated[int, typer.Option("--block-size", help="Kernel block / layout stripe.")] = 128
+    backend: Annotated[str, typer.Option("--backend", help="auto, torch or triton.")] = "auto"
+    v_size: Annotated[Optional[int], typer.Option("--v-size", help="Sparse: verticals per head.")] = None
+    s_size: Annotated[Optional[int], typer.Option("--s-size", help="Sparse: slashes per head.")] = None
+    last_q: Annotated[Optional[int], typer.Option("--last-q", help="Sparse: queries that estimate the pattern.")] = None
+    local_window: Annotated[Optional[int], typer.Option("--local-window", help="Sparse: offsets always kept.")] = None
+    threshold: Annotated[Optional[float], typer.Option("--threshold", help="Sparse: keep lines up to this score mass.")] = None
+    budgets: Annotated[Optional[Path], typer.Option("--budgets", help="Sparse: per-layer/head budgets YAML.")] = None
+    dense_layers: Annotated[Optional[str], typer.Option("--dense-layers", help="Sparse: layers that stay dense, e.g. 0 (as attention.dense_layers in training).")] = None
+    device: Annotated[Optional[str], typer.Option("--device", help="Default: this rank's GPU, else cpu.")] = None
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="bfloat16 (GPU default), float16 or float32 (CPU default).")] = None
+    out_dir: Annotated[Optional[Path], typer.Option("--out-dir", help="Default: eval-results/LABEL.")] = None
+    label: Annotated[Optional[str], typer.Option("--label", help="Name in reports; default: checkpoint-attention.")] = None
+    allow_extrapolation: Annotated[bool, typer.Option("--allow-extrapolation", help="Allow lengths beyond the model's RoPE range.")] = False
+    memory_limit_gib: Annotated[Optional[float], typer.Option("--memory-limit-gib", help="Memory per rank for the up-front check.")] = None
+
+    def pattern(self) -> dict:
+        """The sparse pattern options given (budgets loaded from their YAML)."""
+        names = ("v_size", "s_size", "last_q", "local_window", "threshold")
+        pattern = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.budgets is not None:
+            from ..ops.budgets import load_budgets
+
+            pattern["budgets"] = load_budgets(self.budgets)
+        return pattern
+
+    def folder(self, label: str) -> Path:
+        """Where the results go: --out-dir, else eval-results/LABEL."""
+        return self.out_dir or Path("eval-results") / label
+
+
+def with_session_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Declare the SessionOptions fields as typer options in place of ``command``'s ``opts`` parameter.
+
+    ``opts`` must be keyword-only (after ``*``); the command receives the parsed values as one SessionOptions.
+    """
+    hints = get_type_hints(SessionOptions, include_extras=True)
+    own = inspect.signature(command, eval_str=True)
+    kind = own.parameters["opts"].kind
+    common = [inspect.Parameter(f.name, kind, default=f.default, annotation=hints[f.name]) for f in fields(SessionOptions)]
+    params = [p for own_p in own.parameters.values() for p in (common if own_p.name == "opts" else [own_p])]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs) -> None:
+        opts = SessionOptions(**{f.name: kwargs.pop(f.name) for f in fields(SessionOptions)})
+        command(opts=opts, **kwargs)
+
+    wrapper.__signature__ = own.replace(parameters=params)  # type: ignore[attr-defined]
+    return wrapper

@@ -1,0 +1,132 @@
+"""Inter-node link emulation for benchmarks: outer-ring transfers take as long as on a slower link.
+
+Off unless asked for (``emulate_outer_link`` context, or ``outer_link=`` of the hierarchical ring).
+A transfer of ``B`` bytes (what this rank sends; the link is full duplex, one NIC per GPU) is
+modelled to take ``latency + B / bandwidth``. The real transfer is posted as usual; its completion
+is then held back until that modelled time has passed since it was posted, so the transfer takes
+max(real, modelled) -- the real one on a fast local link is the smaller:
+
+- CPU (gloo): ``wait`` waits for the real transfer, then sleeps the thread until the deadline;
+- CUDA: at ``start`` a delay stream (after the compute queued so far, like the transfer's side
+  stream) spins for the modelled time (``torch.cuda._sleep``, calibrated once against CUDA events)
+  and records an event; ``wait`` makes the compute stream wait for the real transfer and for it.
+
+Results measured with it must say so: ``LinkModel.label`` (e.g. "emulated 25 GB/s, 5 us") goes into
+the ``outer_link`` field of a benchmark record; ``outer_link_label()`` gives "real" when off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """A link of ``bandwidth`` bytes/s per direction and ``latency`` seconds per transfer."""
+
+    bandwidth: float
+    latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise ValueError(f"bandwidth must be > 0 bytes/s (e.g. 25e9 for 25 GB/s), got {self.bandwidth!r}")
+        if not self.latency >= 0:
+            raise ValueError(f"latency must be >= 0 seconds (e.g. 5e-6), got {self.latency!r}")
+
+    def seconds(self, nbytes: int | float) -> float:
+        """Modelled time of one transfer of ``nbytes``."""
+        return self.latency + nbytes / self.bandwidth
+
+    @property
+    def label(self) -> str:
+        return f"emulated {self.bandwidth / 1e9:g} GB/s, {self.latency * 1e6:g} us"
+
+
+_ACTIVE: list[LinkModel] = []
+
+
+@contextlib.contextmanager
+def emulate_outer_link(bandwidth: float, latency: float = 0.0) -> Iterator[LinkModel]:
+    """Within the block, hierarchical rings emulate this outer link (bytes/s, seconds)."""
+    link = LinkModel(float(bandwidth), float(latency))
+    _ACTIVE.append(link)
+    try:
+        yield link
+    finally:
+        _ACTIVE.pop()
+
+
+def active_outer_link() -> LinkModel | None:
+    """The innermost active emulation, or None (the default: real links)."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def outer_link_label(link: LinkModel | None = None) -> str:
+    """Benchmark label of the outer link: the emulated link's label, or "real"."""
+    link = link if link is not None else active_outer_link()
+    return link.label if link is not None else "real"
+
+
+@functools.lru_cache(maxsize=8)
+def _cycles_per_second(device_index: int) -> float:
+    """GPU clock as seen by ``torch.cuda._sleep`` on this device, measured with CUDA events."""
+    with torch.cuda.device(device_index):
+        cycles = 10_000_000
+        torch.cuda._sleep(cycles // 10)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return cycles / (start.elapsed_time(end) / 1e3)
+
+
+class _DelayedTransfer:
+    def __init__(self, real, deadline: float | None, event) -> None:
+        self._real = real
+        self._deadline = deadline
+        self._event = event
+
+    def wait(self) -> None:
+        self._real.wait()
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        elif self._deadline is not None:
+            remaining = self._deadline - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+
+
+class EmulatedComm:
+    """A ``RingComm`` whose transfers complete no earlier than ``link`` would deliver them."""
+
+    def __init__(self, comm, link: LinkModel) -> None:
+        self.comm = comm
+        self.link = link
+        self.rank = comm.rank
+        self.world_size = comm.world_size
+        self._stream = None
+
+    def start(self, send: Sequence[Tensor], recv: Sequence[Tensor], tag: int = 0) -> _DelayedTransfer:
+        nbytes = sum(t.numel() * t.element_size() for t in send)
+        seconds = self.link.seconds(nbytes)
+        posted = time.perf_counter()
+        real = self.comm.start(send, recv, tag)
+        if send and send[0].is_cuda:
+            device = send[0].device
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self._stream):
+                torch.cuda._sleep(int(seconds * _cycles_per_second(device.index or 0)))
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            return _DelayedTransfer(real, None, event)
+        return _DelayedTransfer(real, posted + seconds, None)

@@ -1,0 +1,90 @@
+"""Estimate the global vertical-slash pattern from sharded q/k: every rank gets the identical pattern.
+
+The single-device estimate (``mtraining.ops.estimate``) is composed across the ranks of a layout:
+1. the last ``last_q`` queries (globally last positions; under striped/zigzag they may sit on
+   several ranks) reach every rank through one all-reduce of a zero-filled buffer (exact);
+2. each rank computes their partial LSE over its keys; an all-gather and a logsumexp over ranks
+   (in float64) give the global row LSE;
+3. each rank scores the lines over its keys with that LSE: slash scores (indexed by offset) are
+   summed by an all-reduce, vertical scores are all-gathered and placed by global key position;
+4. ``select_lines`` runs on identical inputs on every rank, so the patterns are identical.
+
+The positions a rank needs (its keys, the last queries, their owners) and their PositionPlan depend
+only on the layout: they are built once per layout, rank and device, so an estimate pays one
+device sync (``select_lines``) and copies no positions to the device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..ops.estimate import PatternConfig, PositionPlan, last_query_partial_lse, line_scores, select_lines
+from ..ops.pattern import VerticalSlashPattern
+from .layout import Layout
+
+
+@functools.lru_cache(maxsize=16)
+def _rank_positions(layout: Layout, rank: int, last_q: int, device: torch.device):
+    """What a rank's estimate needs of the (static) layout, on its device, built once per layout and rank.
+
+    Returns (key positions, positions of the last queries, [1, last_q, 1, 1] is this rank their
+    owner, their local rows, every rank's key positions in rank order, the PositionPlan of the last
+    queries against this rank's keys). Built from CPU tensors: no device sync, no copy per call.
+    """
+    n = layout.seq_len
+    k_pos = layout.positions(rank)
+    last_pos = torch.arange(n - last_q, n)
+    owner, local = layout.owner(last_pos)
+    every = torch.cat([layout.positions(r) for r in range(layout.world_size)])
+    plan = PositionPlan.from_positions(last_pos, k_pos)
+    mine = (owner == rank)[None, :, None, None]
+    return (*(t.to(device) for t in (k_pos, last_pos, mine, local, every)), plan)
+
+
+def _global_lse(partial: Tensor, group) -> Tensor:
+    """logsumexp over ranks of the partial LSEs (float32 [B, Hq, R]), combined in float64."""
+    parts = [torch.empty_like(partial) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, partial, group=group)
+    return torch.logsumexp(torch.stack(parts).double(), dim=0).float()
+
+
+@torch.no_grad()
+def estimate_pattern_cp(
+    q: Tensor,
+    k: Tensor,
+    config: PatternConfig,
+    group: dist.ProcessGroup | None,
+    layout: Layout,
+    layer_idx: int = 0,
+    softmax_scale: float | None = None,
+) -> VerticalSlashPattern:
+    """The pattern ``estimate_pattern`` gives on the full sequence, from this rank's shards.
+
+    q [B, S/W, Hq, D], k [B, S/W, Hkv, D] in ``layout`` order. Collective: every rank of ``group``
+    must call it with its own shards; all get the same pattern. One device sync (``select_lines``).
+    """
+    if not isinstance(config, PatternConfig):
+        raise ValueError(f"pattern_config must be a PatternConfig, got {type(config).__name__}")
+    layout.check_pattern_block(config.block_size)
+    n = layout.seq_len
+    if config.last_q > n:
+        raise ValueError(f"last_q ({config.last_q}) exceeds the sequence length {n}; lower last_q to at most {n}")
+    config.head_budgets(layer_idx, q.shape[2], n)  # fail on budgets before any communication
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    k_pos, last_pos, mine, local, every, plan = _rank_positions(layout, rank, config.last_q, q.device)
+    # the globally last queries on every rank: each row is non-zero on its owner only, so the sum is exact
+    q_last = torch.where(mine, q.index_select(1, local), 0.0)
+    dist.all_reduce(q_last, group=group)
+    row_lse = _global_lse(last_query_partial_lse(q_last, last_pos, k, k_pos, scale, plan), group)
+    vertical_local, slash = line_scores(q_last, last_pos, k, k_pos, scale, row_lse, n, plan)
+    slash = slash.contiguous()  # collectives need dense buffers
+    dist.all_reduce(slash, group=group)
+    gathered = [torch.empty_like(vertical_local) for _ in range(world)]
+    dist.all_gather(gathered, vertical_local, group=group)
+    vertical = torch.empty_like(slash).index_copy_(-1, every, torch.cat(gathered, dim=-1))
+    return select_lines(vertical, slash, config, n, layer_idx)

@@ -1,0 +1,1 @@
+"""Training: config, data and packing, the chunked loss, FSDP2 x context-parallel trainer, checkpoints."""

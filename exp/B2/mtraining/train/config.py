@@ -1,0 +1,261 @@
+"""The training config: a validated YAML file plus ``key=value`` overrides from the command line.
+
+Every section rejects unknown keys; combinations that cannot run (a sequence the layout cannot
+split, a world size that is not data x context, ...) fail at load or at start with a message that
+names the fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+
+from ..parallel.layout import make_layout
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    """Which model: a local Hugging Face directory, or an architecture config with random weights."""
+
+    path: str | None = None
+    """Local HF directory with config.json and *.safetensors (no network)."""
+    config: dict[str, Any] | None = None
+    """HF config fields including ``model_type`` (qwen2, qwen3, llama, mistral): random init."""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """Compute dtype; master weights, gradients reduction and optimizer state stay float32."""
+    rope_theta: PositiveFloat | None = None
+    """New RoPE base (context extension), e.g. 1e6 when training 8x longer than pre-training."""
+    rope_parameters: dict[str, Any] | None = None
+    """Extra RoPE fields merged into the HF config's ``rope_parameters`` (rope_type, factor, ...)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSection":
+        if (self.path is None) == (self.config is None):
+            raise ValueError("set exactly one of model.path (a local HF directory) or model.config (random init)")
+        if self.config is not None and "model_type" not in self.config:
+            raise ValueError("model.config needs a model_type, e.g. model_type: qwen2")
+        return self
+
+
+class AttentionSection(_Section):
+    """How attention runs: dense or dynamic sparse, context-parallel layout, pattern budgets."""
+
+    sparse: bool = True
+    layout: Literal["contiguous", "zigzag", "striped"] = "striped"
+    block_size: PositiveInt = 128
+    """Kernel/pattern block G; the layout deals stripes of G tokens."""
+    backend: Literal["auto", "torch", "triton"] = "auto"
+    v_size: PositiveInt = 1024
+    """Vertical lines kept per head."""
+    s_size: PositiveInt = 6144
+    """Slash lines kept per head."""
+    last_q: PositiveInt = 64
+    """Queries that estimate the pattern (the last of the sequence)."""
+    sink_tokens: int = Field(4, ge=0)
+    local_window: int = Field(128, ge=0)
+    threshold: float | None = Field(None, gt=0, le=1)
+    """Keep the fewest lines reaching this estimated attention mass instead of fixed budgets."""
+    budgets: str | None = None
+    """Pattern file with per-layer/per-head budgets (mtraining.ops.budgets)."""
+    dense_layers: list[int] = []
+    """Layers that always run dense attention."""
+    min_sparse_len: int = Field(0, ge=0)
+    """Sequences shorter than this run dense (sparse does not pay there)."""
+    max_density: float | None = Field(0.6, gt=0, le=1)
+    """A layer whose estimated pattern keeps more than this fraction of the causal pairs runs dense
+    for that step: the sparse kernels are slower than dense attention (cuDNN on GPUs) there. The
+    metrics count such layers (dense_fallback). null: always sparse."""
+
+
+class ParallelSection(_Section):
+    data: PositiveInt = 1
+    """Data-parallel (FSDP2) degree."""
+    context: PositiveInt = 1
+    """Context-parallel degree: ranks that share one sequence."""
+
+
+class DataSection(_Section):
+    sources: list[str] = Field(min_length=1)
+    """Files or globs: .txt, .jsonl, .parquet (text) or .npy/.bin (pre-tokenised token ids)."""
+    seq_len: PositiveInt
+    tokenizer: str | None = None
+    """tokenizer.json or a HF directory; default: model.path."""
+    text_field: str = "text"
+    token_dtype: Literal["uint16", "uint32", "int32", "int64"] = "uint32"
+    """Element type of raw .bin token files."""
+    separator: str | None = None
+    """Token string placed between documents; default: the tokenizer's EOS."""
+    batch_size: PositiveInt = 1
+    """Sequences per data-parallel rank per step."""
+    shuffle: bool = True
+
+
+class OptimSection(_Section):
+    lr: PositiveFloat = 3e-4
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Cosine decay ends at lr * min_lr_ratio."""
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: PositiveFloat = 1e-8
+    grad_clip: float | None = Field(1.0, gt=0)
+
+
+class TrainSection(_Section):
+    steps: PositiveInt
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """cuda: one GPU per rank (NCCL); cpu: gloo; auto: CUDA when available."""
+    seed: int = 0
+    activation_checkpointing: bool = True
+    loss_chunk_tokens: PositiveInt = 4096
+    """Rows of logits materialised at once by the chunked cross-entropy."""
+    loss_impl: Literal["chunked", "liger"] = "chunked"
+    """Cross-entropy: our chunked one (any device) or liger-kernel's fused kernel (CUDA, if installed)."""
+
+
+class CheckpointSection(_Section):
+    dir: str | None = None
+    """Where distributed checkpoints go (step_N subfolders); None: never saved."""
+    every: PositiveInt | None = None
+    """Save every N steps (and always after the last step when dir is set)."""
+    resume: bool = True
+    """Continue from the newest checkpoint in dir if there is one."""
+    export_dir: str | None = None
+    """Write the final weights as a HF directory here."""
+
+
+class LogSection(_Section):
+    dir: str | None = None
+    """metrics.jsonl and TensorBoard files; None: console only."""
+    every: PositiveInt = 1
+    tensorboard: bool = True
+    progress: bool = True
+    peak_tflops: PositiveFloat | None = None
+    """Peak dense TFLOP/s of one device for MFU; default: known GPUs, none on CPU."""
+
+
+class Config(_Section):
+    model: ModelSection
+    data: DataSection
+    train: TrainSection
+    attention: AttentionSection = AttentionSection()
+    parallel: ParallelSection = ParallelSection()
+    optim: OptimSection = OptimSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    log: LogSection = LogSection()
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "Config":
+        att, seq = self.attention, self.data.seq_len
+        try:
+            make_layout(att.layout, seq, self.parallel.context, att.block_size)
+        except ValueError as err:
+            raise ValueError(f"data.seq_len: {err} (or change attention.layout / attention.block_size)") from None
+        if att.sparse:
+            self._check_pattern()
+        if self.optim.warmup_steps > self.train.steps:
+            raise ValueError(
+                f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps}); lower it"
+            )
+        if self.checkpoint.every is not None and self.checkpoint.dir is None:
+            raise ValueError("checkpoint.every is set but checkpoint.dir is not; set checkpoint.dir")
+        if any(layer < 0 for layer in att.dense_layers):
+            raise ValueError(f"attention.dense_layers must be layer indices >= 0, got {att.dense_layers}")
+        return self
+
+    def _check_pattern(self) -> None:
+        from ..ops.estimate import PatternConfig
+
+        att, seq = self.attention, self.data.seq_len
+        budgets = {"v_size": att.v_size, "s_size": att.s_size, "last_q": att.last_q}
+        for name, value in budgets.items():
+            if att.budgets is None and value > seq:
+                raise ValueError(f"attention.{name} ({value}) exceeds data.seq_len ({seq}); lower it to at most {seq}")
+        try:
+            PatternConfig(
+                **({} if att.budgets is not None else {"v_size": att.v_size, "s_size": att.s_size}),
+                last_q=att.last_q,
+                block_size=att.block_size,
+                sink_tokens=att.sink_tokens,
+                local_window=att.local_window,
+                threshold=att.threshold,
+            )
+        except ValueError as err:
+            raise ValueError(f"attention: {err}") from None
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.data * self.parallel.context
+
+    def check_world_size(self, world_size: int) -> None:
+        """Fail unless the launched ranks form the data x context mesh."""
+        if world_size != self.world_size:
+            p = self.parallel
+            launch = f"launch {self.world_size} ranks (mtraining train --nproc {self.world_size}, or torchrun --nproc_per_node {self.world_size})"
+            if world_size % p.context == 0:
+                hint = f"set parallel.data={world_size // p.context} or {launch}"
+            else:
+                fit = f"a divisor of {world_size}" if world_size > 1 else "1"
+                hint = f"{launch}, or set parallel.context to {fit}"
+            raise ValueError(
+                f"{world_size} ranks were launched but parallel.data x parallel.context = {p.data} x {p.context} "
+                f"= {self.world_size}; {hint}"
+            )
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the fix."""
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set ``section.key=value`` entries (values parsed as YAML) on a nested dict, returning a copy."""
+    out = yaml.safe_load(yaml.safe_dump(raw)) or {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. train.steps=10")
+        node = out
+        *parents, leaf = key.strip().split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+            node = child
+        node[leaf] = yaml.safe_load(value)
+    return out
+
+
+def _format(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "config"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key; remove it or fix its spelling"
+        lines.append(f"  {where}: {msg}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def parse_config(raw: dict[str, Any], overrides: list[str] = ()) -> Config:
+    """Validate a config dict (after overrides); raise ConfigError listing every problem."""
+    try:
+        return Config.model_validate(apply_overrides(raw, list(overrides)))
+    except ValidationError as err:
+        raise ConfigError(_format(err)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    """Read a YAML config file and apply ``key=value`` overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections (model, data, train, ...)")
+    return parse_config(raw, overrides)

@@ -1,0 +1,90 @@
+"""Next-token cross-entropy that never holds the full-vocabulary logits of the whole sequence.
+
+``linear_cross_entropy`` multiplies hidden states by the LM head ``chunk_tokens`` rows at a time,
+takes the log-softmax in float32 and computes the gradients of hidden states and head weight in
+the same pass (so nothing of size tokens x vocab is kept for backward). On CUDA, liger-kernel's
+fused kernel can be used instead when it is installed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+IGNORE_INDEX = -100
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Sum over rows of CE(hidden @ weight.T, labels); gradients computed chunk by chunk in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        grad_hidden = torch.zeros_like(hidden) if need_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad else None
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            h, y = hidden[rows], labels[rows]
+            logits = (h @ weight.T).to(acc)
+            logz = torch.logsumexp(logits, dim=-1)
+            valid = y != IGNORE_INDEX
+            target = y.clamp(min=0)
+            picked = logits.gather(-1, target[:, None])[:, 0]
+            total += torch.where(valid, logz - picked, 0.0).sum()
+            if need_grad:
+                dlogits = torch.softmax(logits, dim=-1)  # d(logz - picked)/d logits = softmax - onehot
+                dlogits[torch.arange(len(y), device=y.device), target] -= 1.0
+                dlogits *= valid[:, None]
+                grad_hidden[rows] = (dlogits.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_weight += dlogits.T @ h.to(acc)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_out.to(grad_hidden.dtype), (grad_weight * grad_out).to(ctx.weight_dtype), None, None
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int = 4096, impl: str = "chunked") -> Tensor:
+    """Summed next-token CE (float32 scalar; float64 for float64 inputs) of hidden [T, H] through head weight [V, H] against labels [T].
+
+    Labels equal to -100 are ignored. ``impl``: "chunked" (any device) or "liger" (CUDA, liger-kernel).
+    """
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden must be [tokens, hidden] with labels [tokens], got {tuple(hidden.shape)} and {tuple(labels.shape)}")
+    if impl == "liger":
+        try:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        except ImportError:
+            raise ValueError("train.loss_impl=liger needs liger-kernel: pip install liger-kernel (CUDA only)") from None
+        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")(weight, hidden, labels).float()
+    if impl != "chunked":
+        raise ValueError(f"loss implementation must be 'chunked' or 'liger', got {impl!r}")
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens)
+
+
+class CausalLMLoss(nn.Module):
+    """A HF causal LM whose forward returns the summed token loss of its (local) tokens.
+
+    The LM head is applied inside the chunked loss, so under FSDP2 this wrapper is the root module
+    that owns the embeddings, final norm and head, and the decoder layers are sharded below it.
+    """
+
+    def __init__(self, model: nn.Module, chunk_tokens: int = 4096, impl: str = "chunked") -> None:
+        super().__init__()
+        self.model = model
+        self.chunk_tokens = chunk_tokens
+        self.impl = impl
+
+    @property
+    def backbone(self) -> nn.Module:
+        return getattr(self.model, self.model.base_model_prefix)
+
+    def forward(self, input_ids: Tensor, labels: Tensor, position_ids: Tensor) -> Tensor:
+        hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+        weight = self.model.get_output_embeddings().weight
+        return linear_cross_entropy(hidden.flatten(0, 1), weight, labels.flatten(), self.chunk_tokens, self.impl)
