@@ -91,6 +91,47 @@ def ring_table() -> str:
     return "\n\n".join(blocks)
 
 
+def kernel_variants_table() -> str:
+    """Per-kernel CUDA ms of the kernel variants compared in one process each (A/B runs)."""
+    head = ["variant", "commit", "what", "pattern", "fwd ms", "dQ ms", "dK/dV block ms", "dK/dV vertical ms",
+            "training step ms"]
+    lines = [_row(head), _row(["---"] * len(head))]
+    for r in _load("kernel_variants"):
+        k = r.get("kernel_ms", {})
+        cells = [f"{k[name]:.1f}" if name in k else "" for name in
+                 ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_block_kernel", "_bwd_dkdv_vertical_kernel")]
+        step = f"{r['training_step_ms']:.1f}" if "training_step_ms" in r else ""
+        lines.append(_row([r["variant"], r["commit"], r["description"], r["pattern"], *cells, step]))
+    return "\n".join(lines)
+
+
+def layout_balance_table() -> str:
+    """Rank max/mean of computed pairs per layout and world size (bench/layout_balance.py)."""
+    records = _load("layout_balance")
+    if not records:
+        return ""
+    head = ["world size", *dict.fromkeys(r["layout"] for r in records)]
+    by_world: dict = {}
+    for r in records:
+        by_world.setdefault(r["world_size"], {})[r["layout"]] = r["rank_max_over_mean"]
+    r0 = records[0]
+    lines = [f"{r0['seq_len'] // 1024}K structured, density {r0['density']:.3f}, computed on {r0['device']}, "
+             f"commit {r0['commit']}:", "", _row(head), _row(["---"] * len(head))]
+    for world, cells in by_world.items():
+        lines.append(_row([str(world), *(f"{cells.get(name, float('nan')):.4f}" for name in head[1:])]))
+    return "\n".join(lines)
+
+
+def estimate_cp_table() -> str:
+    """Context-parallel estimate ms per layout and slash-sum path (A/B on the same GPUs)."""
+    head = ["seq", "layout", "slash sums", "estimate ms", "gpus", "commit"]
+    lines = [_row(head), _row(["---"] * len(head))]
+    for r in _load("estimate_cp_ab"):
+        lines.append(_row([f"{r['seq_len'] // 1024}K", r["layout"], r["slash_sums"], f"{r['estimate_cp_ms']:.2f}",
+                           f"{r['gpus']} x {r['device']}", r["commit"]]))
+    return "\n".join(lines)
+
+
 def training_tables() -> str:
     """The accuracy guard (dense vs sparse training) and end-to-end training throughput."""
     lines = []
@@ -147,7 +188,9 @@ def _eval_summary(task: str, result) -> str:
 
 def main() -> None:
     for title, table in (("sparse_attention", sparse_attention_table()), ("tune_kernels", kernel_table()),
-                         ("ring_attention", ring_table()), ("training", training_tables()), ("eval", eval_table())):
+                         ("kernel_variants", kernel_variants_table()), ("ring_attention", ring_table()),
+                         ("layout_balance", layout_balance_table()), ("estimate_cp", estimate_cp_table()),
+                         ("training", training_tables()), ("eval", eval_table())):
         print(f"<!-- {title} -->\n{table}\n")
 
 
