@@ -30,10 +30,10 @@ from mtraining.ops.attention import sparse_attention  # noqa: E402
 KERNELS = ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_block_kernel", "_bwd_dkdv_vertical_kernel")
 T = tb.Tiles
 CANDIDATES = {
-    "fwd": [T(128, 128, 64, 8, 3)],
-    "dq": [T(64, 64, 64, 4, 2), T(64, 32, 64, 4, 3)],
-    "dkdv": [T(64, 64, 64, 4, 2), T(64, 64, 64, 4, 3), T(64, 64, 64, 4, 4), T(32, 64, 64, 4, 3),
-             T(32, 128, 64, 4, 3), T(32, 128, 64, 4, 5), T(64, 128, 64, 8, 3), T(64, 64, 64, 4, 2, v_split=32)],
+    "fwd": [],
+    "dq": [],
+    "dkdv": [T(64, 64, 64, 4, 2), T(64, 128, 64, 8, 2), T(128, 64, 64, 8, 2), T(32, 64, 64, 4, 2),
+             T(64, 128, 64, 8, 3), T(32, 128, 64, 4, 2), T(128, 128, 64, 8, 2)],
 }
 
 
