@@ -85,7 +85,7 @@ def write_config(folder: Path, args, seq_len: int, mode: str, tokens: Path, chec
         optim=dict(lr=1.0e-5, warmup_steps=1),
         train=dict(steps=args.steps, device=args.device, seed=0, activation_checkpointing=True),
         checkpoint=dict(dir=None),
-        log=dict(dir=str(folder / "log"), every=1),
+        log=dict(dir=str(folder / "log"), every=1, recall=False),  # every step's time, without recall passes
     )
     path = folder / f"{mode}_{seq_len}.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -114,3 +114,11 @@ def test_activation_checkpointing_replays_the_forward_patterns():
     assert all(0 < m["density"] < 1 for m in with_ckpt)
     torch.testing.assert_close(torch.tensor([m["loss"] for m in with_ckpt]),
                                torch.tensor([m["loss"] for m in without]), rtol=1e-6, atol=0)
+
+
+def test_recall_measured_only_when_asked():
+    """log.recall=false: logged steps report density but skip the recall pass (and its cost)."""
+    quiet = run_local(_train, 1, _config("train.steps=2", "log.recall=false", *SMALL_BUDGET))[0]
+    measured = run_local(_train, 1, _config("train.steps=2", *SMALL_BUDGET))[0]
+    assert all("density" in m and "recall" not in m for m in quiet)
+    assert all(0 < m["recall"] <= 1 for m in measured)

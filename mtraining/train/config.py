@@ -134,6 +134,9 @@ class LogSection(_Section):
     dir: str | None = None
     """metrics.jsonl and TensorBoard files; None: console only."""
     every: PositiveInt = 1
+    recall: bool = True
+    """On logged steps, also measure each sparse layer's pattern recall (the attention mass its pattern
+    keeps for the last queries): one more pass over the keys per layer, timed as part of the step."""
     tensorboard: bool = True
     progress: bool = True
     peak_tflops: PositiveFloat | None = None

@@ -157,7 +157,8 @@ class Trainer:
         counts[0] = (labels != IGNORE_INDEX).sum()
         self.attention.stats.clear()
         logged = (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps
-        self.attention.record, self.attention.replay = ("recall" if logged else "density"), False
+        recall = logged and cfg.log.recall
+        self.attention.record, self.attention.replay = ("recall" if recall else "density"), False
         loss_sum = self.model(input_ids, labels, position_ids)
         # activation checkpointing re-runs the forward in the backward: with the forward's patterns
         # (attention.replay_patterns), recording nothing
