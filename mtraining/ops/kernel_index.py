@@ -102,26 +102,29 @@ def _block_lists(
 
     Only blocks present on both sides are listed (``start >= 0``), so a diagonal that connects no
     block of this chunk pair drops out here without a separate test."""
-    nb, block_size = other_block_start.shape[0], pattern.block_size
+    nb = other_block_start.shape[0]
     diags = pattern.block_diags
     real = torch.arange(diags.shape[-1], device=diags.device) < pattern.num_diags[..., None]
     other = gblock[None, None, :, None] + sign * diags[:, :, None, :]  # [B, H, nBlocks, D]
     ok = real[:, :, None, :] & (diags[:, :, None, :] > 0) & (other >= 0) & (other < nb)
     start = other_block_start[other.clamp(0, nb - 1).long()]
-    # a block meets each block of the other chunk at most once: a host-known bound, no device sync.
-    width = min(diags.shape[-1], -(-other_len // block_size))
-    return compact(start, ok & (start >= 0), _ABSENT, width=width)
+    return compact(start, ok & (start >= 0), _ABSENT, width=list_width(pattern, other_len))
+
+
+def list_width(pattern: VerticalSlashPattern, other_len: int) -> int:
+    """Width of a walk's block lists: a block meets each block of the other chunk (``other_len``
+    rows) at most once, through at most every diagonal of the pattern. Host-known: no device sync."""
+    return max(min(pattern.block_diags.shape[-1], -(-other_len // pattern.block_size)), 1)
 
 
 @dataclass(frozen=True)
 class ChunkPair:
-    """What both walks need: block starts, the pattern's diagonals, vertical columns of the key chunk."""
+    """What both walks need: positions, block starts, the diagonal mask, vertical columns of the key chunk."""
 
     q_pos: Tensor
     k_pos: Tensor
     q_block_start: Tensor
     k_block_start: Tensor
-    diags: Tensor
     diag_mask: Tensor
     vcols: Tensor
     vcol_pos: Tensor
@@ -154,8 +157,8 @@ def chunk_pair_torch(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor
     vcols, _ = compact(local, real_v & (k_pos[local.long()] == vpos), sk, width=local.shape[-1])
     vcol_pos = torch.where(vcols < sk, k_pos[vcols.clamp(max=sk - 1).long()], _ABSENT).contiguous()
     diag_mask = pattern.diag_mask()
-    return ChunkPair(q_pos, k_pos, q_block_start, k_block_start, pattern.block_diags,
-                     diag_mask.to(torch.int8).contiguous(), vcols, vcol_pos)
+    return ChunkPair(q_pos, k_pos, q_block_start, k_block_start, diag_mask.to(torch.int8).contiguous(), vcols,
+                     vcol_pos)
 
 
 def _local_gblock(pos: Tensor, block_size: int) -> Tensor:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .kernel_index import _ABSENT, ChunkPair, KeyWalk, QueryWalk
+from .kernel_index import _ABSENT, ChunkPair, KeyWalk, QueryWalk, list_width
 from .pattern import VerticalSlashPattern
 
 ABSENT = tl.constexpr(_ABSENT)
@@ -204,7 +204,7 @@ def chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> C
         *pattern.block_diags.stride()[:2], *pattern.vertical_pos.stride()[:2], *pattern.num_verticals.stride(),
         G=pattern.block_size, BLOCK_NB=BLOCKS["nb"], BLOCK_V=BLOCKS["verts"],
     )
-    return ChunkPair(q_pos, k_pos, q_start, k_start, pattern.block_diags, diag_mask, vcols, vcol_pos)
+    return ChunkPair(q_pos, k_pos, q_start, k_start, diag_mask, vcols, vcol_pos)
 
 
 def _walk(pattern: VerticalSlashPattern, pair: ChunkPair, query: bool, extra: int, x_step: int):
@@ -214,10 +214,9 @@ def _walk(pattern: VerticalSlashPattern, pair: ChunkPair, query: bool, extra: in
     sq, sk = pair.q_pos.shape[0], pair.k_pos.shape[0]
     this_len, other_len = (sq, sk) if query else (sk, sq)
     n = -(-this_len // g)
-    b, h, d = pattern.block_diags.shape
+    b, h, _ = pattern.block_diags.shape
     vw = pair.vcol_pos.shape[-1]
-    # a block meets each block of the other chunk at most once (kernel_index._block_lists)
-    width = max(min(d, -(-other_len // g)), 1)
+    width = list_width(pattern, other_len)
     gblock = torch.empty(n, dtype=torch.int32, device=dev) if query else None
     starts = torch.empty((b, h, n, width), dtype=torch.int32, device=dev)
     count = torch.empty((b, h, n), dtype=torch.int32, device=dev)
