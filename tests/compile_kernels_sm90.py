@@ -18,6 +18,7 @@ INT_POINTERS = {"QPos", "KPos", "QGBlock", "Starts", "Count", "DiagStart", "VCol
 FP32_POINTERS = {"Lse", "Delta", "DQ", "DK", "DV"}
 DATA_POINTERS = {"Q", "K", "V", "Out", "DO"}
 FLOAT_SCALARS = {"qk_scale", "sm_scale"}
+DESCRIPTORS = {"KDesc", "VDesc"}
 
 
 def signature(fn, constexprs: dict) -> dict:
@@ -33,6 +34,8 @@ def signature(fn, constexprs: dict) -> dict:
             sig[name] = "*fp32"
         elif name in DATA_POINTERS:
             sig[name] = "*bf16"
+        elif name in DESCRIPTORS:  # key/value tiles of one head (triton_backend._key_tiles)
+            sig[name] = f"tensordesc<bf16[1,{constexprs['BLOCK_N']},1,{constexprs['HEAD_DIM']}]>"
         elif name in FLOAT_SCALARS:
             sig[name] = "fp32"
         else:

@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 import triton
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import triton_kernels as tk
 from .kernel_index import DENSE_BLOCK, ChunkPair, KeyWalk, QueryWalk, build_key_walk, build_query_walk, chunk_pair
@@ -92,6 +93,16 @@ def _unit_stride(*tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
 
 
+def _key_tiles(t: Tensor, block_n: int) -> TensorDescriptor:
+    """Descriptor of [B, S, H, D] keys or values read in tiles of ``block_n`` rows of one head.
+
+    TMA needs a 16-byte aligned base and strides: anything else (a view at an odd offset) is copied.
+    """
+    if t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+        t = t.clone(memory_format=torch.contiguous_format)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_n, 1, t.shape[-1]])
+
+
 def _resolve(q: Tensor, pattern: VerticalSlashPattern | None, q_pos: Tensor, k_pos: Tensor) -> VerticalSlashPattern:
     """A dense pattern stands in for pattern=None (dense causal)."""
     if pattern is not None:
@@ -131,7 +142,7 @@ def forward(
         out = torch.full((b, sq, hq, d), float("nan"), dtype=out_dtype, device=q.device)
         lse = torch.full((b, hq, sq), float("nan"), dtype=torch.float32, device=q.device)
     tk._fwd_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
-        q, k, v, out, lse, q_pos, k_pos, *tensors,
+        q, k, v, _key_tiles(k, t.block_n), _key_tiles(v, t.block_n), out, lse, q_pos, k_pos, *tensors,
         scale * tk.LOG2E, sq, k.shape[1], hq, hq // k.shape[2],
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride()[:2], *strides,
         G=pattern.block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_V=t.block_v, HEAD_DIM=d,
@@ -178,7 +189,7 @@ def backward(
         t = cfg.dq
         tensors, strides = _query_walk_args(query_walk(pattern, q_pos, k_pos))
         tk._bwd_dq_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
-            q, k, v, do, lse, delta, dq, q_pos, k_pos, *tensors,
+            q, k, v, _key_tiles(k, t.block_n), _key_tiles(v, t.block_n), do, lse, delta, dq, q_pos, k_pos, *tensors,
             *scales, sq, sk, hq, group, *qkv_strides, *strides,
             G=pattern.block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_V=t.block_v, HEAD_DIM=d,
             num_warps=t.num_warps, num_stages=t.num_stages,
