@@ -55,7 +55,7 @@ class AttentionContext:
             pairs runs dense for that call (sparse kernels are slower than dense there); None: never.
         backend: "auto", "torch" or "triton".
         record: what each sparse layer records in ``stats``: nothing, density, or density and recall
-            (recall costs about two estimation passes). The trainer turns it off for the backward
+            (recall costs about one more estimation pass). The trainer turns it off for the backward
             pass, where activation checkpointing recomputes the forward.
         stats: per-layer ``PatternStats`` of the last recorded forward (for logging).
         replay_patterns: None, or a dict in which each sparse layer's forward keeps the pattern it

@@ -2,8 +2,10 @@
 
 Measured like the estimation itself, on the last ``last_q`` queries of the sequence: their exact
 softmax over all keys, summed over the pairs the pattern keeps, averaged over rows and heads.
-Works on one device or across a context-parallel group (keys sharded in a layout); costs about
-two passes of ``last_q`` rows over the keys, so the trainer measures it on logging steps only.
+Works on one device or across a context-parallel group (keys sharded in a layout). One pass of
+``last_q`` rows over the keys (scored as the estimation scores them) gives per row the LSE over
+all causal keys and the LSE over the kept ones; their difference is the log of the kept mass.
+The trainer still measures it on logging steps only.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..ops.estimate import _acc_dtype, _grouped_queries, _scores
 from ..ops.pattern import VerticalSlashPattern
 from ..parallel.layout import Layout
 
@@ -30,14 +33,17 @@ def _last_rows(q: Tensor, seq_len: int, last_q: int, layout: Layout | None, grou
     return rows, pos.to(q.device)
 
 
-def _chunk_scores(q_last: Tensor, q_pos: Tensor, k: Tensor, k_pos: Tensor, scale: float) -> Tensor:
-    """Scaled causal scores [B, Hq, R, C] in float32 or float64 (-inf where not causal); K heads not copied."""
-    b, r, hq, d = q_last.shape
-    hkv = k.shape[2]
-    acc = torch.float64 if q_last.dtype == torch.float64 else torch.float32
-    qg = q_last.transpose(1, 2).to(acc).reshape(b, hkv, (hq // hkv) * r, d)
-    s = torch.matmul(qg, k.to(acc).permute(0, 2, 3, 1)).mul_(scale).view(b, hq, r, -1)
-    return s.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+def _ranks_logsumexp(lse: Tensor, group) -> Tensor:
+    """Logsumexp over the ranks of ``group`` of per-rank LSEs (-inf: the rank saw no such key).
+
+    Max over ranks, then the sum of exp below it; a row -inf on every rank stays -inf (not NaN).
+    """
+    top = lse.clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    top.clamp_(min=torch.finfo(top.dtype).min)
+    total = torch.exp(lse - top)
+    dist.all_reduce(total, group=group)
+    return top + torch.log(total)
 
 
 @torch.no_grad()
@@ -54,30 +60,27 @@ def pattern_recall(
 
     Single device (no ``layout``): q [B, S, Hq, D], k [B, S, Hkv, D] hold positions 0..S-1.
     Context parallel: q/k are this rank's shards in ``layout`` over ``group``; collective.
+    A row's kept probability is exp(LSE over kept keys - LSE over all causal keys), both in
+    float32 (float64 for float64 inputs) and merged chunk by chunk, then over ranks.
     """
     seq_len = pattern.seq_len
     q_last, q_pos = _last_rows(q, seq_len, min(last_q, seq_len), layout, group)
-    if layout is None:
-        k_pos = torch.arange(k.shape[1], device=k.device)
-    else:
-        k_pos = layout.positions(dist.get_rank(group)).to(k.device)
+    host_pos = torch.arange(k.shape[1]) if layout is None else layout.positions(dist.get_rank(group))
+    k_pos = host_pos.to(k.device)
     b, r, hq, _ = q_last.shape
+    qg = _grouped_queries(q_last, k.shape[2])
+    lse = torch.full((2, b, hq, r), float("-inf"), dtype=_acc_dtype(q), device=q.device)  # all causal keys, kept keys
     step = max(1, _CHUNK_ELEMENTS // (b * hq * r))
-    chunks = [(k[:, i : i + step], k_pos[i : i + step]) for i in range(0, k.shape[1], step)]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lse = torch.full((b, hq, r), float("-inf"), dtype=acc, device=q.device)
-    for kc, pc in chunks:
-        lse = torch.logaddexp(lse, torch.logsumexp(_chunk_scores(q_last, q_pos, kc, pc, scale), dim=-1))
-    if layout is not None:  # global row LSE: max, then sum of exp over ranks
-        top = lse.clone()
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        total = torch.exp(lse - top)
-        dist.all_reduce(total, group=group)
-        lse = top + torch.log(total)
-    kept = torch.zeros((), dtype=torch.float64, device=q.device)
-    for kc, pc in chunks:
-        p = torch.exp(_chunk_scores(q_last, q_pos, kc, pc, scale) - lse[..., None])
-        kept += (p * pattern.pair_mask(q_pos, pc)).sum(dtype=torch.float64)
+    for i in range(0, k.shape[1], step):
+        pc = k_pos[i : i + step]
+        s = _scores(qg, k[:, i : i + step].permute(0, 2, 3, 1)).mul_(scale).view(b, hq, r, -1)
+        if host_pos[i : i + step].max() > seq_len - r:  # a key some row must not see (known on the host)
+            s.masked_fill_(pc > q_pos[:, None], float("-inf"))
+        # the chunk's two row LSEs with one exp: top + log(sum of exp(s - top)) over all / kept keys
+        top = s.amax(-1, keepdim=True).clamp_(min=torch.finfo(s.dtype).min)  # rows seeing no key here: exp -> 0
+        e = s.sub_(top).exp_()
+        sums = torch.stack([e.sum(-1), e.masked_fill_(~pattern.pair_mask(q_pos, pc), 0).sum(-1)])
+        lse = torch.logaddexp(lse, sums.log_().add_(top.squeeze(-1)))
     if layout is not None:
-        dist.all_reduce(kept, group=group)
-    return float(kept) / (b * hq * r)
+        lse = _ranks_logsumexp(lse, group)
+    return float(torch.exp(lse[1] - lse[0]).mean(dtype=torch.float64))
