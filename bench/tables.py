@@ -74,18 +74,19 @@ def kernel_table() -> str:
 
 def ring_table() -> str:
     head = ["seq", "method", "layout", "density", "estimate ms", "fwd ms", "bwd ms", "fwd+bwd ms", "vs torch CP",
-            "imbalance max/mean", "note"]
+            "fwd+bwd / (density x torch CP)", "imbalance max/mean", "note"]
     blocks = []
     for (gpus, device, run_commit), rows in _runs(_load("ring_attention"), lambda r: (r["gpus"], r["device"], r["commit"])):
         torch_cp = {r["seq_len"]: r["fwd_bwd_ms"] for r in rows if r["method"] == "torch_cp"}
         lines = [f"{gpus} x {device}, commit {run_commit}:", "", _row(head), _row(["---"] * len(head))]
         for r in rows:
-            ratio = torch_cp.get(r["seq_len"], float("nan")) / r["fwd_bwd_ms"]
+            dense_ms = torch_cp.get(r["seq_len"], float("nan"))
             imb = "" if r["imbalance_max_over_mean"] is None else f"{r['imbalance_max_over_mean']:.3f}"
             lines.append(_row([
                 f"{r['seq_len'] // 1024}K", r["method"], r["layout"] or "", f"{r['density']:.3f}",
                 "" if r.get("estimate_ms") is None else f"{r['estimate_ms']:.1f}", f"{r['fwd_ms']:.1f}",
-                f"{r['bwd_ms']:.1f}", f"{r['fwd_bwd_ms']:.1f}", f"{ratio:.2f}x", imb, r["note"],
+                f"{r['bwd_ms']:.1f}", f"{r['fwd_bwd_ms']:.1f}", f"{dense_ms / r['fwd_bwd_ms']:.2f}x",
+                f"{r['fwd_bwd_ms'] / (r['density'] * dense_ms):.2f}" if r["density"] < 1 else "", imb, r["note"],
             ]))
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
@@ -129,6 +130,16 @@ def estimate_cp_table() -> str:
     for r in _load("estimate_cp_ab"):
         lines.append(_row([f"{r['seq_len'] // 1024}K", r["layout"], r["slash_sums"], f"{r['estimate_cp_ms']:.2f}",
                            f"{r['gpus']} x {r['device']}", r["commit"]]))
+    return "\n".join(lines)
+
+
+def recall_table() -> str:
+    """Cost of one pattern_recall call (the trainer's logging metric) next to one estimation."""
+    head = ["seq", "last_q", "recall ms", "estimate ms", "recall", "device", "commit"]
+    lines = [_row(head), _row(["---"] * len(head))]
+    for r in _load("recall_cost"):
+        lines.append(_row([f"{r['seq_len'] // 1024}K", r["last_q"], f"{r['recall_ms']:.1f}", f"{r['estimate_ms']:.1f}",
+                           f"{r['recall']:.3f}", r["device"], r["commit"]]))
     return "\n".join(lines)
 
 
@@ -190,7 +201,7 @@ def main() -> None:
     for title, table in (("sparse_attention", sparse_attention_table()), ("tune_kernels", kernel_table()),
                          ("kernel_variants", kernel_variants_table()), ("ring_attention", ring_table()),
                          ("layout_balance", layout_balance_table()), ("estimate_cp", estimate_cp_table()),
-                         ("training", training_tables()), ("eval", eval_table())):
+                         ("training", training_tables()), ("recall_cost", recall_table()), ("eval", eval_table())):
         print(f"<!-- {title} -->\n{table}\n")
 
 
