@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -85,14 +86,16 @@ def write_config(folder: Path, args, seq_len: int, mode: str, tokens: Path, chec
         optim=dict(lr=1.0e-5, warmup_steps=1),
         train=dict(steps=args.steps, device=args.device, seed=0, activation_checkpointing=True),
         checkpoint=dict(dir=None),
-        log=dict(dir=str(folder / "log"), every=1, recall=False),  # every step's time, without recall passes
+        log=dict(dir=str(folder / "log"), every=1, recall=False,  # every step's time, without recall passes
+                 profile_step=args.steps if args.profile_dir else None),
     )
     path = folder / f"{mode}_{seq_len}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
-def run_one(path: Path, gpus: int, log_dir: Path, warmup: int) -> dict:
+def run_one(path: Path, gpus: int, log_dir: Path, warmup: int, profiled: bool) -> dict:
+    """Train as configured; medians over the steps after ``warmup`` (and before a profiled last step)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
            "-m", "mtraining.cli", "train", str(path)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -100,7 +103,7 @@ def run_one(path: Path, gpus: int, log_dir: Path, warmup: int) -> dict:
     if proc.returncode != 0 or not metrics.exists():
         return dict(error=(proc.stderr or proc.stdout)[-2000:])
     steps = [json.loads(line) for line in metrics.read_text().splitlines()]
-    timed = steps[warmup:] or steps
+    timed = steps[warmup : len(steps) - profiled] or steps
     return dict(
         step_s=statistics.median(s["step_s"] for s in timed),
         tokens_per_s=statistics.median(s["tokens_per_s"] for s in timed),
@@ -123,6 +126,9 @@ def main() -> None:
     p.add_argument("--init", choices=["structured", "random"], default="structured",
                    help="structured: random weights whose q/k biases give attention the local-heavy structure of "
                         "trained heads (structured_checkpoint); random: plain random init (dense patterns)")
+    p.add_argument("--profile-dir", type=Path, default=None,
+                   help="profile the last step (torch.profiler, left out of the medians) and copy rank 0's table "
+                        "of the costliest kernels here as profile_<mode>_<seq>.txt")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     vocab = ARCHS[args.arch]["vocab_size"]
@@ -138,7 +144,11 @@ def main() -> None:
                 folder = tmp / f"{mode}_{seq_len}"
                 folder.mkdir()
                 path = write_config(folder, args, seq_len, mode, tokens, checkpoint)
-                result = run_one(path, args.gpus, folder / "log", args.warmup)
+                result = run_one(path, args.gpus, folder / "log", args.warmup, args.profile_dir is not None)
+                if args.profile_dir is not None and "error" not in result:
+                    args.profile_dir.mkdir(parents=True, exist_ok=True)
+                    table = folder / "log" / f"profile_step{args.steps}_rank0.txt"
+                    shutil.copy(table, args.profile_dir / f"profile_{mode}_{seq_len}.txt")
                 rec = dict(device=device_name() if args.device == "cuda" else "cpu", gpus=args.gpus, commit=commit(),
                            command=command_line(), model=args.arch, seq_len=seq_len,
                            attention="mtraining sparse" if mode == "sparse" else "dense (cuDNN; zigzag ring if CP)",

@@ -141,6 +141,15 @@ class LogSection(_Section):
     progress: bool = True
     peak_tflops: PositiveFloat | None = None
     """Peak dense TFLOP/s of one device for MFU; default: known GPUs, none on CPU."""
+    profile_step: PositiveInt | None = None
+    """Run this step (1-based) under torch.profiler; each rank writes a Chrome trace and a table of
+    the costliest ops into ``log.dir`` (mtraining/train/profile.py)."""
+
+    @model_validator(mode="after")
+    def _profile_needs_dir(self) -> "LogSection":
+        if self.profile_step is not None and self.dir is None:
+            raise ValueError("log.profile_step writes its trace into log.dir: set log.dir (for example log.dir=runs/profile)")
+        return self
 
 
 class Config(_Section):

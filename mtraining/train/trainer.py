@@ -30,6 +30,7 @@ from .loss import IGNORE_INDEX, CausalLMLoss
 from .monitor import Monitor, flops_per_token, matmul_params, peak_memory_gb, peak_tflops
 from .optim import build_optimizer, lr_at, set_lr
 from .packing import PackedSamples, shard_batch
+from .profile import step_profiler, write_profile
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -227,7 +228,13 @@ class Trainer:
         """Train to ``train.steps``, checkpointing and exporting as configured; returns every step's metrics."""
         ck, history = self.cfg.checkpoint, []
         while self.step < self.cfg.train.steps:
-            metrics = self.train_step()
+            if self.step + 1 == self.cfg.log.profile_step:
+                with step_profiler(self.par.device) as prof:
+                    metrics = self.train_step()
+                table = write_profile(prof, self.cfg.log.dir, self.step, self.par.rank, self.par.device)
+                self.monitor.write(f"profile of step {self.step}: {table} and its .json trace (one per rank)")
+            else:
+                metrics = self.train_step()
             history.append(metrics)
             self.monitor.log(self.step, metrics)
             last = self.step == self.cfg.train.steps
