@@ -84,7 +84,8 @@ def write_config(folder: Path, args, seq_len: int, mode: str, tokens: Path, chec
         parallel=dict(data=1, context=args.gpus),
         data=dict(sources=[str(tokens)], seq_len=seq_len, batch_size=1, shuffle=False),
         optim=dict(lr=1.0e-5, warmup_steps=1),
-        train=dict(steps=args.steps, device=args.device, seed=0, activation_checkpointing=True),
+        train=dict(steps=args.steps, device=args.device, seed=0, activation_checkpointing=True,
+                   fused_kernels=args.fused_kernels),
         checkpoint=dict(dir=None),
         log=dict(dir=str(folder / "log"), every=1, recall=False,  # every step's time, without recall passes
                  profile_step=args.steps if args.profile_dir else None),
@@ -126,9 +127,11 @@ def main() -> None:
     p.add_argument("--init", choices=["structured", "random"], default="structured",
                    help="structured: random weights whose q/k biases give attention the local-heavy structure of "
                         "trained heads (structured_checkpoint); random: plain random init (dense patterns)")
+    p.add_argument("--fused-kernels", choices=["none", "liger"], default="none",
+                   help="train.fused_kernels: liger-kernel's fused RMSNorm/SwiGLU/RoPE (CUDA, needs liger-kernel)")
     p.add_argument("--profile-dir", type=Path, default=None,
                    help="profile the last step (torch.profiler, left out of the medians) and copy rank 0's table "
-                        "of the costliest kernels here as profile_<mode>_<seq>.txt")
+                        "of the costliest kernels here as profile_<mode>_<seq>_<fused kernels>.txt")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     vocab = ARCHS[args.arch]["vocab_size"]
@@ -148,11 +151,11 @@ def main() -> None:
                 if args.profile_dir is not None and "error" not in result:
                     args.profile_dir.mkdir(parents=True, exist_ok=True)
                     table = folder / "log" / f"profile_step{args.steps}_rank0.txt"
-                    shutil.copy(table, args.profile_dir / f"profile_{mode}_{seq_len}.txt")
+                    shutil.copy(table, args.profile_dir / f"profile_{mode}_{seq_len}_{args.fused_kernels}.txt")
                 rec = dict(device=device_name() if args.device == "cuda" else "cpu", gpus=args.gpus, commit=commit(),
                            command=command_line(), model=args.arch, seq_len=seq_len,
                            attention="mtraining sparse" if mode == "sparse" else "dense (cuDNN; zigzag ring if CP)",
-                           layout=MODES[mode]["layout"], ring="flat", init=args.init,
+                           layout=MODES[mode]["layout"], ring="flat", init=args.init, fused_kernels=args.fused_kernels,
                            config=yaml.safe_load(path.read_text()),
                            **result)
                 records.append(rec)

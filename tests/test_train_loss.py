@@ -29,6 +29,27 @@ def test_chunked_cross_entropy_matches_full_logits(chunk):
     torch.testing.assert_close(weight.grad, w2.grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_chunked_cross_entropy_half_precision_on_gpu():
+    """bf16 on CUDA (tensor-core products with float32 results) against float64 on the same values."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(3000, 256, device="cuda", generator=gen).bfloat16().requires_grad_()
+    weight = (0.1 * torch.randn(5000, 256, device="cuda", generator=gen)).bfloat16().requires_grad_()
+    labels = torch.randint(0, 5000, (3000,), device="cuda", generator=gen)
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_tokens=1024)
+    loss.backward()
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    ref = F.cross_entropy(h64 @ w64.T, labels, reduction="sum")
+    ref.backward()
+
+    def rel(got, want):
+        return ((got.double() - want).norm() / want.norm()).item()
+
+    assert loss.dtype == torch.float32 and rel(loss, ref) < 1e-5
+    assert rel(hidden.grad, h64.grad) < 1e-2 and rel(weight.grad, w64.grad) < 1e-2
+
+
 def test_chunked_cross_entropy_without_grad_and_bad_input():
     hidden, weight = torch.randn(5, 4), torch.randn(9, 4)
     with torch.no_grad():

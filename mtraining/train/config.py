@@ -117,6 +117,16 @@ class TrainSection(_Section):
     """Rows of logits materialised at once by the chunked cross-entropy."""
     loss_impl: Literal["chunked", "liger"] = "chunked"
     """Cross-entropy: our chunked one (any device) or liger-kernel's fused kernel (CUDA, if installed)."""
+    fused_kernels: Literal["none", "liger"] = "none"
+    """liger: liger-kernel's fused RMSNorm, SwiGLU and RoPE in the decoder layers (CUDA; pip install
+    liger-kernel); none: the model's own modules."""
+
+    @model_validator(mode="after")
+    def _fused_kernels_need_cuda(self) -> "TrainSection":
+        if self.fused_kernels == "liger" and self.device == "cpu":
+            raise ValueError("train.fused_kernels=liger runs Triton kernels on CUDA only: "
+                             "set train.fused_kernels=none for train.device=cpu")
+        return self
 
 
 class CheckpointSection(_Section):

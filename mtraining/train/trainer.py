@@ -19,6 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..models import AttentionContext, bind, build_model, export_hf
+from ..models.fused import use_liger_kernels
 from ..ops.budgets import load_budgets
 from ..ops.estimate import PatternConfig
 from ..parallel.layout import make_layout
@@ -80,6 +81,10 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         hf = build_model(cfg.model.path, cfg.model.config, cfg.model.rope_theta, cfg.model.rope_parameters)
         self._check_vocab(hf)
+        if cfg.train.fused_kernels == "liger":
+            if par.device.type != "cuda":
+                raise ValueError("train.fused_kernels=liger runs on CUDA only: set train.fused_kernels=none on the CPU")
+            use_liger_kernels(hf)
         self.hf_config = hf.config
         self.layout = make_layout(att.layout, data.seq_len, par.cp_size, att.block_size)
         self.attention = bind(
