@@ -158,7 +158,7 @@ def training_tables() -> str:
                                "" if r["density"] is None else f"{r['density']:.3f}",
                                "" if r["recall"] is None else f"{r['recall']:.3f}"]))
         lines.append("")
-    head = ["gpus", "model", "init", "seq", "attention", "layout", "fused kernels", "step s", "tokens/s", "peak GB",
+    head = ["gpus", "model", "init", "seq", "attention", "layout", "fused kernels", "saved attn", "step s", "tokens/s", "peak GB",
             "MFU", "density", "commit"]
     rows = _load("train_throughput")
     if rows:
@@ -166,6 +166,7 @@ def training_tables() -> str:
         for r in rows:
             lines.append(_row([r["gpus"], r["model"], r.get("init", "random"), f"{r['seq_len'] // 1024}K",
                                r["attention"], r["layout"], r.get("fused_kernels", "none"),
+                               "yes" if r.get("save_attention_outputs") else "no",
                                f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['peak_mem_gb']:.1f}",
                                f"{r['mfu']:.3f}", "" if r["density"] is None else f"{r['density']:.3f}", r["commit"]]))
     return "\n".join(lines)

@@ -247,3 +247,27 @@ def test_keys_at_unaligned_addresses():
     (want,) = torch.autograd.grad(ref, storage, grad.double())
     assert (out.double() - ref).abs().max() < 1e-5
     assert (got.double() - want).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("pattern_kind", ["local_plus_verticals", "none"])
+def test_reuse_skips_the_forward_and_gives_the_same_gradients(monkeypatch, pattern_kind):
+    """sparse_attention(reuse=(out, lse)) runs no forward kernel and backpropagates exactly as the call it reuses."""
+    import mtraining.ops.attention as attention
+
+    gen = torch.Generator().manual_seed(14)
+    q, k, v = random_qkv(1, 48, 48, 4, 2, 16, torch.float32, gen)
+    pattern = make_pattern(pattern_kind, 1, 4, 48, 16, gen)
+    grad = torch.randn(q.shape, generator=gen)
+    first = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = sparse_attention(*first, pattern, return_lse=True, backend="triton")
+    out.backward(grad)
+    calls = []
+    monkeypatch.setattr(attention, "attention_forward", lambda *a, **kw: calls.append(1))
+    again = [t.clone().requires_grad_() for t in (q, k, v)]
+    out2 = sparse_attention(*again, pattern, backend="triton", reuse=(out.detach(), lse))
+    out2.backward(grad)
+    assert not calls and torch.equal(out2, out)
+    for a, b in zip(first, again):
+        assert torch.equal(a.grad, b.grad)
+    with pytest.raises(ValueError, match="return_lse=True"):
+        sparse_attention(q, k, v, pattern, backend="triton", reuse=(out.detach(), lse[:, :2]))

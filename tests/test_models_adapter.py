@@ -140,3 +140,23 @@ def test_replay_reuses_the_forward_patterns(monkeypatch):
     ctx.replay = True
     assert torch.equal(ours(input_ids=ids, use_cache=False).logits, first)
     assert ctx.replay_patterns == {}  # each pattern is taken back once
+
+
+def test_replay_reuses_the_forward_outputs(monkeypatch):
+    """With replay_outputs, the replayed forward takes each layer's (out, lse) back: no attention runs."""
+    import mtraining.ops.attention as attention
+
+    ours, _ = _pair("qwen2")
+    ids = torch.randint(0, 96, (1, 64))
+    sparse = PatternConfig(v_size=8, s_size=16, last_q=8, block_size=16, sink_tokens=2, local_window=16)
+    ctx = bind(ours, AttentionContext(pattern_config=sparse, replay_patterns={}, replay_outputs={}))
+    first = ours(input_ids=ids, use_cache=False).logits
+    assert sorted(ctx.replay_outputs) == [0, 1]
+
+    def no_attention(*args, **kwargs):
+        raise AssertionError("replay must not run attention again")
+
+    monkeypatch.setattr(attention, "attention_forward", no_attention)
+    ctx.replay = True
+    assert torch.equal(ours(input_ids=ids, use_cache=False).logits, first)
+    assert ctx.replay_outputs == {}

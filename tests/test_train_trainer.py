@@ -118,6 +118,18 @@ def test_activation_checkpointing_replays_the_forward_patterns():
                                torch.tensor([m["loss"] for m in without]), rtol=1e-6, atol=0)
 
 
+def test_saved_attention_outputs_replace_the_recomputed_attention():
+    """train.save_attention_outputs: the recomputed forward reuses each layer's (out, lse); bit-identical
+    steps, one rank and a context-parallel ring."""
+    sparse = ("attention.v_size=8", "attention.s_size=16", "attention.max_density=null", "train.steps=3")
+    for ranks, extra in ((1, ()), (2, ("parallel.context=2",))):
+        saved = run_local(_train, ranks, _config(*sparse, *extra, "train.save_attention_outputs=true"))[0]
+        plain = run_local(_train, ranks, _config(*sparse, *extra))[0]
+        assert [(m["loss"], m["grad_norm"]) for m in saved] == [(m["loss"], m["grad_norm"]) for m in plain]
+    with pytest.raises(ValueError, match="activation_checkpointing=true"):
+        _config("train.save_attention_outputs=true", "train.activation_checkpointing=false")
+
+
 def test_recall_measured_only_when_asked():
     """log.recall=false: logged steps report density but skip the recall pass (and its cost)."""
     quiet = run_local(_train, 1, _config("train.steps=2", "log.recall=false", *SMALL_BUDGET))[0]

@@ -64,6 +64,10 @@ class AttentionContext:
             under activation checkpointing: the forward recomputed in the backward is then exactly
             the forward, without a second estimation.
         replay: see ``replay_patterns``.
+        replay_outputs: None, or a dict in which each layer's forward keeps its attention (out, lse)
+            while ``replay`` is False, and from which the recomputed forward (``replay`` True) takes
+            them back instead of running attention again: one [B, S, Hq, D] output per layer held
+            from the forward to the backward, for a backward without the attention forward kernels.
     """
 
     group: dist.ProcessGroup | None = None
@@ -77,6 +81,7 @@ class AttentionContext:
     stats: dict[int, PatternStats] = field(default_factory=dict)
     replay_patterns: dict[int, VerticalSlashPattern | None] | None = None
     replay: bool = False
+    replay_outputs: dict[int, tuple[Tensor, Tensor]] | None = None
 
     def __post_init__(self) -> None:
         if self.cp_size > 1 and self.layout is None:
@@ -136,12 +141,17 @@ def mtraining_attention(
         pattern = _decide(ctx, config, layer, q, k, scale, cp)
         if saved is not None:
             saved[layer] = pattern
+    outputs = ctx.replay_outputs
+    reuse = outputs.pop(layer, None) if outputs is not None and ctx.replay else None
     if cp:
-        out = ring_attention(
-            q, k, v, ctx.group, ctx.layout, pattern=pattern, softmax_scale=scale, backend=ctx.backend, layer_idx=layer
+        out, lse = ring_attention(
+            q, k, v, ctx.group, ctx.layout, pattern=pattern, softmax_scale=scale, return_lse=True,
+            backend=ctx.backend, layer_idx=layer, reuse=reuse,
         )
     else:
-        out = sparse_attention(q, k, v, pattern, softmax_scale=scale, backend=ctx.backend)
+        out, lse = sparse_attention(q, k, v, pattern, softmax_scale=scale, return_lse=True, backend=ctx.backend, reuse=reuse)
+    if outputs is not None and not ctx.replay:
+        outputs[layer] = (out.detach(), lse)
     return out, None
 
 

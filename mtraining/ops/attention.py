@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from . import dense_blocks, torch_backend
-from .checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv, default_positions
+from .checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv, check_reuse, default_positions
 from .kernel_index import DENSE_BLOCK, check_aligned_positions
 from .pattern import VerticalSlashPattern
 
@@ -133,9 +133,11 @@ def _dense_route(q: Tensor, k: Tensor, pattern, q_pos: Tensor, k_pos: Tensor, ba
 
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, pattern, q_pos, k_pos, scale, backend):
+    def forward(ctx, q, k, v, pattern, q_pos, k_pos, scale, backend, reuse):
         route = _dense_route(q, k, pattern, q_pos, k_pos, backend)
-        if route is not None:
+        if reuse is not None:
+            out, lse = reuse
+        elif route is not None:
             out, lse = dense_blocks.forward(q, k, v, route[1], scale, q.dtype, route[0])
         else:
             out, lse = attention_forward(q, k, v, pattern, q_pos, k_pos, scale, backend=backend)
@@ -156,7 +158,7 @@ class _SparseAttention(torch.autograd.Function):
                 dout, q, k, v, lse, delta, ctx.pattern, q_pos, k_pos, ctx.scale, backend=ctx.backend,
                 dq_dtype=q.dtype,
             )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def sparse_attention(
@@ -169,14 +171,18 @@ def sparse_attention(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     backend: Backend = "auto",
+    reuse: tuple[Tensor, Tensor] | None = None,
 ):
     """Causal vertical-slash sparse attention (dense causal when ``pattern`` is None: on CUDA in
     fp16/bf16 through cuDNN as a few dense blocks, see ops/dense_blocks.py and MTRAINING_DENSE_BACKEND).
 
     q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]; positions are global (default: the last Sq of Sk keys).
     Returns out [B, Sq, Hq, D] (and lse [B, Hq, Sq] float32 with ``return_lse``). Differentiable in
-    q, k, v; the pattern carries no gradient.
+    q, k, v; the pattern carries no gradient. ``reuse``: (out, lse) that an earlier call with the same
+    inputs returned; the forward kernels are skipped and the backward uses them (for the forward
+    that activation checkpointing recomputes).
     """
     q_pos, k_pos, scale, name = prepare_inputs(q, k, v, pattern, q_pos, k_pos, softmax_scale, backend)
-    out, lse = _SparseAttention.apply(q, k, v, pattern, q_pos, k_pos, scale, name)
+    check_reuse(reuse, q)
+    out, lse = _SparseAttention.apply(q, k, v, pattern, q_pos, k_pos, scale, name, reuse)
     return (out, lse) if return_lse else out

@@ -67,3 +67,17 @@ def check_pattern(pattern, q: Tensor) -> None:
         )
     if pattern.device != q.device:
         raise ValueError(f"pattern is on {pattern.device} but q is on {q.device}; use pattern.to(q.device)")
+
+
+def check_reuse(reuse: tuple[Tensor, Tensor] | None, q: Tensor) -> None:
+    """Validate ``reuse`` = (out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq]) of an earlier forward of the same call."""
+    if reuse is None:
+        return
+    out, lse = reuse
+    b, sq, hq, _ = q.shape
+    if out.shape != q.shape or out.dtype != q.dtype or lse.shape != (b, hq, sq) or out.device != q.device:
+        raise ValueError(
+            f"reuse must be (out, lse) of an earlier forward of this call: out {tuple(q.shape)} {q.dtype} and lse "
+            f"{(b, hq, sq)} on {q.device}, got out {tuple(out.shape)} {out.dtype} and lse {tuple(lse.shape)}; "
+            "get them with return_lse=True"
+        )

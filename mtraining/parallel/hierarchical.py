@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..ops.attention import row_delta
+from ..ops.checks import check_reuse
 from ..ops.estimate import PatternConfig
 from ..ops.pattern import VerticalSlashPattern
 from . import emulation
@@ -209,6 +210,7 @@ def hierarchical_ring_attention(
     layer_idx: int = 0,
     inner_size: int | None = None,
     outer_link: emulation.LinkModel | None = None,
+    reuse: tuple[Tensor, Tensor] | None = None,
 ):
     """``ring_attention`` over a two-level ring: ``inner_size`` ranks per node (default LOCAL_WORLD_SIZE).
 
@@ -220,11 +222,12 @@ def hierarchical_ring_attention(
     pattern, name, scale, dense_ops = _prepare(
         q, k, v, group, layout, pattern, pattern_config, softmax_scale, backend, layer_idx
     )
+    check_reuse(reuse, q)
     inner = _ring_comm(groups.inner, q.device) if groups.inner is not None else None
     outer = _ring_comm(groups.outer, q.device) if groups.outer is not None else None
     link = outer_link if outer_link is not None else emulation.active_outer_link()
     if outer is not None and link is not None:
         outer = emulation.EmulatedComm(outer, link)
     plan = _HierPlan(groups.topology, inner, outer, layout, q.device, name, scale, dense_ops)
-    out, lse = _RingAttention.apply(q, k, v, pattern, plan, HIERARCHICAL)
+    out, lse = _RingAttention.apply(q, k, v, pattern, plan, HIERARCHICAL, reuse)
     return (out, lse) if return_lse else out

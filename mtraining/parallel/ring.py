@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..ops import dense_blocks
 from ..ops.attention import KERNEL_DTYPES, Backend, attention_backward, attention_forward, resolve_backend, row_delta
-from ..ops.checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv
+from ..ops.checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv, check_reuse
 from ..ops.estimate import PatternConfig
 from ..ops.pattern import VerticalSlashPattern
 from ..ops.torch_backend import merge_partial
@@ -208,9 +208,12 @@ class _RingAttention(torch.autograd.Function):
     """Autograd wrapper shared by the ring schedules (flat here, hierarchical in hierarchical.py)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pattern, plan, engine: RingEngine):
-        out, lse = engine.forward(q, k, v, pattern, plan)
-        out = out.to(q.dtype)
+    def forward(ctx, q, k, v, pattern, plan, engine: RingEngine, reuse):
+        if reuse is not None:  # (out, lse) of an earlier forward of this call: no ring pass
+            out, lse = reuse
+        else:
+            out, lse = engine.forward(q, k, v, pattern, plan)
+            out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pattern, ctx.plan, ctx.engine = pattern, plan, engine
         ctx.mark_non_differentiable(lse)
@@ -220,7 +223,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.engine.backward(dout, q, k, v, out, lse, ctx.pattern, ctx.plan)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 FLAT = RingEngine(_ring_forward, _ring_backward)
@@ -299,6 +302,7 @@ def ring_attention(
     layer_idx: int = 0,
     ring: str = "flat",
     inner_size: int | None = None,
+    reuse: tuple[Tensor, Tensor] | None = None,
 ):
     """Context-parallel causal attention (vertical-slash sparse with a pattern) over ``group``.
 
@@ -308,12 +312,15 @@ def ring_attention(
     [B, S/W, Hq, D] (and lse [B, Hq, S/W], float32 or float64 for float64 inputs). Differentiable
     in q, k, v. ``ring="hierarchical"`` runs an inner ring of ``inner_size`` ranks per node (default
     LOCAL_WORLD_SIZE) inside an outer ring across nodes (hierarchical.py); flat is inner_size = W.
+    ``reuse``: (out, lse) that an earlier call with the same inputs returned; the forward ring is
+    skipped and the backward uses them (for the forward that activation checkpointing recomputes).
     """
     if ring == "hierarchical":
         from .hierarchical import hierarchical_ring_attention
 
         return hierarchical_ring_attention(
-            q, k, v, group, layout, pattern, pattern_config, softmax_scale, return_lse, backend, layer_idx, inner_size
+            q, k, v, group, layout, pattern, pattern_config, softmax_scale, return_lse, backend, layer_idx, inner_size,
+            reuse=reuse,
         )
     if ring != "flat":
         raise ValueError(f"ring must be 'flat' or 'hierarchical', got {ring!r}")
@@ -322,7 +329,8 @@ def ring_attention(
     pattern, name, scale, dense_ops = _prepare(
         q, k, v, group, layout, pattern, pattern_config, softmax_scale, backend, layer_idx
     )
+    check_reuse(reuse, q)
     comm = _ring_comm(group if group is not None else dist.group.WORLD, q.device)
     plan = _Plan(comm, layout, q.device, name, scale, dense_ops)
-    out, lse = _RingAttention.apply(q, k, v, pattern, plan, FLAT)
+    out, lse = _RingAttention.apply(q, k, v, pattern, plan, FLAT, reuse)
     return (out, lse) if return_lse else out

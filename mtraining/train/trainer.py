@@ -98,6 +98,7 @@ class Trainer:
                 max_density=att.max_density,
                 backend=att.backend,
                 replay_patterns={} if cfg.train.activation_checkpointing else None,
+                replay_outputs={} if cfg.train.save_attention_outputs else None,
             ),
         )
         self._flops_matmul = self._flops_per_token(hf, 0.0)
@@ -174,8 +175,9 @@ class Trainer:
         tokens, total = counts.tolist()
         # FSDP averages gradients over all ranks: scale so they are d(global loss sum)/d(params) / tokens.
         (loss_sum * (par.world_size / tokens)).backward()
-        if self.attention.replay_patterns is not None:
-            self.attention.replay_patterns.clear()
+        for saved in (self.attention.replay_patterns, self.attention.replay_outputs):
+            if saved is not None:
+                saved.clear()
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.train.steps, cfg.optim.min_lr_ratio)
