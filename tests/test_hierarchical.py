@@ -235,3 +235,27 @@ def test_hierarchical_six_ranks_three_nodes_and_two_nodes(tmp_path):
         for i, name in enumerate(["out", "lse", "dq", "dk", "dv"]):
             got = layout.gather([results[r][c][i] for r in range(6)], dim=2 if name == "lse" else 1)
             assert_close(f"{name} (6 ranks, inner {inner}, {layout_name}, {kind})", got, ref[i], TOL[torch.float64])
+
+
+def reuse_case(group, inputs, pattern, ring):
+    """Worker: a ring call, then the same call with reuse=(out, lse): no forward pass, the same gradients."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    q, k, v, dout = inputs
+    layout = make_layout("striped", q.shape[1], world, G)
+    grads = []
+    reuse = None
+    for _ in range(2):
+        ql, kl, vl = (layout.shard(t, rank).requires_grad_() for t in (q, k, v))
+        out, lse = ring_attention(ql, kl, vl, group, layout, pattern=pattern, return_lse=True, backend="torch",
+                                  ring=ring, inner_size=2 if ring == "hierarchical" else None, reuse=reuse)
+        out.backward(layout.shard(dout, rank))
+        grads.append((ql.grad, kl.grad, vl.grad))
+        reuse = (out.detach(), lse)
+    return all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("ring", ["flat", "hierarchical"])
+def test_ring_reuse_gives_the_same_gradients(pool, ring):
+    n = SEQ[4]
+    inputs = make_inputs(3, 1, n, 4, 2, torch.float64)
+    assert all(pool.run(reuse_case, 4, inputs, make_pattern("local_sinks", 1, 4, n, 3), ring))

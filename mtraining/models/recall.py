@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops.estimate import _acc_dtype, _grouped_queries, _scores
+from ..ops.estimate import acc_dtype, grouped_queries, grouped_scores
 from ..ops.pattern import VerticalSlashPattern
 from ..parallel.layout import Layout
 
@@ -68,12 +68,12 @@ def pattern_recall(
     host_pos = torch.arange(k.shape[1]) if layout is None else layout.positions(dist.get_rank(group))
     k_pos = host_pos.to(k.device)
     b, r, hq, _ = q_last.shape
-    qg = _grouped_queries(q_last, k.shape[2])
-    lse = torch.full((2, b, hq, r), float("-inf"), dtype=_acc_dtype(q), device=q.device)  # all causal keys, kept keys
+    qg = grouped_queries(q_last, k.shape[2])
+    lse = torch.full((2, b, hq, r), float("-inf"), dtype=acc_dtype(q), device=q.device)  # all causal keys, kept keys
     step = max(1, _CHUNK_ELEMENTS // (b * hq * r))
     for i in range(0, k.shape[1], step):
         pc = k_pos[i : i + step]
-        s = _scores(qg, k[:, i : i + step].permute(0, 2, 3, 1)).mul_(scale).view(b, hq, r, -1)
+        s = grouped_scores(qg, k[:, i : i + step].permute(0, 2, 3, 1)).mul_(scale).view(b, hq, r, -1)
         if host_pos[i : i + step].max() > seq_len - r:  # a key some row must not see (known on the host)
             s.masked_fill_(pc > q_pos[:, None], float("-inf"))
         # the chunk's two row LSEs with one exp: top + log(sum of exp(s - top)) over all / kept keys

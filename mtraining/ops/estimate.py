@@ -215,14 +215,14 @@ def last_query_partial_lse(
     """
     q_last_pos, k_pos = _check_line_inputs(q_last, q_last_pos, k, k_pos)
     plan = _checked_plan(plan, q_last_pos, k_pos)
-    return _partial_lse(_grouped_queries(q_last, k.shape[2]), q_last_pos, k, k_pos, scale, plan)
+    return _partial_lse(grouped_queries(q_last, k.shape[2]), q_last_pos, k, k_pos, scale, plan)
 
 
 def _partial_lse(qg: Tensor, q_last_pos: Tensor, k: Tensor, k_pos: Tensor, scale: float, plan: PositionPlan) -> Tensor:
     b, hq, r = _batch_heads_rows(qg, plan)
     lse = None
     for start, stop, _, partly_causal in plan.chunks(b * hq * r):
-        s = _scores(qg, k[:, start:stop].permute(0, 2, 3, 1)).mul_(scale).view(b, hq, r, stop - start)
+        s = grouped_scores(qg, k[:, start:stop].permute(0, 2, 3, 1)).mul_(scale).view(b, hq, r, stop - start)
         if partly_causal:
             s.masked_fill_(k_pos[start:stop] > q_last_pos[:, None], float("-inf"))
         part = torch.logsumexp(s, dim=-1)  # rows with no key here: -inf
@@ -261,7 +261,7 @@ def line_scores(
             f"{tuple(row_lse.shape)} {row_lse.dtype} on {row_lse.device}; pass the global LSE of these rows"
         )
     plan = _checked_plan(plan, q_last_pos, k_pos)
-    qg = _grouped_queries(q_last, k.shape[2])
+    qg = grouped_queries(q_last, k.shape[2])
     return _line_scores(qg, q_last_pos, k, k_pos, scale, row_lse, seq_len, plan)
 
 
@@ -282,7 +282,7 @@ def _line_scores(
             f"spans [{plan.k_lo}, {plan.k_hi}]; pass the global sequence length"
         )
     bh = b * hq
-    acc = _acc_dtype(qg)
+    acc = acc_dtype(qg)
     lse_rows = row_lse.to(acc).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)[..., None]  # rows seeing no key: 0
     vertical = torch.empty(b, hq, plan.keys, dtype=torch.float32, device=qg.device)
     slash = torch.zeros(bh, seq_len + 1, dtype=acc, device=qg.device)  # last slot: non-causal pairs
@@ -290,7 +290,7 @@ def _line_scores(
         if run:
             # keys reversed within each run, then R zero columns: diagonals become strided views (_diagonal_sums)
             m = (stop - start) // run
-            p = _scores(qg, _run_keys(k, start, m, run, r)).view(b, hq, r, m, run + r)
+            p = grouped_scores(qg, _run_keys(k, start, m, run, r)).view(b, hq, r, m, run + r)
             real = p[..., :run]  # the padding columns hold q . 0 = 0 and stay so
             real.mul_(scale).sub_(lse_rows[..., None])
             if partly_causal:
@@ -308,7 +308,7 @@ def _line_scores(
                     offsets.masked_fill_(offsets < 0, seq_len)
                 slash.index_add_(1, offsets, sums)
         else:
-            p = _scores(qg, k[:, start:stop].permute(0, 2, 3, 1)).view(b, hq, r, stop - start)
+            p = grouped_scores(qg, k[:, start:stop].permute(0, 2, 3, 1)).view(b, hq, r, stop - start)
             p.mul_(scale).sub_(lse_rows)
             if partly_causal:
                 p.masked_fill_(k_pos[start:stop] > q_last_pos[:, None], float("-inf"))
@@ -407,7 +407,7 @@ def estimate_pattern(
                 f"k_pos must hold each position 0..{seq_len - 1} once (the whole sequence); for a subset of keys "
                 "compose last_query_partial_lse, line_scores and select_lines"
             )
-    qg = _grouped_queries(q_last, k.shape[2])
+    qg = grouped_queries(q_last, k.shape[2])
     lse = _partial_lse(qg, q_last_pos, k, k_pos, scale, plan)
     vertical, slash = _line_scores(qg, q_last_pos, k, k_pos, scale, lse, seq_len, plan)
     if given_k:  # scores follow k's row order; the pattern indexes them by position
@@ -450,17 +450,18 @@ def _batch_heads_rows(qg: Tensor, plan: PositionPlan) -> tuple[int, int, int]:
     return b, hkv * gr // plan.rows, plan.rows
 
 
-def _acc_dtype(x: Tensor) -> torch.dtype:
+def acc_dtype(x: Tensor) -> torch.dtype:
+    """Score accumulation dtype: float64 for float64 inputs, else float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _grouped_queries(q_last: Tensor, kv_heads: int) -> Tensor:
-    """[B, R, Hq, D] -> [B, Hkv, group * R, D] (head h uses kv head h // group), for ``_scores``."""
+def grouped_queries(q_last: Tensor, kv_heads: int) -> Tensor:
+    """[B, R, Hq, D] -> [B, Hkv, group * R, D] (head h uses kv head h // group), for ``grouped_scores``."""
     b, r, hq, d = q_last.shape
     return q_last.transpose(1, 2).reshape(b, kv_heads, (hq // kv_heads) * r, d)
 
 
-def _scores(q: Tensor, keys: Tensor) -> Tensor:
+def grouped_scores(q: Tensor, keys: Tensor) -> Tensor:
     """q [B, Hkv, M, D] @ keys [B, Hkv, D, C] in float32 (float64 for float64 inputs), a new tensor.
 
     Half-precision inputs on CUDA multiply on the tensor cores with a float32 result: their
@@ -472,7 +473,7 @@ def _scores(q: Tensor, keys: Tensor) -> Tensor:
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         out = torch.bmm(q, keys.to(q.dtype), out_dtype=torch.float32)
     else:
-        acc = _acc_dtype(q)
+        acc = acc_dtype(q)
         out = torch.bmm(q.to(acc), keys.to(acc))
     return out.view(b, h, m, c)
 
