@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..ops.estimate import acc_dtype, grouped_queries, grouped_scores
 from ..ops.pattern import VerticalSlashPattern
+from ..parallel.estimate import ranks_logsumexp
 from ..parallel.layout import Layout
 
 _CHUNK_ELEMENTS = 1 << 22
@@ -31,19 +32,6 @@ def _last_rows(q: Tensor, seq_len: int, last_q: int, layout: Layout | None, grou
     rows = torch.where(mine, q.index_select(1, local.to(q.device)), torch.zeros((), dtype=q.dtype, device=q.device))
     dist.all_reduce(rows, group=group)  # each row is non-zero on its owner only: the sum is exact
     return rows, pos.to(q.device)
-
-
-def _ranks_logsumexp(lse: Tensor, group) -> Tensor:
-    """Logsumexp over the ranks of ``group`` of per-rank LSEs (-inf: the rank saw no such key).
-
-    Max over ranks, then the sum of exp below it; a row -inf on every rank stays -inf (not NaN).
-    """
-    top = lse.clone()
-    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    top.clamp_(min=torch.finfo(top.dtype).min)
-    total = torch.exp(lse - top)
-    dist.all_reduce(total, group=group)
-    return top + torch.log(total)
 
 
 @torch.no_grad()
@@ -82,5 +70,5 @@ def pattern_recall(
         sums = torch.stack([e.sum(-1), e.masked_fill_(~pattern.pair_mask(q_pos, pc), 0).sum(-1)])
         lse = torch.logaddexp(lse, sums.log_().add_(top.squeeze(-1)))
     if layout is not None:
-        lse = _ranks_logsumexp(lse, group)
+        lse = ranks_logsumexp(lse, group)
     return float(torch.exp(lse[1] - lse[0]).mean(dtype=torch.float64))

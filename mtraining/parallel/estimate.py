@@ -45,11 +45,12 @@ def _rank_positions(layout: Layout, rank: int, last_q: int, device: torch.device
     return (*(t.to(device) for t in (k_pos, last_pos, mine, local, every)), plan)
 
 
-def _global_lse(partial: Tensor, group) -> Tensor:
-    """logsumexp over ranks of the partial LSEs (float32 [B, Hq, R]), combined in float64."""
+def ranks_logsumexp(partial: Tensor, group) -> Tensor:
+    """logsumexp over the ranks of ``group`` of per-rank LSEs (any shape; -inf: the rank saw no such key),
+    combined in float64 and returned in ``partial``'s dtype; -inf on every rank stays -inf."""
     parts = [torch.empty_like(partial) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, partial, group=group)
-    return torch.logsumexp(torch.stack(parts).double(), dim=0).float()
+    return torch.logsumexp(torch.stack(parts).double(), dim=0).to(partial.dtype)
 
 
 @torch.no_grad()
@@ -80,7 +81,7 @@ def estimate_pattern_cp(
     # the globally last queries on every rank: each row is non-zero on its owner only, so the sum is exact
     q_last = torch.where(mine, q.index_select(1, local), 0.0)
     dist.all_reduce(q_last, group=group)
-    row_lse = _global_lse(last_query_partial_lse(q_last, last_pos, k, k_pos, scale, plan), group)
+    row_lse = ranks_logsumexp(last_query_partial_lse(q_last, last_pos, k, k_pos, scale, plan), group)
     vertical_local, slash = line_scores(q_last, last_pos, k, k_pos, scale, row_lse, n, plan)
     slash = slash.contiguous()  # collectives need dense buffers
     dist.all_reduce(slash, group=group)
