@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops.estimate import acc_dtype, grouped_queries, grouped_scores
+from ..ops.estimate import grouped_queries, grouped_scores
+from ..ops.matmul import acc_dtype
 from ..ops.pattern import VerticalSlashPattern
 from ..parallel.estimate import ranks_logsumexp
 from ..parallel.layout import Layout

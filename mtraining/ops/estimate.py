@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .budgets import Budgets, load_budgets
 from .checks import check_qkv, default_positions
+from .matmul import acc_dtype, matmul_acc
 from .pattern import VerticalSlashPattern, line_lists
 
 _CHUNK_ELEMENTS = 1 << 26
@@ -450,11 +451,6 @@ def _batch_heads_rows(qg: Tensor, plan: PositionPlan) -> tuple[int, int, int]:
     return b, hkv * gr // plan.rows, plan.rows
 
 
-def acc_dtype(x: Tensor) -> torch.dtype:
-    """Score accumulation dtype: float64 for float64 inputs, else float32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def grouped_queries(q_last: Tensor, kv_heads: int) -> Tensor:
     """[B, R, Hq, D] -> [B, Hkv, group * R, D] (head h uses kv head h // group), for ``grouped_scores``."""
     b, r, hq, d = q_last.shape
@@ -462,20 +458,11 @@ def grouped_queries(q_last: Tensor, kv_heads: int) -> Tensor:
 
 
 def grouped_scores(q: Tensor, keys: Tensor) -> Tensor:
-    """q [B, Hkv, M, D] @ keys [B, Hkv, D, C] in float32 (float64 for float64 inputs), a new tensor.
-
-    Half-precision inputs on CUDA multiply on the tensor cores with a float32 result: their
-    products are exact and they add in float32, as the float32 matmul of the upcast inputs would.
-    """
+    """q [B, Hkv, M, D] @ keys [B, Hkv, D, C] in float32 (float64 for float64 inputs), a new tensor
+    (``matmul_acc``: on the tensor cores for half-precision inputs on CUDA)."""
     b, h, m, d = q.shape
     c = keys.shape[-1]
-    q, keys = q.reshape(b * h, m, d), keys.reshape(b * h, d, c)
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        out = torch.bmm(q, keys.to(q.dtype), out_dtype=torch.float32)
-    else:
-        acc = acc_dtype(q)
-        out = torch.bmm(q.to(acc), keys.to(acc))
-    return out.view(b, h, m, c)
+    return matmul_acc(q.reshape(b * h, m, d), keys.reshape(b * h, d, c)).view(b, h, m, c)
 
 
 def _run_keys(k: Tensor, start: int, runs: int, run: int, pad: int) -> Tensor:

@@ -11,19 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..ops.matmul import acc_dtype, matmul_acc
+
 IGNORE_INDEX = -100
-
-
-def _matmul_acc(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
-    """a @ b as an ``acc`` (float32 or float64) tensor.
-
-    Half-precision inputs on CUDA multiply on the tensor cores with a float32 result (exact products,
-    float32 sums); a float32 matmul of upcast inputs would run as a SIMT SGEMM, which for the head
-    gradient of Qwen2.5-3B took 1.5 s of a 128K training step on an H200.
-    """
-    if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16) and acc == torch.float32:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.to(acc) @ b.to(acc)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -32,14 +22,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(hidden)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if need_grad else None
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad else None
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             h, y = hidden[rows], labels[rows]
-            logits = _matmul_acc(h, weight.T, acc)
+            logits = matmul_acc(h, weight.T)
             logz = torch.logsumexp(logits, dim=-1)
             valid = y != IGNORE_INDEX
             target = y.clamp(min=0)
@@ -50,7 +40,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 dlogits[torch.arange(len(y), device=y.device), target] -= 1.0
                 dlogits *= valid[:, None]
                 grad_hidden[rows] = (dlogits.to(weight.dtype) @ weight).to(hidden.dtype)
-                grad_weight += _matmul_acc(dlogits.T.to(h.dtype), h, acc)
+                grad_weight += matmul_acc(dlogits.T.to(h.dtype), h)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
