@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..ops.attention import row_delta
-from ..ops.checks import check_reuse
 from ..ops.estimate import PatternConfig
 from ..ops.pattern import VerticalSlashPattern
 from . import emulation
@@ -220,9 +219,8 @@ def hierarchical_ring_attention(
     """
     groups = ring_groups(group, inner_size)  # validates inner_size first
     pattern, name, scale, dense_ops = _prepare(
-        q, k, v, group, layout, pattern, pattern_config, softmax_scale, backend, layer_idx
+        q, k, v, group, layout, pattern, pattern_config, softmax_scale, backend, layer_idx, reuse
     )
-    check_reuse(reuse, q)
     inner = _ring_comm(groups.inner, q.device) if groups.inner is not None else None
     outer = _ring_comm(groups.outer, q.device) if groups.outer is not None else None
     link = outer_link if outer_link is not None else emulation.active_outer_link()

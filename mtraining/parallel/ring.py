@@ -270,15 +270,17 @@ def _prepare(
     softmax_scale: float | None,
     backend: str,
     layer_idx: int,
+    reuse: tuple[Tensor, Tensor] | None,
 ) -> tuple[VerticalSlashPattern | None, str, float, dense_blocks.BlockOps | None]:
-    """Validate a ring call and settle its (global pattern, backend name, softmax scale, dense block ops),
-    for every schedule. Dense calls (no pattern, no config) take per-block attention (cuDNN on CUDA) for
+    """Validate a ring call (``reuse`` included) and settle its (global pattern, backend name, softmax
+    scale, dense block ops), for every schedule. Dense calls (no pattern, no config) take per-block attention (cuDNN on CUDA) for
     the steps that decompose into a few dense blocks; the Triton kernels run the others on a dense pattern.
     """
     if pattern is not None and pattern_config is not None:
         raise ValueError("pass either pattern (a global VerticalSlashPattern) or pattern_config (to estimate one), not both")
     name = resolve_backend(backend, q.device)
     _check_inputs(q, k, v, dist.get_world_size(group), layout, pattern, name)
+    check_reuse(reuse, q)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if pattern_config is not None:
         pattern = estimate_pattern_cp(q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale)
@@ -327,9 +329,8 @@ def ring_attention(
     if inner_size is not None and inner_size != dist.get_world_size(group):
         raise ValueError(f"inner_size={inner_size} needs ring='hierarchical' (the flat ring is one ring of all ranks)")
     pattern, name, scale, dense_ops = _prepare(
-        q, k, v, group, layout, pattern, pattern_config, softmax_scale, backend, layer_idx
+        q, k, v, group, layout, pattern, pattern_config, softmax_scale, backend, layer_idx, reuse
     )
-    check_reuse(reuse, q)
     comm = _ring_comm(group if group is not None else dist.group.WORLD, q.device)
     plan = _Plan(comm, layout, q.device, name, scale, dense_ops)
     out, lse = _RingAttention.apply(q, k, v, pattern, plan, FLAT, reuse)
