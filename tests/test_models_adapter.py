@@ -124,13 +124,18 @@ def test_dense_fallback_above_max_density():
     assert (out - ref).abs().max() > 1e-4  # the sparse pattern drops pairs: a different result
 
 
-def test_replay_reuses_the_forward_patterns(monkeypatch):
-    """Under replay the forward's patterns come back (no second estimate) and the output is the forward's."""
+def _recorded_forward(**replay):
+    """A sparse qwen2 bound with the given replay dicts, run once (replay off): (model, ids, ctx, logits)."""
     ours, _ = _pair("qwen2")
     ids = torch.randint(0, 96, (1, 64))
     sparse = PatternConfig(v_size=8, s_size=16, last_q=8, block_size=16, sink_tokens=2, local_window=16)
-    ctx = bind(ours, AttentionContext(pattern_config=sparse, replay_patterns={}))
-    first = ours(input_ids=ids, use_cache=False).logits
+    ctx = bind(ours, AttentionContext(pattern_config=sparse, **replay))
+    return ours, ids, ctx, ours(input_ids=ids, use_cache=False).logits
+
+
+def test_replay_reuses_the_forward_patterns(monkeypatch):
+    """Under replay the forward's patterns come back (no second estimate) and the output is the forward's."""
+    ours, ids, ctx, first = _recorded_forward(replay_patterns={})
     assert sorted(ctx.replay_patterns) == [0, 1]
 
     def no_estimate(*args, **kwargs):
@@ -146,11 +151,7 @@ def test_replay_reuses_the_forward_outputs(monkeypatch):
     """With replay_outputs, the replayed forward takes each layer's (out, lse) back: no attention runs."""
     import mtraining.ops.attention as attention
 
-    ours, _ = _pair("qwen2")
-    ids = torch.randint(0, 96, (1, 64))
-    sparse = PatternConfig(v_size=8, s_size=16, last_q=8, block_size=16, sink_tokens=2, local_window=16)
-    ctx = bind(ours, AttentionContext(pattern_config=sparse, replay_patterns={}, replay_outputs={}))
-    first = ours(input_ids=ids, use_cache=False).logits
+    ours, ids, ctx, first = _recorded_forward(replay_patterns={}, replay_outputs={})
     assert sorted(ctx.replay_outputs) == [0, 1]
 
     def no_attention(*args, **kwargs):
