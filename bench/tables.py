@@ -143,6 +143,21 @@ def recall_table() -> str:
     return "\n".join(lines)
 
 
+def loss_table() -> str:
+    """LM-head cross-entropy (loss + backward) by implementation, and the per-chunk row step (bench/loss.py)."""
+    head = ["tokens", "vocab", "chunk", "implementation", "loss+bwd ms", "peak GB", "rows of one chunk ms", "device", "commit"]
+    lines = [_row(head), _row(["---"] * len(head))]
+    impls = (("chunked, Triton rows kernel", "chunked_kernel", "rows_kernel_ms"),
+             ("chunked, PyTorch row ops", "chunked_torch", "rows_torch_ms"), ("liger fused linear CE", "liger", None))
+    for r in _load("loss"):
+        for name, key, rows_key in impls:
+            if f"loss_{key}_ms" in r:
+                lines.append(_row([f"{r['tokens'] // 1024}K", r["vocab"], r["chunk"], name, f"{r[f'loss_{key}_ms']:.1f}",
+                                   f"{r[f'loss_{key}_peak_gb']:.1f}", f"{r[rows_key]:.2f}" if rows_key else "",
+                                   r["device"], r["commit"]]))
+    return "\n".join(lines)
+
+
 def training_tables() -> str:
     """The accuracy guard (dense vs sparse training) and end-to-end training throughput."""
     lines = []
@@ -158,14 +173,14 @@ def training_tables() -> str:
                                "" if r["density"] is None else f"{r['density']:.3f}",
                                "" if r["recall"] is None else f"{r['recall']:.3f}"]))
         lines.append("")
-    head = ["gpus", "model", "init", "seq", "attention", "layout", "fused kernels", "saved attn", "step s", "tokens/s", "peak GB",
+    head = ["gpus", "model", "init", "seq", "attention", "layout", "fused kernels", "loss", "saved attn", "step s", "tokens/s", "peak GB",
             "MFU", "density", "commit"]
     rows = _load("train_throughput")
     if rows:
         lines += [f"Training throughput ({rows[0]['device']}):", "", _row(head), _row(["---"] * len(head))]
         for r in rows:
             lines.append(_row([r["gpus"], r["model"], r.get("init", "random"), f"{r['seq_len'] // 1024}K",
-                               r["attention"], r["layout"], r.get("fused_kernels", "none"),
+                               r["attention"], r["layout"], r.get("fused_kernels", "none"), r.get("loss_impl", "chunked"),
                                "yes" if r.get("save_attention_outputs") else "no",
                                f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['peak_mem_gb']:.1f}",
                                f"{r['mfu']:.3f}", "" if r["density"] is None else f"{r['density']:.3f}", r["commit"]]))
@@ -202,7 +217,7 @@ def main() -> None:
     for title, table in (("sparse_attention", sparse_attention_table()), ("tune_kernels", kernel_table()),
                          ("kernel_variants", kernel_variants_table()), ("ring_attention", ring_table()),
                          ("layout_balance", layout_balance_table()), ("estimate_cp", estimate_cp_table()),
-                         ("training", training_tables()), ("recall_cost", recall_table()), ("eval", eval_table())):
+                         ("training", training_tables()), ("loss", loss_table()), ("recall_cost", recall_table()), ("eval", eval_table())):
         print(f"<!-- {title} -->\n{table}\n")
 
 

@@ -85,7 +85,8 @@ def write_config(folder: Path, args, seq_len: int, mode: str, tokens: Path, chec
         data=dict(sources=[str(tokens)], seq_len=seq_len, batch_size=1, shuffle=False),
         optim=dict(lr=1.0e-5, warmup_steps=1),
         train=dict(steps=args.steps, device=args.device, seed=0, activation_checkpointing=True,
-                   fused_kernels=args.fused_kernels, save_attention_outputs=args.save_attention_outputs),
+                   fused_kernels=args.fused_kernels, save_attention_outputs=args.save_attention_outputs,
+                   loss_impl=args.loss_impl),
         checkpoint=dict(dir=None),
         log=dict(dir=str(folder / "log"), every=1, recall=False,  # every step's time, without recall passes
                  profile_step=args.steps if args.profile_dir else None),
@@ -131,6 +132,8 @@ def main() -> None:
                    help="train.fused_kernels: liger-kernel's fused RMSNorm/SwiGLU/RoPE (CUDA, needs liger-kernel)")
     p.add_argument("--save-attention-outputs", action="store_true",
                    help="train.save_attention_outputs: the checkpoint recompute reuses each layer's attention output")
+    p.add_argument("--loss-impl", choices=["chunked", "liger"], default="chunked",
+                   help="train.loss_impl: our chunked loss or liger-kernel's fused linear cross-entropy")
     p.add_argument("--profile-dir", type=Path, default=None,
                    help="profile the last step (torch.profiler, left out of the medians) and copy rank 0's table "
                         "of the costliest kernels here as profile_<mode>_<seq>_<fused kernels>.txt")
@@ -158,7 +161,7 @@ def main() -> None:
                            command=command_line(), model=args.arch, seq_len=seq_len,
                            attention="mtraining sparse" if mode == "sparse" else "dense (cuDNN; zigzag ring if CP)",
                            layout=MODES[mode]["layout"], ring="flat", init=args.init, fused_kernels=args.fused_kernels,
-                           save_attention_outputs=args.save_attention_outputs,
+                           save_attention_outputs=args.save_attention_outputs, loss_impl=args.loss_impl,
                            config=yaml.safe_load(path.read_text()),
                            **result)
                 records.append(rec)

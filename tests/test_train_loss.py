@@ -67,3 +67,39 @@ def test_warmup_then_cosine_to_the_floor():
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
     assert math.isclose(lr_at(20, 1.0, 4, 20, 0.1), 0.1) and lrs[-1] > 0.1
     assert lr_at(0, 2.0, 0, 10, 0.0) == 2.0
+
+
+@pytest.mark.parametrize("vocab", [97, 5000])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16, None])
+def test_cross_entropy_rows_kernel_matches_float64(vocab, grad_dtype):
+    """The Triton rows kernel (interpreted on the CPU) against float64 cross-entropy; 5000 columns
+    take two tiles of the online log-sum-exp."""
+    from mtraining.train.ce_kernel import cross_entropy_rows
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = 4.0 * torch.randn(23, vocab, dtype=torch.float64, generator=gen)
+    logits[3, 17] = 40.0  # one dominant logit: the online max must rescale the running sum
+    labels = torch.randint(0, vocab, (23,), generator=gen)
+    labels[[0, 9]] = IGNORE_INDEX
+    labels[3] = 17
+    loss, grad = cross_entropy_rows(logits.float(), labels, IGNORE_INDEX, grad_dtype)
+    ref_logits = logits.clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    ref.sum().backward()
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    assert loss[0] == 0 and loss[9] == 0
+    if grad_dtype is None:
+        assert grad is None
+        return
+    assert grad.dtype == grad_dtype
+    tol = 1e-3 if grad_dtype == torch.float16 else 1e-6
+    torch.testing.assert_close(grad.double(), ref_logits.grad, rtol=tol, atol=tol)
+    assert not grad[[0, 9]].any()
+
+
+def test_labels_outside_the_vocabulary_are_refused():
+    hidden, weight = torch.randn(5, 4), torch.randn(9, 4)
+    with pytest.raises(ValueError, match="tokenizer matches"):
+        linear_cross_entropy(hidden, weight, torch.tensor([0, 1, 9, 2, 3]))
+    with pytest.raises(ValueError, match="tokenizer matches"):
+        linear_cross_entropy(hidden, weight, torch.tensor([0, 1, -2, 2, 3]))

@@ -2,8 +2,9 @@
 
 ``linear_cross_entropy`` multiplies hidden states by the LM head ``chunk_tokens`` rows at a time,
 takes the log-softmax in float32 and computes the gradients of hidden states and head weight in
-the same pass (so nothing of size tokens x vocab is kept for backward). On CUDA, liger-kernel's
-fused kernel can be used instead when it is installed.
+the same pass (so nothing of size tokens x vocab is kept for backward). On CUDA the per-chunk
+softmax-minus-onehot is one Triton kernel (ce_kernel.py); liger-kernel's fused loss can be used
+instead when it is installed (train.loss_impl=liger).
 """
 
 from __future__ import annotations
@@ -12,8 +13,32 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.matmul import acc_dtype, matmul_acc
+from .ce_kernel import cross_entropy_rows
 
 IGNORE_INDEX = -100
+
+
+def _rows_loss_and_grad(
+    logits: Tensor, labels: Tensor, grad_dtype: torch.dtype | None, kernel: bool | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """Per-row CE of float logits [T, V] and the gradient of their sum (softmax - onehot) in grad_dtype.
+
+    CUDA float32 logits go through one Triton kernel (ce_kernel.py: two passes over the chunk
+    instead of about ten); other devices and dtypes (float64 on the CPU) use the same formula in
+    PyTorch. Ignored rows give zeros. ``kernel`` forces one path (bench/loss.py compares them).
+    """
+    if kernel if kernel is not None else (logits.is_cuda and logits.dtype == torch.float32):
+        return cross_entropy_rows(logits, labels, IGNORE_INDEX, grad_dtype)
+    valid = labels != IGNORE_INDEX
+    target = labels.clamp(min=0)
+    logz = torch.logsumexp(logits, dim=-1)
+    row_loss = torch.where(valid, logz - logits.gather(-1, target[:, None])[:, 0], 0.0)
+    if grad_dtype is None:
+        return row_loss, None
+    grad = logits.sub_(logz[:, None]).exp_()  # the chunk's logits are not needed again
+    grad[torch.arange(len(labels), device=labels.device), target] -= 1.0
+    grad *= valid[:, None]
+    return row_loss, grad.to(grad_dtype)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -28,19 +53,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad else None
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            h, y = hidden[rows], labels[rows]
-            logits = matmul_acc(h, weight.T)
-            logz = torch.logsumexp(logits, dim=-1)
-            valid = y != IGNORE_INDEX
-            target = y.clamp(min=0)
-            picked = logits.gather(-1, target[:, None])[:, 0]
-            total += torch.where(valid, logz - picked, 0.0).sum()
+            h = hidden[rows]
+            row_loss, dlogits = _rows_loss_and_grad(matmul_acc(h, weight.T), labels[rows], weight.dtype if need_grad else None)
+            total += row_loss.sum()
             if need_grad:
-                dlogits = torch.softmax(logits, dim=-1)  # d(logz - picked)/d logits = softmax - onehot
-                dlogits[torch.arange(len(y), device=y.device), target] -= 1.0
-                dlogits *= valid[:, None]
-                grad_hidden[rows] = (dlogits.to(weight.dtype) @ weight).to(hidden.dtype)
-                grad_weight += matmul_acc(dlogits.T.to(h.dtype), h)
+                grad_hidden[rows] = (dlogits @ weight).to(hidden.dtype)
+                grad_weight += matmul_acc(dlogits.T, h)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
@@ -58,6 +76,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_t
     """
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [tokens, hidden] with labels [tokens], got {tuple(hidden.shape)} and {tuple(labels.shape)}")
+    out_of_range = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= weight.shape[0]))
+    if bool(out_of_range.any()):
+        raise ValueError(f"labels must lie in [0, vocab={weight.shape[0]}) or be {IGNORE_INDEX} (ignored): "
+                         "check that the tokenizer matches the model's vocabulary")
     if impl == "liger":
         try:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss

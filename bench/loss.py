@@ -1,0 +1,66 @@
+"""LM-head cross-entropy on one GPU: the chunked loss with its Triton rows kernel vs the same loss with
+PyTorch row ops, and liger-kernel's fused linear cross-entropy (when installed).
+
+Times loss + backward of ``linear_cross_entropy`` (hidden [T, H] bf16 through the head [V, H]) with
+CUDA events (median), and the per-chunk row step alone (loss and softmax-minus-onehot of float32
+logits [chunk, V]). Qwen2.5-3B's head by default (H=2048, V=151936).
+
+    python bench/loss.py --tokens 131072
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from pathlib import Path
+
+import torch
+
+from common import bench_ms, command_line, commit, device_name, write_results
+from mtraining.train import loss as loss_module
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=131072)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(args.tokens, args.hidden, device="cuda", generator=gen).bfloat16().requires_grad_()
+    weight = (0.02 * torch.randn(args.vocab, args.hidden, device="cuda", generator=gen)).bfloat16().requires_grad_()
+    labels = torch.randint(0, args.vocab, (args.tokens,), device="cuda", generator=gen)
+    logits = torch.randn(args.chunk, args.vocab, device="cuda", generator=gen)
+    rows = loss_module._rows_loss_and_grad
+    record = dict(device=device_name(), commit=commit(), command=command_line(), tokens=args.tokens,
+                  hidden=args.hidden, vocab=args.vocab, chunk=args.chunk)
+    for name, kernel in (("kernel", True), ("torch", False)):
+        record[f"rows_{name}_ms"] = bench_ms(lambda: rows(logits.clone(), labels[: args.chunk], torch.bfloat16, kernel=kernel))
+    record["rows_clone_ms"] = bench_ms(lambda: logits.clone())  # the torch path writes into its logits: each call clones
+
+    def loss_step(impl: str) -> None:
+        hidden.grad = weight.grad = None
+        loss_module.linear_cross_entropy(hidden, weight, labels, args.chunk, impl).backward()
+
+    impls = {"chunked_kernel": ("chunked", True), "chunked_torch": ("chunked", False)}
+    try:
+        import liger_kernel  # noqa: F401
+
+        impls["liger"] = ("liger", None)
+    except ImportError:
+        print("liger-kernel is not installed: its loss is not timed")
+    for name, (impl, kernel) in impls.items():
+        loss_module._rows_loss_and_grad = functools.partial(rows, kernel=kernel) if kernel is not None else rows
+        loss_step(impl)
+        torch.cuda.reset_peak_memory_stats()
+        record[f"loss_{name}_ms"] = bench_ms(lambda: loss_step(impl), warmup_ms=500, rep_ms=3000)
+        record[f"loss_{name}_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    loss_module._rows_loss_and_grad = rows
+    print({k: round(v, 3) if isinstance(v, float) else v for k, v in record.items()})
+    print(f"wrote {write_results('loss', [record], args.out)}")
+
+
+if __name__ == "__main__":
+    main()
