@@ -144,17 +144,22 @@ def recall_table() -> str:
 
 
 def loss_table() -> str:
-    """LM-head cross-entropy (loss + backward) by implementation, and the per-chunk row step (bench/loss.py)."""
-    head = ["tokens", "vocab", "chunk", "implementation", "loss+bwd ms", "peak GB", "rows of one chunk ms", "device", "commit"]
+    """LM-head cross-entropy (loss + backward) by implementation: time, peak memory, the per-chunk row
+    step alone (its timing clones the logits: the clone is subtracted) and errors against float64."""
+    head = ["tokens", "vocab", "chunk", "implementation", "loss+bwd ms", "peak GB", "rows of one chunk ms",
+            "rel. err loss / dhidden / dhead", "device", "commit"]
     lines = [_row(head), _row(["---"] * len(head))]
     impls = (("chunked, Triton rows kernel", "chunked_kernel", "rows_kernel_ms"),
              ("chunked, PyTorch row ops", "chunked_torch", "rows_torch_ms"), ("liger fused linear CE", "liger", None))
     for r in _load("loss"):
         for name, key, rows_key in impls:
-            if f"loss_{key}_ms" in r:
-                lines.append(_row([f"{r['tokens'] // 1024}K", r["vocab"], r["chunk"], name, f"{r[f'loss_{key}_ms']:.1f}",
-                                   f"{r[f'loss_{key}_peak_gb']:.1f}", f"{r[rows_key]:.2f}" if rows_key else "",
-                                   r["device"], r["commit"]]))
+            if f"loss_{key}_ms" not in r:
+                continue
+            errors = "" if f"rel_err_{key}_loss" not in r else " / ".join(
+                f"{r[f'rel_err_{key}_{part}']:.1e}" for part in ("loss", "grad_hidden", "grad_weight"))
+            lines.append(_row([f"{r['tokens'] // 1024}K", r["vocab"], r["chunk"], name, f"{r[f'loss_{key}_ms']:.1f}",
+                               f"{r[f'loss_{key}_peak_gb']:.1f}", f"{r[rows_key] - r['rows_clone_ms']:.2f}" if rows_key else "",
+                               errors, r["device"], r["commit"]]))
     return "\n".join(lines)
 
 

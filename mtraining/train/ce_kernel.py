@@ -24,17 +24,14 @@ def _cross_entropy_rows_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_logits = logits_ptr + row * logits_stride
     cols = tl.arange(0, BLOCK)
-    # per-lane running max and sum (one reduction at the end, none per tile); lanes start at the
-    # lowest finite float so that a lane that only sees padding keeps sum 0 instead of NaN
-    top = tl.full([BLOCK], -3.0e38, tl.float32)
-    total = tl.zeros([BLOCK], tl.float32)
+    top = tl.max(tl.load(row_logits + cols, mask=cols < vocab, other=-float("inf")), axis=0)
+    total = tl.zeros((), dtype=tl.float32)
     for start in range(0, vocab, BLOCK):
         x = tl.load(row_logits + start + cols, mask=start + cols < vocab, other=-float("inf"))
-        new_top = tl.maximum(top, x)
-        total = total * tl.exp(top - new_top) + tl.exp(x - new_top)
+        new_top = tl.maximum(top, tl.max(x, axis=0))
+        total = total * tl.exp(top - new_top) + tl.sum(tl.exp(x - new_top), axis=0)
         top = new_top
-    row_top = tl.max(top, axis=0)
-    lse = row_top + tl.log(tl.sum(total * tl.exp(top - row_top), axis=0))
+    lse = top + tl.log(total)
     label = tl.load(labels_ptr + row)
     valid = label != ignore_index
     target = tl.where(valid, label, 0)
