@@ -186,7 +186,7 @@ def training_tables() -> str:
         for r in rows:
             lines.append(_row([r["gpus"], r["model"], r.get("init", "random"), f"{r['seq_len'] // 1024}K",
                                r["attention"], r["layout"], r.get("fused_kernels", "none"), r.get("loss_impl", "chunked"),
-                               "yes" if r.get("save_attention_outputs") else "no",
+                               {True: "yes", False: "no", None: "no"}.get(r.get("save_attention_outputs"), r.get("save_attention_outputs")),
                                f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['peak_mem_gb']:.1f}",
                                f"{r['mfu']:.3f}", "" if r["density"] is None else f"{r['density']:.3f}", r["commit"]]))
     return "\n".join(lines)

@@ -70,6 +70,9 @@ def structured_checkpoint(folder: Path, arch: dict, seq_len: int, device: str, l
     return path
 
 
+SAVED_OUTPUTS = {"false": False, "true": True, "auto": "auto"}
+
+
 def write_config(folder: Path, args, seq_len: int, mode: str, tokens: Path, checkpoint: Path | None) -> Path:
     arch = ARCHS[args.arch]
     attention = dict(MODES[mode], block_size=128, backend="auto")
@@ -85,7 +88,7 @@ def write_config(folder: Path, args, seq_len: int, mode: str, tokens: Path, chec
         data=dict(sources=[str(tokens)], seq_len=seq_len, batch_size=1, shuffle=False),
         optim=dict(lr=1.0e-5, warmup_steps=1),
         train=dict(steps=args.steps, device=args.device, seed=0, activation_checkpointing=True,
-                   fused_kernels=args.fused_kernels, save_attention_outputs=args.save_attention_outputs,
+                   fused_kernels=args.fused_kernels, save_attention_outputs=SAVED_OUTPUTS[args.save_attention_outputs],
                    loss_impl=args.loss_impl),
         checkpoint=dict(dir=None),
         log=dict(dir=str(folder / "log"), every=1, recall=False,  # every step's time, without recall passes
@@ -130,8 +133,10 @@ def main() -> None:
                         "trained heads (structured_checkpoint); random: plain random init (dense patterns)")
     p.add_argument("--fused-kernels", choices=["none", "liger"], default="none",
                    help="train.fused_kernels: liger-kernel's fused RMSNorm/SwiGLU/RoPE (CUDA, needs liger-kernel)")
-    p.add_argument("--save-attention-outputs", action="store_true",
-                   help="train.save_attention_outputs: the checkpoint recompute reuses each layer's attention output")
+    p.add_argument("--save-attention-outputs", nargs="?", choices=["false", "true", "auto"], const="true", default="false",
+                   help="train.save_attention_outputs: the checkpoint recompute reuses each layer's attention output "
+                        "(bare flag: true; auto: from step 2 if step 1's memory allows). Default false: the "
+                        "trainer's own default is auto")
     p.add_argument("--loss-impl", choices=["chunked", "liger"], default="chunked",
                    help="train.loss_impl: our chunked loss or liger-kernel's fused linear cross-entropy")
     p.add_argument("--profile-dir", type=Path, default=None,
@@ -161,7 +166,7 @@ def main() -> None:
                            command=command_line(), model=args.arch, seq_len=seq_len,
                            attention="mtraining sparse" if mode == "sparse" else "dense (cuDNN; zigzag ring if CP)",
                            layout=MODES[mode]["layout"], ring="flat", init=args.init, fused_kernels=args.fused_kernels,
-                           save_attention_outputs=args.save_attention_outputs, loss_impl=args.loss_impl,
+                           save_attention_outputs=SAVED_OUTPUTS[args.save_attention_outputs], loss_impl=args.loss_impl,
                            config=yaml.safe_load(path.read_text()),
                            **result)
                 records.append(rec)

@@ -130,6 +130,37 @@ def test_saved_attention_outputs_replace_the_recomputed_attention():
         _config("train.save_attention_outputs=true", "train.activation_checkpointing=false")
 
 
+def _train_reporting_saved_outputs(cfg: Config) -> tuple[list[dict], bool]:
+    from mtraining.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        return trainer.run(), trainer.attention.replay_outputs is not None
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_auto_saved_outputs_follow_the_first_steps_memory(monkeypatch, fits):
+    """save_attention_outputs=auto (the default) asks the device's memory after step 1 (faked here; the
+    forked ranks inherit the patch): on when peak + outputs fit, with steps bit-identical to a run
+    without them; off on the CPU and without activation checkpointing."""
+    sparse = ("attention.v_size=8", "attention.s_size=16", "attention.max_density=null", "train.steps=3",
+              "parallel.context=2")
+    total = 10**12
+    monkeypatch.setattr("mtraining.train.trainer.device_memory", lambda device: (total // 2 if fits else total, total))
+    auto, kept = run_local(_train_reporting_saved_outputs, 2, _config(*sparse))[0]
+    assert kept == fits
+    no_recompute = _config(*sparse, "train.activation_checkpointing=false")
+    assert no_recompute.train.save_attention_outputs == "auto"
+    assert not run_local(_train_reporting_saved_outputs, 2, no_recompute)[0][1]
+    monkeypatch.undo()
+    plain, kept = run_local(_train_reporting_saved_outputs, 2, _config(*sparse, "train.save_attention_outputs=false"))[0]
+    assert not kept
+    assert [(m["loss"], m["grad_norm"]) for m in auto] == [(m["loss"], m["grad_norm"]) for m in plain]
+    assert not run_local(_train_reporting_saved_outputs, 1, _config("train.steps=1", *SMALL_BUDGET))[0][1]  # CPU
+
+
 def test_recall_measured_only_when_asked():
     """log.recall=false: logged steps report density but skip the recall pass (and its cost)."""
     quiet = run_local(_train, 1, _config("train.steps=2", "log.recall=false", *SMALL_BUDGET))[0]

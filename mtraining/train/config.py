@@ -117,17 +117,19 @@ class TrainSection(_Section):
     """Rows of logits materialised at once by the chunked cross-entropy."""
     loss_impl: Literal["chunked", "liger"] = "chunked"
     """Cross-entropy: our chunked one (any device) or liger-kernel's fused kernel (CUDA, if installed)."""
-    save_attention_outputs: bool = False
+    save_attention_outputs: bool | Literal["auto"] = "auto"
     """With activation checkpointing: keep each layer's attention output and LSE from the forward so
     the recomputed forward skips the attention kernels (faster backward; costs seq_len x heads x
-    head_dim x 2 bytes per layer per rank, 512 MB at 128K tokens for Qwen2.5-3B)."""
+    (head_dim x 2 + 4) bytes per layer per rank, 545 MB at 128K tokens for Qwen2.5-3B). auto: on a
+    GPU, from the second step on when the first step's peak plus all saved outputs fits in 90% of
+    its memory (saved_outputs.py); off on the CPU and without activation checkpointing."""
     fused_kernels: Literal["none", "liger"] = "none"
     """liger: liger-kernel's fused RMSNorm, SwiGLU and RoPE in the decoder layers (CUDA; pip install
     liger-kernel); none: the model's own modules."""
 
     @model_validator(mode="after")
     def _check_options(self) -> "TrainSection":
-        if self.save_attention_outputs and not self.activation_checkpointing:
+        if self.save_attention_outputs is True and not self.activation_checkpointing:
             raise ValueError("train.save_attention_outputs skips the recomputation of activation checkpointing: "
                              "set train.activation_checkpointing=true, or train.save_attention_outputs=false")
         if self.fused_kernels == "liger" and self.device == "cpu":

@@ -32,6 +32,7 @@ from .monitor import Monitor, flops_per_token, matmul_params, peak_memory_gb, pe
 from .optim import build_optimizer, lr_at, set_lr
 from .packing import PackedSamples, shard_batch
 from .profile import step_profiler, write_profile
+from .saved_outputs import device_memory, plan_saved_outputs, saved_outputs_bytes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -50,6 +51,11 @@ def pattern_config(att: AttentionSection) -> PatternConfig | None:
     if att.budgets is not None:
         return PatternConfig(budgets=load_budgets(att.budgets), **common)
     return PatternConfig(v_size=att.v_size, s_size=att.s_size, **common)
+
+
+def _head_dim(config) -> int:
+    """Attention head size of a HF config (explicit head_dim, else hidden_size / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def shard_model(model: CausalLMLoss, par: ParallelState, dtype: torch.dtype, activation_checkpointing: bool) -> nn.Module:
@@ -98,7 +104,7 @@ class Trainer:
                 max_density=att.max_density,
                 backend=att.backend,
                 replay_patterns={} if cfg.train.activation_checkpointing else None,
-                replay_outputs={} if cfg.train.save_attention_outputs else None,
+                replay_outputs={} if cfg.train.save_attention_outputs is True else None,
             ),
         )
         self._flops_matmul = self._flops_per_token(hf, 0.0)
@@ -117,6 +123,7 @@ class Trainer:
         if resume_from is not None:
             self.monitor.write(f"resumed from {resume_from} at step {self.step}")
         self._peak = peak_tflops(par.device, cfg.log.peak_tflops)
+        self._plan_outputs = cfg.train.save_attention_outputs == "auto" and cfg.train.activation_checkpointing
 
     # ------------------------------------------------------------------ setup helpers
     def _load_data(self) -> PackedSamples:
@@ -139,9 +146,8 @@ class Trainer:
 
     def _flops_per_token(self, hf: nn.Module, density: float) -> float:
         c = hf.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return flops_per_token(
-            matmul_params(hf), c.num_hidden_layers, c.num_attention_heads, head_dim, self.cfg.data.seq_len, density
+            matmul_params(hf), c.num_hidden_layers, c.num_attention_heads, _head_dim(c), self.cfg.data.seq_len, density
         )
 
     # ------------------------------------------------------------------ steps
@@ -187,6 +193,22 @@ class Trainer:
         self.step += 1
         grad_norm = _to_float(grad_norm)  # waits for the device
         return self._metrics(total / tokens, grad_norm, lr, time.perf_counter() - start)
+
+    def _decide_saved_outputs(self) -> None:
+        """train.save_attention_outputs=auto, after the first step: keep the outputs if they fit on every rank."""
+        memory = device_memory(self.par.device)
+        if memory is None:
+            return
+        peak = torch.tensor(float(memory[0]), device=self.par.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # one decision for all ranks
+        c = self.hf_config
+        local_tokens = self.cfg.data.batch_size * self.cfg.data.seq_len // self.par.cp_size
+        act_bytes = _DTYPES[self.cfg.model.dtype].itemsize
+        saved = saved_outputs_bytes(c.num_hidden_layers, local_tokens, c.num_attention_heads, _head_dim(c), act_bytes)
+        keep, why = plan_saved_outputs(int(peak.item()), saved, memory[1])
+        if keep:
+            self.attention.replay_outputs = {}
+        self.monitor.write(why)
 
     def _metrics(self, loss: float, grad_norm: float, lr: float, elapsed: float) -> dict[str, float]:
         stats = list(self.attention.stats.values())
@@ -242,6 +264,9 @@ class Trainer:
                 self.monitor.write(f"profile of step {self.step}: {table} and its .json trace (one per rank)")
             else:
                 metrics = self.train_step()
+            if self._plan_outputs:
+                self._plan_outputs = False
+                self._decide_saved_outputs()
             history.append(metrics)
             self.monitor.log(self.step, metrics)
             last = self.step == self.cfg.train.steps
