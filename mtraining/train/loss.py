@@ -27,7 +27,9 @@ def _rows_loss_and_grad(
     instead of about ten); other devices and dtypes (float64 on the CPU) use the same formula in
     PyTorch. Ignored rows give zeros. ``kernel`` forces one path (bench/loss.py compares them).
     """
-    if kernel if kernel is not None else (logits.is_cuda and logits.dtype == torch.float32):
+    if kernel is None:
+        kernel = logits.is_cuda and logits.dtype == torch.float32
+    if kernel:
         return cross_entropy_rows(logits, labels, IGNORE_INDEX, grad_dtype)
     valid = labels != IGNORE_INDEX
     target = labels.clamp(min=0)
