@@ -78,11 +78,28 @@ TOKENIZER = ROOT / "data" / "tokenizer.json"
 GOAL = 0.02  # sparse final loss within 2% of dense
 ARCHS = {
     # ~104M parameters: 12 x (attention 1.38M + MLP 7.08M) + 0.4M tied embedding (vocab 512)
-    "small": dict(model_type="qwen2", vocab_size=512, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                  num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=32768,
-                  tie_word_embeddings=True),
-    "tiny": dict(model_type="qwen2", vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True),
+    "small": dict(
+        model_type="qwen2",
+        vocab_size=512,
+        hidden_size=768,
+        intermediate_size=3072,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        model_type="qwen2",
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
 }
 SPARSE = {  # attention budgets per arch (tiny: fit a 1K-token plumbing check)
     "small": dict(block_size=128, v_size=512, s_size=2048, local_window=128, last_q=64),
@@ -128,7 +145,9 @@ def recall_log(seed: int, sentences: int) -> str:
             out.append(f"The secret number of {keys[i]} is {values[i]}.")
         elif r < 0.10 and facts:
             i = rng.choice(facts)
-            out.append(f"Question: What is the secret number of {keys[i]}? Answer: The secret number of {keys[i]} is {values[i]}.")
+            out.append(
+                f"Question: What is the secret number of {keys[i]}? Answer: The secret number of {keys[i]} is {values[i]}."
+            )
     return " ".join(out)
 
 
@@ -171,8 +190,13 @@ def build_corpus(path: Path, tokens_needed: int, seq_len: int, seed: int) -> dic
         n_docs += 128
     stream = np.concatenate(parts)
     np.save(path, stream)
-    return dict(tokens=int(stream.size), documents=n_docs, tokens_by_kind=counts,
-                sha256=hashlib.sha256(stream.tobytes()).hexdigest()[:16], seconds=round(time.time() - started, 2))
+    return dict(
+        tokens=int(stream.size),
+        documents=n_docs,
+        tokens_by_kind=counts,
+        sha256=hashlib.sha256(stream.tobytes()).hexdigest()[:16],
+        seconds=round(time.time() - started, 2),
+    )
 
 
 def build_heldout(path: Path, min_tokens: int, count: int, seq_len: int, seed: int) -> dict:
@@ -195,15 +219,24 @@ def build_heldout(path: Path, min_tokens: int, count: int, seq_len: int, seed: i
 
 # ---------------------------------------------------------------------------------------------- training
 def write_config(folder: Path, args, mode: str, tokens: Path, steps: int) -> Path:
-    attention = dict(SPARSE[args.arch], layout="striped", backend="auto", sparse=mode == "sparse", dense_layers=DENSE_LAYERS,
-                     max_density=None)  # every sparse step stays sparse: this guards sparse accuracy
+    attention = dict(
+        SPARSE[args.arch],
+        layout="striped",
+        backend="auto",
+        sparse=mode == "sparse",
+        dense_layers=DENSE_LAYERS,
+        max_density=None,
+    )  # every sparse step stays sparse: this guards sparse accuracy
     if args.v_size:
         attention["v_size"] = args.v_size
     if args.s_size:
         attention["s_size"] = args.s_size
     cfg = dict(
-        model=dict(config=ARCHS[args.arch], dtype="bfloat16" if args.device == "cuda" else "float32",
-                   rope_theta=args.rope_theta),
+        model=dict(
+            config=ARCHS[args.arch],
+            dtype="bfloat16" if args.device == "cuda" else "float32",
+            rope_theta=args.rope_theta,
+        ),
         attention=attention,
         parallel=dict(data=1, context=1),
         data=dict(sources=[str(tokens)], tokenizer=str(TOKENIZER), seq_len=args.seq_len, batch_size=1, shuffle=True),
@@ -241,8 +274,17 @@ def train_once(folder: Path, cfg: Path, steps: int, args, probe: bool, deadline:
     """Run one training; returns {status: done|retry|failed|timeout, metrics, wall_s, new_steps?}."""
     if folder.joinpath("log").exists():
         shutil.rmtree(folder / "log")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           "-m", "mtraining.cli", "train", str(cfg)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        "-m",
+        "mtraining.cli",
+        "train",
+        str(cfg),
+    ]
     log = open(folder / "train.log", "w")
     started = time.time()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
@@ -256,16 +298,22 @@ def train_once(folder: Path, cfg: Path, steps: int, args, probe: bool, deadline:
             if rows and (len(rows) - shown >= max(1, steps // 12)):
                 shown = len(rows)
                 r = rows[-1]
-                extra = f" density={r['density']:.3f} recall={r.get('recall', float('nan')):.3f}" if "density" in r else ""
+                extra = (
+                    f" density={r['density']:.3f} recall={r.get('recall', float('nan')):.3f}" if "density" in r else ""
+                )
                 say(f"    step {r['step']}/{steps} loss={r['loss']:.4f} step_s={r['step_s']:.3f}{extra}")
             if probe and len(rows) >= args.probe_steps and steps > args.probe_steps:
                 probe = False
-                step_s = statistics.median(r["step_s"] for r in rows[args.probe_steps // 2 : args.probe_steps])  # past compilation
+                step_s = statistics.median(
+                    r["step_s"] for r in rows[args.probe_steps // 2 : args.probe_steps]
+                )  # past compilation
                 projected = step_s * steps
                 if projected > budget:
                     new_steps = max(args.probe_steps + 1, int(0.92 * budget / step_s))
-                    say(f"    projected {projected:.0f}s for {steps} steps > --max-minutes {args.max_minutes}: "
-                        f"restarting with {new_steps} steps ({step_s:.3f} s/step)")
+                    say(
+                        f"    projected {projected:.0f}s for {steps} steps > --max-minutes {args.max_minutes}: "
+                        f"restarting with {new_steps} steps ({step_s:.3f} s/step)"
+                    )
                     _kill(proc)
                     return dict(status="retry", new_steps=new_steps, wall_s=time.time() - started)
             if time.time() - started > hard_limit:
@@ -275,7 +323,11 @@ def train_once(folder: Path, cfg: Path, steps: int, args, probe: bool, deadline:
     finally:
         log.close()
     rows = read_metrics(folder)
-    status = "done" if proc.returncode == 0 and len(rows) == steps and (folder / "export" / "config.json").exists() else "failed"
+    status = (
+        "done"
+        if proc.returncode == 0 and len(rows) == steps and (folder / "export" / "config.json").exists()
+        else "failed"
+    )
     if status == "failed":
         say(f"    training failed (exit {proc.returncode}); last lines of {folder / 'train.log'}:")
         for line in (folder / "train.log").read_text().splitlines()[-25:]:
@@ -286,8 +338,13 @@ def train_once(folder: Path, cfg: Path, steps: int, args, probe: bool, deadline:
 def summarise(mode: str, cfg_path: Path, run: dict, last: int) -> dict:
     rows = run.get("metrics") or []
     timed = rows[2:] or rows
-    rec = dict(mode=mode, status=run["status"], wall_s=round(run["wall_s"], 1),
-               config=yaml.safe_load(cfg_path.read_text()), steps=len(rows))
+    rec = dict(
+        mode=mode,
+        status=run["status"],
+        wall_s=round(run["wall_s"], 1),
+        config=yaml.safe_load(cfg_path.read_text()),
+        steps=len(rows),
+    )
     if not rows:
         return rec
     tail = rows[-last:]
@@ -299,9 +356,16 @@ def summarise(mode: str, cfg_path: Path, run: dict, last: int) -> dict:
         peak_mem_gb=max(r["peak_mem_gb"] for r in rows),
         mfu=statistics.median(r["mfu"] for r in timed) if all("mfu" in r for r in timed) else None,
         density=statistics.fmean(r["density"] for r in timed) if all("density" in r for r in timed) else None,
-        recall=statistics.fmean(r["recall"] for r in timed if "recall" in r) if any("recall" in r for r in timed) else None,
-        curve=[dict(step=r["step"], **{k: r[k] for k in ("loss", "lr", "grad_norm", "step_s", "density", "recall") if k in r})
-               for r in rows],
+        recall=statistics.fmean(r["recall"] for r in timed if "recall" in r)
+        if any("recall" in r for r in timed)
+        else None,
+        curve=[
+            dict(
+                step=r["step"],
+                **{k: r[k] for k in ("loss", "lr", "grad_norm", "step_s", "density", "recall") if k in r},
+            )
+            for r in rows
+        ],
     )
     return rec
 
@@ -330,8 +394,13 @@ def plot(records: dict, path: Path, title: str) -> Path:
     for mode, curve in curves.items():
         steps, loss = [c["step"] for c in curve], [c["loss"] for c in curve]
         ax.plot(steps, loss, color=colours[mode], alpha=0.25, lw=0.8)
-        ax.plot(steps, _moving_average(loss, window), color=colours[mode], lw=2,
-                label=f"{mode} (final {records[mode]['final_loss']:.4f})")
+        ax.plot(
+            steps,
+            _moving_average(loss, window),
+            color=colours[mode],
+            lw=2,
+            label=f"{mode} (final {records[mode]['final_loss']:.4f})",
+        )
         if mode == "sparse" and "density" in curve[0]:
             ax2.plot(steps, [c.get("density") for c in curve], label="density (kept / causal pairs)")
             ax2.plot(steps, [c.get("recall") for c in curve], label="recall (attention mass kept)")
@@ -340,7 +409,9 @@ def plot(records: dict, path: Path, title: str) -> Path:
         gap = [100 * (s["loss"] - d["loss"]) / d["loss"] for d, s in zip(curves["dense"][:n], curves["sparse"][:n])]
         steps = [c["step"] for c in curves["dense"][:n]]
         ax_gap.plot(steps, gap, color="grey", alpha=0.3, lw=0.8)
-        ax_gap.plot(steps, _moving_average(gap, window), color="black", lw=1.5, label=f"moving average ({window} steps)")
+        ax_gap.plot(
+            steps, _moving_average(gap, window), color="black", lw=1.5, label=f"moving average ({window} steps)"
+        )
         ax_gap.axhline(100 * GOAL, color="red", ls="--", lw=1, label=f"goal: +{GOAL:.0%}")
         ax_gap.axhline(0, color="grey", lw=0.8)
         ax_gap.legend(fontsize=8)
@@ -362,9 +433,20 @@ def plot(records: dict, path: Path, title: str) -> Path:
 def eval_jobs(args, exports: dict[str, Path], heldout: Path, work: Path) -> list[tuple[str, list[list[str]]]]:
     """Per label (trained-attention): the eval commands to run one after the other."""
     sp = SPARSE[args.arch]
-    sparse_flags = ["--attention", "sparse", "--v-size", str(args.v_size or sp["v_size"]), "--s-size",
-                    str(args.s_size or sp["s_size"]), "--local-window", str(sp["local_window"]), "--last-q", str(sp["last_q"]),
-                    "--dense-layers", ",".join(map(str, DENSE_LAYERS))]
+    sparse_flags = [
+        "--attention",
+        "sparse",
+        "--v-size",
+        str(args.v_size or sp["v_size"]),
+        "--s-size",
+        str(args.s_size or sp["s_size"]),
+        "--local-window",
+        str(sp["local_window"]),
+        "--last-q",
+        str(sp["last_q"]),
+        "--dense-layers",
+        ",".join(map(str, DENSE_LAYERS)),
+    ]
     base = [sys.executable, "-m", "mtraining.cli", "eval"]
     jobs = []
     for trained, export in exports.items():
@@ -378,12 +460,46 @@ def eval_jobs(args, exports: dict[str, Path], heldout: Path, work: Path) -> list
             if args.device == "cpu":
                 common += ["--device", "cpu"]
             cmds = [
-                base + ["ppl", str(export), "--data", str(heldout), "--lengths", args.eval_lengths, "--samples",
-                        str(args.ppl_samples), "--first-bucket", str(args.first_bucket)] + common,
-                base + ["niah", str(export), "--lengths", args.eval_lengths, "--depths", "0,25,50,75,100", "--samples",
-                        str(args.niah_samples)] + granule + common,
-                base + ["ruler", str(export), "--lengths", args.eval_lengths, "--tasks", args.ruler_tasks, "--samples",
-                        str(args.ruler_samples)] + granule + common,
+                base
+                + [
+                    "ppl",
+                    str(export),
+                    "--data",
+                    str(heldout),
+                    "--lengths",
+                    args.eval_lengths,
+                    "--samples",
+                    str(args.ppl_samples),
+                    "--first-bucket",
+                    str(args.first_bucket),
+                ]
+                + common,
+                base
+                + [
+                    "niah",
+                    str(export),
+                    "--lengths",
+                    args.eval_lengths,
+                    "--depths",
+                    "0,25,50,75,100",
+                    "--samples",
+                    str(args.niah_samples),
+                ]
+                + granule
+                + common,
+                base
+                + [
+                    "ruler",
+                    str(export),
+                    "--lengths",
+                    args.eval_lengths,
+                    "--tasks",
+                    args.ruler_tasks,
+                    "--samples",
+                    str(args.ruler_samples),
+                ]
+                + granule
+                + common,
             ]
             jobs.append((label, cmds))
     return jobs
@@ -413,7 +529,9 @@ def run_evals(jobs, work: Path, deadline: float, parallel: int) -> dict:
                 log.close()
                 task = cmds.pop(0)[4]
                 ok = proc.returncode == 0
-                status[label].append(f"{task}: {'ok' if ok else f'failed (exit {proc.returncode})'} in {time.time() - t0:.0f}s")
+                status[label].append(
+                    f"{task}: {'ok' if ok else f'failed (exit {proc.returncode})'} in {time.time() - t0:.0f}s"
+                )
                 say(f"  eval {label} {status[label][-1]}")
                 if not ok:
                     for line in Path(log.name).read_text().splitlines()[-12:]:
@@ -424,8 +542,14 @@ def run_evals(jobs, work: Path, deadline: float, parallel: int) -> dict:
                 del running[label]
                 continue
             log = open(work / f"eval_{label}_{cmds[0][4]}.log", "w")
-            proc = subprocess.Popen(cmds[0], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
-                                    env=dict(os.environ, COLUMNS="160"))
+            proc = subprocess.Popen(
+                cmds[0],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=ROOT,
+                env=dict(os.environ, COLUMNS="160"),
+            )
             running[label] = (proc, cmds, log, time.time())
         time.sleep(1.0)
     return status
@@ -480,12 +604,24 @@ def main() -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--max-minutes", type=float, default=1.75,
-                   help="time for the training steps of one run; the steps are cut to fit (measured on the dense run)")
-    p.add_argument("--probe-steps", type=int, default=12,
-                   help="dense steps run before deciding the step count (the median of the second half is the step time)")
-    p.add_argument("--deadline-minutes", type=float, default=8.5,
-                   help="from the start: a training still running 1 minute before is stopped, evaluations running then are stopped")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=1.75,
+        help="time for the training steps of one run; the steps are cut to fit (measured on the dense run)",
+    )
+    p.add_argument(
+        "--probe-steps",
+        type=int,
+        default=12,
+        help="dense steps run before deciding the step count (the median of the second half is the step time)",
+    )
+    p.add_argument(
+        "--deadline-minutes",
+        type=float,
+        default=8.5,
+        help="from the start: a training still running 1 minute before is stopped, evaluations running then are stopped",
+    )
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--rope-theta", type=float, default=1e6)
     p.add_argument("--seed", type=int, default=0)
@@ -519,12 +655,16 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     LOG.append(out / "accuracy_guard.log")
     LOG[0].write_text("")
-    say(f"accuracy guard: arch {args.arch}, seq_len {args.seq_len}, {args.steps} steps, device {args.device}; work dir {work}")
+    say(
+        f"accuracy guard: arch {args.arch}, seq_len {args.seq_len}, {args.steps} steps, device {args.device}; work dir {work}"
+    )
 
     tokens = work / "tokens.npy"
     corpus = build_corpus(tokens, args.steps * args.seq_len + args.seq_len + 1, args.seq_len, args.seed)
-    say(f"corpus: {corpus['tokens']} tokens, {corpus['documents']} documents in {corpus['seconds']}s "
-        f"(by kind: {corpus['tokens_by_kind']})")
+    say(
+        f"corpus: {corpus['tokens']} tokens, {corpus['documents']} documents in {corpus['seconds']}s "
+        f"(by kind: {corpus['tokens_by_kind']})"
+    )
     eval_max = max(int(x[:-1]) * 1024 if x.upper().endswith("K") else int(x) for x in args.eval_lengths.split(","))
     heldout = work / "heldout.jsonl"
     build_heldout(heldout, eval_max, args.ppl_samples, args.seq_len, args.seed)
@@ -541,20 +681,32 @@ def main() -> None:
             steps = run["new_steps"]
         records[mode] = summarise(mode, cfgs[mode], run, args.last)
         r = records[mode]
-        say(f"[{time.time() - t_start:5.0f}s] {mode}: {r['status']}, {r['steps']} steps in {r['wall_s']}s, final loss "
-            f"{r.get('final_loss', float('nan')):.4f}, {r.get('tokens_per_s', 0):.0f} tokens/s")
+        say(
+            f"[{time.time() - t_start:5.0f}s] {mode}: {r['status']}, {r['steps']} steps in {r['wall_s']}s, final loss "
+            f"{r.get('final_loss', float('nan')):.4f}, {r.get('tokens_per_s', 0):.0f} tokens/s"
+        )
 
     dense, sparse = records["dense"], records["sparse"]
     gap = None
     if "final_loss" in dense and "final_loss" in sparse and dense["steps"] == sparse["steps"]:
         gap = (sparse["final_loss"] - dense["final_loss"]) / dense["final_loss"]
     result = dict(
-        name="accuracy_guard", device=device_name() if args.device == "cuda" else "cpu", commit=commit(),
-        command=command_line(), arch=args.arch, model_config=ARCHS[args.arch], seq_len=args.seq_len, steps=steps,
-        requested_steps=args.steps, max_minutes_per_run=args.max_minutes,
-        tokens_per_step=args.seq_len, corpus=corpus, goal=f"sparse final loss within {GOAL:.0%} of dense",
+        name="accuracy_guard",
+        device=device_name() if args.device == "cuda" else "cpu",
+        commit=commit(),
+        command=command_line(),
+        arch=args.arch,
+        model_config=ARCHS[args.arch],
+        seq_len=args.seq_len,
+        steps=steps,
+        requested_steps=args.steps,
+        max_minutes_per_run=args.max_minutes,
+        tokens_per_step=args.seq_len,
+        corpus=corpus,
+        goal=f"sparse final loss within {GOAL:.0%} of dense",
         final_loss_definition=f"mean training loss of the last {args.last} steps",
-        relative_gap=gap, passed=None if gap is None else gap <= GOAL,
+        relative_gap=gap,
+        passed=None if gap is None else gap <= GOAL,
         runs=records,
     )
     (out / "accuracy_guard.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -562,8 +714,10 @@ def main() -> None:
     if gap is not None:
         title += f": sparse {gap:+.2%} vs dense ({'pass' if gap <= GOAL else 'FAIL'}, goal {GOAL:.0%})"
     plot(records, out / "accuracy_guard.png", title)
-    say(f"[{time.time() - t_start:5.0f}s] relative gap {gap if gap is None else f'{gap:+.4%}'} -> "
-        f"{'n/a' if gap is None else ('PASS' if gap <= GOAL else 'FAIL')}; wrote {out / 'accuracy_guard.json'}, .png")
+    say(
+        f"[{time.time() - t_start:5.0f}s] relative gap {gap if gap is None else f'{gap:+.4%}'} -> "
+        f"{'n/a' if gap is None else ('PASS' if gap <= GOAL else 'FAIL')}; wrote {out / 'accuracy_guard.json'}, .png"
+    )
 
     if not args.no_eval:
         exports = {m: work / m / "export" for m in ("dense", "sparse") if records[m]["status"] == "done"}
@@ -572,21 +726,32 @@ def main() -> None:
         status = run_evals(jobs, work, deadline, args.eval_parallel)
         bundle = collect_evals(work, status)
         report_dir = work / "report"
-        rep = subprocess.run([sys.executable, "-m", "mtraining.cli", "eval", "report", str(work / "eval"), "--out-dir",
-                              str(report_dir)], capture_output=True, text=True, cwd=ROOT)
+        rep = subprocess.run(
+            [sys.executable, "-m", "mtraining.cli", "eval", "report", str(work / "eval"), "--out-dir", str(report_dir)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         report_md = (report_dir / "report.md").read_text() if (report_dir / "report.md").exists() else None
         if report_md is not None:  # the PNGs are renamed eval_*.png next to eval_report.md
             for png in report_dir.glob("*.png"):
                 report_md = report_md.replace(f"]({png.name})", f"](eval_{png.name})")
         else:
             say("  eval report failed: " + (rep.stderr or rep.stdout)[-1000:])
-        payload = dict(name="eval_accuracy_guard", device=result["device"], commit=result["commit"],
-                       command=result["command"], notes=[
-                           "labels: <how the model was trained>-trained_<attention at evaluation>-attn",
-                           "training corpus holds needle/vt documents in the eval's format with disjoint seeds; "
-                           "cwe/fwe are not in the training mixture",
-                           f"sparse evaluation keeps layers {DENSE_LAYERS} dense, as training did (--dense-layers)",
-                       ], evals=bundle, report_md=report_md)
+        payload = dict(
+            name="eval_accuracy_guard",
+            device=result["device"],
+            commit=result["commit"],
+            command=result["command"],
+            notes=[
+                "labels: <how the model was trained>-trained_<attention at evaluation>-attn",
+                "training corpus holds needle/vt documents in the eval's format with disjoint seeds; "
+                "cwe/fwe are not in the training mixture",
+                f"sparse evaluation keeps layers {DENSE_LAYERS} dense, as training did (--dense-layers)",
+            ],
+            evals=bundle,
+            report_md=report_md,
+        )
         (out / "eval_accuracy_guard.json").write_text(json.dumps(payload, indent=1) + "\n")
         if report_md is not None:
             (out / "eval_report.md").write_text(report_md)

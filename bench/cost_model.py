@@ -33,12 +33,24 @@ QWEN_3B = AttentionShape(heads_q=16, heads_kv=2, head_dim=128)  # bf16 K/V: 1024
 H200_DENSE_BF16_TFLOPS = 989.0
 CLUSTERS = [
     # name, nodes, gpus per node, throughput factor vs H200, intra link, inter link, note
-    ("4 x 8 A100-40GB (paper)", 4, 8, 312.0 / H200_DENSE_BF16_TFLOPS,
-     Link(300e9, 2e-6), Link(25e9, 5e-6),
-     "NVLink3 300 GB/s/dir, HDR InfiniBand 25 GB/s per GPU; A100 = H200 x 312/989 (dense bf16 peaks)"),
-    ("16 x 8 H100", 16, 8, 1.0,
-     Link(450e9, 2e-6), Link(50e9, 5e-6),
-     "NVLink4 450 GB/s/dir, NDR InfiniBand 50 GB/s per GPU; H100 = H200 x 1.0 (same bf16 peak)"),
+    (
+        "4 x 8 A100-40GB (paper)",
+        4,
+        8,
+        312.0 / H200_DENSE_BF16_TFLOPS,
+        Link(300e9, 2e-6),
+        Link(25e9, 5e-6),
+        "NVLink3 300 GB/s/dir, HDR InfiniBand 25 GB/s per GPU; A100 = H200 x 312/989 (dense bf16 peaks)",
+    ),
+    (
+        "16 x 8 H100",
+        16,
+        8,
+        1.0,
+        Link(450e9, 2e-6),
+        Link(50e9, 5e-6),
+        "NVLink4 450 GB/s/dir, NDR InfiniBand 50 GB/s per GPU; H100 = H200 x 1.0 (same bf16 peak)",
+    ),
 ]
 SEQ_LENS = [512 * 1024, 1024 * 1024]
 
@@ -65,39 +77,76 @@ def main() -> None:
     ap.add_argument("--out", help="also write the inputs and predictions as JSON here")
     args = ap.parse_args()
     records = json.loads(Path(args.ring_results).read_text())
-    inputs = {"sparse": measured_throughput(records, "sparse_striped"),
-              "dense": measured_throughput(records, "dense_zigzag")}
+    inputs = {
+        "sparse": measured_throughput(records, "sparse_striped"),
+        "dense": measured_throughput(records, "dense_zigzag"),
+    }
     print("MEASURED per-GPU throughput (H200, computed query-key pairs per second):")
     for kind, m in inputs.items():
-        print(f"  {kind:6s} fwd {m['fwd_pairs_per_s']:.3e}  bwd {m['bwd_pairs_per_s']:.3e}  "
-              f"density {m['density']:.3f}  <- {m['source']}")
-    print("ASSUMED: attention shape Qwen2.5-3B (16 q / 2 KV heads, d=128, bf16 K/V = "
-          f"{QWEN_3B.kv_bytes_per_token} B/token/layer, float32 dK/dV = {QWEN_3B.grad_bytes_per_token} B/token); "
-          "density at 512K and 1M = the measured one; striped layout (every step costs the same); batch 1")
+        print(
+            f"  {kind:6s} fwd {m['fwd_pairs_per_s']:.3e}  bwd {m['bwd_pairs_per_s']:.3e}  "
+            f"density {m['density']:.3f}  <- {m['source']}"
+        )
+    print(
+        "ASSUMED: attention shape Qwen2.5-3B (16 q / 2 KV heads, d=128, bf16 K/V = "
+        f"{QWEN_3B.kv_bytes_per_token} B/token/layer, float32 dK/dV = {QWEN_3B.grad_bytes_per_token} B/token); "
+        "density at 512K and 1M = the measured one; striped layout (every step costs the same); batch 1"
+    )
     out = {"inputs": inputs, "clusters": [], "predictions": []}
     for name, nodes, gpn, factor, intra, inter, note in CLUSTERS:
         cluster = Cluster(nodes, gpn, intra, inter)
-        print(f"\n{name}: {cluster.world_size} GPUs. ASSUMED: {note}; latency {intra.latency * 1e6:g} us "
-              f"intra, {inter.latency * 1e6:g} us inter; throughput factor {factor:.3f}")
-        out["clusters"].append({"name": name, "nodes": nodes, "gpus_per_node": gpn, "throughput_factor": factor,
-                                "intra_GBps": intra.bandwidth / 1e9, "inter_GBps": inter.bandwidth / 1e9, "note": note})
-        print(f"  {'seq':>5s} {'kind':6s} {'step fwd/bwd ms':>16s} {'K/V hop ms (intra/inter)':>25s} "
-              f"{'flat ms':>9s} {'hier ms':>9s} {'flat/hier':>9s}")
+        print(
+            f"\n{name}: {cluster.world_size} GPUs. ASSUMED: {note}; latency {intra.latency * 1e6:g} us "
+            f"intra, {inter.latency * 1e6:g} us inter; throughput factor {factor:.3f}"
+        )
+        out["clusters"].append(
+            {
+                "name": name,
+                "nodes": nodes,
+                "gpus_per_node": gpn,
+                "throughput_factor": factor,
+                "intra_GBps": intra.bandwidth / 1e9,
+                "inter_GBps": inter.bandwidth / 1e9,
+                "note": note,
+            }
+        )
+        print(
+            f"  {'seq':>5s} {'kind':6s} {'step fwd/bwd ms':>16s} {'K/V hop ms (intra/inter)':>25s} "
+            f"{'flat ms':>9s} {'hier ms':>9s} {'flat/hier':>9s}"
+        )
         for n in SEQ_LENS:
             for kind, m in inputs.items():
-                work = step_work(QWEN_3B, n, cluster.world_size, m["density"],
-                                 m["fwd_pairs_per_s"] * factor, m["bwd_pairs_per_s"] * factor)
+                work = step_work(
+                    QWEN_3B,
+                    n,
+                    cluster.world_size,
+                    m["density"],
+                    m["fwd_pairs_per_s"] * factor,
+                    m["bwd_pairs_per_s"] * factor,
+                )
                 flat, hier = flat_ring_time(cluster, work), hierarchical_ring_time(cluster, work)
-                print(f"  {n // 1024:4d}K {kind:6s} {work.fwd * 1e3:7.3f}/{work.bwd * 1e3:<8.3f} "
-                      f"{intra.seconds(work.kv_bytes) * 1e3:12.3f}/{inter.seconds(work.kv_bytes) * 1e3:<12.3f} "
-                      f"{flat.total * 1e3:9.2f} {hier.total * 1e3:9.2f} {flat.total / hier.total:9.2f}")
-                out["predictions"].append({
-                    "cluster": name, "seq_len": n, "kind": kind, "step_fwd_ms": work.fwd * 1e3,
-                    "step_bwd_ms": work.bwd * 1e3, "kv_bytes_per_hop": work.kv_bytes,
-                    "flat_fwd_ms": flat.fwd * 1e3, "flat_bwd_ms": flat.bwd * 1e3, "flat_ms": flat.total * 1e3,
-                    "hierarchical_fwd_ms": hier.fwd * 1e3, "hierarchical_bwd_ms": hier.bwd * 1e3,
-                    "hierarchical_ms": hier.total * 1e3, "predicted": True,
-                })
+                print(
+                    f"  {n // 1024:4d}K {kind:6s} {work.fwd * 1e3:7.3f}/{work.bwd * 1e3:<8.3f} "
+                    f"{intra.seconds(work.kv_bytes) * 1e3:12.3f}/{inter.seconds(work.kv_bytes) * 1e3:<12.3f} "
+                    f"{flat.total * 1e3:9.2f} {hier.total * 1e3:9.2f} {flat.total / hier.total:9.2f}"
+                )
+                out["predictions"].append(
+                    {
+                        "cluster": name,
+                        "seq_len": n,
+                        "kind": kind,
+                        "step_fwd_ms": work.fwd * 1e3,
+                        "step_bwd_ms": work.bwd * 1e3,
+                        "kv_bytes_per_hop": work.kv_bytes,
+                        "flat_fwd_ms": flat.fwd * 1e3,
+                        "flat_bwd_ms": flat.bwd * 1e3,
+                        "flat_ms": flat.total * 1e3,
+                        "hierarchical_fwd_ms": hier.fwd * 1e3,
+                        "hierarchical_bwd_ms": hier.bwd * 1e3,
+                        "hierarchical_ms": hier.total * 1e3,
+                        "predicted": True,
+                    }
+                )
     print("\nAll times are PREDICTIONS of one attention layer (forward + backward), not measurements.")
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))

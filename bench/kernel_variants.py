@@ -73,12 +73,20 @@ def main() -> None:
         return tb.TileConfig(**{**default(*a, **kw).__dict__, **overrides})
 
     tb.tile_config = tile_config
-    base = dict(device=device_name(), variant=args.variant, commit=commit(), command=command_line(),
-                description=args.description, seq_len=n,
-                tiles={k: v.__dict__ for k, v in tb.tile_config(g, d, torch.device("cuda")).__dict__.items()})
+    base = dict(
+        device=device_name(),
+        variant=args.variant,
+        commit=commit(),
+        command=command_line(),
+        description=args.description,
+        seq_len=n,
+        tiles={k: v.__dict__ for k, v in tb.tile_config(g, d, torch.device("cuda")).__dict__.items()},
+    )
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rq, rk, rv = (torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-                  for h in (hq, hkv, hkv))
+    rq, rk, rv = (
+        torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        for h in (hq, hkv, hkv)
+    )
     sq, sk, sv = rope_structured_qkv(1, n, hq, hkv, d, dtype=torch.bfloat16, device="cuda", seed=0)
     config = PatternConfig(v_size=1024, s_size=6144, block_size=g)
     cases = {
@@ -100,12 +108,23 @@ def main() -> None:
             rec["grad_rel_err_vs_default_tiles"] = grad_difference(call, (qg, kg, vg), tile_config, default)
         if name == "estimated":
             f, b, fb = sparse_times(q, k, v, do, pattern)
-            rec.update(sparse_fwd_ms=f, sparse_bwd_ms=b, sparse_fwd_bwd_ms=fb, bwd_over_fwd=b / f,
-                       training_step_ms=training_step_ms(q, k, v, do, config))
+            rec.update(
+                sparse_fwd_ms=f,
+                sparse_bwd_ms=b,
+                sparse_fwd_bwd_ms=fb,
+                bwd_over_fwd=b / f,
+                training_step_ms=training_step_ms(q, k, v, do, config),
+            )
         records.append(rec)
         shown = " ".join(f"{k.strip('_')}={t:7.2f}" for k, t in sorted(rec["kernel_ms"].items()))
-        extra = (f" fwd={rec['sparse_fwd_ms']:.2f} bwd={rec['sparse_bwd_ms']:.2f} bwd/fwd={rec['bwd_over_fwd']:.2f}"
-                 f" step={rec['training_step_ms']:.2f}") if name == "estimated" else ""
+        extra = (
+            (
+                f" fwd={rec['sparse_fwd_ms']:.2f} bwd={rec['sparse_bwd_ms']:.2f} bwd/fwd={rec['bwd_over_fwd']:.2f}"
+                f" step={rec['training_step_ms']:.2f}"
+            )
+            if name == "estimated"
+            else ""
+        )
         print(f"{args.variant:8s} {name:9s} {shown}{extra} {rec.get('grad_rel_err_vs_default_tiles', '')}", flush=True)
     old = json.loads(args.out.read_text()) if args.out.exists() else []
     args.out.parent.mkdir(parents=True, exist_ok=True)

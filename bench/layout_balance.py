@@ -47,9 +47,19 @@ def main() -> None:
     for world in args.world_sizes:
         for name in args.layouts:
             report = imbalance_report(pattern, make_layout(name, args.seq_len, world, g))
-            rec = dict(device=device_name(), commit=commit(), command=command_line(), seq_len=args.seq_len,
-                       inputs="structured", v_size=args.v_size, s_size=args.s_size, density=density,
-                       world_size=world, layout=name, rank_max_over_mean=float(report.rank_imbalance))
+            rec = dict(
+                device=device_name(),
+                commit=commit(),
+                command=command_line(),
+                seq_len=args.seq_len,
+                inputs="structured",
+                v_size=args.v_size,
+                s_size=args.s_size,
+                density=density,
+                world_size=world,
+                layout=name,
+                rank_max_over_mean=float(report.rank_imbalance),
+            )
             records.append(rec)
             print(f"W={world} {name:>10}: rank max/mean {rec['rank_max_over_mean']:.4f}", flush=True)
     print(f"wrote {write_results('layout_balance', records, args.out)}")

@@ -18,8 +18,8 @@ import functools
 from pathlib import Path
 
 import torch
-
 from common import bench_ms, command_line, commit, device_name, write_results
+
 from mtraining.train import loss as loss_module
 
 
@@ -47,7 +47,11 @@ def accuracy(hidden, weight, labels, tokens: int, chunk: int, impls: dict) -> di
         with rows_path(kernel):
             loss = loss_module.linear_cross_entropy(hb, wb, y, chunk, impl)
             loss.backward()
-        for key, got, want in (("loss", loss, ref), ("grad_hidden", hb.grad, h64.grad), ("grad_weight", wb.grad, w64.grad)):
+        for key, got, want in (
+            ("loss", loss, ref),
+            ("grad_hidden", hb.grad, h64.grad),
+            ("grad_weight", wb.grad, w64.grad),
+        ):
             errors[f"rel_err_{name}_{key}"] = ((got.double() - want.detach()).norm() / want.detach().norm()).item()
     errors["accuracy_tokens"] = tokens
     return errors
@@ -68,11 +72,22 @@ def main() -> None:
     labels = torch.randint(0, args.vocab, (args.tokens,), device="cuda", generator=gen)
     logits = torch.randn(args.chunk, args.vocab, device="cuda", generator=gen)
     rows = loss_module._rows_loss_and_grad
-    record = dict(device=device_name(), commit=commit(), command=command_line(), tokens=args.tokens,
-                  hidden=args.hidden, vocab=args.vocab, chunk=args.chunk)
+    record = dict(
+        device=device_name(),
+        commit=commit(),
+        command=command_line(),
+        tokens=args.tokens,
+        hidden=args.hidden,
+        vocab=args.vocab,
+        chunk=args.chunk,
+    )
     for name, kernel in (("kernel", True), ("torch", False)):
-        record[f"rows_{name}_ms"] = bench_ms(lambda: rows(logits.clone(), labels[: args.chunk], torch.bfloat16, kernel=kernel))
-    record["rows_clone_ms"] = bench_ms(lambda: logits.clone())  # the torch path writes into its logits: each call clones
+        record[f"rows_{name}_ms"] = bench_ms(
+            lambda: rows(logits.clone(), labels[: args.chunk], torch.bfloat16, kernel=kernel)
+        )
+    record["rows_clone_ms"] = bench_ms(
+        lambda: logits.clone()
+    )  # the torch path writes into its logits: each call clones
 
     def loss_step(impl: str) -> None:
         hidden.grad = weight.grad = None

@@ -11,7 +11,6 @@ top kernels by total CUDA time (torch.profiler), and writes them as JSON records
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -76,9 +75,18 @@ def main() -> None:
         for name, fn in phases.items():
             ms = bench_ms(fn, warmup_ms=50, rep_ms=300)
             kernels = top_kernels(fn, args.top)
-            records.append(dict(device=device_name(), commit=commit(), command=command_line(), seq_len=n,
-                                density=float(pattern.density().mean()), phase=name, ms=ms,
-                                top_kernels=[dict(name=k_, ms=v_) for k_, v_ in kernels]))
+            records.append(
+                dict(
+                    device=device_name(),
+                    commit=commit(),
+                    command=command_line(),
+                    seq_len=n,
+                    density=float(pattern.density().mean()),
+                    phase=name,
+                    ms=ms,
+                    top_kernels=[dict(name=k_, ms=v_) for k_, v_ in kernels],
+                )
+            )
             print(f"{n:>7} {name:9s} {ms:8.2f} ms", flush=True)
             for k_, v_ in kernels:
                 print(f"          {v_:8.2f}  {k_}", flush=True)

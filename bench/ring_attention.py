@@ -64,8 +64,12 @@ def torch_cp_times(q, k, v, do, iters: int) -> tuple[float, float, str]:
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     group = q.shape[2] // k.shape[2]
     # torch's ring takes MHA-shaped inputs; K/V heads are expanded before sharding (noted in the record).
-    buffers = [q.transpose(1, 2).contiguous(), k.transpose(1, 2).repeat_interleave(group, 1).contiguous(),
-               v.transpose(1, 2).repeat_interleave(group, 1).contiguous(), do.transpose(1, 2).contiguous()]
+    buffers = [
+        q.transpose(1, 2).contiguous(),
+        k.transpose(1, 2).repeat_interleave(group, 1).contiguous(),
+        v.transpose(1, 2).repeat_interleave(group, 1).contiguous(),
+        do.transpose(1, 2).contiguous(),
+    ]
     with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(buffers)):
         qh, kh, vh, doh = buffers
         leaves = [t.detach().requires_grad_() for t in (qh, kh, vh)]
@@ -126,8 +130,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[131072, 262144, 524288])
     p.add_argument("--inputs", nargs="+", default=["structured"], choices=list(GENERATORS))
-    p.add_argument("--methods", nargs="+",
-                   default=["torch_cp", "dense_zigzag", "dense_zigzag_triton", "sparse_contiguous", "sparse_striped"])
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["torch_cp", "dense_zigzag", "dense_zigzag_triton", "sparse_contiguous", "sparse_striped"],
+    )
     p.add_argument("--v-size", type=int, default=1024)
     p.add_argument("--s-size", type=int, default=6144)
     p.add_argument("--iters", type=int, default=5)
@@ -140,14 +147,25 @@ def main() -> None:
     group = dist.group.WORLD
     hq, hkv, d, g = 16, 2, 128, 128
     config = PatternConfig(v_size=args.v_size, s_size=args.s_size, block_size=g)
-    base = dict(device=device_name(), gpus=world, commit=commit(), command=command_line(),
-                heads_q=hq, heads_kv=hkv, head_dim=d, dtype="bfloat16", v_size=args.v_size, s_size=args.s_size)
+    base = dict(
+        device=device_name(),
+        gpus=world,
+        commit=commit(),
+        command=command_line(),
+        heads_q=hq,
+        heads_kv=hkv,
+        head_dim=d,
+        dtype="bfloat16",
+        v_size=args.v_size,
+        s_size=args.s_size,
+    )
     records = []
     for n in args.seq_lens:
         for kind in args.inputs:
             q, k, v = GENERATORS[kind](1, n, hq, hkv, d, dtype=torch.bfloat16, device="cuda", seed=0)
-            do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16,
-                             generator=torch.Generator(device="cuda").manual_seed(1))
+            do = torch.randn(
+                q.shape, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(1)
+            )
             for method in args.methods:
                 note, layout_name, dens, imb, est = "", None, 1.0, None, None
                 torch.cuda.empty_cache()
@@ -171,12 +189,27 @@ def main() -> None:
                 except Exception as exc:  # keep the other methods' numbers; say what failed
                     f = fb = float("nan")
                     note = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-                rec = dict(base, seq_len=n, inputs=kind, method=method, layout=layout_name, density=dens, fwd_ms=f,
-                           bwd_ms=fb - f, fwd_bwd_ms=fb, estimate_ms=est, imbalance_max_over_mean=imb, note=note)
+                rec = dict(
+                    base,
+                    seq_len=n,
+                    inputs=kind,
+                    method=method,
+                    layout=layout_name,
+                    density=dens,
+                    fwd_ms=f,
+                    bwd_ms=fb - f,
+                    fwd_bwd_ms=fb,
+                    estimate_ms=est,
+                    imbalance_max_over_mean=imb,
+                    note=note,
+                )
                 records.append(rec)
                 if rank == 0:
-                    print(f"{n:>8} {kind:>10} {method:>18} fwd={f:9.2f} bwd={fb - f:9.2f} fwd_bwd={fb:9.2f} "
-                          f"density={dens:.3f} imbalance={imb} {note}", flush=True)
+                    print(
+                        f"{n:>8} {kind:>10} {method:>18} fwd={f:9.2f} bwd={fb - f:9.2f} fwd_bwd={fb:9.2f} "
+                        f"density={dens:.3f} imbalance={imb} {note}",
+                        flush=True,
+                    )
             del q, k, v, do
     if rank == 0:
         print(f"wrote {write_results('ring_attention', records, args.out)}")

@@ -95,8 +95,16 @@ def run(args) -> list[dict]:
 
     generators = {"structured": rope_structured_qkv, "random": random_qkv}
     hq, hkv, d, g = args.heads_q, args.heads_kv, args.head_dim, args.block_size
-    base = dict(device=device_name(), commit=commit(), command=command_line(), heads_q=hq, heads_kv=hkv,
-                head_dim=d, dtype="bfloat16", block_size=g)
+    base = dict(
+        device=device_name(),
+        commit=commit(),
+        command=command_line(),
+        heads_q=hq,
+        heads_kv=hkv,
+        head_dim=d,
+        dtype="bfloat16",
+        block_size=g,
+    )
     records: list[dict] = []
     config = PatternConfig(v_size=args.v_size, s_size=args.s_size, block_size=g)
     for n in args.seq_lens:
@@ -119,17 +127,34 @@ def run(args) -> list[dict]:
                 density = float(pattern.density().mean())
                 f, b, fb = sparse_times(q, k, v, do, pattern)
                 total = total if total is not None else fb
-                rec = dict(base, seq_len=n, inputs=kind, pattern=source, target_density=target,
-                           v_size=v_size, s_size=s_size, density=density, estimate_ms=est_ms,
-                           sparse_fwd_ms=f, sparse_bwd_ms=b, sparse_fwd_bwd_ms=fb, sparse_total_ms=total,
-                           dense_fwd_ms=dense_f, dense_fwd_bwd_ms=dense_fb,
-                           speedup_fwd_bwd=dense_fb / total,
-                           over_ideal=total / (density * dense_fb), bwd_over_fwd=b / f,
-                           dense_tflops_fwd_bwd=3.5 * 4 * n * n / 2 * d * hq / dense_fb / 1e9)
+                rec = dict(
+                    base,
+                    seq_len=n,
+                    inputs=kind,
+                    pattern=source,
+                    target_density=target,
+                    v_size=v_size,
+                    s_size=s_size,
+                    density=density,
+                    estimate_ms=est_ms,
+                    sparse_fwd_ms=f,
+                    sparse_bwd_ms=b,
+                    sparse_fwd_bwd_ms=fb,
+                    sparse_total_ms=total,
+                    dense_fwd_ms=dense_f,
+                    dense_fwd_bwd_ms=dense_fb,
+                    speedup_fwd_bwd=dense_fb / total,
+                    over_ideal=total / (density * dense_fb),
+                    bwd_over_fwd=b / f,
+                    dense_tflops_fwd_bwd=3.5 * 4 * n * n / 2 * d * hq / dense_fb / 1e9,
+                )
                 records.append(rec)
-                print(f"{n:>7} {kind:>10} {source:>9} dens={density:6.3f} est={est_ms:6.2f} fwd={f:7.2f} "
-                      f"bwd={b:7.2f} fb={fb:7.2f} dense_fb={dense_fb:7.2f} speedup={rec['speedup_fwd_bwd']:5.2f} "
-                      f"over_ideal={rec['over_ideal']:4.2f} bwd/fwd={b / f:4.2f}", flush=True)
+                print(
+                    f"{n:>7} {kind:>10} {source:>9} dens={density:6.3f} est={est_ms:6.2f} fwd={f:7.2f} "
+                    f"bwd={b:7.2f} fb={fb:7.2f} dense_fb={dense_fb:7.2f} speedup={rec['speedup_fwd_bwd']:5.2f} "
+                    f"over_ideal={rec['over_ideal']:4.2f} bwd/fwd={b / f:4.2f}",
+                    flush=True,
+                )
                 del pattern
             del q, k, v, do
             torch.cuda.empty_cache()

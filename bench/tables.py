@@ -1,6 +1,6 @@
 """Print the Markdown tables of BENCHMARKS.md from bench/results/*.json (no number is typed by hand).
 
-    python bench/tables.py
+python bench/tables.py
 """
 
 from __future__ import annotations
@@ -29,8 +29,21 @@ def _runs(records: list[dict], key) -> list[tuple[object, list[dict]]]:
 
 
 def sparse_attention_table() -> str:
-    head = ["seq", "inputs", "pattern", "density", "estimate ms", "fwd ms", "bwd ms", "bwd/fwd",
-            "sparse total ms", "cuDNN fwd+bwd ms", "speedup", "total / (density x cuDNN)", "commit"]
+    head = [
+        "seq",
+        "inputs",
+        "pattern",
+        "density",
+        "estimate ms",
+        "fwd ms",
+        "bwd ms",
+        "bwd/fwd",
+        "sparse total ms",
+        "cuDNN fwd+bwd ms",
+        "speedup",
+        "total / (density x cuDNN)",
+        "commit",
+    ]
     blocks = []
     for run, records in _runs(_load("sparse_attention"), lambda r: r["run"]):
         lines = [f"Run `{run}`:", "", _row(head), _row(["---"] * len(head))]
@@ -38,12 +51,25 @@ def sparse_attention_table() -> str:
             label = r["pattern"] if r["pattern"] != "sweep" else f"sweep ~{r['target_density']:.0%}"
             if r["pattern"] == "estimated" and r["inputs"] == "structured" and "before" in r.get("inputs_note", ""):
                 label += " (old generator)"
-            lines.append(_row([
-                f"{r['seq_len'] // 1024}K", r["inputs"], label, f"{r['density']:.3f}", f"{r['estimate_ms']:.1f}",
-                f"{r['sparse_fwd_ms']:.1f}", f"{r['sparse_bwd_ms']:.1f}", f"{r['bwd_over_fwd']:.2f}",
-                f"{r['sparse_total_ms']:.1f}", f"{r['dense_fwd_bwd_ms']:.1f}", f"{r['speedup_fwd_bwd']:.2f}x",
-                f"{r['over_ideal']:.2f}", r["commit"],
-            ]))
+            lines.append(
+                _row(
+                    [
+                        f"{r['seq_len'] // 1024}K",
+                        r["inputs"],
+                        label,
+                        f"{r['density']:.3f}",
+                        f"{r['estimate_ms']:.1f}",
+                        f"{r['sparse_fwd_ms']:.1f}",
+                        f"{r['sparse_bwd_ms']:.1f}",
+                        f"{r['bwd_over_fwd']:.2f}",
+                        f"{r['sparse_total_ms']:.1f}",
+                        f"{r['dense_fwd_bwd_ms']:.1f}",
+                        f"{r['speedup_fwd_bwd']:.2f}x",
+                        f"{r['over_ideal']:.2f}",
+                        r["commit"],
+                    ]
+                )
+            )
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 
@@ -54,53 +80,110 @@ def _dq_mode(tiles: dict) -> str:
 
 
 def kernel_table() -> str:
-    head = ["stage", "tiles (m, n, v, warps, stages, dQ)", "pattern", "fwd ms", "dQ ms", "dK/dV block ms",
-            "dK/dV vertical ms"]
+    head = [
+        "stage",
+        "tiles (m, n, v, warps, stages, dQ)",
+        "pattern",
+        "fwd ms",
+        "dQ ms",
+        "dK/dV block ms",
+        "dK/dV vertical ms",
+    ]
     blocks = []
     for (device, run_commit), records in _runs(_load("tune_kernels"), lambda r: (r["device"], r["commit"])):
         lines = [f"{device}, commit {run_commit}:", "", _row(head), _row(["---"] * len(head))]
         for r in records:
             k = r["kernel_ms"]
             t = r["tiles"]
-            lines.append(_row([
-                r["stage"], f"({t['block_m']}, {t['block_n']}, {t['block_v']}, {t['num_warps']}, {t['num_stages']}, "
-                f"{_dq_mode(t)})", f"{r['pattern']} ({r['density']:.3f})",
-                *(f"{k.get(name, 0.0):.1f}" for name in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_block_kernel",
-                                                         "_bwd_dkdv_vertical_kernel")),
-            ]))
+            lines.append(
+                _row(
+                    [
+                        r["stage"],
+                        f"({t['block_m']}, {t['block_n']}, {t['block_v']}, {t['num_warps']}, {t['num_stages']}, "
+                        f"{_dq_mode(t)})",
+                        f"{r['pattern']} ({r['density']:.3f})",
+                        *(
+                            f"{k.get(name, 0.0):.1f}"
+                            for name in (
+                                "_fwd_kernel",
+                                "_bwd_dq_kernel",
+                                "_bwd_dkdv_block_kernel",
+                                "_bwd_dkdv_vertical_kernel",
+                            )
+                        ),
+                    ]
+                )
+            )
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 
 
 def ring_table() -> str:
-    head = ["seq", "method", "layout", "density", "estimate ms", "fwd ms", "bwd ms", "fwd+bwd ms", "vs torch CP",
-            "fwd+bwd / (density x torch CP)", "imbalance max/mean", "note"]
+    head = [
+        "seq",
+        "method",
+        "layout",
+        "density",
+        "estimate ms",
+        "fwd ms",
+        "bwd ms",
+        "fwd+bwd ms",
+        "vs torch CP",
+        "fwd+bwd / (density x torch CP)",
+        "imbalance max/mean",
+        "note",
+    ]
     blocks = []
-    for (gpus, device, run_commit), rows in _runs(_load("ring_attention"), lambda r: (r["gpus"], r["device"], r["commit"])):
+    for (gpus, device, run_commit), rows in _runs(
+        _load("ring_attention"), lambda r: (r["gpus"], r["device"], r["commit"])
+    ):
         torch_cp = {r["seq_len"]: r["fwd_bwd_ms"] for r in rows if r["method"] == "torch_cp"}
         lines = [f"{gpus} x {device}, commit {run_commit}:", "", _row(head), _row(["---"] * len(head))]
         for r in rows:
             dense_ms = torch_cp.get(r["seq_len"], float("nan"))
             imb = "" if r["imbalance_max_over_mean"] is None else f"{r['imbalance_max_over_mean']:.3f}"
-            lines.append(_row([
-                f"{r['seq_len'] // 1024}K", r["method"], r["layout"] or "", f"{r['density']:.3f}",
-                "" if r.get("estimate_ms") is None else f"{r['estimate_ms']:.1f}", f"{r['fwd_ms']:.1f}",
-                f"{r['bwd_ms']:.1f}", f"{r['fwd_bwd_ms']:.1f}", f"{dense_ms / r['fwd_bwd_ms']:.2f}x",
-                f"{r['fwd_bwd_ms'] / (r['density'] * dense_ms):.2f}" if r["density"] < 1 else "", imb, r["note"],
-            ]))
+            lines.append(
+                _row(
+                    [
+                        f"{r['seq_len'] // 1024}K",
+                        r["method"],
+                        r["layout"] or "",
+                        f"{r['density']:.3f}",
+                        "" if r.get("estimate_ms") is None else f"{r['estimate_ms']:.1f}",
+                        f"{r['fwd_ms']:.1f}",
+                        f"{r['bwd_ms']:.1f}",
+                        f"{r['fwd_bwd_ms']:.1f}",
+                        f"{dense_ms / r['fwd_bwd_ms']:.2f}x",
+                        f"{r['fwd_bwd_ms'] / (r['density'] * dense_ms):.2f}" if r["density"] < 1 else "",
+                        imb,
+                        r["note"],
+                    ]
+                )
+            )
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 
 
 def kernel_variants_table() -> str:
     """Per-kernel CUDA ms of the kernel variants compared in one process each (A/B runs)."""
-    head = ["variant", "commit", "what", "pattern", "fwd ms", "dQ ms", "dK/dV block ms", "dK/dV vertical ms",
-            "training step ms"]
+    head = [
+        "variant",
+        "commit",
+        "what",
+        "pattern",
+        "fwd ms",
+        "dQ ms",
+        "dK/dV block ms",
+        "dK/dV vertical ms",
+        "training step ms",
+    ]
     lines = [_row(head), _row(["---"] * len(head))]
     for r in _load("kernel_variants"):
         k = r.get("kernel_ms", {})
-        cells = [f"{k[name]:.1f}" if name in k else "" for name in
-                 ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_block_kernel", "_bwd_dkdv_vertical_kernel")]
+        cells = [
+            f"{k[name]:.1f}" if name in k else ""
+            for name in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_block_kernel", "_bwd_dkdv_vertical_kernel")
+        ]
         step = f"{r['training_step_ms']:.1f}" if "training_step_ms" in r else ""
         lines.append(_row([r["variant"], r["commit"], r["description"], r["pattern"], *cells, step]))
     return "\n".join(lines)
@@ -116,8 +199,13 @@ def layout_balance_table() -> str:
     for r in records:
         by_world.setdefault(r["world_size"], {})[r["layout"]] = r["rank_max_over_mean"]
     r0 = records[0]
-    lines = [f"{r0['seq_len'] // 1024}K structured, density {r0['density']:.3f}, computed on {r0['device']}, "
-             f"commit {r0['commit']}:", "", _row(head), _row(["---"] * len(head))]
+    lines = [
+        f"{r0['seq_len'] // 1024}K structured, density {r0['density']:.3f}, computed on {r0['device']}, "
+        f"commit {r0['commit']}:",
+        "",
+        _row(head),
+        _row(["---"] * len(head)),
+    ]
     for world, cells in by_world.items():
         lines.append(_row([str(world), *(f"{cells.get(name, float('nan')):.4f}" for name in head[1:])]))
     return "\n".join(lines)
@@ -128,8 +216,18 @@ def estimate_cp_table() -> str:
     head = ["seq", "layout", "slash sums", "estimate ms", "gpus", "commit"]
     lines = [_row(head), _row(["---"] * len(head))]
     for r in _load("estimate_cp_ab"):
-        lines.append(_row([f"{r['seq_len'] // 1024}K", r["layout"], r["slash_sums"], f"{r['estimate_cp_ms']:.2f}",
-                           f"{r['gpus']} x {r['device']}", r["commit"]]))
+        lines.append(
+            _row(
+                [
+                    f"{r['seq_len'] // 1024}K",
+                    r["layout"],
+                    r["slash_sums"],
+                    f"{r['estimate_cp_ms']:.2f}",
+                    f"{r['gpus']} x {r['device']}",
+                    r["commit"],
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
@@ -138,63 +236,155 @@ def recall_table() -> str:
     head = ["seq", "last_q", "recall ms", "estimate ms", "recall", "device", "commit"]
     lines = [_row(head), _row(["---"] * len(head))]
     for r in _load("recall_cost"):
-        lines.append(_row([f"{r['seq_len'] // 1024}K", r["last_q"], f"{r['recall_ms']:.1f}", f"{r['estimate_ms']:.1f}",
-                           f"{r['recall']:.3f}", r["device"], r["commit"]]))
+        lines.append(
+            _row(
+                [
+                    f"{r['seq_len'] // 1024}K",
+                    r["last_q"],
+                    f"{r['recall_ms']:.1f}",
+                    f"{r['estimate_ms']:.1f}",
+                    f"{r['recall']:.3f}",
+                    r["device"],
+                    r["commit"],
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
 def loss_table() -> str:
     """LM-head cross-entropy (loss + backward) by implementation: time, peak memory, the per-chunk row
     step alone (its timing clones the logits: the clone is subtracted) and errors against float64."""
-    head = ["tokens", "vocab", "chunk", "implementation", "loss+bwd ms", "peak GB", "rows of one chunk ms",
-            "rel. err loss / dhidden / dhead", "device", "commit"]
+    head = [
+        "tokens",
+        "vocab",
+        "chunk",
+        "implementation",
+        "loss+bwd ms",
+        "peak GB",
+        "rows of one chunk ms",
+        "rel. err loss / dhidden / dhead",
+        "device",
+        "commit",
+    ]
     lines = [_row(head), _row(["---"] * len(head))]
-    impls = (("chunked, Triton rows kernel", "chunked_kernel", "rows_kernel_ms"),
-             ("chunked, PyTorch row ops", "chunked_torch", "rows_torch_ms"), ("liger fused linear CE", "liger", None))
+    impls = (
+        ("chunked, Triton rows kernel", "chunked_kernel", "rows_kernel_ms"),
+        ("chunked, PyTorch row ops", "chunked_torch", "rows_torch_ms"),
+        ("liger fused linear CE", "liger", None),
+    )
     for r in _load("loss"):
         for name, key, rows_key in impls:
             if f"loss_{key}_ms" not in r:
                 continue
-            errors = "" if f"rel_err_{key}_loss" not in r else " / ".join(
-                f"{r[f'rel_err_{key}_{part}']:.1e}" for part in ("loss", "grad_hidden", "grad_weight"))
-            lines.append(_row([f"{r['tokens'] // 1024}K", r["vocab"], r["chunk"], name, f"{r[f'loss_{key}_ms']:.1f}",
-                               f"{r[f'loss_{key}_peak_gb']:.1f}", f"{r[rows_key] - r['rows_clone_ms']:.2f}" if rows_key else "",
-                               errors, r["device"], r["commit"]]))
+            errors = (
+                ""
+                if f"rel_err_{key}_loss" not in r
+                else " / ".join(f"{r[f'rel_err_{key}_{part}']:.1e}" for part in ("loss", "grad_hidden", "grad_weight"))
+            )
+            lines.append(
+                _row(
+                    [
+                        f"{r['tokens'] // 1024}K",
+                        r["vocab"],
+                        r["chunk"],
+                        name,
+                        f"{r[f'loss_{key}_ms']:.1f}",
+                        f"{r[f'loss_{key}_peak_gb']:.1f}",
+                        f"{r[rows_key] - r['rows_clone_ms']:.2f}" if rows_key else "",
+                        errors,
+                        r["device"],
+                        r["commit"],
+                    ]
+                )
+            )
     return "\n".join(lines)
 
 
 def training_tables() -> str:
     """The accuracy guard (dense vs sparse training) and end-to-end training throughput."""
     lines = []
-    guard = json.loads((RESULTS / "accuracy_guard.json").read_text()) if (RESULTS / "accuracy_guard.json").exists() else None
+    guard = (
+        json.loads((RESULTS / "accuracy_guard.json").read_text())
+        if (RESULTS / "accuracy_guard.json").exists()
+        else None
+    )
     if guard:
         head = ["run", "steps", "final loss (last 20 steps)", "tokens/s", "step s", "peak GB", "density", "recall"]
-        lines += [f"Accuracy guard, {guard['device']}, commit {guard['commit']}, {guard['seq_len']} tokens/step: "
-                  f"sparse vs dense final loss {guard['relative_gap']:+.2%} ({'pass' if guard['passed'] else 'FAIL'}, "
-                  "goal within 2%)", "", _row(head), _row(["---"] * len(head))]
+        lines += [
+            f"Accuracy guard, {guard['device']}, commit {guard['commit']}, {guard['seq_len']} tokens/step: "
+            f"sparse vs dense final loss {guard['relative_gap']:+.2%} ({'pass' if guard['passed'] else 'FAIL'}, "
+            "goal within 2%)",
+            "",
+            _row(head),
+            _row(["---"] * len(head)),
+        ]
         for name, r in guard["runs"].items():
-            lines.append(_row([name, r["steps"], f"{r['final_loss']:.4f}", f"{r['tokens_per_s']:.0f}",
-                               f"{r['step_s']:.3f}", f"{r['peak_mem_gb']:.1f}",
-                               "" if r["density"] is None else f"{r['density']:.3f}",
-                               "" if r["recall"] is None else f"{r['recall']:.3f}"]))
+            lines.append(
+                _row(
+                    [
+                        name,
+                        r["steps"],
+                        f"{r['final_loss']:.4f}",
+                        f"{r['tokens_per_s']:.0f}",
+                        f"{r['step_s']:.3f}",
+                        f"{r['peak_mem_gb']:.1f}",
+                        "" if r["density"] is None else f"{r['density']:.3f}",
+                        "" if r["recall"] is None else f"{r['recall']:.3f}",
+                    ]
+                )
+            )
         lines.append("")
-    head = ["gpus", "model", "init", "seq", "attention", "layout", "fused kernels", "loss", "saved attn", "step s", "tokens/s", "peak GB",
-            "MFU", "density", "commit"]
+    head = [
+        "gpus",
+        "model",
+        "init",
+        "seq",
+        "attention",
+        "layout",
+        "fused kernels",
+        "loss",
+        "saved attn",
+        "step s",
+        "tokens/s",
+        "peak GB",
+        "MFU",
+        "density",
+        "commit",
+    ]
     rows = _load("train_throughput")
     if rows:
         lines += [f"Training throughput ({rows[0]['device']}):", "", _row(head), _row(["---"] * len(head))]
         for r in rows:
-            lines.append(_row([r["gpus"], r["model"], r.get("init", "random"), f"{r['seq_len'] // 1024}K",
-                               r["attention"], r["layout"], r.get("fused_kernels", "none"), r.get("loss_impl", "chunked"),
-                               {True: "yes", False: "no", None: "no"}.get(r.get("save_attention_outputs"), r.get("save_attention_outputs")),
-                               f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}", f"{r['peak_mem_gb']:.1f}",
-                               f"{r['mfu']:.3f}", "" if r["density"] is None else f"{r['density']:.3f}", r["commit"]]))
+            lines.append(
+                _row(
+                    [
+                        r["gpus"],
+                        r["model"],
+                        r.get("init", "random"),
+                        f"{r['seq_len'] // 1024}K",
+                        r["attention"],
+                        r["layout"],
+                        r.get("fused_kernels", "none"),
+                        r.get("loss_impl", "chunked"),
+                        {True: "yes", False: "no", None: "no"}.get(
+                            r.get("save_attention_outputs"), r.get("save_attention_outputs")
+                        ),
+                        f"{r['step_s']:.2f}",
+                        f"{r['tokens_per_s']:.0f}",
+                        f"{r['peak_mem_gb']:.1f}",
+                        f"{r['mfu']:.3f}",
+                        "" if r["density"] is None else f"{r['density']:.3f}",
+                        r["commit"],
+                    ]
+                )
+            )
     return "\n".join(lines)
 
 
 def eval_table() -> str:
     """Per evaluated checkpoint: perplexity, NIAH and RULER by length (bench/results/eval_*_{ppl,niah,ruler}.json)."""
-    labels = sorted({p.name[len("eval_"):-len("_ppl.json")] for p in RESULTS.glob("eval_*_ppl.json")})
+    labels = sorted({p.name[len("eval_") : -len("_ppl.json")] for p in RESULTS.glob("eval_*_ppl.json")})
     if not labels:
         return ""
     head = ["checkpoint / attention", "metric", "by length"]
@@ -219,10 +409,18 @@ def _eval_summary(task: str, result) -> str:
 
 
 def main() -> None:
-    for title, table in (("sparse_attention", sparse_attention_table()), ("tune_kernels", kernel_table()),
-                         ("kernel_variants", kernel_variants_table()), ("ring_attention", ring_table()),
-                         ("layout_balance", layout_balance_table()), ("estimate_cp", estimate_cp_table()),
-                         ("training", training_tables()), ("loss", loss_table()), ("recall_cost", recall_table()), ("eval", eval_table())):
+    for title, table in (
+        ("sparse_attention", sparse_attention_table()),
+        ("tune_kernels", kernel_table()),
+        ("kernel_variants", kernel_variants_table()),
+        ("ring_attention", ring_table()),
+        ("layout_balance", layout_balance_table()),
+        ("estimate_cp", estimate_cp_table()),
+        ("training", training_tables()),
+        ("loss", loss_table()),
+        ("recall_cost", recall_table()),
+        ("eval", eval_table()),
+    ):
         print(f"<!-- {title} -->\n{table}\n")
 
 

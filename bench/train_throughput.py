@@ -29,12 +29,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command_line, commit, device_name, write_results  # noqa: E402
 
 ARCHS = {
-    "qwen2.5-3b": dict(model_type="qwen2", vocab_size=151936, hidden_size=2048, intermediate_size=11008,
-                       num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-                       max_position_embeddings=1048576, tie_word_embeddings=True, rope_theta=1.0e6),
-    "tiny": dict(model_type="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1048576,
-                 tie_word_embeddings=True),
+    "qwen2.5-3b": dict(
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        max_position_embeddings=1048576,
+        tie_word_embeddings=True,
+        rope_theta=1.0e6,
+    ),
+    "tiny": dict(
+        model_type="qwen2",
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1048576,
+        tie_word_embeddings=True,
+    ),
 }
 MODES = {  # attention section per mode
     "dense": dict(sparse=False, layout="zigzag"),
@@ -87,12 +104,22 @@ def write_config(folder: Path, args, seq_len: int, mode: str, tokens: Path, chec
         parallel=dict(data=1, context=args.gpus),
         data=dict(sources=[str(tokens)], seq_len=seq_len, batch_size=1, shuffle=False),
         optim=dict(lr=1.0e-5, warmup_steps=1),
-        train=dict(steps=args.steps, device=args.device, seed=0, activation_checkpointing=True,
-                   fused_kernels=args.fused_kernels, save_attention_outputs=SAVED_OUTPUTS[args.save_attention_outputs],
-                   loss_impl=args.loss_impl),
+        train=dict(
+            steps=args.steps,
+            device=args.device,
+            seed=0,
+            activation_checkpointing=True,
+            fused_kernels=args.fused_kernels,
+            save_attention_outputs=SAVED_OUTPUTS[args.save_attention_outputs],
+            loss_impl=args.loss_impl,
+        ),
         checkpoint=dict(dir=None),
-        log=dict(dir=str(folder / "log"), every=1, recall=False,  # every step's time, without recall passes
-                 profile_step=args.steps if args.profile_dir else None),
+        log=dict(
+            dir=str(folder / "log"),
+            every=1,
+            recall=False,  # every step's time, without recall passes
+            profile_step=args.steps if args.profile_dir else None,
+        ),
     )
     path = folder / f"{mode}_{seq_len}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -101,8 +128,17 @@ def write_config(folder: Path, args, seq_len: int, mode: str, tokens: Path, chec
 
 def run_one(path: Path, gpus: int, log_dir: Path, warmup: int, profiled: bool) -> dict:
     """Train as configured; medians over the steps after ``warmup`` (and before a profiled last step)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
-           "-m", "mtraining.cli", "train", str(path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={gpus}",
+        "-m",
+        "mtraining.cli",
+        "train",
+        str(path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     metrics = log_dir / "metrics.jsonl"
     if proc.returncode != 0 or not metrics.exists():
@@ -128,20 +164,42 @@ def main() -> None:
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians (compilation)")
-    p.add_argument("--init", choices=["structured", "random"], default="structured",
-                   help="structured: random weights whose q/k biases give attention the local-heavy structure of "
-                        "trained heads (structured_checkpoint); random: plain random init (dense patterns)")
-    p.add_argument("--fused-kernels", choices=["none", "liger"], default="none",
-                   help="train.fused_kernels: liger-kernel's fused RMSNorm/SwiGLU/RoPE (CUDA, needs liger-kernel)")
-    p.add_argument("--save-attention-outputs", nargs="?", choices=["false", "true", "auto"], const="true", default="false",
-                   help="train.save_attention_outputs: the checkpoint recompute reuses each layer's attention output "
-                        "(bare flag: true; auto: from step 2 if step 1's memory allows). Default false: the "
-                        "trainer's own default is auto")
-    p.add_argument("--loss-impl", choices=["chunked", "liger"], default="chunked",
-                   help="train.loss_impl: our chunked loss or liger-kernel's fused linear cross-entropy")
-    p.add_argument("--profile-dir", type=Path, default=None,
-                   help="profile the last step (torch.profiler, left out of the medians) and copy rank 0's table "
-                        "of the costliest kernels here as profile_<mode>_<seq>_<fused kernels>.txt")
+    p.add_argument(
+        "--init",
+        choices=["structured", "random"],
+        default="structured",
+        help="structured: random weights whose q/k biases give attention the local-heavy structure of "
+        "trained heads (structured_checkpoint); random: plain random init (dense patterns)",
+    )
+    p.add_argument(
+        "--fused-kernels",
+        choices=["none", "liger"],
+        default="none",
+        help="train.fused_kernels: liger-kernel's fused RMSNorm/SwiGLU/RoPE (CUDA, needs liger-kernel)",
+    )
+    p.add_argument(
+        "--save-attention-outputs",
+        nargs="?",
+        choices=["false", "true", "auto"],
+        const="true",
+        default="false",
+        help="train.save_attention_outputs: the checkpoint recompute reuses each layer's attention output "
+        "(bare flag: true; auto: from step 2 if step 1's memory allows). Default false: the "
+        "trainer's own default is auto",
+    )
+    p.add_argument(
+        "--loss-impl",
+        choices=["chunked", "liger"],
+        default="chunked",
+        help="train.loss_impl: our chunked loss or liger-kernel's fused linear cross-entropy",
+    )
+    p.add_argument(
+        "--profile-dir",
+        type=Path,
+        default=None,
+        help="profile the last step (torch.profiler, left out of the medians) and copy rank 0's table "
+        "of the costliest kernels here as profile_<mode>_<seq>_<fused kernels>.txt",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     vocab = ARCHS[args.arch]["vocab_size"]
@@ -152,7 +210,11 @@ def main() -> None:
         rng = np.random.default_rng(0)
         np.save(tokens, rng.integers(0, vocab, size=max(args.seq_lens) * (args.steps + 2), dtype=np.int64))
         for seq_len in args.seq_lens:
-            checkpoint = structured_checkpoint(tmp, ARCHS[args.arch], seq_len, args.device) if args.init == "structured" else None
+            checkpoint = (
+                structured_checkpoint(tmp, ARCHS[args.arch], seq_len, args.device)
+                if args.init == "structured"
+                else None
+            )
             for mode in args.modes:
                 folder = tmp / f"{mode}_{seq_len}"
                 folder.mkdir()
@@ -162,13 +224,23 @@ def main() -> None:
                     args.profile_dir.mkdir(parents=True, exist_ok=True)
                     table = folder / "log" / f"profile_step{args.steps}_rank0.txt"
                     shutil.copy(table, args.profile_dir / f"profile_{mode}_{seq_len}_{args.fused_kernels}.txt")
-                rec = dict(device=device_name() if args.device == "cuda" else "cpu", gpus=args.gpus, commit=commit(),
-                           command=command_line(), model=args.arch, seq_len=seq_len,
-                           attention="mtraining sparse" if mode == "sparse" else "dense (cuDNN; zigzag ring if CP)",
-                           layout=MODES[mode]["layout"], ring="flat", init=args.init, fused_kernels=args.fused_kernels,
-                           save_attention_outputs=SAVED_OUTPUTS[args.save_attention_outputs], loss_impl=args.loss_impl,
-                           config=yaml.safe_load(path.read_text()),
-                           **result)
+                rec = dict(
+                    device=device_name() if args.device == "cuda" else "cpu",
+                    gpus=args.gpus,
+                    commit=commit(),
+                    command=command_line(),
+                    model=args.arch,
+                    seq_len=seq_len,
+                    attention="mtraining sparse" if mode == "sparse" else "dense (cuDNN; zigzag ring if CP)",
+                    layout=MODES[mode]["layout"],
+                    ring="flat",
+                    init=args.init,
+                    fused_kernels=args.fused_kernels,
+                    save_attention_outputs=SAVED_OUTPUTS[args.save_attention_outputs],
+                    loss_impl=args.loss_impl,
+                    config=yaml.safe_load(path.read_text()),
+                    **result,
+                )
                 records.append(rec)
                 shown = {k: rec.get(k) for k in ("step_s", "tokens_per_s", "peak_mem_gb", "mfu", "density", "error")}
                 print(f"{seq_len:>8} {mode:>6} {shown}", flush=True)

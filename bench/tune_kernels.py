@@ -30,10 +30,24 @@ from mtraining.ops.attention import sparse_attention  # noqa: E402
 KERNELS = ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_block_kernel", "_bwd_dkdv_vertical_kernel")
 T = tb.Tiles
 CANDIDATES = {
-    "fwd": [T(128, 128, 64, 8, 3), T(128, 128, 64, 8, 2), T(128, 128, 64, 8, 4), T(128, 64, 64, 8, 3),
-            T(128, 64, 64, 4, 3), T(64, 128, 64, 4, 3), T(64, 64, 64, 4, 4)],
-    "dq": [T(64, 64, 64, 4, 2), T(64, 64, 64, 4, 3), T(64, 64, 64, 4, 4), T(128, 64, 64, 8, 2),
-           T(128, 64, 64, 8, 3), T(64, 128, 64, 4, 2), T(64, 128, 64, 8, 3)],
+    "fwd": [
+        T(128, 128, 64, 8, 3),
+        T(128, 128, 64, 8, 2),
+        T(128, 128, 64, 8, 4),
+        T(128, 64, 64, 8, 3),
+        T(128, 64, 64, 4, 3),
+        T(64, 128, 64, 4, 3),
+        T(64, 64, 64, 4, 4),
+    ],
+    "dq": [
+        T(64, 64, 64, 4, 2),
+        T(64, 64, 64, 4, 3),
+        T(64, 64, 64, 4, 4),
+        T(128, 64, 64, 8, 2),
+        T(128, 64, 64, 8, 3),
+        T(64, 128, 64, 4, 2),
+        T(64, 128, 64, 8, 3),
+    ],
     "dkdv": [],
 }
 
@@ -90,9 +104,17 @@ def main() -> None:
                 except triton.runtime.errors.OutOfResources as err:
                     print(f"{stage:5s} {str(tuple(tiles.__dict__.values())):32s} {name:9s} skipped: {err}", flush=True)
                     continue
-                rec = dict(device=device_name(), commit=commit(), command=command_line(), seq_len=n, pattern=name,
-                           density=float(pattern.density().mean()), stage=stage, tiles=tiles.__dict__,
-                           kernel_ms=times)
+                rec = dict(
+                    device=device_name(),
+                    commit=commit(),
+                    command=command_line(),
+                    seq_len=n,
+                    pattern=name,
+                    density=float(pattern.density().mean()),
+                    stage=stage,
+                    tiles=tiles.__dict__,
+                    kernel_ms=times,
+                )
                 records.append(rec)
                 shown = " ".join(f"{k.strip('_')}={v:7.2f}" for k, v in sorted(times.items()))
                 print(f"{stage:5s} {str(tuple(tiles.__dict__.values())):32s} {name:9s} {shown}", flush=True)

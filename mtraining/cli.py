@@ -16,7 +16,9 @@ import typer
 
 from .eval.cli import eval_app
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Ultra-long-context training with dynamic sparse attention.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Ultra-long-context training with dynamic sparse attention."
+)
 app.add_typer(eval_app, name="eval")
 
 
@@ -98,7 +100,9 @@ def tokenize(
         cfg = load_config(config, overrides)
         d = cfg.data
         tok_path = d.tokenizer or cfg.model.path
-        stream = token_stream(d.sources, TextTokenizer(tok_path) if tok_path else None, d.text_field, d.separator, d.token_dtype)
+        stream = token_stream(
+            d.sources, TextTokenizer(tok_path) if tok_path else None, d.text_field, d.separator, d.token_dtype
+        )
     except ValueError as err:
         _fail(err)
     dtype = np.uint16 if stream.max() < 2**16 else np.uint32

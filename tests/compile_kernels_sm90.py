@@ -12,10 +12,29 @@ from mtraining.ops import triton_kernels as tk
 from mtraining.ops import walk_kernels as wk
 from mtraining.train import ce_kernel
 
-INT_POINTERS = {"QPos", "KPos", "QGBlock", "Starts", "Count", "DiagStart", "VCols", "VCountQ", "VStartRow",
-                # index builders (walk_kernels.py)
-                "BlockDiags", "NumDiags", "VertPos", "NumVerts", "QStart", "KStart", "VColPos", "OtherStart",
-                "GBlock", "Diag", "Extra"}
+INT_POINTERS = {
+    "QPos",
+    "KPos",
+    "QGBlock",
+    "Starts",
+    "Count",
+    "DiagStart",
+    "VCols",
+    "VCountQ",
+    "VStartRow",
+    # index builders (walk_kernels.py)
+    "BlockDiags",
+    "NumDiags",
+    "VertPos",
+    "NumVerts",
+    "QStart",
+    "KStart",
+    "VColPos",
+    "OtherStart",
+    "GBlock",
+    "Diag",
+    "Extra",
+}
 FP32_POINTERS = {"Lse", "Delta", "DQ", "DK", "DV"}
 DATA_POINTERS = {"Q", "K", "V", "Out", "DO"}
 FLOAT_SCALARS = {"qk_scale", "sm_scale"}
@@ -66,10 +85,21 @@ def main() -> None:
     ]:
         compile_one(fn, dict(G=128, **extra), target, dict(num_warps=4, num_stages=3))
     # the loss's rows kernel: float32 logits, bf16 gradient
-    ce_signature = {"logits_ptr": "*fp32", "labels_ptr": "*i64", "loss_ptr": "*fp32", "grad_ptr": "*bf16", "vocab": "i32",
-                    "logits_stride": "i64", "grad_stride": "i64", "ignore_index": "i64", "BLOCK": "constexpr", "WRITE_GRAD": "constexpr"}
-    src = triton.compiler.ASTSource(fn=ce_kernel._cross_entropy_rows_kernel, signature=ce_signature,
-                                    constexprs=dict(BLOCK=4096, WRITE_GRAD=True))
+    ce_signature = {
+        "logits_ptr": "*fp32",
+        "labels_ptr": "*i64",
+        "loss_ptr": "*fp32",
+        "grad_ptr": "*bf16",
+        "vocab": "i32",
+        "logits_stride": "i64",
+        "grad_stride": "i64",
+        "ignore_index": "i64",
+        "BLOCK": "constexpr",
+        "WRITE_GRAD": "constexpr",
+    }
+    src = triton.compiler.ASTSource(
+        fn=ce_kernel._cross_entropy_rows_kernel, signature=ce_signature, constexprs=dict(BLOCK=4096, WRITE_GRAD=True)
+    )
     triton.compile(src, target=target, options=dict(num_warps=8))
     print("_cross_entropy_rows_kernel: ok")
 

@@ -1,13 +1,25 @@
-"""Test-session setup: on a machine without a GPU the Triton kernels run in Triton's interpreter.
+"""Test-session setup and shared fixtures.
 
-TRITON_INTERPRET must be set before any kernel module is imported (it is read when kernels are
-decorated), so it is set here, before test modules are collected. backend="auto" never picks the
-interpreter: tests that exercise the kernels on the CPU ask for backend="triton".
+On a machine without a GPU the Triton kernels run in Triton's interpreter: TRITON_INTERPRET must be
+set before any kernel module is imported (it is read when kernels are decorated), so it is set here,
+before test modules are collected. backend="auto" never picks the interpreter: tests that exercise
+the kernels on the CPU ask for backend="triton".
 """
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.distributed import ProcessPool  # noqa: E402  (after TRITON_INTERPRET)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Four gloo worker processes shared by one test module (tests/distributed.py)."""
+    p = ProcessPool()
+    yield p
+    p.close()

@@ -83,7 +83,9 @@ class ProcessPool:
                 replies[rank] = pickle.loads(reply)
         except queue.Empty:
             self.close()
-            raise TimeoutError(f"ranks {sorted(set(ranks) - set(replies))} did not answer in {self.timeout} s") from None
+            raise TimeoutError(
+                f"ranks {sorted(set(ranks) - set(replies))} did not answer in {self.timeout} s"
+            ) from None
         errors = [f"rank {r}:\n{msg}" for r, (status, msg) in sorted(replies.items()) if status == "error"]
         if errors:
             raise AssertionError("\n".join(errors))

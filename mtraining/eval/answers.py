@@ -58,8 +58,14 @@ def score_cells(
         prediction = answer(engine, tokenizer, sample.prompt, sample.max_new_tokens)
         score = match_all(prediction, sample.answers)
         scores.setdefault(tuple(cell.values()), []).append(score)
-        records.append({
-            **cell, "seed": s, "prompt_tokens": sample.prompt_tokens,
-            "answers": sample.answers, "prediction": prediction, "score": score,
-        })
+        records.append(
+            {
+                **cell,
+                "seed": s,
+                "prompt_tokens": sample.prompt_tokens,
+                "answers": sample.answers,
+                "prediction": prediction,
+                "score": score,
+            }
+        )
     return {key: mean_percent(values) for key, values in scores.items()}, records

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -22,15 +22,24 @@ if TYPE_CHECKING:
     from .answers import Prompting
 
 eval_app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="Evaluate checkpoints: perplexity, needle in a haystack, RULER-style tasks."
+    add_completion=False,
+    no_args_is_help=True,
+    help="Evaluate checkpoints: perplexity, needle in a haystack, RULER-style tasks.",
 )
 
 Checkpoint = Annotated[Path, typer.Argument(help="Local HF model directory, or a training checkpoint with --config.")]
 Lengths = Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 4K,32K,128K,512K.")]
 Samples = Annotated[int, typer.Option("--samples", help="Sequences / prompts per cell.")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of the generated prompts.")]
-HaystackOpt = Annotated[Optional[list[Path]], typer.Option("--haystack", help="Local text for the haystack; default: built-in filler.")]
-Granule = Annotated[int, typer.Option("--prefill-granule", help="Prefill the longest prompt prefix that is a multiple of this; the rest runs dense.")]
+HaystackOpt = Annotated[
+    list[Path] | None, typer.Option("--haystack", help="Local text for the haystack; default: built-in filler.")
+]
+Granule = Annotated[
+    int,
+    typer.Option(
+        "--prefill-granule", help="Prefill the longest prompt prefix that is a multiple of this; the rest runs dense."
+    ),
+]
 Nproc = Annotated[int, typer.Option("--nproc", help="Start this many local context-parallel ranks with torchrun.")]
 TextField = Annotated[str, typer.Option("--text-field", help="JSONL/parquet field holding the text.")]
 
@@ -73,8 +82,13 @@ class _Session:
         self.root = is_root(self.group)
         self.loaded = load(checkpoint, opts.tokenizer, opts.config, opts.device, opts.dtype)
         self.spec = AttentionSpec(
-            sparse=opts.attention == "sparse", layout=opts.layout, block_size=opts.block_size, backend=opts.backend,
-            pattern=pattern, prefill_granule=granule, dense_layers=layers,
+            sparse=opts.attention == "sparse",
+            layout=opts.layout,
+            block_size=opts.block_size,
+            backend=opts.backend,
+            pattern=pattern,
+            prefill_granule=granule,
+            dense_layers=layers,
         )
         self.spec.pattern_config()  # validate the sparse options before any work
         self.engine = Engine(self.loaded.model, self.spec, self.group)
@@ -92,7 +106,16 @@ class _Session:
             model = self.loaded.model
             device = next(model.parameters()).device
             torch_backend = self.spec.backend == "torch" or (self.spec.backend == "auto" and device.type != "cuda")
-            check_memory(model.config, lengths, self.engine.world_size, next(model.parameters()).dtype, device, generate, torch_backend, self.opts.memory_limit_gib)
+            check_memory(
+                model.config,
+                lengths,
+                self.engine.world_size,
+                next(model.parameters()).dtype,
+                device,
+                generate,
+                torch_backend,
+                self.opts.memory_limit_gib,
+            )
         except ValueError as err:
             error = str(err)
         if self.group is not None:
@@ -122,7 +145,9 @@ class _Session:
             "attention": self.spec.name,
             "pattern": _jsonable(self.spec.pattern) if self.spec.sparse else None,
             "dense_layers": list(self.spec.dense_layers) if self.spec.sparse else None,
-            "sparse_density": sum(self.engine.densities) / len(self.engine.densities) if self.engine.densities else None,
+            "sparse_density": sum(self.engine.densities) / len(self.engine.densities)
+            if self.engine.densities
+            else None,
             "layout": self.spec.layout,
             "prefill_granule": self.spec.prefill_granule,
             "block_size": self.spec.block_size,
@@ -167,11 +192,17 @@ def _run(command: str, nproc: int, body) -> None:
 @with_session_options
 def ppl(
     checkpoint: Checkpoint,
-    data: Annotated[list[Path], typer.Option("--data", help="Text/JSONL/parquet files or directories (e.g. PG-19 books).")],
+    data: Annotated[
+        list[Path], typer.Option("--data", help="Text/JSONL/parquet files or directories (e.g. PG-19 books).")
+    ],
     lengths: Lengths = "4K,8K,16K,32K",
     samples: Samples = 1,
-    first_bucket: Annotated[int, typer.Option("--first-bucket", help="Positions in the first loss bucket; then doubling.")] = 1024,
-    pack: Annotated[bool, typer.Option("--pack", help="Join documents (EOS between) instead of needing each to be long enough.")] = False,
+    first_bucket: Annotated[
+        int, typer.Option("--first-bucket", help="Positions in the first loss bucket; then doubling.")
+    ] = 1024,
+    pack: Annotated[
+        bool, typer.Option("--pack", help="Join documents (EOS between) instead of needing each to be long enough.")
+    ] = False,
     text_field: TextField = "text",
     *,
     opts: SessionOptions,
@@ -189,7 +220,13 @@ def ppl(
         s = _Session(checkpoint, opts)
         s.check(grid, generate=False)
         results = run_ppl(s.engine, s.loaded.tokenizer, docs, grid, samples, first_bucket, pack, s.root)
-        settings = {"lengths": grid, "samples": samples, "first_bucket": first_bucket, "pack": pack, "data": [str(p) for p in data]}
+        settings = {
+            "lengths": grid,
+            "samples": samples,
+            "first_bucket": first_bucket,
+            "pack": pack,
+            "data": [str(p) for p in data],
+        }
         out, folder = s.save("ppl", settings, results)
         if s.root:
             _print_ppl(console(), out)
@@ -203,7 +240,9 @@ def ppl(
 def niah(
     checkpoint: Checkpoint,
     lengths: Lengths = "4K,8K,16K,32K",
-    depths: Annotated[str, typer.Option("--depths", help="Needle depths in percent of the haystack.")] = "0,25,50,75,100",
+    depths: Annotated[
+        str, typer.Option("--depths", help="Needle depths in percent of the haystack.")
+    ] = "0,25,50,75,100",
     samples: Samples = 1,
     seed: Seed = 0,
     haystack: HaystackOpt = None,
@@ -222,9 +261,17 @@ def niah(
         from .runtime import console, parse_lengths, parse_numbers
 
         grid, depth_list = parse_lengths(lengths), parse_numbers(depths, "depths")
-        s, prompting = _prompted(checkpoint, opts, prefill_granule, grid, haystack, text_field, seed, samples, max_new_tokens)
+        s, prompting = _prompted(
+            checkpoint, opts, prefill_granule, grid, haystack, text_field, seed, samples, max_new_tokens
+        )
         result = run_niah(s.engine, s.loaded.tokenizer, grid, depth_list, prompting)
-        settings = {"lengths": grid, "depths": depth_list, "samples": samples, "seed": seed, "max_new_tokens": max_new_tokens}
+        settings = {
+            "lengths": grid,
+            "depths": depth_list,
+            "samples": samples,
+            "seed": seed,
+            "max_new_tokens": max_new_tokens,
+        }
         out, folder = s.save("niah", settings, result)
         if s.root:
             png = niah_heatmaps([(out["label"], result)], folder / "niah.png")
@@ -239,11 +286,19 @@ def niah(
 def ruler(
     checkpoint: Checkpoint,
     lengths: Lengths = "4K,8K,16K,32K",
-    tasks: Annotated[str, typer.Option("--tasks", help="'all' or some of: niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe.")] = "all",
+    tasks: Annotated[
+        str,
+        typer.Option(
+            "--tasks",
+            help="'all' or some of: niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe.",
+        ),
+    ] = "all",
     samples: Samples = 4,
     seed: Seed = 0,
     haystack: HaystackOpt = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Answer tokens; default: per task.")] = None,
+    max_new_tokens: Annotated[
+        int | None, typer.Option("--max-new-tokens", help="Answer tokens; default: per task.")
+    ] = None,
     text_field: TextField = "text",
     *,
     opts: SessionOptions,
@@ -257,9 +312,17 @@ def ruler(
         from .runtime import console, parse_lengths
 
         grid, task_list = parse_lengths(lengths), parse_tasks(tasks)
-        s, prompting = _prompted(checkpoint, opts, prefill_granule, grid, haystack, text_field, seed, samples, max_new_tokens)
+        s, prompting = _prompted(
+            checkpoint, opts, prefill_granule, grid, haystack, text_field, seed, samples, max_new_tokens
+        )
         result = run_ruler(s.engine, s.loaded.tokenizer, task_list, grid, prompting)
-        settings = {"lengths": grid, "tasks": task_list, "samples": samples, "seed": seed, "max_new_tokens": max_new_tokens}
+        settings = {
+            "lengths": grid,
+            "tasks": task_list,
+            "samples": samples,
+            "seed": seed,
+            "max_new_tokens": max_new_tokens,
+        }
         out, folder = s.save("ruler", settings, result)
         if s.root:
             table = markdown_table(result)
@@ -286,8 +349,15 @@ def report(
 
 
 def _prompted(
-    checkpoint: Path, opts: SessionOptions, granule: int, lengths: list[int], haystack: list[Path] | None, text_field: str,
-    seed: int, samples: int, max_new_tokens: int | None,
+    checkpoint: Path,
+    opts: SessionOptions,
+    granule: int,
+    lengths: list[int],
+    haystack: list[Path] | None,
+    text_field: str,
+    seed: int,
+    samples: int,
+    max_new_tokens: int | None,
 ) -> tuple[_Session, Prompting]:
     """The session of a niah or ruler command, checked for generating at ``lengths``, and how it prompts."""
     from .answers import Prompting
@@ -307,8 +377,13 @@ def _print_ppl(out, data: dict) -> None:
         table.add_column(col, justify="right")
     for r in data["result"]:
         first, last = r["buckets"][0], r["buckets"][-1]
-        table.add_row(str(r["length"]), str(r["windows"]), f"{r['ppl']:.3f}",
-                      f"{first['ppl']:.3f} (≤{first['end']})", f"{last['ppl']:.3f} ({last['start']}–{last['end']})")
+        table.add_row(
+            str(r["length"]),
+            str(r["windows"]),
+            f"{r['ppl']:.3f}",
+            f"{first['ppl']:.3f} (≤{first['end']})",
+            f"{last['ppl']:.3f} ({last['start']}–{last['end']})",
+        )
     out.print(table)
 
 

@@ -44,7 +44,9 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no} is not valid JSON ({e.msg}); use one JSON object per line") from None
+                raise ValueError(
+                    f"{path}:{line_no} is not valid JSON ({e.msg}); use one JSON object per line"
+                ) from None
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                 raise ValueError(
@@ -94,24 +96,72 @@ def split_sentences(text: str) -> list[str]:
 
 # A small grammar of our own: subject, verb phrase, object, circumstance.
 _SUBJECTS = (
-    "the old ferryman", "a young painter", "the village baker", "my neighbour", "the quiet student",
-    "a tired traveller", "the harbour master", "the librarian", "an elderly farmer", "the night guard",
-    "a curious child", "the shepherd", "the clockmaker", "a wandering musician", "the innkeeper",
+    "the old ferryman",
+    "a young painter",
+    "the village baker",
+    "my neighbour",
+    "the quiet student",
+    "a tired traveller",
+    "the harbour master",
+    "the librarian",
+    "an elderly farmer",
+    "the night guard",
+    "a curious child",
+    "the shepherd",
+    "the clockmaker",
+    "a wandering musician",
+    "the innkeeper",
 )
 _VERBS = (
-    "walked along", "painted", "remembered", "carried", "watched", "repaired", "described", "cleaned",
-    "followed", "measured", "visited", "sketched", "crossed", "photographed", "mended",
+    "walked along",
+    "painted",
+    "remembered",
+    "carried",
+    "watched",
+    "repaired",
+    "described",
+    "cleaned",
+    "followed",
+    "measured",
+    "visited",
+    "sketched",
+    "crossed",
+    "photographed",
+    "mended",
 )
 _OBJECTS = (
-    "the narrow road", "a wooden boat", "the evening sky", "the stone wall", "an empty basket",
-    "the garden gate", "a faded map", "the long corridor", "the frozen lake", "a broken lantern",
-    "the orchard fence", "the market stalls", "a pile of letters", "the church tower", "the river bank",
+    "the narrow road",
+    "a wooden boat",
+    "the evening sky",
+    "the stone wall",
+    "an empty basket",
+    "the garden gate",
+    "a faded map",
+    "the long corridor",
+    "the frozen lake",
+    "a broken lantern",
+    "the orchard fence",
+    "the market stalls",
+    "a pile of letters",
+    "the church tower",
+    "the river bank",
 )
 _CIRCUMSTANCES = (
-    "before the storm arrived", "without saying a word", "for the third time that week",
-    "while the kettle boiled", "as the light faded", "early in the morning", "after a long supper",
-    "in the pouring rain", "with great care", "just before noon", "under a pale moon",
-    "on the first day of spring", "when nobody was looking", "despite the cold wind", "at a slow pace",
+    "before the storm arrived",
+    "without saying a word",
+    "for the third time that week",
+    "while the kettle boiled",
+    "as the light faded",
+    "early in the morning",
+    "after a long supper",
+    "in the pouring rain",
+    "with great care",
+    "just before noon",
+    "under a pale moon",
+    "on the first day of spring",
+    "when nobody was looking",
+    "despite the cold wind",
+    "at a slow pace",
 )
 
 

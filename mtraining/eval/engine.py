@@ -225,7 +225,12 @@ class Engine:
         answer: list[int] = []
         with _attn_implementation(self.model, DECODE_ATTENTION):
             for start in range(0, tail_ids.shape[1], _TAIL_CHUNK):
-                out = self.model(input_ids=tail_ids[:, start : start + _TAIL_CHUNK], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out = self.model(
+                    input_ids=tail_ids[:, start : start + _TAIL_CHUNK],
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
             for _ in range(max_new_tokens):
                 token = int(out.logits[0, -1].argmax())
                 answer.append(token)

@@ -59,7 +59,9 @@ class Loaded:
     max_positions: int | None
 
 
-def load_tokenizer(checkpoint: str | Path, tokenizer: str | Path | None = None, fallback: str | Path | None = None) -> Tokenizer:
+def load_tokenizer(
+    checkpoint: str | Path, tokenizer: str | Path | None = None, fallback: str | Path | None = None
+) -> Tokenizer:
     """The tokenizer at ``tokenizer`` (a tokenizer.json or a directory), else in the checkpoint, else ``fallback``."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 

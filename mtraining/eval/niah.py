@@ -37,4 +37,10 @@ def run_niah(
 
     scores, records = score_cells(engine, tokenizer, cells, prompt, prompting, "needle in a haystack")
     grid = [[scores[(n, d)] for n in lengths] for d in depths]
-    return {"lengths": list(lengths), "depths": list(depths), "scores": grid, "haystack": haystack.name, "records": records}
+    return {
+        "lengths": list(lengths),
+        "depths": list(depths),
+        "scores": grid,
+        "haystack": haystack.name,
+        "records": records,
+    }

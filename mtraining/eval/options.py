@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Annotated, Optional, get_type_hints
+from typing import Annotated, get_type_hints
 
 import typer
 
@@ -16,25 +16,44 @@ import typer
 class SessionOptions:
     """The checkpoint loading, attention, checks and output options of an evaluation command."""
 
-    tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", help="tokenizer.json or a directory; default: the checkpoint's.")] = None
-    config: Annotated[Optional[Path], typer.Option("--config", help="Training YAML, to evaluate a training checkpoint (step_N).")] = None
+    tokenizer: Annotated[
+        Path | None, typer.Option("--tokenizer", help="tokenizer.json or a directory; default: the checkpoint's.")
+    ] = None
+    config: Annotated[
+        Path | None, typer.Option("--config", help="Training YAML, to evaluate a training checkpoint (step_N).")
+    ] = None
     attention: Annotated[str, typer.Option("--attention", help="dense or sparse (dynamic vertical-slash).")] = "dense"
-    layout: Annotated[str, typer.Option("--layout", help="Context-parallel layout: striped, zigzag or contiguous.")] = "striped"
+    layout: Annotated[str, typer.Option("--layout", help="Context-parallel layout: striped, zigzag or contiguous.")] = (
+        "striped"
+    )
     block_size: Annotated[int, typer.Option("--block-size", help="Kernel block / layout stripe.")] = 128
     backend: Annotated[str, typer.Option("--backend", help="auto, torch or triton.")] = "auto"
-    v_size: Annotated[Optional[int], typer.Option("--v-size", help="Sparse: verticals per head.")] = None
-    s_size: Annotated[Optional[int], typer.Option("--s-size", help="Sparse: slashes per head.")] = None
-    last_q: Annotated[Optional[int], typer.Option("--last-q", help="Sparse: queries that estimate the pattern.")] = None
-    local_window: Annotated[Optional[int], typer.Option("--local-window", help="Sparse: offsets always kept.")] = None
-    threshold: Annotated[Optional[float], typer.Option("--threshold", help="Sparse: keep lines up to this score mass.")] = None
-    budgets: Annotated[Optional[Path], typer.Option("--budgets", help="Sparse: per-layer/head budgets YAML.")] = None
-    dense_layers: Annotated[Optional[str], typer.Option("--dense-layers", help="Sparse: layers that stay dense, e.g. 0 (as attention.dense_layers in training).")] = None
-    device: Annotated[Optional[str], typer.Option("--device", help="Default: this rank's GPU, else cpu.")] = None
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="bfloat16 (GPU default), float16 or float32 (CPU default).")] = None
-    out_dir: Annotated[Optional[Path], typer.Option("--out-dir", help="Default: eval-results/LABEL.")] = None
-    label: Annotated[Optional[str], typer.Option("--label", help="Name in reports; default: checkpoint-attention.")] = None
-    allow_extrapolation: Annotated[bool, typer.Option("--allow-extrapolation", help="Allow lengths beyond the model's RoPE range.")] = False
-    memory_limit_gib: Annotated[Optional[float], typer.Option("--memory-limit-gib", help="Memory per rank for the up-front check.")] = None
+    v_size: Annotated[int | None, typer.Option("--v-size", help="Sparse: verticals per head.")] = None
+    s_size: Annotated[int | None, typer.Option("--s-size", help="Sparse: slashes per head.")] = None
+    last_q: Annotated[int | None, typer.Option("--last-q", help="Sparse: queries that estimate the pattern.")] = None
+    local_window: Annotated[int | None, typer.Option("--local-window", help="Sparse: offsets always kept.")] = None
+    threshold: Annotated[
+        float | None, typer.Option("--threshold", help="Sparse: keep lines up to this score mass.")
+    ] = None
+    budgets: Annotated[Path | None, typer.Option("--budgets", help="Sparse: per-layer/head budgets YAML.")] = None
+    dense_layers: Annotated[
+        str | None,
+        typer.Option(
+            "--dense-layers", help="Sparse: layers that stay dense, e.g. 0 (as attention.dense_layers in training)."
+        ),
+    ] = None
+    device: Annotated[str | None, typer.Option("--device", help="Default: this rank's GPU, else cpu.")] = None
+    dtype: Annotated[
+        str | None, typer.Option("--dtype", help="bfloat16 (GPU default), float16 or float32 (CPU default).")
+    ] = None
+    out_dir: Annotated[Path | None, typer.Option("--out-dir", help="Default: eval-results/LABEL.")] = None
+    label: Annotated[str | None, typer.Option("--label", help="Name in reports; default: checkpoint-attention.")] = None
+    allow_extrapolation: Annotated[
+        bool, typer.Option("--allow-extrapolation", help="Allow lengths beyond the model's RoPE range.")
+    ] = False
+    memory_limit_gib: Annotated[
+        float | None, typer.Option("--memory-limit-gib", help="Memory per rank for the up-front check.")
+    ] = None
 
     def pattern(self) -> dict:
         """The sparse pattern options given (budgets loaded from their YAML)."""
@@ -59,7 +78,9 @@ def with_session_options(command: Callable[..., None]) -> Callable[..., None]:
     hints = get_type_hints(SessionOptions, include_extras=True)
     own = inspect.signature(command, eval_str=True)
     kind = own.parameters["opts"].kind
-    common = [inspect.Parameter(f.name, kind, default=f.default, annotation=hints[f.name]) for f in fields(SessionOptions)]
+    common = [
+        inspect.Parameter(f.name, kind, default=f.default, annotation=hints[f.name]) for f in fields(SessionOptions)
+    ]
     params = [p for own_p in own.parameters.values() for p in (common if own_p.name == "opts" else [own_p])]
 
     @functools.wraps(command)

@@ -36,7 +36,9 @@ def niah_heatmaps(items: Sequence[tuple[str, dict]], path: str | Path) -> Path:
     plt = _pyplot()
     width = max(len(r["lengths"]) for _, r in items) * 0.8 + 1.6
     height = max(len(r["depths"]) for _, r in items) * 0.45 + 1.8
-    fig, axes = plt.subplots(1, len(items), figsize=(width * len(items) + 1.2, height), squeeze=False, constrained_layout=True)
+    fig, axes = plt.subplots(
+        1, len(items), figsize=(width * len(items) + 1.2, height), squeeze=False, constrained_layout=True
+    )
     image = None
     for i, (ax, (label, result)) in enumerate(zip(axes[0], items)):
         grid = result["scores"]
@@ -63,7 +65,12 @@ def ppl_by_position(items: Sequence[tuple[str, list[dict]]], path: str | Path) -
         longest = max(results, key=lambda r: r["length"])
         ends = [b["end"] for b in longest["buckets"]]
         ticks.update(ends)
-        ax.plot(ends, [b["ppl"] for b in longest["buckets"]], marker="o", label=f"{label} ({short_length(longest['length'])})")
+        ax.plot(
+            ends,
+            [b["ppl"] for b in longest["buckets"]],
+            marker="o",
+            label=f"{label} ({short_length(longest['length'])})",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted(ticks), [short_length(n) for n in sorted(ticks)])
     ax.minorticks_off()

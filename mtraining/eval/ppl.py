@@ -93,7 +93,18 @@ def run_ppl(
         buckets = []
         for (a, b), total in zip(position_buckets(n, first_bucket), sums[n].tolist()):
             tokens = (b - a) * windows[n]
-            buckets.append({"start": a + 1, "end": b, "tokens": tokens, "nll": total / tokens, "ppl": math.exp(total / tokens)})
+            buckets.append(
+                {"start": a + 1, "end": b, "tokens": tokens, "nll": total / tokens, "ppl": math.exp(total / tokens)}
+            )
         mean = float(sums[n].sum()) / ((n - 1) * windows[n])
-        results.append({"length": n, "windows": windows[n], "tokens": (n - 1) * windows[n], "nll": mean, "ppl": math.exp(mean), "buckets": buckets})
+        results.append(
+            {
+                "length": n,
+                "windows": windows[n],
+                "tokens": (n - 1) * windows[n],
+                "nll": mean,
+                "ppl": math.exp(mean),
+                "buckets": buckets,
+            }
+        )
     return results

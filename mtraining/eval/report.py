@@ -39,7 +39,9 @@ def collect(paths: Sequence[str | Path]) -> dict[str, list[dict]]:
                 if (data := _load(file)) is not None:
                     found[data["kind"]].append(data)
     if not any(found.values()):
-        raise ValueError(f"no evaluation results in {', '.join(map(str, paths))}; run `mtraining eval ppl|niah|ruler` first")
+        raise ValueError(
+            f"no evaluation results in {', '.join(map(str, paths))}; run `mtraining eval ppl|niah|ruler` first"
+        )
     for results in found.values():  # unique labels within a kind
         seen: dict[str, int] = {}
         for r in results:
@@ -93,8 +95,14 @@ def _niah_section(results: list[dict], out_dir: Path) -> list[str]:
         rows.append([_who(r)] + [_fmt(cols.get(n, math.nan), 1) for n in lengths] + [_fmt(overall, 1)])
     plots.niah_heatmaps([(r["label"], r["result"]) for r in results], out_dir / "niah_heatmaps.png")
     header = ["checkpoint"] + [short_length(n) for n in lengths] + ["mean"]
-    return ["## Needle in a haystack (% found, mean over depths)", "", _table(header, rows), "",
-            "![needle in a haystack](niah_heatmaps.png)", ""]
+    return [
+        "## Needle in a haystack (% found, mean over depths)",
+        "",
+        _table(header, rows),
+        "",
+        "![needle in a haystack](niah_heatmaps.png)",
+        "",
+    ]
 
 
 def _ruler_section(results: list[dict], out_dir: Path) -> list[str]:
@@ -103,11 +111,20 @@ def _ruler_section(results: list[dict], out_dir: Path) -> list[str]:
     for r in results:
         res = r["result"]
         avg = dict(zip(res["lengths"], res["average"]))
-        rows.append([_who(r)] + [_fmt(avg.get(n, math.nan), 1) for n in lengths] + [_fmt(sum(res["average"]) / len(res["average"]), 1)])
+        rows.append(
+            [_who(r)]
+            + [_fmt(avg.get(n, math.nan), 1) for n in lengths]
+            + [_fmt(sum(res["average"]) / len(res["average"]), 1)]
+        )
     plots.ruler_by_length([(r["label"], r["result"]) for r in results], out_dir / "ruler_by_length.png")
-    out = ["## RULER-style tasks (% correct, average over tasks)", "",
-           _table(["checkpoint"] + [short_length(n) for n in lengths] + ["mean"], rows), "",
-           "![RULER by length](ruler_by_length.png)", ""]
+    out = [
+        "## RULER-style tasks (% correct, average over tasks)",
+        "",
+        _table(["checkpoint"] + [short_length(n) for n in lengths] + ["mean"], rows),
+        "",
+        "![RULER by length](ruler_by_length.png)",
+        "",
+    ]
     for r in results:
         out += [f"### {r['label']}", "", markdown_table(r["result"]), ""]
     return out

@@ -26,19 +26,78 @@ from .documents import Haystack
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
 MAX_NEW_TOKENS = {
-    "niah_single": 24, "niah_multikey": 24, "niah_multivalue": 64, "niah_multiquery": 64,
-    "vt": 48, "cwe": 96, "fwe": 48,
+    "niah_single": 24,
+    "niah_multikey": 24,
+    "niah_multivalue": 64,
+    "niah_multiquery": 64,
+    "vt": 48,
+    "cwe": 96,
+    "fwe": 48,
 }
 
 _ADJECTIVES = (
-    "amber", "brave", "calm", "dusty", "eager", "fading", "gentle", "hollow", "icy", "jolly", "kind",
-    "lofty", "misty", "noble", "olive", "proud", "quick", "rusty", "silver", "tidy", "upper", "vivid",
-    "wild", "young", "zesty", "bold", "crisp", "dim", "frosty", "golden",
+    "amber",
+    "brave",
+    "calm",
+    "dusty",
+    "eager",
+    "fading",
+    "gentle",
+    "hollow",
+    "icy",
+    "jolly",
+    "kind",
+    "lofty",
+    "misty",
+    "noble",
+    "olive",
+    "proud",
+    "quick",
+    "rusty",
+    "silver",
+    "tidy",
+    "upper",
+    "vivid",
+    "wild",
+    "young",
+    "zesty",
+    "bold",
+    "crisp",
+    "dim",
+    "frosty",
+    "golden",
 )
 _NOUNS = (
-    "heron", "anchor", "badger", "candle", "dolphin", "ember", "falcon", "garden", "harbor", "island",
-    "jacket", "kettle", "lantern", "meadow", "needle", "orchard", "pebble", "quarry", "river", "saddle",
-    "thistle", "umbrella", "valley", "walnut", "willow", "beacon", "cliff", "fern", "glacier", "hammer",
+    "heron",
+    "anchor",
+    "badger",
+    "candle",
+    "dolphin",
+    "ember",
+    "falcon",
+    "garden",
+    "harbor",
+    "island",
+    "jacket",
+    "kettle",
+    "lantern",
+    "meadow",
+    "needle",
+    "orchard",
+    "pebble",
+    "quarry",
+    "river",
+    "saddle",
+    "thistle",
+    "umbrella",
+    "valley",
+    "walnut",
+    "willow",
+    "beacon",
+    "cliff",
+    "fern",
+    "glacier",
+    "hammer",
 )
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
@@ -127,9 +186,13 @@ def _build_niah(task: str, seed: int, knob: int, haystack: Haystack, depth: floa
         fracs[0] = depth
     context = _insert(haystack.sentences(knob), list(zip(fracs, needles)))
     if task in ("niah_single", "niah_multikey"):
-        return _Parts(context, f"What is the secret number of {keys[0]}?", f"The secret number of {keys[0]} is", values[:1])
+        return _Parts(
+            context, f"What is the secret number of {keys[0]}?", f"The secret number of {keys[0]} is", values[:1]
+        )
     if task == "niah_multivalue":
-        return _Parts(context, f"What are all the secret numbers of {keys[0]}?", f"The secret numbers of {keys[0]} are", values)
+        return _Parts(
+            context, f"What are all the secret numbers of {keys[0]}?", f"The secret numbers of {keys[0]} are", values
+        )
     listed = ", ".join(keys[:-1]) + f" and {keys[-1]}"
     return _Parts(context, f"What are the secret numbers of {listed}?", f"The secret numbers of {listed} are", values)
 
@@ -213,7 +276,9 @@ def _builder(task: str, seed: int, length: int, haystack: Haystack, depth: float
 
 
 # ---------------------------------------------------------------------------- fitting
-def fit_knob(tokens_at: Callable[[int], int], budget: int, first_step: int = 16, max_evals: int = 40) -> tuple[int, int]:
+def fit_knob(
+    tokens_at: Callable[[int], int], budget: int, first_step: int = 16, max_evals: int = 40
+) -> tuple[int, int]:
     """Largest knob >= 0 with ``tokens_at(knob) <= budget`` (interpolation search); (knob, tokens).
 
     Assumes token counts grow roughly linearly with the knob; raises ValueError if knob 0 does not fit.
@@ -277,4 +342,6 @@ def generate(
             f"task {task} does not fit length {length} ({e}, plus {new_tokens} answer tokens); use a longer length"
         ) from None
     parts = build(knob)
-    return Sample(task, length, _render(parts), parts.answers, new_tokens, tokens, {"knob": knob, "seed": seed, "depth": depth})
+    return Sample(
+        task, length, _render(parts), parts.answers, new_tokens, tokens, {"knob": knob, "seed": seed, "depth": depth}
+    )

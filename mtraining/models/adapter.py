@@ -145,11 +145,22 @@ def mtraining_attention(
     reuse = outputs.pop(layer, None) if outputs is not None and ctx.replay else None
     if cp:
         out, lse = ring_attention(
-            q, k, v, ctx.group, ctx.layout, pattern=pattern, softmax_scale=scale, return_lse=True,
-            backend=ctx.backend, layer_idx=layer, reuse=reuse,
+            q,
+            k,
+            v,
+            ctx.group,
+            ctx.layout,
+            pattern=pattern,
+            softmax_scale=scale,
+            return_lse=True,
+            backend=ctx.backend,
+            layer_idx=layer,
+            reuse=reuse,
         )
     else:
-        out, lse = sparse_attention(q, k, v, pattern, softmax_scale=scale, return_lse=True, backend=ctx.backend, reuse=reuse)
+        out, lse = sparse_attention(
+            q, k, v, pattern, softmax_scale=scale, return_lse=True, backend=ctx.backend, reuse=reuse
+        )
     if outputs is not None and not ctx.replay:
         outputs[layer] = (out.detach(), lse)
     return out, None

@@ -25,8 +25,10 @@ def use_liger_kernels(model: nn.Module) -> None:
     """
     model_type = model.config.model_type
     if model_type not in _PATCHES:
-        raise ValueError(f"train.fused_kernels=liger supports model types {sorted(_PATCHES)}, not {model_type!r}; "
-                         "set train.fused_kernels=none")
+        raise ValueError(
+            f"train.fused_kernels=liger supports model types {sorted(_PATCHES)}, not {model_type!r}; "
+            "set train.fused_kernels=none"
+        )
     try:
         import liger_kernel.transformers as liger
     except ImportError:

@@ -155,7 +155,17 @@ class _SparseAttention(torch.autograd.Function):
         else:
             delta = row_delta(dout, out)
             dq, dk, dv = attention_backward(
-                dout, q, k, v, lse, delta, ctx.pattern, q_pos, k_pos, ctx.scale, backend=ctx.backend,
+                dout,
+                q,
+                k,
+                v,
+                lse,
+                delta,
+                ctx.pattern,
+                q_pos,
+                k_pos,
+                ctx.scale,
+                backend=ctx.backend,
                 dq_dtype=q.dtype,
             )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None

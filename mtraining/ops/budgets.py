@@ -48,7 +48,7 @@ class Budgets:
     source: str = "<budgets>"
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "<budgets>") -> "Budgets":
+    def from_dict(cls, data: Any, source: str = "<budgets>") -> Budgets:
         """Validate a parsed budgets document (the file format above) and build Budgets."""
         if not isinstance(data, dict):
             raise ValueError(
@@ -158,7 +158,7 @@ def _layer_index(key: Any, source: str) -> int:
         return key
     if isinstance(key, str) and key.isdigit():
         return int(key)
-    raise ValueError(f"{source}: layer key {key!r} must be a layer index >= 0 (like 0 or \"0\")")
+    raise ValueError(f'{source}: layer key {key!r} must be a layer index >= 0 (like 0 or "0")')
 
 
 def _smallest(values: list[LineBudget]) -> int:

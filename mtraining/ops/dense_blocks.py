@@ -199,10 +199,35 @@ REFERENCE = BlockOps("reference", _reference_forward, _reference_backward)
 # logsumexp is float32, natural log, [B, H, Sq, 1] on recent torch ([B, H, Sq] on older ones). The
 # backward treats an undefined cum_seq_q as dense (a defined one selects the varlen path), reads the
 # sequence lengths from max_q/max_k, and computes delta from the out it is given.
-_FWD_ARGS = ["query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
-             "return_debug_mask", "scale"]
-_BWD_ARGS = ["grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset", "attn_bias",
-             "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale"]
+_FWD_ARGS = [
+    "query",
+    "key",
+    "value",
+    "attn_bias",
+    "compute_log_sumexp",
+    "dropout_p",
+    "is_causal",
+    "return_debug_mask",
+    "scale",
+]
+_BWD_ARGS = [
+    "grad_out",
+    "query",
+    "key",
+    "value",
+    "out",
+    "logsumexp",
+    "philox_seed",
+    "philox_offset",
+    "attn_bias",
+    "cum_seq_q",
+    "cum_seq_k",
+    "max_q",
+    "max_k",
+    "dropout_p",
+    "is_causal",
+    "scale",
+]
 _LSE_DIMS: list[int] = []  # the logsumexp rank the forward returned (3 or 4), for the backward
 # cuDNN's dense path is not relied on for Hq != Hkv: K/V heads are expanded for the call (only there;
 # K/V travel the ring with their own heads) and dK/dV summed over each group. Set
@@ -246,7 +271,14 @@ def _heads_view(t: Tensor, group: int) -> Tensor:
 def _cudnn_forward(q, k, v, causal, scale):
     group = q.shape[2] // k.shape[2]
     res = _aten("_scaled_dot_product_cudnn_attention")(
-        _unit_last(q).transpose(1, 2), _heads_view(k, group), _heads_view(v, group), None, True, 0.0, causal, False,
+        _unit_last(q).transpose(1, 2),
+        _heads_view(k, group),
+        _heads_view(v, group),
+        None,
+        True,
+        0.0,
+        causal,
+        False,
         scale=scale,
     )
     out, lse = res[0], res[1]
@@ -267,9 +299,22 @@ def _cudnn_backward(do, q, k, v, out, lse, causal, scale):
     seed = torch.empty((), dtype=torch.int64, device=q.device)
     dq, dk, dv = _aten("_scaled_dot_product_cudnn_attention_backward")(
         # dO and O in one layout (contiguous [B, S, H, D]; no copy for the ring's row slices at batch 1)
-        do.to(q.dtype).contiguous().transpose(1, 2), _unit_last(q).transpose(1, 2), _heads_view(k, group),
-        _heads_view(v, group), out.to(q.dtype).contiguous().transpose(1, 2), lse, seed, seed, None, None, None,
-        sq, sk, 0.0, causal, scale=scale,
+        do.to(q.dtype).contiguous().transpose(1, 2),
+        _unit_last(q).transpose(1, 2),
+        _heads_view(k, group),
+        _heads_view(v, group),
+        out.to(q.dtype).contiguous().transpose(1, 2),
+        lse,
+        seed,
+        seed,
+        None,
+        None,
+        None,
+        sq,
+        sk,
+        0.0,
+        causal,
+        scale=scale,
     )
     dq = dq.transpose(1, 2).float()
     dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)
@@ -299,7 +344,9 @@ def dense_backend(name: str) -> Iterator[None]:
 
 def _check_setting(name: str) -> str:
     if name not in DENSE_BACKENDS:
-        raise ValueError(f"dense backend must be one of {DENSE_BACKENDS} (set {ENV_VAR} or dense_backend()), got {name!r}")
+        raise ValueError(
+            f"dense backend must be one of {DENSE_BACKENDS} (set {ENV_VAR} or dense_backend()), got {name!r}"
+        )
     return name
 
 

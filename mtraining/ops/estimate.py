@@ -95,7 +95,7 @@ class PatternConfig:
             )
 
     @classmethod
-    def from_file(cls, path: str | Path, **kwargs) -> "PatternConfig":
+    def from_file(cls, path: str | Path, **kwargs) -> PatternConfig:
         """Config whose budgets come from a budgets file (see budgets.py); other fields from kwargs."""
         return cls(budgets=load_budgets(path), **kwargs)
 
@@ -146,14 +146,14 @@ class PositionPlan:
     late: tuple[int, int] | None
 
     @classmethod
-    def contiguous(cls, q_lo: int, rows: int, k_lo: int, keys: int) -> "PositionPlan":
+    def contiguous(cls, q_lo: int, rows: int, k_lo: int, keys: int) -> PositionPlan:
         """Rows q_lo.., keys k_lo.., both consecutive: known on the host, no device work."""
         first_late = max(q_lo + 1 - k_lo, 0)
         late = (first_late, keys - 1) if first_late < keys else None
         return cls(rows, keys, q_lo, q_lo + rows - 1, k_lo, k_lo + keys - 1, keys, late)
 
     @classmethod
-    def from_positions(cls, q_pos: Tensor, k_pos: Tensor) -> "PositionPlan":
+    def from_positions(cls, q_pos: Tensor, k_pos: Tensor) -> PositionPlan:
         """From 1-D integer position tensors in one device sync (none for CPU tensors)."""
         return _fetch_plan(q_pos, k_pos)[0]
 

@@ -157,8 +157,7 @@ def chunk_pair_torch(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor
     vcols, _ = compact(local, real_v & (k_pos[local.long()] == vpos), sk, width=local.shape[-1])
     vcol_pos = torch.where(vcols < sk, k_pos[vcols.clamp(max=sk - 1).long()], _ABSENT).contiguous()
     diag_mask = pattern.diag_mask()
-    return ChunkPair(q_pos, k_pos, q_block_start, k_block_start, diag_mask.to(torch.int8).contiguous(), vcols,
-                     vcol_pos)
+    return ChunkPair(q_pos, k_pos, q_block_start, k_block_start, diag_mask.to(torch.int8).contiguous(), vcols, vcol_pos)
 
 
 def _local_gblock(pos: Tensor, block_size: int) -> Tensor:
@@ -184,8 +183,9 @@ def query_walk_torch(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWal
     diag = torch.where(pair.diag_mask[..., :1] > 0, pair.k_block_start[q_gblock.long()], -1).to(torch.int32)
     q_last = pair.q_pos[torch.arange(g - 1, sq + g - 1, g, device=pair.q_pos.device).clamp(max=sq - 1)]
     vcount = torch.searchsorted(pair.vcol_pos, q_last.expand(*pair.vcols.shape[:2], -1).contiguous(), right=True)
-    return QueryWalk(q_gblock, starts, count, diag.contiguous(), pair.diag_mask, pair.vcols,
-                     vcount.to(torch.int32).contiguous())
+    return QueryWalk(
+        q_gblock, starts, count, diag.contiguous(), pair.diag_mask, pair.vcols, vcount.to(torch.int32).contiguous()
+    )
 
 
 def build_key_walk(pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int) -> KeyWalk:

@@ -57,7 +57,7 @@ class LineLists(NamedTuple):
         """Longest diagonal list and longest vertical list (0-d device tensors), what ``pattern`` needs."""
         return self.num_diags.amax(), self.num_verticals.amax()
 
-    def pattern(self, seq_len: int, block_size: int, diag_width: int, vertical_width: int) -> "VerticalSlashPattern":
+    def pattern(self, seq_len: int, block_size: int, diag_width: int, vertical_width: int) -> VerticalSlashPattern:
         """The pattern, each list cut to its width (host ints, e.g. ``widths()`` fetched in one sync)."""
         return VerticalSlashPattern(
             seq_len,
@@ -148,7 +148,7 @@ class VerticalSlashPattern:
         mask.scatter_(-1, self.vertical_pos.long().clamp(max=self.seq_len), True)
         return mask[..., : self.seq_len]
 
-    def to(self, device: torch.device | str) -> "VerticalSlashPattern":
+    def to(self, device: torch.device | str) -> VerticalSlashPattern:
         return VerticalSlashPattern(
             self.seq_len,
             self.block_size,
@@ -160,7 +160,7 @@ class VerticalSlashPattern:
 
     # ----------------------------------------------------------------- constructors
     @classmethod
-    def from_masks(cls, diag_mask: Tensor, vertical_mask: Tensor, block_size: int) -> "VerticalSlashPattern":
+    def from_masks(cls, diag_mask: Tensor, vertical_mask: Tensor, block_size: int) -> VerticalSlashPattern:
         """Build from boolean [B, H, num_blocks] diagonal and [B, H, N] vertical masks."""
         seq_len = vertical_mask.shape[-1]
         num_blocks = -(-seq_len // block_size)
@@ -177,7 +177,7 @@ class VerticalSlashPattern:
     @classmethod
     def from_lines(
         cls, vertical_pos: Tensor, slash_offsets: Tensor, seq_len: int, block_size: int
-    ) -> "VerticalSlashPattern":
+    ) -> VerticalSlashPattern:
         """Build from vertical positions [B, H, V] and slash offsets [B, H, S] (negative = padding).
 
         Entries must be < seq_len and a row's vertical positions distinct (top-k indices are). One device sync.
@@ -194,7 +194,7 @@ class VerticalSlashPattern:
         return lists.pattern(seq_len, block_size, *widths)
 
     @classmethod
-    def dense(cls, batch: int, heads: int, seq_len: int, block_size: int, device=None) -> "VerticalSlashPattern":
+    def dense(cls, batch: int, heads: int, seq_len: int, block_size: int, device=None) -> VerticalSlashPattern:
         """Every block diagonal selected: equal to dense causal attention."""
         num_blocks = -(-seq_len // block_size)
         diag_mask = torch.ones(batch, heads, num_blocks, dtype=torch.bool, device=device)

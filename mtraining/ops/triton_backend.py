@@ -41,7 +41,9 @@ class TileConfig:
     dkdv: Tiles
 
 
-def tile_config(block_size: int, head_dim: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> TileConfig:
+def tile_config(
+    block_size: int, head_dim: int, device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> TileConfig:
     """Small tiles under the interpreter; on the GPU the fastest measured on an H200 (bench/tune_kernels.py)
     for half precision, and tiles that fit in shared memory for float32 (a correctness path)."""
     g = block_size
@@ -77,14 +79,14 @@ def _pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ChunkP
 
 def query_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> QueryWalk:
     """The forward's and dQ kernel's index of this chunk pair (built once per pattern and chunk pair)."""
-    return _cached(pattern, ("query",), q_pos, k_pos,
-                   lambda: build_query_walk(pattern, _pair(pattern, q_pos, k_pos)))
+    return _cached(pattern, ("query",), q_pos, k_pos, lambda: build_query_walk(pattern, _pair(pattern, q_pos, k_pos)))
 
 
 def key_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, v_chunk: int) -> KeyWalk:
     """The dK/dV kernels' index of this chunk pair, verticals in chunks of ``v_chunk``."""
-    return _cached(pattern, ("key", v_chunk), q_pos, k_pos,
-                   lambda: build_key_walk(pattern, _pair(pattern, q_pos, k_pos), v_chunk))
+    return _cached(
+        pattern, ("key", v_chunk), q_pos, k_pos, lambda: build_key_walk(pattern, _pair(pattern, q_pos, k_pos), v_chunk)
+    )
 
 
 def _unit_stride(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -114,7 +116,10 @@ def _resolve(q: Tensor, pattern: VerticalSlashPattern | None, q_pos: Tensor, k_p
 def _query_walk_args(w: QueryWalk) -> tuple[tuple, tuple]:
     """Index tensors and strides shared by the forward and dQ kernels."""
     return (w.q_gblock, w.starts, w.count, w.diag, w.diag_mask, w.vcols, w.vcount), (
-        *w.starts.stride()[:3], *w.count.stride()[:2], *w.diag_mask.stride()[:2], *w.vcols.stride()[:2],
+        *w.starts.stride()[:3],
+        *w.count.stride()[:2],
+        *w.diag_mask.stride()[:2],
+        *w.vcols.stride()[:2],
     )
 
 
@@ -142,11 +147,35 @@ def forward(
         out = torch.full((b, sq, hq, d), float("nan"), dtype=out_dtype, device=q.device)
         lse = torch.full((b, hq, sq), float("nan"), dtype=torch.float32, device=q.device)
     tk._fwd_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
-        q, k, v, _key_tiles(k, t.block_n), _key_tiles(v, t.block_n), out, lse, q_pos, k_pos, *tensors,
-        scale * tk.LOG2E, sq, k.shape[1], hq, hq // k.shape[2],
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride()[:2], *strides,
-        G=pattern.block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_V=t.block_v, HEAD_DIM=d,
-        MERGE=merge_into is not None, num_warps=t.num_warps, num_stages=t.num_stages,
+        q,
+        k,
+        v,
+        _key_tiles(k, t.block_n),
+        _key_tiles(v, t.block_n),
+        out,
+        lse,
+        q_pos,
+        k_pos,
+        *tensors,
+        scale * tk.LOG2E,
+        sq,
+        k.shape[1],
+        hq,
+        hq // k.shape[2],
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *out.stride()[:3],
+        *lse.stride()[:2],
+        *strides,
+        G=pattern.block_size,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        BLOCK_V=t.block_v,
+        HEAD_DIM=d,
+        MERGE=merge_into is not None,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
     )
     return out, lse
 
@@ -189,26 +218,101 @@ def backward(
         t = cfg.dq
         tensors, strides = _query_walk_args(query_walk(pattern, q_pos, k_pos))
         tk._bwd_dq_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
-            q, k, v, _key_tiles(k, t.block_n), _key_tiles(v, t.block_n), do, lse, delta, dq, q_pos, k_pos, *tensors,
-            *scales, sq, sk, hq, group, *qkv_strides, *strides,
-            G=pattern.block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_V=t.block_v, HEAD_DIM=d,
-            num_warps=t.num_warps, num_stages=t.num_stages,
+            q,
+            k,
+            v,
+            _key_tiles(k, t.block_n),
+            _key_tiles(v, t.block_n),
+            do,
+            lse,
+            delta,
+            dq,
+            q_pos,
+            k_pos,
+            *tensors,
+            *scales,
+            sq,
+            sk,
+            hq,
+            group,
+            *qkv_strides,
+            *strides,
+            G=pattern.block_size,
+            BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n,
+            BLOCK_V=t.block_v,
+            HEAD_DIM=d,
+            num_warps=t.num_warps,
+            num_stages=t.num_stages,
         )
     t = cfg.dkdv
     w = key_walk(pattern, q_pos, k_pos, t.block_v)
     pair = _pair(pattern, q_pos, k_pos)
     launch = dict(DQ_MODE=_DQ_MODES[mode], num_warps=t.num_warps, num_stages=t.num_stages)
     tk._bwd_dkdv_block_kernel[(triton.cdiv(sk, t.block_n), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, dq, q_pos, k_pos, w.starts, w.count, w.diag,
-        *scales, sq, sk, hq, group, *qkv_strides, *dk.stride()[:3], *w.starts.stride()[:3], *w.count.stride()[:2],
-        G=pattern.block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HEAD_DIM=d, **launch,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        dq,
+        q_pos,
+        k_pos,
+        w.starts,
+        w.count,
+        w.diag,
+        *scales,
+        sq,
+        sk,
+        hq,
+        group,
+        *qkv_strides,
+        *dk.stride()[:3],
+        *w.starts.stride()[:3],
+        *w.count.stride()[:2],
+        G=pattern.block_size,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        HEAD_DIM=d,
+        **launch,
     )
     n_qt = triton.cdiv(sq, t.block_m)
     tk._bwd_dkdv_vertical_kernel[(triton.cdiv(pair.vcols.shape[-1], t.block_v), b * hq, triton.cdiv(n_qt, t.v_split))](
-        q, k, v, do, lse, delta, dk, dv, dq, q_pos, k_pos, pair.diag_mask, pair.vcols, w.vstart,
-        *scales, sq, sk, hq, group, n_qt, pair.vcols.shape[-1], t.v_split, *qkv_strides, *dk.stride()[:3],
-        *pair.diag_mask.stride()[:2], *pair.vcols.stride()[:2], *w.vstart.stride()[:2],
-        G=pattern.block_size, BLOCK_M=t.block_m, BLOCK_V=t.block_v, HEAD_DIM=d, **launch,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        dq,
+        q_pos,
+        k_pos,
+        pair.diag_mask,
+        pair.vcols,
+        w.vstart,
+        *scales,
+        sq,
+        sk,
+        hq,
+        group,
+        n_qt,
+        pair.vcols.shape[-1],
+        t.v_split,
+        *qkv_strides,
+        *dk.stride()[:3],
+        *pair.diag_mask.stride()[:2],
+        *pair.vcols.stride()[:2],
+        *w.vstart.stride()[:2],
+        G=pattern.block_size,
+        BLOCK_M=t.block_m,
+        BLOCK_V=t.block_v,
+        HEAD_DIM=d,
+        **launch,
     )
     return dq.to(dq_out), dk, dv
 
@@ -220,7 +324,16 @@ def row_delta(do: Tensor, out: Tensor) -> Tensor:
     delta = torch.empty((b, h, sq), dtype=torch.float32, device=out.device)
     rows, block = b * sq * h, 64
     tk._row_delta_kernel[(triton.cdiv(rows, block),)](
-        do, out, delta, rows, h, sq, *do.stride()[:3], *delta.stride()[:2], *out.stride()[:3],
-        BLOCK_R=block, HEAD_DIM=d,
+        do,
+        out,
+        delta,
+        rows,
+        h,
+        sq,
+        *do.stride()[:3],
+        *delta.stride()[:2],
+        *out.stride()[:3],
+        BLOCK_R=block,
+        HEAD_DIM=d,
     )
     return delta

@@ -53,7 +53,9 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
-            raise ValueError(f"a cluster needs >= 1 node and >= 1 GPU per node, got {self.nodes} x {self.gpus_per_node}")
+            raise ValueError(
+                f"a cluster needs >= 1 node and >= 1 GPU per node, got {self.nodes} x {self.gpus_per_node}"
+            )
 
     @property
     def world_size(self) -> int:

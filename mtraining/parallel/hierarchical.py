@@ -42,8 +42,8 @@ from .layout import Layout
 from .ring import (
     DenseSteps,
     RingEngine,
-    _prepare,
     _positions,
+    _prepare,
     _ring_comm,
     _RingAttention,
     _spares,
@@ -112,8 +112,9 @@ def _hier_forward(q: Tensor, k: Tensor, v: Tensor, pattern: VerticalSlashPattern
                 transfer = plan.inner.start(cur, nxt)
             src = plan.source(o, i)
             if plan.visible[src]:
-                out, lse = _step_forward(q, cur[0], cur[1], pattern, plan, src, acc,
-                                         merge_into=None if out is None else (out, lse))
+                out, lse = _step_forward(
+                    q, cur[0], cur[1], pattern, plan, src, acc, merge_into=None if out is None else (out, lse)
+                )
             if i + 1 < n_inner:
                 transfer.wait()
                 cur = nxt
@@ -154,8 +155,10 @@ def _hier_backward(do, q, k, v, out, lse, pattern, plan: _HierPlan):
             if i == 0:
                 if part is None:  # this rank sees none of the shard's keys: start from zeros (never written)
                     if zeros is None:
-                        zeros = (torch.zeros(k.shape, dtype=acc, device=k.device),
-                                 torch.zeros(k.shape, dtype=acc, device=k.device))
+                        zeros = (
+                            torch.zeros(k.shape, dtype=acc, device=k.device),
+                            torch.zeros(k.shape, dtype=acc, device=k.device),
+                        )
                     grads = zeros
                 else:
                     grads = (part[1].to(acc).contiguous(), part[2].to(acc).contiguous())

@@ -116,8 +116,7 @@ class Layout:
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(seq_len={self.seq_len}, world_size={self.world_size}, "
-            f"block_size={self.block_size})"
+            f"{type(self).__name__}(seq_len={self.seq_len}, world_size={self.world_size}, block_size={self.block_size})"
         )
 
 

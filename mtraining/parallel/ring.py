@@ -80,14 +80,32 @@ class DenseSteps:
         return _layout_blocks(self.layout, self.rank, src)
 
 
-def _step_forward(q: Tensor, k: Tensor, v: Tensor, pattern, plan, src: int, out_dtype: torch.dtype,
-                  merge_into: tuple[Tensor, Tensor] | None = None):
+def _step_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern,
+    plan,
+    src: int,
+    out_dtype: torch.dtype,
+    merge_into: tuple[Tensor, Tensor] | None = None,
+):
     """One ring step's (out, lse) of this rank's queries against the keys that started on ``src``;
     with ``merge_into`` (the earlier steps' out and lse) merged into those, in place."""
     blocks = plan.dense.blocks(src) if plan.dense is not None else None
     if blocks is None:
-        return attention_forward(q, k, v, pattern, plan.q_pos, plan.positions[src], plan.scale,
-                                 backend=plan.backend, out_dtype=out_dtype, merge_into=merge_into)
+        return attention_forward(
+            q,
+            k,
+            v,
+            pattern,
+            plan.q_pos,
+            plan.positions[src],
+            plan.scale,
+            backend=plan.backend,
+            out_dtype=out_dtype,
+            merge_into=merge_into,
+        )
     part = dense_blocks.forward(q, k, v, blocks, plan.scale, out_dtype, plan.dense.ops)
     if merge_into is None:
         return part
@@ -154,8 +172,9 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, pattern: VerticalSlashPattern
             transfer = plan.comm.start(cur, nxt)
         if plan.active[step]:  # always at step 0 (own keys)
             src = (plan.rank - step) % w
-            out, lse = _step_forward(q, cur[0], cur[1], pattern, plan, src, acc,
-                                     merge_into=None if out is None else (out, lse))
+            out, lse = _step_forward(
+                q, cur[0], cur[1], pattern, plan, src, acc, merge_into=None if out is None else (out, lse)
+            )
         if step + 1 < w:
             transfer.wait()
             cur = nxt
@@ -277,7 +296,9 @@ def _prepare(
     the steps that decompose into a few dense blocks; the Triton kernels run the others on a dense pattern.
     """
     if pattern is not None and pattern_config is not None:
-        raise ValueError("pass either pattern (a global VerticalSlashPattern) or pattern_config (to estimate one), not both")
+        raise ValueError(
+            "pass either pattern (a global VerticalSlashPattern) or pattern_config (to estimate one), not both"
+        )
     name = resolve_backend(backend, q.device)
     _check_inputs(q, k, v, dist.get_world_size(group), layout, pattern, name)
     check_reuse(reuse, q)
@@ -321,7 +342,18 @@ def ring_attention(
         from .hierarchical import hierarchical_ring_attention
 
         return hierarchical_ring_attention(
-            q, k, v, group, layout, pattern, pattern_config, softmax_scale, return_lse, backend, layer_idx, inner_size,
+            q,
+            k,
+            v,
+            group,
+            layout,
+            pattern,
+            pattern_config,
+            softmax_scale,
+            return_lse,
+            backend,
+            layer_idx,
+            inner_size,
             reuse=reuse,
         )
     if ring != "flat":

@@ -93,7 +93,9 @@ def resolve_inner_size(world_size: int, inner_size: int | None = None) -> int:
         try:
             local = int(env)
         except ValueError:
-            raise ValueError(f"LOCAL_WORLD_SIZE={env!r} is not an int; fix the environment or pass inner_size=") from None
+            raise ValueError(
+                f"LOCAL_WORLD_SIZE={env!r} is not an int; fix the environment or pass inner_size="
+            ) from None
         inner_size = min(local, world_size)
     check_shape(world_size, inner_size)
     return inner_size

@@ -17,9 +17,16 @@ from torch import Tensor
 
 @triton.jit
 def _cross_entropy_rows_kernel(
-    logits_ptr, labels_ptr, loss_ptr, grad_ptr,
-    vocab, logits_stride, grad_stride, ignore_index,
-    BLOCK: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    logits_ptr,
+    labels_ptr,
+    loss_ptr,
+    grad_ptr,
+    vocab,
+    logits_stride,
+    grad_stride,
+    ignore_index,
+    BLOCK: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_logits = logits_ptr + row * logits_stride
@@ -47,14 +54,18 @@ def _cross_entropy_rows_kernel(
             tl.store(row_grad + c, (g * keep).to(grad_ptr.dtype.element_ty), mask=c < vocab)
 
 
-def cross_entropy_rows(logits: Tensor, labels: Tensor, ignore_index: int, grad_dtype: torch.dtype | None) -> tuple[Tensor, Tensor | None]:
+def cross_entropy_rows(
+    logits: Tensor, labels: Tensor, ignore_index: int, grad_dtype: torch.dtype | None
+) -> tuple[Tensor, Tensor | None]:
     """Per-row loss (logz - logit of the label, float32 [T]) and, if grad_dtype is given, the gradient
     of their sum w.r.t. the logits (softmax - onehot, [T, V] in grad_dtype); ignored rows give zeros.
 
     logits: float32 [T, V] with unit column stride; labels: integer [T] in [0, V) or ignore_index.
     """
     if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits must be float32 [tokens, vocab] with unit column stride, got {logits.dtype} {tuple(logits.shape)}")
+        raise ValueError(
+            f"logits must be float32 [tokens, vocab] with unit column stride, got {logits.dtype} {tuple(logits.shape)}"
+        )
     if labels.shape != logits.shape[:1] or labels.is_floating_point():
         raise ValueError(f"labels must be integer [tokens={logits.shape[0]}], got {labels.dtype} {tuple(labels.shape)}")
     rows, vocab = logits.shape
@@ -62,8 +73,16 @@ def cross_entropy_rows(logits: Tensor, labels: Tensor, ignore_index: int, grad_d
     grad = None if grad_dtype is None else torch.empty(rows, vocab, dtype=grad_dtype, device=logits.device)
     if rows:
         _cross_entropy_rows_kernel[(rows,)](
-            logits, labels, loss, loss if grad is None else grad,
-            vocab, logits.stride(0), 0 if grad is None else grad.stride(0), ignore_index,
-            BLOCK=min(4096, triton.next_power_of_2(vocab)), WRITE_GRAD=grad is not None, num_warps=8,
+            logits,
+            labels,
+            loss,
+            loss if grad is None else grad,
+            vocab,
+            logits.stride(0),
+            0 if grad is None else grad.stride(0),
+            ignore_index,
+            BLOCK=min(4096, triton.next_power_of_2(vocab)),
+            WRITE_GRAD=grad is not None,
+            num_warps=8,
         )
     return loss, grad

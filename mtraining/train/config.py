@@ -35,7 +35,7 @@ class ModelSection(_Section):
     """Extra RoPE fields merged into the HF config's ``rope_parameters`` (rope_type, factor, ...)."""
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ModelSection":
+    def _one_source(self) -> ModelSection:
         if (self.path is None) == (self.config is None):
             raise ValueError("set exactly one of model.path (a local HF directory) or model.config (random init)")
         if self.config is not None and "model_type" not in self.config:
@@ -128,13 +128,17 @@ class TrainSection(_Section):
     liger-kernel); none: the model's own modules."""
 
     @model_validator(mode="after")
-    def _check_options(self) -> "TrainSection":
+    def _check_options(self) -> TrainSection:
         if self.save_attention_outputs is True and not self.activation_checkpointing:
-            raise ValueError("train.save_attention_outputs skips the recomputation of activation checkpointing: "
-                             "set train.activation_checkpointing=true, or train.save_attention_outputs=false")
+            raise ValueError(
+                "train.save_attention_outputs skips the recomputation of activation checkpointing: "
+                "set train.activation_checkpointing=true, or train.save_attention_outputs=false"
+            )
         if self.fused_kernels == "liger" and self.device == "cpu":
-            raise ValueError("train.fused_kernels=liger runs Triton kernels on CUDA only: "
-                             "set train.fused_kernels=none for train.device=cpu")
+            raise ValueError(
+                "train.fused_kernels=liger runs Triton kernels on CUDA only: "
+                "set train.fused_kernels=none for train.device=cpu"
+            )
         return self
 
 
@@ -165,9 +169,11 @@ class LogSection(_Section):
     the costliest ops into ``log.dir`` (mtraining/train/profile.py)."""
 
     @model_validator(mode="after")
-    def _profile_needs_dir(self) -> "LogSection":
+    def _profile_needs_dir(self) -> LogSection:
         if self.profile_step is not None and self.dir is None:
-            raise ValueError("log.profile_step writes its trace into log.dir: set log.dir (for example log.dir=runs/profile)")
+            raise ValueError(
+                "log.profile_step writes its trace into log.dir: set log.dir (for example log.dir=runs/profile)"
+            )
         return self
 
 
@@ -182,7 +188,7 @@ class Config(_Section):
     log: LogSection = LogSection()
 
     @model_validator(mode="after")
-    def _combinations(self) -> "Config":
+    def _combinations(self) -> Config:
         att, seq = self.attention, self.data.seq_len
         try:
             make_layout(att.layout, seq, self.parallel.context, att.block_size)

@@ -40,7 +40,9 @@ class TextTokenizer:
     def token_id(self, token: str) -> int:
         tid = self._tok.token_to_id(token)
         if tid is None:
-            raise ValueError(f"token {token!r} is not in the vocabulary of {self.path}; set data.separator to one that is")
+            raise ValueError(
+                f"token {token!r} is not in the vocabulary of {self.path}; set data.separator to one that is"
+            )
         return tid
 
     def separator_id(self, separator: str | None) -> int:

@@ -29,7 +29,9 @@ def _entry(rank: int, world_size: int, store_path: str, payload: bytes, results)
     try:
         fn, args = pickle.loads(payload)
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+        )
         reply = ("ok", fn(*args))
     except BaseException:
         reply = ("error", traceback.format_exc())

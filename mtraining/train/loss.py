@@ -56,7 +56,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             h = hidden[rows]
-            row_loss, dlogits = _rows_loss_and_grad(matmul_acc(h, weight.T), labels[rows], weight.dtype if need_grad else None)
+            row_loss, dlogits = _rows_loss_and_grad(
+                matmul_acc(h, weight.T), labels[rows], weight.dtype if need_grad else None
+            )
             total += row_loss.sum()
             if need_grad:
                 grad_hidden[rows] = (dlogits @ weight).to(hidden.dtype)
@@ -71,23 +73,31 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden * grad_out.to(grad_hidden.dtype), (grad_weight * grad_out).to(ctx.weight_dtype), None, None
 
 
-def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int = 4096, impl: str = "chunked") -> Tensor:
+def linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int = 4096, impl: str = "chunked"
+) -> Tensor:
     """Summed next-token CE (float32 scalar; float64 for float64 inputs) of hidden [T, H] through head weight [V, H] against labels [T].
 
     Labels equal to -100 are ignored. ``impl``: "chunked" (any device) or "liger" (CUDA, liger-kernel).
     """
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
-        raise ValueError(f"hidden must be [tokens, hidden] with labels [tokens], got {tuple(hidden.shape)} and {tuple(labels.shape)}")
+        raise ValueError(
+            f"hidden must be [tokens, hidden] with labels [tokens], got {tuple(hidden.shape)} and {tuple(labels.shape)}"
+        )
     out_of_range = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= weight.shape[0]))
     if bool(out_of_range.any()):
-        raise ValueError(f"labels must lie in [0, vocab={weight.shape[0]}) or be {IGNORE_INDEX} (ignored): "
-                         "check that the tokenizer matches the model's vocabulary")
+        raise ValueError(
+            f"labels must lie in [0, vocab={weight.shape[0]}) or be {IGNORE_INDEX} (ignored): "
+            "check that the tokenizer matches the model's vocabulary"
+        )
     if impl == "liger":
         try:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         except ImportError:
             raise ValueError("train.loss_impl=liger needs liger-kernel: pip install liger-kernel (CUDA only)") from None
-        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")(weight, hidden, labels).float()
+        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")(
+            weight, hidden, labels
+        ).float()
     if impl != "chunked":
         raise ValueError(f"loss implementation must be 'chunked' or 'liger', got {impl!r}")
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens)

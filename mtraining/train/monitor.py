@@ -27,7 +27,9 @@ def matmul_params(model: nn.Module) -> int:
     return total - embed.numel() + (head.numel() if head is embed else 0)
 
 
-def flops_per_token(n_matmul: int, num_layers: int, q_heads: int, head_dim: int, seq_len: int, density: float = 1.0) -> float:
+def flops_per_token(
+    n_matmul: int, num_layers: int, q_heads: int, head_dim: int, seq_len: int, density: float = 1.0
+) -> float:
     """Training FLOPs per token: 6 N for the matmuls plus causal attention (QK^T and PV, forward + backward).
 
     ``density`` scales attention to the pairs a sparse pattern keeps (1.0 for dense causal).

@@ -19,7 +19,9 @@ def step_profiler(device: torch.device) -> profile:
     return profile(activities=activities)
 
 
-def write_profile(prof: profile, out_dir: str | Path, step: int, rank: int, device: torch.device, rows: int = 40) -> Path:
+def write_profile(
+    prof: profile, out_dir: str | Path, step: int, rank: int, device: torch.device, rows: int = 40
+) -> Path:
     """Write ``profile_step{step}_rank{rank}.json`` (trace) and ``.txt`` (top ``rows`` ops); return the table's path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

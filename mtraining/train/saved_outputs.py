@@ -32,5 +32,7 @@ def plan_saved_outputs(peak: int, saved: int, total: int, fraction: float = DEFA
     keep = peak + saved <= fraction * total
     verdict = "on from the next step" if keep else "off"
     relation = "<=" if keep else ">"
-    return keep, (f"train.save_attention_outputs=auto: {verdict} (peak {peak / 1e9:.1f} GB + saved attention outputs "
-                  f"{saved / 1e9:.1f} GB {relation} {fraction:.0%} of {total / 1e9:.1f} GB)")
+    return keep, (
+        f"train.save_attention_outputs=auto: {verdict} (peak {peak / 1e9:.1f} GB + saved attention outputs "
+        f"{saved / 1e9:.1f} GB {relation} {fraction:.0%} of {total / 1e9:.1f} GB)"
+    )

@@ -58,7 +58,9 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def shard_model(model: CausalLMLoss, par: ParallelState, dtype: torch.dtype, activation_checkpointing: bool) -> nn.Module:
+def shard_model(
+    model: CausalLMLoss, par: ParallelState, dtype: torch.dtype, activation_checkpointing: bool
+) -> nn.Module:
     """Activation checkpointing per decoder layer, then FSDP2 over all data x context ranks.
 
     Parameters stay float32 (the master copy); with bfloat16 they are cast for compute and gradients

@@ -163,16 +163,23 @@ def _layout_keys(seq: int, kind: str, world: int, run: int) -> list[torch.Tensor
     pos = torch.arange(seq)
     if kind == "striped":
         return [pos[pos // run % world == rank] for rank in range(world)]
-    return [torch.cat([pos[rank * run : (rank + 1) * run], pos[(2 * world - 1 - rank) * run :][:run]])
-            for rank in range(world)]
+    return [
+        torch.cat([pos[rank * run : (rank + 1) * run], pos[(2 * world - 1 - rank) * run :][:run]])
+        for rank in range(world)
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("chunk_runs", [None, 2, 0], ids=["one-chunk", "two-runs-a-chunk", "half-run-chunks"])
 @pytest.mark.parametrize(
     "kind,world,run,seq",
-    [("striped", 2, 16, 200), ("striped", 3, 32, 250), ("striped", 2, 64, 256), ("zigzag", 2, 51, 203),
-     ("zigzag", 3, 43, 256)],
+    [
+        ("striped", 2, 16, 200),
+        ("striped", 3, 32, 250),
+        ("striped", 2, 64, 256),
+        ("zigzag", 2, 51, 203),
+        ("zigzag", 3, 43, 256),
+    ],
 )
 def test_key_runs_match_brute_force(monkeypatch, kind, world, run, seq, chunk_runs, dtype):
     """Keys in runs of consecutive positions (striped/zigzag shards, short last runs): per-run diagonal sums."""
@@ -223,7 +230,9 @@ def test_position_plan_detects_runs():
     assert plan(rows, torch.tensor([95, 3, 7, 99, 4])).late == (0, 3)
 
 
-@pytest.mark.parametrize("run,keys,step_keys", [(16, 100, 50), (16, 100, 5), (100, 100, 30), (0, 77, 10), (16, 96, 200)])
+@pytest.mark.parametrize(
+    "run,keys,step_keys", [(16, 100, 50), (16, 100, 5), (100, 100, 30), (0, 77, 10), (16, 96, 200)]
+)
 def test_position_plan_chunks_cover_whole_runs(monkeypatch, run, keys, step_keys):
     rows = 8
     monkeypatch.setattr(estimate, "_CHUNK_ELEMENTS", step_keys * rows)
@@ -426,9 +435,7 @@ def test_budget_larger_than_sequence():
         config.head_budgets(3, 2, 50)
     with pytest.raises(ValueError, match="s_size 256 .layer 0, head 0. exceeds the sequence length 200"):
         config.head_budgets(0, 2, 200)
-    per_head = PatternConfig(
-        block_size=16, budgets=Budgets.from_dict({"default": {"v_size": [8, 99], "s_size": 128}})
-    )
+    per_head = PatternConfig(block_size=16, budgets=Budgets.from_dict({"default": {"v_size": [8, 99], "s_size": 128}}))
     with pytest.raises(ValueError, match="v_size 99 .layer 0, head 1. exceeds the sequence length 90"):
         per_head.head_budgets(0, 2, 90)
     q = torch.randn(1, 100, 2, 16)

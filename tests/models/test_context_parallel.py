@@ -66,8 +66,10 @@ def _compare_on_ranks() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, samples = _model(), _samples()
     ids, labels, pos = samples[:, :-1], samples[:, 1:], torch.arange(SEQ)[None]
-    references = {name: _run(model, AttentionContext(pattern_config=cfg), ids, labels, pos) for name, cfg in
-                  (("dense", None), ("small", SMALL))}
+    references = {
+        name: _run(model, AttentionContext(pattern_config=cfg), ids, labels, pos)
+        for name, cfg in (("dense", None), ("small", SMALL))
+    }
     report = {}
     for layout_name in LAYOUTS:
         layout = make_layout(layout_name, SEQ, world, BLOCK)
@@ -87,7 +89,11 @@ def _compare_on_ranks() -> dict:
                 )
             if case == "full":
                 stats_diff = max(max(abs(s.density - 1.0), abs(s.recall - 1.0)) for s in stats.values())
-            report[(layout_name, case)] = (float((loss - ref_loss).abs() / ref_loss), _max_diff(grads, ref_grads), stats_diff)
+            report[(layout_name, case)] = (
+                float((loss - ref_loss).abs() / ref_loss),
+                _max_diff(grads, ref_grads),
+                stats_diff,
+            )
     return report
 
 

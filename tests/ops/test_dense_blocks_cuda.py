@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from numerics import rel_err
 import torch.distributed as dist
 
 from mtraining.ops import dense_blocks
 from mtraining.ops.attention import attention_backward, attention_forward, row_delta, sparse_attention
 from mtraining.ops.dense_blocks import CUDNN, REFERENCE, decompose
 from mtraining.parallel import make_layout, ring_attention
+from tests.numerics import rel_err
 
 pytestmark = [
     pytest.mark.cuda,
@@ -28,7 +28,12 @@ def randn(gen, *shape):
 
 def check_block(causal, hq, hkv, d, sq, sk, ops=CUDNN):
     gen = torch.Generator().manual_seed(hq * 100 + d + sq + causal)
-    q, k, v, do = randn(gen, 1, sq, hq, d), randn(gen, 1, sk, hkv, d), randn(gen, 1, sk, hkv, d), randn(gen, 1, sq, hq, d)
+    q, k, v, do = (
+        randn(gen, 1, sq, hq, d),
+        randn(gen, 1, sk, hkv, d),
+        randn(gen, 1, sk, hkv, d),
+        randn(gen, 1, sq, hq, d),
+    )
     scale = d**-0.5
     ref_out, ref_lse = REFERENCE.forward(q, k, v, causal, scale)
     ref_grads = REFERENCE.backward(do, q, k, v, ref_out, ref_lse, causal, scale)
@@ -70,8 +75,11 @@ def test_ring_steps_through_cudnn_blocks(layout_name, world):
     scale = d**-0.5
     pos = torch.arange(n, device="cuda")
     ref_out, ref_lse = attention_forward(q, k, v, None, pos, pos, scale, backend="torch")
-    ref = (ref_out, ref_lse, *attention_backward(do, q, k, v, ref_lse, row_delta(do, ref_out), None, pos, pos, scale,
-                                                 backend="torch"))
+    ref = (
+        ref_out,
+        ref_lse,
+        *attention_backward(do, q, k, v, ref_lse, row_delta(do, ref_out), None, pos, pos, scale, backend="torch"),
+    )
     layout = make_layout(layout_name, n, world, g)
     qb, kb, vb, dob = (t.bfloat16() for t in (q, k, v, do))
     outs, lses, dqs = [], [], []
@@ -82,16 +90,20 @@ def test_ring_steps_through_cudnn_blocks(layout_name, world):
         parts = []
         for src in range(world):
             blocks = decompose(layout.positions(rank), layout.positions(src), max_blocks=None)
-            parts.append(dense_blocks.forward(ql, layout.shard(kb, src), layout.shard(vb, src), blocks, scale,
-                                              torch.float32, CUDNN))
+            parts.append(
+                dense_blocks.forward(
+                    ql, layout.shard(kb, src), layout.shard(vb, src), blocks, scale, torch.float32, CUDNN
+                )
+            )
         lse = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
         out = sum(p[0] * torch.exp(p[1] - lse).transpose(1, 2)[..., None] for p in parts)
         out_b = out.bfloat16()
         dq = torch.zeros(ql.shape, device="cuda")
         for src in range(world):
             blocks = decompose(layout.positions(rank), layout.positions(src), max_blocks=None)
-            gq, gk, gv = dense_blocks.backward(dol, ql, layout.shard(kb, src), layout.shard(vb, src), out_b, lse,
-                                               blocks, scale, CUDNN)
+            gq, gk, gv = dense_blocks.backward(
+                dol, ql, layout.shard(kb, src), layout.shard(vb, src), out_b, lse, blocks, scale, CUDNN
+            )
             dq += gq
             dks[src] += gk
             dvs[src] += gv
@@ -107,12 +119,18 @@ def test_ring_steps_through_cudnn_blocks(layout_name, world):
 def test_sparse_attention_dense_goes_through_cudnn(sq, sk):
     gen = torch.Generator().manual_seed(sq)
     b, hq, hkv, d = 2, 8, 2, 128
-    q, k, v, do = randn(gen, b, sq, hq, d), randn(gen, b, sk, hkv, d), randn(gen, b, sk, hkv, d), randn(gen, b, sq, hq, d)
+    q, k, v, do = (
+        randn(gen, b, sq, hq, d),
+        randn(gen, b, sk, hkv, d),
+        randn(gen, b, sk, hkv, d),
+        randn(gen, b, sq, hq, d),
+    )
     q_pos, k_pos = torch.arange(sk - sq, sk, device="cuda"), torch.arange(sk, device="cuda")
     scale = d**-0.5
     ref_out, ref_lse = attention_forward(q, k, v, None, q_pos, k_pos, scale, backend="torch")
-    ref_grads = attention_backward(do, q, k, v, ref_lse, row_delta(do, ref_out), None, q_pos, k_pos, scale,
-                                   backend="torch")
+    ref_grads = attention_backward(
+        do, q, k, v, ref_lse, row_delta(do, ref_out), None, q_pos, k_pos, scale, backend="torch"
+    )
     qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))
     assert dense_blocks.select_ops(qb, kb, "triton") is CUDNN
     with dense_blocks.dense_backend("cudnn"):
@@ -139,8 +157,7 @@ def _nccl_dense_worker(rank: int, world: int, store_path: str) -> None:
     pos = torch.arange(n, device="cuda")
     scale = d**-0.5
     ref_out, ref_lse = attention_forward(q, k, v, None, pos, pos, scale, backend="torch")
-    ref_grads = attention_backward(do, q, k, v, ref_lse, row_delta(do, ref_out), None, pos, pos, scale,
-                                   backend="torch")
+    ref_grads = attention_backward(do, q, k, v, ref_lse, row_delta(do, ref_out), None, pos, pos, scale, backend="torch")
     for name in ("zigzag", "contiguous", "striped"):
         layout = make_layout(name, n, world, g)
         mine = layout.positions(rank).cuda()

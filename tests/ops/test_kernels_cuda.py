@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from numerics import rel_err
 
 from mtraining.ops import VerticalSlashPattern
 from mtraining.ops.attention import attention_backward, attention_forward, row_delta, sparse_attention
+from tests.numerics import rel_err
 
 pytestmark = [
     pytest.mark.cuda,
@@ -86,7 +86,9 @@ def test_dense_equals_cudnn_sdpa():
     out = sparse_attention(q, k, v, VerticalSlashPattern.dense(b, hq, s, 128, device="cuda"))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         ref = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(4, 1), v.transpose(1, 2).repeat_interleave(4, 1),
+            q.transpose(1, 2),
+            k.transpose(1, 2).repeat_interleave(4, 1),
+            v.transpose(1, 2).repeat_interleave(4, 1),
             is_causal=True,
         ).transpose(1, 2)
     assert rel_err(out, ref) < 1e-2

@@ -29,7 +29,9 @@ def test_rings_tile_the_world(world, inner):
 
 
 def test_indivisible_world_names_the_fix():
-    with pytest.raises(ValueError, match=r"inner_size 4 does not divide the context-parallel world size 6.*\[1, 2, 3, 6\]"):
+    with pytest.raises(
+        ValueError, match=r"inner_size 4 does not divide the context-parallel world size 6.*\[1, 2, 3, 6\]"
+    ):
         Topology(6, 4, 0)
     with pytest.raises(ValueError, match="positive int"):
         resolve_inner_size(4, 0)

@@ -6,15 +6,14 @@ import re
 
 import pytest
 import torch
-from numerics import rel_err
 import torch.distributed as dist
-from distributed import ProcessPool
 
 from mtraining.ops import VerticalSlashPattern, attention_oracle
 from mtraining.ops.estimate import PatternConfig, estimate_pattern
 from mtraining.ops.synthetic import rope_structured_qkv
 from mtraining.parallel import make_layout, ring_attention
 from mtraining.parallel.estimate import estimate_pattern_cp
+from tests.numerics import rel_err
 
 LAYOUTS = ["contiguous", "zigzag", "striped"]
 G, D = 16, 16
@@ -23,17 +22,11 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 ROPE_FLOAT32_TOL = 5e-5  # logits of ~10 on the structured inputs: single-device float32 already errs ~1e-5
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = ProcessPool()
-    yield p
-    p.close()
-
-
 CONFIGS = {
     "topk": PatternConfig(v_size=16, s_size=12, last_q=32, block_size=G, sink_tokens=4, local_window=8),
-    "threshold": PatternConfig(v_size=64, s_size=24, last_q=40, block_size=G, sink_tokens=2, local_window=8,
-                               threshold=0.8),
+    "threshold": PatternConfig(
+        v_size=64, s_size=24, last_q=40, block_size=G, sink_tokens=2, local_window=8, threshold=0.8
+    ),
 }
 
 
@@ -236,7 +229,10 @@ def error_case(group, case):
 @pytest.mark.parametrize(
     "case,message",
     [
-        ("world", r"layout is for 4 ranks but the process group has 2; build it with make_layout\('striped', 128, 2, 16\)"),
+        (
+            "world",
+            r"layout is for 4 ranks but the process group has 2; build it with make_layout\('striped', 128, 2, 16\)",
+        ),
         ("length", "q holds 63 tokens per rank but the striped layout of seq_len 128 over 2 ranks gives 64"),
         ("kv_length", "k holds 63 tokens per rank"),
         ("seq_len", "pattern is for seq_len 256 but the layout for 128"),
@@ -291,12 +287,21 @@ def _nccl_worker(rank: int, world: int, store_path: str) -> None:
                 where = f"{name} {ring}"
                 if "outer_link" in ring:
                     out, lse = hierarchical_ring_attention(
-                        ql, kl, vl, None, layout, pattern, return_lse=True, backend="triton",
-                        inner_size=ring["inner_size"], outer_link=ring["outer_link"],
+                        ql,
+                        kl,
+                        vl,
+                        None,
+                        layout,
+                        pattern,
+                        return_lse=True,
+                        backend="triton",
+                        inner_size=ring["inner_size"],
+                        outer_link=ring["outer_link"],
                     )
                 else:
-                    out, lse = ring_attention(ql, kl, vl, None, layout, pattern=pattern, return_lse=True,
-                                              backend="triton", **ring)
+                    out, lse = ring_attention(
+                        ql, kl, vl, None, layout, pattern=pattern, return_lse=True, backend="triton", **ring
+                    )
                 out.backward(layout.shard(dout, rank))
                 assert rel_err(out, ref_out[:, mine]) < 1e-2, where
                 assert (lse - ref_lse[:, :, mine]).abs().max().item() < 5e-2, where

@@ -16,12 +16,19 @@ from typer.testing import CliRunner
 from mtraining.eval.cli import eval_app
 from mtraining.models import build_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "data" / "tokenizer.json"
 CORPUS = ROOT / "data" / "tiny_corpus.jsonl"
 TINY = dict(
-    model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+    model_type="qwen2",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    tie_word_embeddings=True,
 )
 FAST = ["--block-size", "16", "--backend", "torch"]
 SPARSE = ["--attention", "sparse", "--v-size", "8", "--s-size", "32", "--last-q", "16", "--local-window", "16"]
@@ -62,12 +69,69 @@ def results(tiny, tmp_path_factory) -> Path:
     """Run every command once (dense and sparse); returns the results folder."""
     out = tmp_path_factory.mktemp("results")
     common = ["--lengths", "256,512", *FAST]
-    ok("ppl", tiny, "--data", CORPUS, "--pack", "--samples", "2", "--first-bucket", "64", *common, "--out-dir", out / "dense", "--label", "dense")
-    ok("ppl", tiny, "--data", CORPUS, "--pack", "--first-bucket", "64", *common, *SPARSE, "--out-dir", out / "sparse", "--label", "sparse")
+    ok(
+        "ppl",
+        tiny,
+        "--data",
+        CORPUS,
+        "--pack",
+        "--samples",
+        "2",
+        "--first-bucket",
+        "64",
+        *common,
+        "--out-dir",
+        out / "dense",
+        "--label",
+        "dense",
+    )
+    ok(
+        "ppl",
+        tiny,
+        "--data",
+        CORPUS,
+        "--pack",
+        "--first-bucket",
+        "64",
+        *common,
+        *SPARSE,
+        "--out-dir",
+        out / "sparse",
+        "--label",
+        "sparse",
+    )
     for extra, name in (([], "dense"), (SPARSE, "sparse")):
-        ok("niah", tiny, "--depths", "0,50,100", "--max-new-tokens", "3", "--prefill-granule", "128", *common, *extra,
-           "--out-dir", out / name, "--label", name)
-    ok("ruler", tiny, "--lengths", "512", "--samples", "1", "--max-new-tokens", "3", *FAST, "--out-dir", out / "dense", "--label", "dense")
+        ok(
+            "niah",
+            tiny,
+            "--depths",
+            "0,50,100",
+            "--max-new-tokens",
+            "3",
+            "--prefill-granule",
+            "128",
+            *common,
+            *extra,
+            "--out-dir",
+            out / name,
+            "--label",
+            name,
+        )
+    ok(
+        "ruler",
+        tiny,
+        "--lengths",
+        "512",
+        "--samples",
+        "1",
+        "--max-new-tokens",
+        "3",
+        *FAST,
+        "--out-dir",
+        out / "dense",
+        "--label",
+        "dense",
+    )
     return out
 
 
@@ -89,7 +153,9 @@ def test_niah_json_and_heatmap(results):
         data = json.loads((results / name / "niah.json").read_text())
         grid = data["result"]
         assert grid["lengths"] == [256, 512] and grid["depths"] == [0, 50, 100]
-        assert len(grid["scores"]) == 3 and all(len(row) == 2 and all(0 <= v <= 100 for v in row) for row in grid["scores"])
+        assert len(grid["scores"]) == 3 and all(
+            len(row) == 2 and all(0 <= v <= 100 for v in row) for row in grid["scores"]
+        )
         assert len(grid["records"]) == 6 and all(r["prompt_tokens"] <= r["length"] for r in grid["records"])
         assert (results / name / "niah.png").read_bytes()[:8] == PNG_MAGIC
 
@@ -107,7 +173,13 @@ def test_report(results, tmp_path):
     out = ok("report", results, "--out-dir", tmp_path)
     assert "report.md" in out
     report = (tmp_path / "report.md").read_text()
-    for section in ("## Perplexity", "## Needle in a haystack", "## RULER-style tasks", "dense (dense, 1 rank)", "sparse (sparse, 1 rank)"):
+    for section in (
+        "## Perplexity",
+        "## Needle in a haystack",
+        "## RULER-style tasks",
+        "dense (dense, 1 rank)",
+        "sparse (sparse, 1 rank)",
+    ):
         assert section in report
     for png in ("ppl_by_position.png", "niah_heatmaps.png", "ruler_by_length.png"):
         assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC and f"({png})" in report
@@ -168,7 +240,9 @@ def test_bad_input_names_the_fix(tiny, tmp_path):
     assert "RoPE range" in msg and "--allow-extrapolation" in msg and "max_position_embeddings=1024" in msg
     msg = fails("ruler", tiny, *base, "--memory-limit-gib", "0.001")
     assert "does not fit memory" in msg and "--nproc-per-node" in msg and "--memory-limit-gib" in msg
-    assert "no 4096-token window" in fails("ppl", tiny, "--data", CORPUS, *base[2:], "--lengths", "4096", "--allow-extrapolation")
+    assert "no 4096-token window" in fails(
+        "ppl", tiny, "--data", CORPUS, *base[2:], "--lengths", "4096", "--allow-extrapolation"
+    )
     assert "dense or sparse" in fails("niah", tiny, *base, "--attention", "sparsest")
     assert "unknown tasks" in fails("ruler", tiny, *base, "--tasks", "niah_single,sudoku")
     assert "use a longer length" in fails("ruler", tiny, *base[2:], "--lengths", "64", "--tasks", "cwe")
@@ -179,7 +253,16 @@ def test_torchrun_two_ranks_matches_one(tiny, tmp_path):
     args = ["ppl", str(tiny), "--data", str(CORPUS), "--pack", "--lengths", "256", *FAST]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for nproc, out in ((2, "two"), (1, "one")):
-        cmd = [sys.executable, "-m", "mtraining.eval.cli", *args, "--nproc", str(nproc), "--out-dir", str(tmp_path / out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mtraining.eval.cli",
+            *args,
+            "--nproc",
+            str(nproc),
+            "--out-dir",
+            str(tmp_path / out),
+        ]
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
     two, one = (json.loads((tmp_path / d / "ppl.json").read_text()) for d in ("two", "one"))

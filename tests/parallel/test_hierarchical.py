@@ -8,22 +8,13 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import ProcessPool
-from test_ring import CONFIGS, G, SEQ, TOL, assert_close, make_inputs, make_pattern, reference
 
-from mtraining.parallel import make_layout, ring_attention
-from mtraining.parallel import emulation
+from mtraining.parallel import emulation, make_layout, ring_attention
 from mtraining.parallel.hierarchical import hierarchical_ring_attention
 from mtraining.parallel.topology import ring_groups
+from tests.parallel.test_ring import CONFIGS, SEQ, TOL, G, assert_close, make_inputs, make_pattern, reference
 
 LAYOUTS = ["contiguous", "zigzag", "striped"]
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = ProcessPool()
-    yield p
-    p.close()
 
 
 def hier_case(group, layout_name, inputs, pattern, inner_size, config=None, ring="hierarchical", link=None):
@@ -34,7 +25,9 @@ def hier_case(group, layout_name, inputs, pattern, inner_size, config=None, ring
     ql, kl, vl = (layout.shard(t, rank).requires_grad_() for t in (q, k, v))
     kwargs = dict(pattern=pattern, pattern_config=config, return_lse=True, backend="torch")
     if link is not None:
-        out, lse = hierarchical_ring_attention(ql, kl, vl, group, layout, inner_size=inner_size, outer_link=link, **kwargs)
+        out, lse = hierarchical_ring_attention(
+            ql, kl, vl, group, layout, inner_size=inner_size, outer_link=link, **kwargs
+        )
     else:
         out, lse = ring_attention(ql, kl, vl, group, layout, ring=ring, inner_size=inner_size, **kwargs)
     out.backward(layout.shard(dout, rank))
@@ -215,10 +208,13 @@ def _six_worker(rank: int, store_path: str, cases, inputs, patterns, out_dir: st
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 6), rank=rank, world_size=6,
-                            timeout=datetime.timedelta(seconds=60))
-    results = [tuple(t.clone() for t in hier_case(None, layout_name, inputs, pattern, inner))
-               for (inner, layout_name, _), pattern in zip(cases, patterns)]
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, 6), rank=rank, world_size=6, timeout=datetime.timedelta(seconds=60)
+    )
+    results = [
+        tuple(t.clone() for t in hier_case(None, layout_name, inputs, pattern, inner))
+        for (inner, layout_name, _), pattern in zip(cases, patterns)
+    ]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -227,7 +223,9 @@ def test_hierarchical_six_ranks_three_nodes_and_two_nodes(tmp_path):
     n, b, hq, hkv = 384, 1, 4, 2  # a multiple of 2 * 6 * G
     inputs = make_inputs(21, b, n, hq, hkv, torch.float64)
     patterns = [make_pattern(kind, b, hq, n, 21) for _, _, kind in SIX_CASES]
-    torch.multiprocessing.spawn(_six_worker, args=(str(tmp_path / "store"), SIX_CASES, inputs, patterns, str(tmp_path)), nprocs=6)
+    torch.multiprocessing.spawn(
+        _six_worker, args=(str(tmp_path / "store"), SIX_CASES, inputs, patterns, str(tmp_path)), nprocs=6
+    )
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(6)]
     for c, ((inner, layout_name, kind), pattern) in enumerate(zip(SIX_CASES, patterns)):
         layout = make_layout(layout_name, n, 6, G)
@@ -246,8 +244,19 @@ def reuse_case(group, inputs, pattern, ring):
     reuse = None
     for _ in range(2):
         ql, kl, vl = (layout.shard(t, rank).requires_grad_() for t in (q, k, v))
-        out, lse = ring_attention(ql, kl, vl, group, layout, pattern=pattern, return_lse=True, backend="torch",
-                                  ring=ring, inner_size=2 if ring == "hierarchical" else None, reuse=reuse)
+        out, lse = ring_attention(
+            ql,
+            kl,
+            vl,
+            group,
+            layout,
+            pattern=pattern,
+            return_lse=True,
+            backend="torch",
+            ring=ring,
+            inner_size=2 if ring == "hierarchical" else None,
+            reuse=reuse,
+        )
         out.backward(layout.shard(dout, rank))
         grads.append((ql.grad, kl.grad, vl.grad))
         reuse = (out.detach(), lse)

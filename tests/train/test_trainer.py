@@ -15,7 +15,7 @@ import torch
 from mtraining.train.config import Config, parse_config
 from mtraining.train.launch import run_local
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 RAW = {
     "model": {
         "config": {
@@ -95,7 +95,6 @@ def test_checkpoint_resume_is_bit_identical_and_export_loads(tmp_path):
     assert 0 < out["resumed"]["density"] < 1 and 0 < out["resumed"]["recall"] <= 1
 
     from mtraining.models import build_model
-
     from mtraining.train.checkpoint import latest_checkpoint
     from mtraining.train.export import export_checkpoint
 
@@ -114,8 +113,9 @@ def test_activation_checkpointing_replays_the_forward_patterns():
     with_ckpt = run_local(_train, 1, _config(*sparse, "train.activation_checkpointing=true"))[0]
     without = run_local(_train, 1, _config(*sparse, "train.activation_checkpointing=false"))[0]
     assert all(0 < m["density"] < 1 for m in with_ckpt)
-    torch.testing.assert_close(torch.tensor([m["loss"] for m in with_ckpt]),
-                               torch.tensor([m["loss"] for m in without]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([m["loss"] for m in with_ckpt]), torch.tensor([m["loss"] for m in without]), rtol=1e-6, atol=0
+    )
 
 
 def test_saved_attention_outputs_replace_the_recomputed_attention():
@@ -145,8 +145,13 @@ def test_auto_saved_outputs_follow_the_first_steps_memory(monkeypatch, fits):
     """save_attention_outputs=auto (the default) asks the device's memory after step 1 (faked here; the
     forked ranks inherit the patch): on when peak + outputs fit, with steps bit-identical to a run
     without them; off on the CPU and without activation checkpointing."""
-    sparse = ("attention.v_size=8", "attention.s_size=16", "attention.max_density=null", "train.steps=3",
-              "parallel.context=2")
+    sparse = (
+        "attention.v_size=8",
+        "attention.s_size=16",
+        "attention.max_density=null",
+        "train.steps=3",
+        "parallel.context=2",
+    )
     total = 10**12
     monkeypatch.setattr("mtraining.train.trainer.device_memory", lambda device: (total // 2 if fits else total, total))
     auto, kept = run_local(_train_reporting_saved_outputs, 2, _config(*sparse))[0]
@@ -155,7 +160,9 @@ def test_auto_saved_outputs_follow_the_first_steps_memory(monkeypatch, fits):
     assert no_recompute.train.save_attention_outputs == "auto"
     assert not run_local(_train_reporting_saved_outputs, 2, no_recompute)[0][1]
     monkeypatch.undo()
-    plain, kept = run_local(_train_reporting_saved_outputs, 2, _config(*sparse, "train.save_attention_outputs=false"))[0]
+    plain, kept = run_local(_train_reporting_saved_outputs, 2, _config(*sparse, "train.save_attention_outputs=false"))[
+        0
+    ]
     assert not kept
     assert [(m["loss"], m["grad_norm"]) for m in auto] == [(m["loss"], m["grad_norm"]) for m in plain]
     assert not run_local(_train_reporting_saved_outputs, 1, _config("train.steps=1", *SMALL_BUDGET))[0][1]  # CPU
@@ -171,8 +178,14 @@ def test_recall_measured_only_when_asked():
 
 def test_profile_step_writes_a_trace_and_a_table_per_rank(tmp_path):
     """log.profile_step: that step runs under torch.profiler; each rank writes its trace and op table."""
-    cfg = _config("train.steps=2", "log.profile_step=2", f"log.dir={tmp_path}", "log.tensorboard=false",
-                  "parallel.context=2", *SMALL_BUDGET)
+    cfg = _config(
+        "train.steps=2",
+        "log.profile_step=2",
+        f"log.dir={tmp_path}",
+        "log.tensorboard=false",
+        "parallel.context=2",
+        *SMALL_BUDGET,
+    )
     run_local(_train, 2, cfg)
     files = sorted(p.name for p in tmp_path.glob("profile_*"))  # after every rank has finished
     assert files == [f"profile_step2_rank{r}.{ext}" for r in (0, 1) for ext in ("json", "txt")]

@@ -89,8 +89,9 @@ def test_zigzag_balances_dense_causal_work():
     ],
 )
 def test_unsplittable_length_names_fix(name, n, w, g, fix):
-    with pytest.raises(ValueError, match=f"seq_len {n} cannot be split by the {name} layout over {w} ranks "
-                       f"with block {g}: {fix}"):
+    with pytest.raises(
+        ValueError, match=f"seq_len {n} cannot be split by the {name} layout over {w} ranks with block {g}: {fix}"
+    ):
         make_layout(name, n, w, g)
 
 
@@ -134,8 +135,10 @@ def test_imbalance_counts_are_exact(name, w, g_layout, g):
     layout = make_layout(name, n, w, g_layout)
     report = imbalance_report(pattern, layout)
     brute = torch.tensor(
-        [[float(pattern.pair_mask(layout.positions(r), layout.positions((r - t) % w)).sum()) for t in range(w)]
-         for r in range(w)],
+        [
+            [float(pattern.pair_mask(layout.positions(r), layout.positions((r - t) % w)).sum()) for t in range(w)]
+            for r in range(w)
+        ],
         dtype=torch.float64,
     )
     assert torch.equal(report.pairs, brute)

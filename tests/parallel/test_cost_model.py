@@ -20,7 +20,7 @@ from mtraining.parallel.cost_model import (
 )
 
 FAST = Link(1e18)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_compute_bound_is_the_sum_of_compute():
@@ -75,7 +75,10 @@ def test_cli_prints_and_writes_predictions(tmp_path):
     out = tmp_path / "cost.json"
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "cost_model.py"), "--out", str(out)],
-        capture_output=True, text=True, check=True, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
     )
     assert "4 x 8 A100-40GB" in run.stdout and "16 x 8 H100" in run.stdout
     assert "MEASURED" in run.stdout and "ASSUMED" in run.stdout

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from mtraining.cli import app
 from mtraining.train.config import ConfigError, apply_overrides, load_config, parse_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASE = {
     "model": {"config": {"model_type": "qwen2"}},
     "data": {"sources": ["x.jsonl"], "seq_len": 1024},
@@ -28,7 +28,9 @@ def test_shipped_configs_are_valid(path):
 
 
 def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
-    cfg = parse_config(BASE, ["train.steps=3", "attention.dense_layers=[0, 1]", "model.config.hidden_size=64", "checkpoint.dir=null"])
+    cfg = parse_config(
+        BASE, ["train.steps=3", "attention.dense_layers=[0, 1]", "model.config.hidden_size=64", "checkpoint.dir=null"]
+    )
     assert cfg.train.steps == 3 and cfg.attention.dense_layers == [0, 1]
     assert cfg.model.config["hidden_size"] == 64 and cfg.checkpoint.dir is None
     assert BASE["train"]["steps"] == 10  # the input is not modified
@@ -51,7 +53,10 @@ def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
         (["train.steps=0"], "train.steps"),
         (["attention.v_size=2048"], "attention.v_size (2048) exceeds data.seq_len (1024)"),
         (["attention.local_window=512", "attention.s_size=256"], "attention: local_window (512) exceeds"),
-        (["attention.block_size=96", "data.seq_len=1536", "parallel.context=1"], "attention: block_size must be a power of two"),
+        (
+            ["attention.block_size=96", "data.seq_len=1536", "parallel.context=1"],
+            "attention: block_size must be a power of two",
+        ),
         (["attention.sparse=false", "attention.block_size=96", "data.seq_len=1536", "parallel.context=1"], None),
     ],
 )
@@ -111,7 +116,9 @@ def test_budgets_file_gives_per_layer_per_head_budgets(tmp_path):
     from mtraining.train.trainer import pattern_config
 
     budgets = tmp_path / "budgets.yaml"
-    budgets.write_text(yaml.safe_dump({"default": {"v_size": 128, "s_size": 256}, "layers": {1: {"v_size": [64, 96, 128, 160]}}}))
+    budgets.write_text(
+        yaml.safe_dump({"default": {"v_size": 128, "s_size": 256}, "layers": {1: {"v_size": [64, 96, 128, 160]}}})
+    )
     cfg = parse_config(BASE, [f"attention.budgets={budgets}"])
     v0, s0 = pattern_config(cfg.attention).head_budgets(0, 4, 1024)
     v1, s1 = pattern_config(cfg.attention).head_budgets(1, 4, 1024)

@@ -13,7 +13,7 @@ import yaml
 from mtraining.eval.tasks import TASKS
 from mtraining.train.config import load_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _guard():
@@ -52,7 +52,9 @@ def test_heldout_documents_are_long_enough(tmp_path):
 
 def test_configs_differ_only_in_attention_sparse(tmp_path):
     guard = _guard()
-    args = argparse.Namespace(arch="tiny", device="cpu", seq_len=1024, lr=6e-4, rope_theta=1e6, seed=0, v_size=None, s_size=None)
+    args = argparse.Namespace(
+        arch="tiny", device="cpu", seq_len=1024, lr=6e-4, rope_theta=1e6, seed=0, v_size=None, s_size=None
+    )
     tokens = tmp_path / "t.npy"
     np.save(tokens, np.zeros(4096, dtype=np.uint16))
     paths = {m: guard.write_config(tmp_path / m, args, m, tokens, 12) for m in ("dense", "sparse")}
@@ -69,10 +71,17 @@ def test_configs_differ_only_in_attention_sparse(tmp_path):
 
 def test_unbundle_writes_flat_eval_files(tmp_path):
     guard = _guard()
-    bundle = {"evals": {"dense-trained_dense-attn": {"status": [], "ppl": {"kind": "ppl"}, "niah": {"kind": "niah"}},
-                        "sparse-trained_sparse-attn": {"status": ["ruler: stopped at the deadline"], "ruler": {"kind": "ruler"}}}}
+    bundle = {
+        "evals": {
+            "dense-trained_dense-attn": {"status": [], "ppl": {"kind": "ppl"}, "niah": {"kind": "niah"}},
+            "sparse-trained_sparse-attn": {"status": ["ruler: stopped at the deadline"], "ruler": {"kind": "ruler"}},
+        }
+    }
     (tmp_path / "b.json").write_text(json.dumps(bundle))
     written = guard.unbundle(tmp_path / "b.json", tmp_path)
-    assert sorted(p.name for p in written) == ["eval_dense-trained_dense-attn_niah.json", "eval_dense-trained_dense-attn_ppl.json",
-                                               "eval_sparse-trained_sparse-attn_ruler.json"]
+    assert sorted(p.name for p in written) == [
+        "eval_dense-trained_dense-attn_niah.json",
+        "eval_dense-trained_dense-attn_ppl.json",
+        "eval_sparse-trained_sparse-attn_ruler.json",
+    ]
     assert json.loads((tmp_path / "eval_dense-trained_dense-attn_ppl.json").read_text()) == {"kind": "ppl"}

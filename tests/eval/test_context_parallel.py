@@ -10,14 +10,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import ProcessPool
 
 from mtraining.eval.engine import AttentionSpec, Engine
 from mtraining.models import build_model
 
 TINY = dict(
-    model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+    model_type="qwen2",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
     initializer_range=0.2,
 )
 G = 16
@@ -41,7 +47,12 @@ def inputs():
 
 def spec(layout: str, sparse: bool) -> AttentionSpec:
     return AttentionSpec(
-        sparse=sparse, layout=layout, block_size=G, backend="torch", pattern=SPARSE if sparse else {}, prefill_granule=128
+        sparse=sparse,
+        layout=layout,
+        block_size=G,
+        backend="torch",
+        pattern=SPARSE if sparse else {},
+        prefill_granule=128,
     )
 
 
@@ -61,13 +72,6 @@ def unsplittable(group):
     except ValueError as err:
         return str(err)
     return None
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = ProcessPool()
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,25 @@ from mtraining.models import build_model
 from mtraining.models.fused import use_liger_kernels
 from mtraining.train.config import parse_config
 
-TINY = dict(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
+TINY = dict(
+    model_type="qwen2",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    tie_word_embeddings=True,
+)
 
 
 def test_liger_needs_cuda_and_names_the_fix():
-    raw = {"model": {"config": TINY}, "data": {"sources": ["x.jsonl"], "seq_len": 128},
-           "train": {"steps": 1, "device": "cpu", "fused_kernels": "liger"}}
+    raw = {
+        "model": {"config": TINY},
+        "data": {"sources": ["x.jsonl"], "seq_len": 128},
+        "train": {"steps": 1, "device": "cpu", "fused_kernels": "liger"},
+    }
     with pytest.raises(ValueError, match="set train.fused_kernels=none"):
         parse_config(raw, [])
 

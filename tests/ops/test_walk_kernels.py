@@ -116,6 +116,7 @@ def test_ring_step_small_blocks(monkeypatch):
 
 def test_dispatch_by_device(monkeypatch):
     """CPU tensors take the torch builders (the Triton ones only where the positions live on CUDA)."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("a Triton builder ran for CPU tensors")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from numerics import rel_err
 
 from mtraining.ops import VerticalSlashPattern, attention_oracle
 from mtraining.ops.attention import attention_backward, attention_forward, row_delta, sparse_attention
+from tests.numerics import rel_err
 
 CPU_TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 
@@ -120,8 +120,19 @@ def test_backward_primitive_with_external_lse():
     k_pos = pos[32:96]
     args = (q, k[:, 32:96], v[:, 32:96], lse.float(), delta.float(), pattern, pos, k_pos, 0.25)
     got = attention_backward(do.float(), *args, backend="triton")
-    ref = attention_backward(do, q.double(), k[:, 32:96].double(), v[:, 32:96].double(), lse, delta,
-                             pattern, pos, k_pos, 0.25, backend="torch")
+    ref = attention_backward(
+        do,
+        q.double(),
+        k[:, 32:96].double(),
+        v[:, 32:96].double(),
+        lse,
+        delta,
+        pattern,
+        pos,
+        k_pos,
+        0.25,
+        backend="torch",
+    )
     for a, b in zip(got, ref):
         assert rel_err(a, b) < 2e-5
 
@@ -152,8 +163,9 @@ def test_bad_input_names_the_fix(kwargs, match):
     args.update(kwargs)
     pattern = VerticalSlashPattern.dense(1, 2, 32, 16)
     with pytest.raises(ValueError, match=match):
-        sparse_attention(args["q"], args["k"], args["v"], pattern, args.get("q_pos"), args.get("k_pos"),
-                         backend="triton")
+        sparse_attention(
+            args["q"], args["k"], args["v"], pattern, args.get("q_pos"), args.get("k_pos"), backend="triton"
+        )
 
 
 def test_pattern_for_other_heads_rejected():
@@ -189,8 +201,9 @@ def test_tiles_smaller_than_the_block(monkeypatch, dtype):
     from mtraining.ops import triton_backend as tb
 
     def small_tiles(block_size, head_dim, device, dtype):
-        return tb.TileConfig(tb.Tiles(32, 16, 16, 4, 1), tb.Tiles(16, 32, 32, 4, 1),
-                             tb.Tiles(16, 32, 16, 4, 1, v_split=3))
+        return tb.TileConfig(
+            tb.Tiles(32, 16, 16, 4, 1), tb.Tiles(16, 32, 32, 4, 1), tb.Tiles(16, 32, 16, 4, 1, v_split=3)
+        )
 
     monkeypatch.setattr(tb, "tile_config", small_tiles)
     gen = torch.Generator().manual_seed(23)

@@ -13,7 +13,7 @@ from mtraining.parallel.layout import make_layout
 from mtraining.train.data import TextTokenizer, token_stream
 from mtraining.train.packing import PackedSamples, shard_batch
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 @pytest.fixture(scope="module")
@@ -22,11 +22,15 @@ def tokenizer() -> TextTokenizer:
 
 
 def test_text_files_are_tokenised_and_joined_with_the_separator(tmp_path, tokenizer):
-    (tmp_path / "a.jsonl").write_text(json.dumps({"body": "Ada keeps the red lamp."}) + "\n\n" + json.dumps({"body": "Who?"}) + "\n")
+    (tmp_path / "a.jsonl").write_text(
+        json.dumps({"body": "Ada keeps the red lamp."}) + "\n\n" + json.dumps({"body": "Who?"}) + "\n"
+    )
     (tmp_path / "b.txt").write_text("In the old mill.")
     np.save(tmp_path / "c.npy", np.array([7, 8, 9], dtype=np.uint16))
     np.array([5, 6], dtype=np.uint32).tofile(tmp_path / "d.bin")
-    stream = token_stream([str(tmp_path / "*.jsonl"), str(tmp_path / "b.txt"), str(tmp_path / "[cd].*")], tokenizer, "body")
+    stream = token_stream(
+        [str(tmp_path / "*.jsonl"), str(tmp_path / "b.txt"), str(tmp_path / "[cd].*")], tokenizer, "body"
+    )
     eos = tokenizer.separator_id(None)
     assert eos == tokenizer.token_id("<|endoftext|>")
     docs = np.split(stream[:-5], np.flatnonzero(stream[:-5] == eos) + 1)[:-1]

@@ -81,7 +81,10 @@ def test_unsupported_features_fail_clearly():
 
 def test_sparse_needs_the_right_pattern_block_and_budget():
     model, _ = _pair("llama")
-    bind(model, AttentionContext(pattern_config=PatternConfig(v_size=64, s_size=64, last_q=8, block_size=16, local_window=16)))
+    bind(
+        model,
+        AttentionContext(pattern_config=PatternConfig(v_size=64, s_size=64, last_q=8, block_size=16, local_window=16)),
+    )
     with pytest.raises(ValueError, match="lower v_size"):
         model(input_ids=torch.randint(0, 96, (1, 32)), use_cache=False)
 

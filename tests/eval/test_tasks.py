@@ -15,7 +15,7 @@ from mtraining.eval.runtime import parse_lengths
 from mtraining.eval.scoring import match_all, match_any, mean_percent
 from mtraining.eval.tasks import MAX_NEW_TOKENS, TASKS, fit_knob, generate, top_words
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 def words(text: str) -> int:
@@ -136,7 +136,7 @@ def test_generate_rejects_bad_input():
 
 def test_fit_knob_finds_the_largest_fitting_size():
     for slope, base, budget in ((7, 30, 1000), (1, 0, 5), (13, 100, 100_000), (3, 10, 11)):
-        knob, tokens = fit_knob(lambda k: base + slope * k, budget)
+        knob, tokens = fit_knob(lambda k, base=base, slope=slope: base + slope * k, budget)
         assert tokens <= budget < base + slope * (knob + 1)
 
 
@@ -176,7 +176,9 @@ def test_generated_answers_score_full_marks():
 def test_load_documents_all_formats(tmp_path):
     (tmp_path / "book.txt").write_text("A long book.")
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "docs.jsonl").write_text(json.dumps({"body": "first"}) + "\n\n" + json.dumps({"body": "second"}) + "\n")
+    (tmp_path / "sub" / "docs.jsonl").write_text(
+        json.dumps({"body": "first"}) + "\n\n" + json.dumps({"body": "second"}) + "\n"
+    )
     assert load_documents([tmp_path / "book.txt"]) == ["A long book."]
     assert load_documents([tmp_path], text_field="body") == ["A long book.", "first", "second"]
     with pytest.raises(ValueError, match="--text-field"):

@@ -6,14 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import ProcessPool
-from test_ring import G, LAYOUTS, SEQ, assert_close, make_inputs, reference
 
 from mtraining.ops import attention_oracle, dense_blocks
 from mtraining.ops.attention import sparse_attention
 from mtraining.ops.dense_blocks import MAX_BLOCKS, REFERENCE, decompose
 from mtraining.parallel import make_layout, ring_attention
 from mtraining.parallel.hierarchical import hierarchical_ring_attention
+from tests.parallel.test_ring import LAYOUTS, SEQ, G, assert_close, make_inputs, reference
 
 
 def pair_count(blocks, sq: int, sk: int) -> torch.Tensor:
@@ -72,15 +71,18 @@ def test_zigzag_steps_are_half_of_q_or_half_of_k():
 def test_decomposition_of_single_device_and_arbitrary_positions():
     # last Sq of Sk keys: a full block and a causal block
     assert decompose(torch.arange(10, 20), torch.arange(20)) == (
-        dense_blocks.Block(0, 10, 0, 10, False), dense_blocks.Block(0, 10, 10, 20, True)
+        dense_blocks.Block(0, 10, 0, 10, False),
+        dense_blocks.Block(0, 10, 10, 20, True),
     )
     assert decompose(torch.arange(5), torch.arange(5, 9)) == ()  # no key visible
     assert decompose(torch.tensor([3, 2]), torch.arange(4)) is None  # not increasing
     assert decompose(torch.tensor([1, 1]), torch.arange(4)) is None
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):  # random increasing position sets made of runs, partially overlapping
-        picks = [torch.sort(torch.randperm(64, generator=gen)[: int(torch.randint(1, 40, (1,), generator=gen))])[0]
-                 for _ in range(2)]
+        picks = [
+            torch.sort(torch.randperm(64, generator=gen)[: int(torch.randint(1, 40, (1,), generator=gen))])[0]
+            for _ in range(2)
+        ]
         blocks = decompose(picks[0], picks[1], max_blocks=None)
         assert_exact_cover(picks[0], picks[1], blocks)
 
@@ -109,14 +111,16 @@ def test_ring_steps_through_blocks_equal_oracle(layout_name, hq, hkv):
         out = lse = None
         for src in range(world):
             blocks = decompose(layout.positions(rank), layout.positions(src), max_blocks=None)
-            o, l = dense_blocks.forward(ql, layout.shard(k, src), layout.shard(v, src), blocks, scale, torch.float64,
-                                        REFERENCE)
-            out, lse = (o, l) if out is None else attention_merge(out, lse, o, l)
+            o, part_lse = dense_blocks.forward(
+                ql, layout.shard(k, src), layout.shard(v, src), blocks, scale, torch.float64, REFERENCE
+            )
+            out, lse = (o, part_lse) if out is None else attention_merge(out, lse, o, part_lse)
         dq = torch.zeros_like(ql)
         for src in range(world):
             blocks = decompose(layout.positions(rank), layout.positions(src), max_blocks=None)
-            gq, gk, gv = dense_blocks.backward(dol, ql, layout.shard(k, src), layout.shard(v, src), out, lse, blocks,
-                                               scale, REFERENCE)
+            gq, gk, gv = dense_blocks.backward(
+                dol, ql, layout.shard(k, src), layout.shard(v, src), out, lse, blocks, scale, REFERENCE
+            )
             dq += gq
             dks[src] += gk
             dvs[src] += gv
@@ -125,10 +129,10 @@ def test_ring_steps_through_blocks_equal_oracle(layout_name, hq, hkv):
         assert_close(name, layout.gather(got, dim=2 if name == "lse" else 1), ref[i], 1e-10)
 
 
-def attention_merge(out, lse, o, l):
+def attention_merge(out, lse, o, part_lse):
     from mtraining.ops.oracle import merge_partials
 
-    return merge_partials(out, lse, o, l)
+    return merge_partials(out, lse, o, part_lse)
 
 
 @pytest.mark.parametrize("sq,sk", [(48, 48), (32, 80), (16, 16)])
@@ -172,8 +176,9 @@ def _fake_cudnn_forward(q, k, v, attn_bias, compute_lse, dropout_p, is_causal, d
     return out.transpose(1, 2), lse.unsqueeze(-1).float(), None, None, q.shape[2], k.shape[2], seed, seed, None
 
 
-def _fake_cudnn_backward(do, q, k, v, out, lse, seed, offset, attn_bias, cum_q, cum_k, max_q, max_k, dropout_p,
-                         is_causal, *, scale):
+def _fake_cudnn_backward(
+    do, q, k, v, out, lse, seed, offset, attn_bias, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, *, scale
+):
     """Backward from the out/lse it is given (delta = rowsum(dO * O)), as cuDNN does; dense only."""
     assert cum_q is None and cum_k is None and attn_bias is None and dropout_p == 0.0
     assert lse.shape == (*q.shape[:3], 1) and (max_q, max_k) == (q.shape[2], k.shape[2])
@@ -186,8 +191,10 @@ def _fake_cudnn_backward(do, q, k, v, out, lse, seed, offset, attn_bias, cum_q, 
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4)])
 def test_cudnn_wrapper_on_fake_op(monkeypatch, causal, hq, hkv):
     """Head expansion for GQA, dK/dV group sums, layouts and LSE shapes of the cuDNN wrapper."""
-    fakes = {"_scaled_dot_product_cudnn_attention": _fake_cudnn_forward,
-             "_scaled_dot_product_cudnn_attention_backward": _fake_cudnn_backward}
+    fakes = {
+        "_scaled_dot_product_cudnn_attention": _fake_cudnn_forward,
+        "_scaled_dot_product_cudnn_attention_backward": _fake_cudnn_backward,
+    }
     monkeypatch.setattr(dense_blocks, "_aten", fakes.__getitem__)
     monkeypatch.setattr(dense_blocks, "_LSE_DIMS", [])
     sq, sk = 32, 32 if causal else 48
@@ -199,19 +206,14 @@ def test_cudnn_wrapper_on_fake_op(monkeypatch, causal, hq, hkv):
     assert_close("out", out, ref_out, 1e-10)
     assert_close("lse", lse, ref_lse, 1e-6)
     grads = dense_blocks.CUDNN.backward(do, q, k, v, ref_out, ref_lse, causal, 0.25)
-    for name, got, ref in zip(["dq", "dk", "dv"], grads, REFERENCE.backward(do, q, k, v, ref_out, ref_lse, causal, 0.25)):
+    for name, got, ref in zip(
+        ["dq", "dk", "dv"], grads, REFERENCE.backward(do, q, k, v, ref_out, ref_lse, causal, 0.25)
+    ):
         assert got.shape == ref.shape and got.dtype == torch.float32, name
         assert_close(name, got, ref, 1e-6)
 
 
 # ----------------------------------------------------------------------------- rings on gloo
-@pytest.fixture(scope="module")
-def pool():
-    p = ProcessPool()
-    yield p
-    p.close()
-
-
 def dense_ring_case(group, layout_name, inputs, ring, setting):
     """Worker: the dense ring (pattern None) with dense steps through the blocks of ``setting``."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -222,8 +224,9 @@ def dense_ring_case(group, layout_name, inputs, ring, setting):
         if ring == "flat":
             out, lse = ring_attention(ql, kl, vl, group, layout, return_lse=True, backend="torch")
         else:
-            out, lse = hierarchical_ring_attention(ql, kl, vl, group, layout, return_lse=True, backend="torch",
-                                                   inner_size=2)
+            out, lse = hierarchical_ring_attention(
+                ql, kl, vl, group, layout, return_lse=True, backend="torch", inner_size=2
+            )
     out.backward(layout.shard(dout, rank))
     return out.detach(), lse, ql.grad, kl.grad, vl.grad
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import ProcessPool
 
 from mtraining.models import recall
 from mtraining.ops.pattern import VerticalSlashPattern
@@ -86,13 +85,6 @@ def _recall_on_ranks(group, layout_name, q, k, pattern, chunk_keys) -> float:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     layout = make_layout(layout_name, q.shape[1], world, G)
     return _recall(layout.shard(q, rank), layout.shard(k, rank), pattern, LAST_Q, chunk_keys, group, layout)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    p = ProcessPool()
-    yield p
-    p.close()
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
