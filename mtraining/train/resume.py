@@ -106,7 +106,7 @@ def check_model(saved: dict | None, current: dict, allow_changed: bool, where: s
     """Refuse a checkpoint of another model; a changed config is refused unless ``allow_changed``
     (then returned as a note). ``where`` names the checkpoint in messages."""
     if not saved:
-        return [f"{where} records no model (an older format): it is loaded unchecked"]
+        return [f"{where} records no model: its parameters are not checked before loading"]
     params = _parameter_differences(saved["parameters"], current["parameters"])
     config = _differences(saved["config"], current["config"])
     if params:
