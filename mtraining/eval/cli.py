@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -330,12 +331,10 @@ def ruler(
         from .runtime import parse_lengths
 
         grid = parse_lengths(lengths)
-        if data:
-            _generated_only(tasks=tasks, haystack=haystack)
-            s, result = _from_files(
-                "ruler", checkpoint, opts, prefill_granule, grid, data, task, limit, truncate, max_new_tokens
-            )
-            settings = _file_settings(grid, data, task, limit, truncate, max_new_tokens)
+        files = _Files.of(data, task, limit, truncate, max_new_tokens, tasks=tasks, haystack=haystack)
+        if files:
+            s, result = _from_files("ruler", checkpoint, opts, prefill_granule, grid, files)
+            settings = files.settings(grid)
         else:
             task_list = parse_tasks(tasks or "all")
             s, prompting = _prompted(
@@ -385,12 +384,10 @@ def infinitebench(
         from .runtime import parse_lengths
 
         grid = parse_lengths(lengths)
-        if data:
-            _generated_only(tasks=tasks)
-            s, result = _from_files(
-                "infinitebench", checkpoint, opts, prefill_granule, grid, data, task, limit, truncate, max_new_tokens
-            )
-            settings = _file_settings(grid, data, task, limit, truncate, max_new_tokens)
+        files = _Files.of(data, task, limit, truncate, max_new_tokens, tasks=tasks)
+        if files:
+            s, result = _from_files("infinitebench", checkpoint, opts, prefill_granule, grid, files)
+            settings = files.settings(grid)
         else:
             task_list = parse_tasks(tasks or "all", TASKS)
             s = _Session(checkpoint, opts, prefill_granule)
@@ -409,51 +406,62 @@ def infinitebench(
     _run("infinitebench", nproc, body)
 
 
-def _generated_only(**given: object) -> None:
-    """With --data the prompts come from the files: options that shape generated prompts are mistakes."""
-    wrong = [name for name, value in given.items() if value]
-    if wrong:
-        raise ValueError(
-            f"--{wrong[0]} shapes generated prompts; with --data the prompts and tasks come from the files "
-            "(--task names the task of every file)"
-        )
+@dataclass(frozen=True)
+class _Files:
+    """The benchmark's own files (--data) and how to read them (--task, --limit, --truncate, --max-new-tokens)."""
+
+    data: list[Path]
+    task: str | None
+    limit: int | None
+    truncate: bool
+    max_new_tokens: int | None
+
+    @classmethod
+    def of(
+        cls,
+        data: list[Path] | None,
+        task: str | None,
+        limit: int | None,
+        truncate: bool,
+        max_new_tokens: int | None,
+        **generating: object,
+    ) -> _Files | None:
+        """The files given, or None to generate prompts; ValueError for options of the other mode
+        (``generating``: the options that shape generated prompts, by name)."""
+        if data:
+            wrong = [f"--{name}" for name, value in generating.items() if value]
+            fix = "the prompts and tasks come from the files (--task names the task of every file)"
+        else:
+            wrong = [name for name, value in (("--task", task), ("--limit", limit), ("--truncate", truncate)) if value]
+            fix = "they read the benchmark's files: pass --data FILE.jsonl or drop them"
+        if wrong:
+            raise ValueError(f"{wrong[0]} does not apply {'with' if data else 'without'} --data: {fix}")
+        return cls(data, task, limit, truncate, max_new_tokens) if data else None
+
+    def settings(self, lengths: list[int]) -> dict:
+        return {
+            "lengths": lengths,
+            "data": [str(p) for p in self.data],
+            "task": self.task,
+            "limit": self.limit,
+            "truncate": self.truncate,
+            "max_new_tokens": self.max_new_tokens,
+        }
 
 
 def _from_files(
-    kind: str,
-    checkpoint: Path,
-    opts: SessionOptions,
-    granule: int,
-    lengths: list[int],
-    data: list[Path],
-    task: str | None,
-    limit: int | None,
-    truncate: bool,
-    max_new_tokens: int | None,
+    kind: str, checkpoint: Path, opts: SessionOptions, granule: int, lengths: list[int], files: _Files
 ) -> tuple[_Session, dict]:
     """The session and result of a ruler or infinitebench command run on the benchmark's own files."""
     from . import datafiles
 
     load = datafiles.ruler_samples if kind == "ruler" else datafiles.infinitebench_samples
-    samples = load(data, task, limit, max_new_tokens)  # format errors before the model loads
+    samples = load(files.data, files.task, files.limit, files.max_new_tokens)  # format errors before the model
     s = _Session(checkpoint, opts, granule)
     s.check(lengths, generate=True)
     tokenizer = s.loaded.tokenizer
-    placed = datafiles.place(samples, lengths, tokenizer.count, truncate)
+    placed = datafiles.place(samples, lengths, tokenizer.count, files.truncate)
     return s, datafiles.run_samples(s.engine, tokenizer, placed, lengths, kind, s.root)
-
-
-def _file_settings(
-    lengths: list[int], data: list[Path], task: str | None, limit: int | None, truncate: bool, new_tokens: int | None
-) -> dict:
-    return {
-        "lengths": lengths,
-        "data": [str(p) for p in data],
-        "task": task,
-        "limit": limit,
-        "truncate": truncate,
-        "max_new_tokens": new_tokens,
-    }
 
 
 def _save_table(s: _Session, kind: str, title: str, settings: dict, result: dict) -> None:

@@ -238,7 +238,8 @@ def test_official_files_end_to_end(tiny, tmp_path):
     cut = json.loads((tmp_path / "cut" / "infinitebench.json").read_text())
     assert cut["settings"]["truncate"] and max(r["full_prompt_tokens"] for r in cut["result"]["records"]) > 256
     assert all(r["prompt_tokens"] <= 256 - MAX_NEW_TOKENS[r["task"]] for r in cut["result"]["records"])
-    assert "shapes generated prompts" in fails("infinitebench", tiny, "--data", ib, "--tasks", "passkey", *base)
+    assert "--tasks does not apply with --data" in fails("infinitebench", tiny, "--data", ib, "--tasks", "passkey")
+    assert "--truncate does not apply without --data" in fails("ruler", tiny, "--truncate")
 
     ruler = ruler_files(tmp_path / "ruler")
     ok("ruler", tiny, "--data", ruler, "--lengths", "512", *base, "--out-dir", tmp_path / "r")
