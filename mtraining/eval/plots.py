@@ -83,9 +83,7 @@ def ppl_by_position(items: Sequence[tuple[str, list[dict]]], path: str | Path) -
     return _save(fig, path)
 
 
-def average_by_length(
-    items: Sequence[tuple[str, dict]], path: str | Path, title: str = "RULER-style tasks by length"
-) -> Path:
+def average_by_length(items: Sequence[tuple[str, dict]], path: str | Path, title: str) -> Path:
     """Average score over tasks vs context length (RULER-style or InfiniteBench), one line per checkpoint;
     lengths without a prompt are gaps."""
     plt = _pyplot()
