@@ -1,5 +1,5 @@
 """Command line: ``mtraining train CONFIG.yaml [key=value ...]``, ``mtraining export``, ``mtraining tokenize``,
-and the evaluation suite under ``mtraining eval`` (ppl, niah, ruler, report).
+and the evaluation suite under ``mtraining eval`` (ppl, niah, ruler, infinitebench, report).
 
 Run under torchrun for several ranks (``torchrun --nproc_per_node 4 -m mtraining.cli train ...``)
 or let ``--nproc N`` start torchrun for you on this machine.
