@@ -324,6 +324,30 @@ def recall_table() -> str:
     return "\n".join(lines)
 
 
+def checkpoint_integrity_table() -> str:
+    """Checkpoint save with the manifest (SHA-256 per file) vs plain DCP, verification and load (medians)."""
+    head = ["checkpoint GB", "plain save s", "save + manifest s", "SHA-256 s (CPU s)", "GB per CPU-s"]
+    head += ["verify s (CPU s)", "load s", "device", "commit"]
+    lines = [_row(head), _row(["---"] * len(head))]
+    for r in _load("checkpoint_integrity"):
+        lines.append(
+            _row(
+                [
+                    f"{r['checkpoint_bytes'] / 1e9:.2f}",
+                    f"{r['plain_dcp_save_s']:.1f}",
+                    f"{r['save_checkpoint_s']:.1f}",
+                    f"{r['sha256_all_files_s']:.1f} ({r['sha256_all_files_cpu_s']:.1f})",
+                    f"{r['sha256_gb_per_cpu_s']:.2f}",
+                    f"{r['verify_checkpoint_s']:.1f} ({r['verify_checkpoint_cpu_s']:.1f})",
+                    f"{r['load_checkpoint_s']:.1f}",
+                    r["device"],
+                    r["commit"],
+                ]
+            )
+        )
+    return "\n".join(lines)
+
+
 def loss_table() -> str:
     """LM-head cross-entropy (loss + backward) by implementation: time, peak memory, the per-chunk row
     step alone (its timing clones the logits: the clone is subtracted) and errors against float64."""
@@ -492,6 +516,7 @@ def main() -> None:
         ("training", training_tables()),
         ("loss", loss_table()),
         ("recall_cost", recall_table()),
+        ("checkpoint_integrity", checkpoint_integrity_table()),
         ("eval", eval_table()),
     ):
         print(f"<!-- {title} -->\n{table}\n")

@@ -6,14 +6,13 @@ per ring step; ``sparse_attention`` is the single-device autograd op users call.
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from . import dense_blocks, torch_backend
-from .checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv, check_reuse, default_positions
+from .checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv, check_reuse, default_positions, resolve_scale
 from .kernel_index import DENSE_BLOCK, check_aligned_positions
 from .pattern import VerticalSlashPattern
 
@@ -65,7 +64,7 @@ def prepare_inputs(
             check_aligned_positions(q_pos, grid, "q_pos")
         if k_given:
             check_aligned_positions(k_pos, grid, "k_pos")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = resolve_scale(softmax_scale, q.shape[-1])
     return q_pos, k_pos, scale, name
 
 

@@ -6,12 +6,10 @@ Backward runs through autograd.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from .checks import check_pattern, check_qkv, default_positions
+from .checks import check_pattern, check_qkv, default_positions, resolve_scale
 from .pattern import VerticalSlashPattern
 
 
@@ -45,7 +43,7 @@ def attention_oracle(
         check_pattern(pattern, q)
     b, sq, hq, d = q.shape
     group = hq // k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    scale = resolve_scale(softmax_scale, d)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     qh = q.transpose(1, 2).to(acc)
     kh = k.transpose(1, 2).to(acc).repeat_interleave(group, dim=1)

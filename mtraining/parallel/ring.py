@@ -17,7 +17,6 @@ dK/dV of its own shard. dQ stays local. K/V travel with their own (GQA) heads, n
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -27,7 +26,7 @@ from torch import Tensor
 
 from ..ops import dense_blocks
 from ..ops.attention import KERNEL_DTYPES, Backend, attention_backward, attention_forward, resolve_backend, row_delta
-from ..ops.checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv, check_reuse
+from ..ops.checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv, check_reuse, resolve_scale
 from ..ops.estimate import PatternConfig
 from ..ops.pattern import VerticalSlashPattern
 from ..ops.torch_backend import merge_partial
@@ -302,7 +301,7 @@ def _prepare(
     name = resolve_backend(backend, q.device)
     _check_inputs(q, k, v, dist.get_world_size(group), layout, pattern, name)
     check_reuse(reuse, q)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = resolve_scale(softmax_scale, q.shape[-1])
     if pattern_config is not None:
         pattern = estimate_pattern_cp(q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale)
     dense_ops = dense_blocks.select_ops(q, k, name) if pattern is None else None
