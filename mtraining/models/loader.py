@@ -7,6 +7,7 @@ trainer decides the compute dtype.
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,25 +21,38 @@ SUPPORTED_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+# Constructor arguments that HF configs translate into rope_parameters (older config.json spellings).
+_ROPE_ALIASES = ("rope_theta", "rope_scaling", "partial_rotary_factor")
+# RoPE types whose frequencies depend on the pre-training length (kept explicit when the length grows).
+_SCALED_ROPE = ("yarn", "longrope", "llama3")
+
+
 def build_config(
     path: str | Path | None = None,
     config: dict[str, Any] | None = None,
     rope_theta: float | None = None,
     rope_parameters: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
 ):
-    """The HF config from a local directory or a dict with ``model_type``, RoPE overrides applied."""
-    from transformers import AutoConfig
+    """The HF config from a local directory or a dict with ``model_type``, with ``overrides`` (HF config
+    fields, given to the config's constructor so derived fields follow) and RoPE changes applied."""
+    from transformers import AutoConfig, PretrainedConfig
 
     if (path is None) == (config is None):
         raise ValueError("pass exactly one of path (a local HF directory) or config (a dict with model_type)")
+    overrides = dict(overrides or {})
     if path is not None:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a Hugging Face model directory: it has no config.json")
-        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        model_type = PretrainedConfig.get_config_dict(path, local_files_only=True)[0].get("model_type")
+        _check_overrides(model_type, overrides)
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True, **overrides)
     else:
         fields = dict(config)
-        hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        model_type = fields.pop("model_type")
+        _check_overrides(model_type, overrides)
+        hf_config = AutoConfig.for_model(model_type, **{**fields, **overrides})
     if hf_config.model_type not in SUPPORTED_TYPES:
         raise ValueError(f"model_type {hf_config.model_type!r} is not supported; use one of {SUPPORTED_TYPES}")
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
@@ -50,12 +64,56 @@ def build_config(
     return hf_config
 
 
+def _check_overrides(model_type: str | None, overrides: dict[str, Any]) -> None:
+    """ValueError naming the known fields when an override is not a field of this model type's config."""
+    from transformers import AutoConfig
+
+    if not overrides or model_type not in SUPPORTED_TYPES:
+        return
+    known = set(AutoConfig.for_model(model_type).to_dict()) | set(_ROPE_ALIASES)
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(
+            f"model.overrides: {unknown} are not fields of a {model_type} config; known fields: {sorted(known)}"
+        )
+
+
+def sliding_window_layers(hf_config) -> list[int]:
+    """Layers that would run sliding-window attention (mtraining attention is causal over the whole sequence)."""
+    types = getattr(hf_config, "layer_types", None)
+    if types is not None:
+        return [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if getattr(hf_config, "sliding_window", None) is not None:  # Mistral: every layer
+        return list(range(hf_config.num_hidden_layers))
+    return []
+
+
+def trained_config(hf_config, seq_len: int):
+    """A copy of ``hf_config`` that records training at ``seq_len`` tokens, for export.
+
+    max_position_embeddings becomes at least ``seq_len``; RoPE types whose frequencies depend on the
+    pre-training length (YaRN, LongRoPE, Llama 3) keep that length and their factor explicit in
+    rope_parameters, so the exported model computes the RoPE it was trained with.
+    """
+    out = copy.deepcopy(hf_config)
+    before = hf_config.max_position_embeddings
+    rope = dict(getattr(out, "rope_parameters", None) or {})
+    if rope.get("rope_type") in _SCALED_ROPE:
+        original = rope.setdefault("original_max_position_embeddings", before)
+        if rope.get("factor") is None:
+            rope["factor"] = before / original
+        out.rope_parameters = rope
+    out.max_position_embeddings = max(before, seq_len)
+    return out
+
+
 def build_model(
     path: str | Path | None = None,
     config: dict[str, Any] | None = None,
     rope_theta: float | None = None,
     rope_parameters: dict[str, Any] | None = None,
     attn_implementation: str = ATTN_IMPLEMENTATION,
+    overrides: dict[str, Any] | None = None,
 ) -> nn.Module:
     """A float32 ``*ForCausalLM``: weights from ``path`` (local safetensors) or random from ``config``.
 
@@ -64,14 +122,19 @@ def build_model(
     from transformers import AutoModelForCausalLM
 
     register()
-    hf_config = build_config(path, config, rope_theta, rope_parameters)
+    hf_config = build_config(path, config, rope_theta, rope_parameters, overrides)
     if path is not None:
-        if not any(Path(path).glob("*.safetensors")):
-            raise ValueError(f"{path} has no *.safetensors weights; export or convert the model to safetensors")
+        check_weights(path)
         return AutoModelForCausalLM.from_pretrained(
             path, config=hf_config, attn_implementation=attn_implementation, dtype=torch.float32, local_files_only=True
         )
     return AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation, dtype=torch.float32)
+
+
+def check_weights(path: str | Path) -> None:
+    """ValueError unless the model folder holds safetensors weights."""
+    if not any(Path(path).glob("*.safetensors")):
+        raise ValueError(f"{path} has no *.safetensors weights; export or convert the model to safetensors")
 
 
 def export_hf(

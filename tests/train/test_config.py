@@ -97,19 +97,22 @@ def test_cli_reports_config_errors_without_traceback(tmp_path):
     assert result.exit_code == 2 and "parallel.data x parallel.context" in result.output
 
 
-def test_cli_tokenize_writes_the_token_stream(tmp_path, monkeypatch):
+def test_cli_tokenize_fills_the_cache_and_writes_the_token_stream(tmp_path):
     import numpy as np
 
-    monkeypatch.chdir(ROOT)  # the config's paths are relative to the repository root
-    from mtraining.train.data import TextTokenizer, token_stream
+    from mtraining.train.data import load_sources
 
     out = tmp_path / "tokens.npy"
-    result = CliRunner().invoke(app, ["tokenize", str(ROOT / "configs" / "tiny_cpu.yaml"), str(out)])
+    args = ["tokenize", str(ROOT / "configs" / "tiny_cpu.yaml"), str(out), "--set", f"data.cache_dir={tmp_path}"]
+    result = CliRunner().invoke(app, args)  # from any folder: the config's paths are relative to it
     assert result.exit_code == 0, result.output
-    expected = token_stream([str(ROOT / "data" / "tiny_corpus.jsonl")], TextTokenizer(ROOT / "data" / "tokenizer.json"))
+    assert "tokenising" in result.output and "141,281 tokens" in result.output
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [f"data.cache_dir={tmp_path}"])
+    expected = load_sources(cfg, tokenize=False)[0].stream.read(0, 141281)  # from the cache, not tokenised again
     saved = np.load(out)
     assert saved.dtype == np.uint16 and np.array_equal(saved, expected)
-    assert np.array_equal(token_stream([str(out)], None), expected)
+    again = CliRunner().invoke(app, args[:2] + args[3:])  # cached: nothing tokenised
+    assert again.exit_code == 0 and "tokenising" not in again.output
 
 
 def test_budgets_file_gives_per_layer_per_head_budgets(tmp_path):

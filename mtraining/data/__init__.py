@@ -1,0 +1,7 @@
+"""Local data: finding and reading documents, tokenising them once into a cache, memory-mapped token streams."""
+
+from .documents import DataError, file_kind, find_files, read_documents
+from .tokenizer import TextTokenizer
+from .tokens import TokenStream, open_token_file
+
+__all__ = ["DataError", "TextTokenizer", "TokenStream", "file_kind", "find_files", "open_token_file", "read_documents"]
