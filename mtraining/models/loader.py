@@ -23,6 +23,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 # Constructor arguments that HF configs translate into rope_parameters (older config.json spellings).
 _ROPE_ALIASES = ("rope_theta", "rope_scaling", "partial_rotary_factor")
+# Fields from which Qwen2/Qwen3 configs derive layer_types (which layers use a sliding window).
+_WINDOW_FIELDS = {"use_sliding_window", "sliding_window", "max_window_layers"}
 # RoPE types whose frequencies depend on the pre-training length (kept explicit when the length grows).
 _SCALED_ROPE = ("yarn", "longrope", "llama3")
 
@@ -36,26 +38,28 @@ def build_config(
 ):
     """The HF config from a local directory or a dict with ``model_type``, with ``overrides`` (HF config
     fields, given to the config's constructor so derived fields follow) and RoPE changes applied."""
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import CONFIG_MAPPING, PretrainedConfig
 
     if (path is None) == (config is None):
         raise ValueError("pass exactly one of path (a local HF directory) or config (a dict with model_type)")
-    overrides = dict(overrides or {})
     if path is not None:
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a Hugging Face model directory: it has no config.json")
-        model_type = PretrainedConfig.get_config_dict(path, local_files_only=True)[0].get("model_type")
-        _check_overrides(model_type, overrides)
-        hf_config = AutoConfig.from_pretrained(path, local_files_only=True, **overrides)
+        fields = PretrainedConfig.get_config_dict(path, local_files_only=True)[0]
     else:
         fields = dict(config)
-        model_type = fields.pop("model_type")
-        _check_overrides(model_type, overrides)
-        hf_config = AutoConfig.for_model(model_type, **{**fields, **overrides})
-    if hf_config.model_type not in SUPPORTED_TYPES:
-        raise ValueError(f"model_type {hf_config.model_type!r} is not supported; use one of {SUPPORTED_TYPES}")
+    model_type = fields.get("model_type")
+    if model_type not in SUPPORTED_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported; use one of {SUPPORTED_TYPES}")
+    overrides = dict(overrides or {})
+    _check_overrides(model_type, overrides)
+    if set(overrides) & _WINDOW_FIELDS and "layer_types" not in overrides:
+        fields.pop("layer_types", None)  # derived again from the overridden window settings
+    rope_changes = _rope_changes(overrides)
+    hf_config = CONFIG_MAPPING[model_type].from_dict({**fields, **overrides})
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope.update(rope_changes)
     rope.update(rope_parameters or {})
     if rope_theta is not None:
         rope["rope_theta"] = float(rope_theta)
@@ -64,11 +68,26 @@ def build_config(
     return hf_config
 
 
+def _rope_changes(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Take the RoPE fields out of ``overrides`` as rope_parameters entries (config.json values would win
+    over constructor arguments)."""
+    changes: dict[str, Any] = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        scaling = dict(overrides.pop(key, None) or {})
+        if "type" in scaling:  # the older spelling of rope_type
+            scaling["rope_type"] = scaling.pop("type")
+        changes.update(scaling)
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in overrides:
+            changes[key] = overrides.pop(key)
+    return changes
+
+
 def _check_overrides(model_type: str | None, overrides: dict[str, Any]) -> None:
     """ValueError naming the known fields when an override is not a field of this model type's config."""
     from transformers import AutoConfig
 
-    if not overrides or model_type not in SUPPORTED_TYPES:
+    if not overrides:
         return
     known = set(AutoConfig.for_model(model_type).to_dict()) | set(_ROPE_ALIASES)
     unknown = sorted(set(overrides) - known)
