@@ -27,6 +27,46 @@ def test_shipped_configs_are_valid(path):
     assert cfg.world_size >= 1
 
 
+def test_the_papers_recipe_is_the_papers():
+    """configs/qwen2.5-3b_32k_to_512k.yaml: 4 nodes x 8 GPUs, hierarchical striped ring, the reference's budgets,
+    AdamW (0.9, 0.95) without weight decay, lr 2e-5, clip 1, a 512K RoPE base, accumulation to the global batch."""
+    cfg = load_config(ROOT / "configs" / "qwen2.5-3b_32k_to_512k.yaml")
+    cfg.check_world_size(32)
+    assert (cfg.parallel.ring, cfg.attention.layout, cfg.inner_size(8), cfg.data.seq_len) == (
+        "hierarchical",
+        "striped",
+        8,
+        524288,
+    )
+    att = cfg.attention
+    assert (att.v_size, att.s_size, att.sink_tokens, att.local_window, att.sparse) == (1000, 6096, 30, 100, True)
+    o = cfg.optim
+    assert (o.lr, o.betas, o.weight_decay, o.grad_clip) == (2e-5, (0.9, 0.95), 0.0, 1.0)
+    assert cfg.model.rope_theta == 1.28e8 and cfg.micro_batches == 16 and cfg.tokens_per_step == 8 << 20
+    assert not cfg.log.recall and [s.weight for s in cfg.data.source_specs] == [0.6, 0.4]
+
+
+def test_relative_paths_are_relative_to_the_config_file(tmp_path):
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    raw = {
+        **BASE,
+        "data": {
+            **BASE["data"],
+            "sources": ["corpus/*.jsonl", {"path": "../short", "weight": 1.0}],
+            "tokenizer": "/abs/tok.json",
+        },
+        "checkpoint": {"dir": "ck"},
+        "log": {"dir": "~/logs"},
+    }
+    raw["data"]["sources"][0] = {"path": "corpus/*.jsonl", "weight": 2.0}
+    (folder / "c.yaml").write_text(yaml.safe_dump(raw))
+    cfg = load_config(folder / "c.yaml", ["checkpoint.export_dir=out"])  # command-line paths stay as given
+    assert [s.path for s in cfg.data.source_specs] == [str(folder / "corpus/*.jsonl"), str(tmp_path / "short")]
+    assert cfg.data.tokenizer == "/abs/tok.json" and cfg.checkpoint.dir == str(folder / "ck")
+    assert cfg.log.dir == str(Path.home() / "logs") and cfg.checkpoint.export_dir == "out"
+
+
 def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
     cfg = parse_config(
         BASE, ["train.steps=3", "attention.dense_layers=[0, 1]", "model.config.hidden_size=64", "checkpoint.dir=null"]
@@ -50,6 +90,13 @@ def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
         (["checkpoint.every=5"], "set checkpoint.dir"),
         (["attention.threshold=1.5"], "attention.threshold"),
         (["attention.dense_layers=[-1]"], "layer indices >= 0"),
+        (["data.sources=[{path: a, weight: 1}, b]"], "give every source a weight or none"),
+        (["data.sources=[{path: a, weight: -1}]"], "data.sources.0.SourceSpec.weight"),
+        (["data.global_batch_tokens=1000"], "must be a multiple of the tokens of one micro-batch"),
+        (["parallel.inner_size=2"], "set both"),
+        (["parallel.ring=hierarchical", "parallel.inner_size=3"], "use one of [1, 2, 4]"),
+        (["model.rope_theta=1e6", "model.overrides={rope_theta: 2e6}"], "keep one"),
+        (["log.wandb={entity: me}"], "log.wandb.project"),
         (["train.steps=0"], "train.steps"),
         (["attention.v_size=2048"], "attention.v_size (2048) exceeds data.seq_len (1024)"),
         (["attention.local_window=512", "attention.s_size=256"], "attention: local_window (512) exceeds"),
