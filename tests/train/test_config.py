@@ -49,17 +49,13 @@ def test_the_papers_recipe_is_the_papers():
 def test_relative_paths_are_relative_to_the_config_file(tmp_path):
     folder = tmp_path / "exp"
     folder.mkdir()
+    sources = [{"path": "corpus/*.jsonl", "weight": 2.0}, {"path": "../short", "weight": 1.0}]
     raw = {
         **BASE,
-        "data": {
-            **BASE["data"],
-            "sources": ["corpus/*.jsonl", {"path": "../short", "weight": 1.0}],
-            "tokenizer": "/abs/tok.json",
-        },
+        "data": {**BASE["data"], "sources": sources, "tokenizer": "/abs/tok.json"},
         "checkpoint": {"dir": "ck"},
         "log": {"dir": "~/logs"},
     }
-    raw["data"]["sources"][0] = {"path": "corpus/*.jsonl", "weight": 2.0}
     (folder / "c.yaml").write_text(yaml.safe_dump(raw))
     cfg = load_config(folder / "c.yaml", ["checkpoint.export_dir=out"])  # command-line paths stay as given
     assert [s.path for s in cfg.data.source_specs] == [str(folder / "corpus/*.jsonl"), str(tmp_path / "short")]
