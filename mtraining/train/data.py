@@ -17,6 +17,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from ..data.cache import TokenCache
 from ..data.documents import DataError, file_kind, find_files
 from ..data.tokenizer import TextTokenizer
@@ -94,7 +96,8 @@ def open_sources(cfg: Config, log: Callable[[str], None] = print) -> list[Source
     """Every rank's sources: local rank 0 of each node fills the token cache while the others wait, then
     every rank memory-maps it. Collective over the default group when one is up (all ranks call it);
     an error on any rank is raised on all (agree.SharedError)."""
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if int(os.environ.get("LOCAL_RANK", rank)) == 0:  # without torchrun (one host): rank 0
         agree(lambda: load_sources(cfg, tokenize=True, log=log))
     else:
         agree(lambda: None)
