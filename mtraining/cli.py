@@ -40,8 +40,8 @@ def train(
     nproc: int = typer.Option(
         1,
         "--nproc",
-        help="Start this many ranks on this machine with torchrun (CPU: gloo, GPU: NCCL; one per GPU). With "
-        "--nnodes: the ranks per node. Without torchrun-style options the job is single-node.",
+        help="Start this many ranks on this machine with torchrun (CPU: gloo, GPU: NCCL; one per GPU). Alone it is "
+        "a single-node job; with --nnodes/--node-rank/--rdzv-endpoint it is the ranks of this node.",
     ),
     nnodes: int = typer.Option(
         1, "--nnodes", help="Nodes of a multi-node job: run this same command on every node with its --node-rank."
@@ -66,7 +66,8 @@ def train(
     overrides = overrides or []
     try:
         cfg = load_config(config, overrides)
-        if (nproc > 1 or nnodes > 1) and "RANK" not in os.environ:
+        launch = nproc > 1 or nnodes > 1 or node_rank is not None or rdzv_endpoint is not None
+        if launch and "RANK" not in os.environ:
             cmd = torchrun_command(nproc, nnodes, node_rank, rdzv_endpoint)
             for warning in preflight(cfg, nproc * nnodes, nproc):
                 typer.secho(warning, fg=typer.colors.YELLOW, err=True)

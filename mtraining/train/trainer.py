@@ -100,7 +100,7 @@ class Trainer:
         self.sources = open_sources(cfg, log=self._say)
         self.data = agree(self._packed_samples)
         torch.manual_seed(cfg.train.seed)
-        hf = agree(lambda: self._build_model())
+        hf = agree(self._build_model)
         if cfg.train.fused_kernels == "liger":
             if par.device.type != "cuda":
                 raise ValueError("train.fused_kernels=liger runs on CUDA only: set train.fused_kernels=none on the CPU")

@@ -96,3 +96,26 @@ def test_two_nodes_on_one_host_train_the_hierarchical_ring_like_the_flat_ring(tm
     torch.testing.assert_close(
         torch.tensor([r["loss"] for r in hierarchical]), torch.tensor([r["loss"] for r in reference]), rtol=2e-5, atol=0
     )
+
+
+def test_torchrun_command_for_one_node_and_several():
+    import pytest
+
+    from mtraining.train.launch import torchrun_command
+
+    assert torchrun_command(4)[-2:] == ["--nproc-per-node=4", "--standalone"]
+    assert torchrun_command(8, 4, 3, "node-0:29500")[-4:] == [
+        "--nproc-per-node=8",
+        "--nnodes=4",
+        "--node-rank=3",
+        "--rdzv-endpoint=node-0:29500",
+    ]
+    for args, expected in (
+        ((8, 4, None, "node-0:29500"), "needs, on every node, --node-rank"),
+        ((8, 4, 4, "node-0:29500"), "needs, on every node, --node-rank"),
+        ((8, 4, 0, None), "--rdzv-endpoint HOST:PORT"),
+        ((8, 4, 0, "node-0"), "must look like HOST:PORT"),
+        ((8, 1, 1, None), "add --nnodes N"),
+    ):
+        with pytest.raises(ValueError, match=expected):
+            torchrun_command(*args)
