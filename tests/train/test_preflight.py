@@ -138,3 +138,17 @@ def test_the_launcher_reports_a_mistake_once_before_starting_ranks(tmp_path, mon
     result = CliRunner().invoke(app, ["train", str(config), "--nproc", "2", "parallel.context=2"])
     assert result.exit_code == 2, result.output
     assert result.output.count("error:") == 1 and expected in result.output and "Traceback" not in result.output
+
+
+def test_a_malformed_data_file_is_one_message_naming_file_and_line(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from mtraining.cli import app
+
+    monkeypatch.setattr("subprocess.call", lambda *a, **k: pytest.fail("torchrun was started"))
+    (tmp_path / "docs.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "cut\n')
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump({**RAW, "data": {**RAW["data"], "sources": ["docs.jsonl"]}}))
+    result = CliRunner().invoke(app, ["train", str(config), "--nproc", "2", "parallel.context=2"])
+    assert result.exit_code == 2 and result.output.count("error:") == 1 and "Traceback" not in result.output
+    assert f"{tmp_path / 'docs.jsonl'}:2: not valid JSON" in result.output
