@@ -183,7 +183,7 @@ def test_bad_files_name_the_line_and_the_fix(tmp_path):
         datafiles.infinitebench_samples([bad])
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "passkey.jsonl").write_text("{not json\n")
-    with pytest.raises(ValueError, match="passkey.jsonl:1 is not valid JSON"):
+    with pytest.raises(ValueError, match="passkey.jsonl:1: not valid JSON"):
         datafiles.infinitebench_samples([tmp_path / "broken"])
     with pytest.raises(ValueError, match="does not exist"):
         datafiles.ruler_samples([tmp_path / "missing"])
