@@ -100,11 +100,12 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 def _training_checkpoint(path: Path, config: str | Path) -> tuple[nn.Module, str | None]:
     """(model with the checkpoint's weights, tokenizer path from the config) of a training checkpoint."""
     from ..train.config import load_config
+    from ..train.data import tokenizer_path
     from ..train.export import load_trained_model
 
     cfg = load_config(config)
     model, _ = load_trained_model(cfg, path, report=lambda line: print(line, file=sys.stderr))  # verified first
-    return model, cfg.data.tokenizer or cfg.model.path
+    return model, tokenizer_path(cfg)
 
 
 def load(

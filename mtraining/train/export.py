@@ -13,6 +13,7 @@ from ..models import build_model, export_hf
 from ..models.loader import trained_config
 from .checkpoint import load_checkpoint, pick_checkpoint, write_error
 from .config import Config
+from .data import tokenizer_path
 from .loss import CausalLMLoss
 from .resume import check_model, model_identity
 
@@ -26,7 +27,7 @@ def export_model(cfg: Config, weights: dict[str, torch.Tensor], hf_config, out_d
     name = cfg.model.dtype if cfg.checkpoint.export_dtype == "auto" else cfg.checkpoint.export_dtype
     config = trained_config(hf_config, cfg.data.seq_len)
     try:
-        return export_hf(weights, config, out_dir, tokenizer=cfg.data.tokenizer or cfg.model.path, dtype=DTYPES[name])
+        return export_hf(weights, config, out_dir, tokenizer=tokenizer_path(cfg), dtype=DTYPES[name])
     except Exception as err:  # write_error hands back what is not a full disk or a permission problem
         raise write_error(err, Path(out_dir), "exporting to") from None
 

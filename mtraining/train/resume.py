@@ -29,6 +29,7 @@ from torch import nn
 
 from .checkpoint import checkpoints, file_digest, load_checkpoint, newest_verified
 from .config import Config
+from .data import tokenizer_path
 from .optim import lr_at, set_hyperparameters
 
 # HF config fields that say nothing about the weights or the computation
@@ -82,7 +83,7 @@ def describe_run(cfg: Config, model: dict[str, Any], data_parallel: int, context
     """What a checkpoint of this run belongs to (JSON values, as the manifest stores them)."""
     run = {
         "model": model,
-        "tokenizer": tokenizer_digest(cfg.data.tokenizer or cfg.model.path),
+        "tokenizer": tokenizer_digest(tokenizer_path(cfg)),
         "world": {"parallel.data": data_parallel, "parallel.context": context_parallel},
         "schedule": _flat(cfg, "optim", _SCHEDULE_KEYS),
         "data": {k: v for k, v in _flat(cfg, "data", _DATA_KEYS).items() if k not in _SCHEDULE_KEYS + _NOT_DATA},
@@ -144,7 +145,7 @@ def check_resume(saved: dict, current: dict, step: int, cfg: Config, where: str)
             if not ck.allow_changed_model:
                 raise ValueError(
                     f"{where} was trained with another tokenizer (its files differ from "
-                    f"{cfg.data.tokenizer or cfg.model.path}); use that tokenizer, or set "
+                    f"{tokenizer_path(cfg)}); use that tokenizer, or set "
                     "checkpoint.allow_changed_model=true to continue with this one"
                 )
             notes.append("continuing with a changed tokenizer")

@@ -15,20 +15,11 @@ from mtraining.models import build_config
 from mtraining.train.config import parse_config
 from mtraining.train.launch import run_local
 from mtraining.train.preflight import check_model, rope_warning
+from tests.train.test_trainer import RAW as TRAINER_RAW
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data"
-TINY = {
-    "model_type": "qwen2",
-    "vocab_size": 512,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": True,
-}
+TINY = {**TRAINER_RAW["model"]["config"], "max_position_embeddings": 64}  # trained here at 128
 RAW = {
     "model": {"config": TINY, "dtype": "float32"},
     "attention": {"sparse": False, "block_size": 16, "backend": "torch"},
