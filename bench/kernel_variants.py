@@ -29,9 +29,9 @@ from sparse_attention import sparse_times, sweep_pattern, training_step_ms  # no
 from tune_kernels import kernel_ms  # noqa: E402
 
 from mtraining.ops import VerticalSlashPattern  # noqa: E402
-from mtraining.ops import triton_backend as tb  # noqa: E402
 from mtraining.ops.attention import sparse_attention  # noqa: E402
 from mtraining.ops.estimate import PatternConfig, estimate_pattern  # noqa: E402
+from mtraining.ops.sparse import launch as tb  # noqa: E402
 from mtraining.ops.synthetic import rope_structured_qkv  # noqa: E402
 
 

@@ -20,10 +20,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_ms, command_line, commit, device_name, write_results  # noqa: E402
 
-from mtraining.ops import triton_backend as tb  # noqa: E402
 from mtraining.ops.attention import sparse_attention  # noqa: E402
 from mtraining.ops.estimate import PatternConfig, estimate_pattern  # noqa: E402
-from mtraining.ops.kernel_index import build_key_walk, build_query_walk, chunk_pair  # noqa: E402
+from mtraining.ops.sparse import launch as tb  # noqa: E402
+from mtraining.ops.sparse.index import build_key_walk, build_query_walk, chunk_pair  # noqa: E402
 from mtraining.ops.synthetic import rope_structured_qkv  # noqa: E402
 
 

@@ -14,8 +14,8 @@ from torch import Tensor
 
 from . import dense_blocks, torch_backend
 from .checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv, check_reuse, default_positions
-from .kernel_index import DENSE_BLOCK, check_aligned_positions
 from .pattern import VerticalSlashPattern
+from .sparse.index import DENSE_BLOCK, check_aligned_positions
 
 Backend = Literal["auto", "triton", "torch"]
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -33,7 +33,7 @@ def resolve_backend(backend: Backend, device: torch.device) -> Literal["triton",
 
 def _backend_module(name: str):
     if name == "triton":
-        from . import triton_backend
+        from .sparse import launch as triton_backend
 
         return triton_backend
     return torch_backend
@@ -115,7 +115,7 @@ def attention_backward(
 def row_delta(do: Tensor, out: Tensor) -> Tensor:
     """delta [B, H, S] = rowsum(dO * O) in float32 (float64 for float64): the softmax-backward correction term."""
     if out.is_cuda and out.dtype != torch.float64 and out.shape[-1] in SUPPORTED_HEAD_DIMS:
-        from .triton_backend import row_delta as one_pass
+        from .sparse.launch import row_delta as one_pass
 
         return one_pass(do, out)
     acc = torch.float64 if out.dtype == torch.float64 else torch.float32

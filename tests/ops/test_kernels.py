@@ -177,7 +177,7 @@ def test_pattern_for_other_heads_rejected():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_dq_backward_matches_oracle(monkeypatch, dtype):
     """The backward variant that adds dQ atomically inside the dK/dV kernels."""
-    from mtraining.ops import triton_backend as tb
+    from mtraining.ops.sparse import launch as tb
 
     def fused_config(block_size, head_dim, device, dtype):
         t = min(block_size, 32)
@@ -198,7 +198,7 @@ def test_fused_dq_backward_matches_oracle(monkeypatch, dtype):
 def test_tiles_smaller_than_the_block(monkeypatch, dtype):
     """Kernel tiles of 16 and 32 inside G = 64 blocks (each tile walks its block's list in steps),
     different per kernel, with a partial last block and a striped ring step."""
-    from mtraining.ops import triton_backend as tb
+    from mtraining.ops.sparse import launch as tb
 
     def small_tiles(block_size, head_dim, device, dtype):
         return tb.TileConfig(
@@ -234,7 +234,7 @@ def test_strided_inputs_and_expanded_gradient():
 
 def test_row_delta_kernel_matches_torch():
     """The one-pass Triton delta (used on CUDA) against the float64 rowsum, with strided inputs."""
-    from mtraining.ops.triton_backend import row_delta as one_pass
+    from mtraining.ops.sparse.launch import row_delta as one_pass
 
     gen = torch.Generator().manual_seed(12)
     do = torch.randn(2, 37, 3, 16, generator=gen)

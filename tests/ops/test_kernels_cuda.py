@@ -37,7 +37,7 @@ def dq_mode(request, monkeypatch):
     """Run the test with each way of making dQ (its own kernel, or added by the dK/dV kernels)."""
     from dataclasses import replace
 
-    from mtraining.ops import triton_backend as tb
+    from mtraining.ops.sparse import launch as tb
 
     default = tb.tile_config
 

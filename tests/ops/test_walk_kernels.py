@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from mtraining.ops import VerticalSlashPattern
-from mtraining.ops import kernel_index as ki
-from mtraining.ops import walk_kernels as wk
+from mtraining.ops.sparse import index as ki
+from mtraining.ops.sparse import index_kernels as wk
 from mtraining.parallel.layout import ContiguousLayout, StripedLayout, ZigzagLayout
 
 V_CHUNKS = (1, 3, 16)  # vertical chunk sizes of the key walk (the dK/dV kernels' block_v)

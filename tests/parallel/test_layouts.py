@@ -7,7 +7,7 @@ import torch
 
 from mtraining.ops import VerticalSlashPattern
 from mtraining.ops.estimate import PatternConfig, estimate_pattern
-from mtraining.ops.kernel_index import check_aligned_positions
+from mtraining.ops.sparse.index import check_aligned_positions
 from mtraining.ops.synthetic import rope_structured_qkv
 from mtraining.parallel import ContiguousLayout, StripedLayout, ZigzagLayout, make_layout
 from mtraining.parallel.imbalance import imbalance_report
