@@ -24,11 +24,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
 from common import command_line, commit, device_name, write_results  # noqa: E402
 
-from mtraining.ops import dense_blocks  # noqa: E402
-from mtraining.ops.estimate import PatternConfig  # noqa: E402
-from mtraining.ops.synthetic import random_qkv, rope_structured_qkv  # noqa: E402
+from bench.synthetic import random_qkv, rope_structured_qkv  # noqa: E402
+from mtraining.ops.dense import blocks as dense_blocks  # noqa: E402
+from mtraining.ops.pattern.estimate import PatternConfig  # noqa: E402
 from mtraining.parallel.estimate import estimate_pattern_cp  # noqa: E402
 from mtraining.parallel.layout import make_layout  # noqa: E402
 from mtraining.parallel.ring import ring_attention  # noqa: E402
@@ -119,8 +120,8 @@ def dense_note(q, k, layout, setting: str) -> str:
 
 def pattern_stats(q, k, layout, config) -> tuple[float, float]:
     """(density, max/mean over ranks of computed pairs) of the pattern estimated on the full inputs."""
-    from mtraining.ops.estimate import estimate_pattern
-    from mtraining.parallel.imbalance import imbalance_report
+    from bench.imbalance import imbalance_report
+    from mtraining.ops.pattern.estimate import estimate_pattern
 
     pattern = estimate_pattern(q, k, config)
     return float(pattern.density().mean()), float(imbalance_report(pattern, layout).rank_imbalance)

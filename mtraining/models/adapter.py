@@ -18,9 +18,9 @@ from typing import Literal
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..ops.attention import sparse_attention
-from ..ops.estimate import PatternConfig, estimate_pattern
 from ..ops.pattern import VerticalSlashPattern
+from ..ops.pattern.estimate import PatternConfig, estimate_pattern
+from ..ops.sparse.attention import sparse_attention
 from ..parallel.estimate import estimate_pattern_cp
 from ..parallel.layout import Layout
 from ..parallel.ring import ring_attention

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops.estimate import PatternConfig, PositionPlan, last_query_partial_lse, line_scores, select_lines
 from ..ops.pattern import VerticalSlashPattern
+from ..ops.pattern.estimate import PatternConfig, PositionPlan, last_query_partial_lse, line_scores, select_lines
 from .layout import Layout
 
 

@@ -207,7 +207,7 @@ class Config(_Section):
         return self
 
     def _check_pattern(self) -> None:
-        from ..ops.estimate import PatternConfig
+        from ..ops.pattern.estimate import PatternConfig
 
         att, seq = self.attention, self.data.seq_len
         budgets = {"v_size": att.v_size, "s_size": att.s_size, "last_q": att.last_q}

@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mtraining.ops import attention_oracle, dense_blocks
-from mtraining.ops.attention import sparse_attention
-from mtraining.ops.dense_blocks import MAX_BLOCKS, REFERENCE, decompose
+from mtraining.ops import attention_oracle
+from mtraining.ops.dense import blocks as dense_blocks
+from mtraining.ops.dense.blocks import MAX_BLOCKS, REFERENCE, decompose
+from mtraining.ops.sparse.attention import sparse_attention
 from mtraining.parallel import make_layout, ring_attention
-from mtraining.parallel.hierarchical import hierarchical_ring_attention
+from mtraining.parallel.ring.hierarchical import hierarchical_ring_attention
 from tests.parallel.test_ring import LAYOUTS, SEQ, G, assert_close, make_inputs, reference
 
 

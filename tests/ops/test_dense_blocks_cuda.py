@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mtraining.ops import dense_blocks
-from mtraining.ops.attention import attention_backward, attention_forward, row_delta, sparse_attention
-from mtraining.ops.dense_blocks import CUDNN, REFERENCE, decompose
+from mtraining.ops.dense import blocks as dense_blocks
+from mtraining.ops.dense.blocks import CUDNN, REFERENCE, decompose
+from mtraining.ops.sparse.attention import attention_backward, attention_forward, row_delta, sparse_attention
 from mtraining.parallel import make_layout, ring_attention
 from tests.numerics import rel_err
 

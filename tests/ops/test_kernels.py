@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mtraining.ops import VerticalSlashPattern, attention_oracle
-from mtraining.ops.attention import attention_backward, attention_forward, row_delta, sparse_attention
+from mtraining.ops.sparse.attention import attention_backward, attention_forward, row_delta, sparse_attention
 from tests.numerics import rel_err
 
 CPU_TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
@@ -265,7 +265,7 @@ def test_keys_at_unaligned_addresses():
 @pytest.mark.parametrize("pattern_kind", ["local_plus_verticals", "none"])
 def test_reuse_skips_the_forward_and_gives_the_same_gradients(monkeypatch, pattern_kind):
     """sparse_attention(reuse=(out, lse)) runs no forward kernel and backpropagates exactly as the call it reuses."""
-    import mtraining.ops.attention as attention
+    import mtraining.ops.sparse.attention as attention
 
     gen = torch.Generator().manual_seed(14)
     q, k, v = random_qkv(1, 48, 48, 4, 2, 16, torch.float32, gen)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mtraining.ops import VerticalSlashPattern
-from mtraining.ops.attention import attention_backward, attention_forward, row_delta, sparse_attention
+from mtraining.ops.sparse.attention import attention_backward, attention_forward, row_delta, sparse_attention
 from tests.numerics import rel_err
 
 pytestmark = [

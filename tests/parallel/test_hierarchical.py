@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from mtraining.parallel import emulation, make_layout, ring_attention
-from mtraining.parallel.hierarchical import hierarchical_ring_attention
+from mtraining.parallel.ring.hierarchical import hierarchical_ring_attention
 from mtraining.parallel.topology import ring_groups
 from tests.parallel.test_ring import CONFIGS, SEQ, TOL, G, assert_close, make_inputs, make_pattern, reference
 
@@ -145,7 +145,7 @@ def test_inner_size_from_torchrun_env(pool):
 # ----------------------------------------------------------------------------- emulation
 def emulated_case(group, latency):
     """Worker: time of one outer-ring exchange with and without emulation (and the defaults)."""
-    from mtraining.parallel.ring import _ring_comm
+    from mtraining.parallel.ring.attention import _ring_comm
 
     groups = ring_groups(group, 2)
     comm = _ring_comm(groups.outer, torch.device("cpu"))

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.imbalance import imbalance_report
+from bench.synthetic import rope_structured_qkv
 from mtraining.ops import VerticalSlashPattern
-from mtraining.ops.estimate import PatternConfig, estimate_pattern
+from mtraining.ops.pattern.estimate import PatternConfig, estimate_pattern
 from mtraining.ops.sparse.index import check_aligned_positions
-from mtraining.ops.synthetic import rope_structured_qkv
 from mtraining.parallel import ContiguousLayout, StripedLayout, ZigzagLayout, make_layout
-from mtraining.parallel.imbalance import imbalance_report
 
 NAMES = ["contiguous", "zigzag", "striped"]
 SHAPES = [(64, 2, 8), (96, 3, 16), (256, 4, 16), (128, 1, 32), (512, 8, 32)]

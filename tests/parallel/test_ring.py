@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bench.synthetic import rope_structured_qkv
 from mtraining.ops import VerticalSlashPattern, attention_oracle
-from mtraining.ops.estimate import PatternConfig, estimate_pattern
-from mtraining.ops.synthetic import rope_structured_qkv
+from mtraining.ops.pattern.estimate import PatternConfig, estimate_pattern
 from mtraining.parallel import make_layout, ring_attention
 from mtraining.parallel.estimate import estimate_pattern_cp
 from tests.numerics import rel_err
@@ -251,9 +251,9 @@ def test_ring_errors_name_the_fix(pool, case, message):
 # ----------------------------------------------------------------------------- NCCL on GPUs
 def _nccl_worker(rank: int, world: int, store_path: str) -> None:
     """bf16 rings (flat, hierarchical) with the Triton kernels on NCCL vs the float32 torch backend."""
-    from mtraining.ops.attention import attention_backward, attention_forward, row_delta
+    from mtraining.ops.sparse.attention import attention_backward, attention_forward, row_delta
     from mtraining.parallel.emulation import LinkModel
-    from mtraining.parallel.hierarchical import hierarchical_ring_attention
+    from mtraining.parallel.ring.hierarchical import hierarchical_ring_attention
 
     torch.cuda.set_device(rank)
     store = dist.FileStore(store_path, world)

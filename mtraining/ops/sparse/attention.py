@@ -12,10 +12,11 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from . import dense_blocks, torch_backend
-from .checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv, check_reuse, default_positions
-from .pattern import VerticalSlashPattern
-from .sparse.index import DENSE_BLOCK, check_aligned_positions
+from .. import reference as torch_backend
+from ..checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv, check_reuse, default_positions
+from ..dense import blocks as dense_blocks
+from ..pattern import VerticalSlashPattern
+from .index import DENSE_BLOCK, check_aligned_positions
 
 Backend = Literal["auto", "triton", "torch"]
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -33,7 +34,7 @@ def resolve_backend(backend: Backend, device: torch.device) -> Literal["triton",
 
 def _backend_module(name: str):
     if name == "triton":
-        from .sparse import launch as triton_backend
+        from . import launch as triton_backend
 
         return triton_backend
     return torch_backend
@@ -115,7 +116,7 @@ def attention_backward(
 def row_delta(do: Tensor, out: Tensor) -> Tensor:
     """delta [B, H, S] = rowsum(dO * O) in float32 (float64 for float64): the softmax-backward correction term."""
     if out.is_cuda and out.dtype != torch.float64 and out.shape[-1] in SUPPORTED_HEAD_DIMS:
-        from .sparse.launch import row_delta as one_pass
+        from .launch import row_delta as one_pass
 
         return one_pass(do, out)
     acc = torch.float64 if out.dtype == torch.float64 else torch.float32

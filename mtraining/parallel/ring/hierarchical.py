@@ -33,13 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops.attention import row_delta
-from ..ops.estimate import PatternConfig
-from ..ops.pattern import VerticalSlashPattern
-from . import emulation
-from .comm import RingComm
-from .layout import Layout
-from .ring import (
+from ...ops.pattern import PatternConfig, VerticalSlashPattern
+from ...ops.sparse.attention import row_delta
+from .. import emulation
+from ..layout import Layout
+from ..topology import Topology, ring_groups
+from .attention import (
     DenseSteps,
     RingEngine,
     _positions,
@@ -50,7 +49,7 @@ from .ring import (
     _step_backward,
     _step_forward,
 )
-from .topology import Topology, ring_groups
+from .comm import RingComm
 
 
 @functools.lru_cache(maxsize=64)

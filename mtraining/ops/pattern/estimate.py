@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..checks import check_qkv, default_positions
+from ..numerics import acc_dtype, matmul_acc
 from .budgets import Budgets, load_budgets
-from .checks import check_qkv, default_positions
-from .matmul import acc_dtype, matmul_acc
-from .pattern import VerticalSlashPattern, line_lists
+from .vertical_slash import VerticalSlashPattern, line_lists
 
 _CHUNK_ELEMENTS = 1 << 26
 _SORT_ELEMENTS = 1 << 22

@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import torch_backend
+from .. import reference as torch_backend
 
 MAX_BLOCKS = 4
 ENV_VAR = "MTRAINING_DENSE_BACKEND"

@@ -25,15 +25,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops import dense_blocks
-from ..ops.attention import KERNEL_DTYPES, Backend, attention_backward, attention_forward, resolve_backend, row_delta
-from ..ops.checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv, check_reuse
-from ..ops.estimate import PatternConfig
-from ..ops.pattern import VerticalSlashPattern
-from ..ops.torch_backend import merge_partial
+from ...ops.checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv, check_reuse
+from ...ops.dense import blocks as dense_blocks
+from ...ops.pattern import PatternConfig, VerticalSlashPattern
+from ...ops.reference import merge_partial
+from ...ops.sparse.attention import (
+    KERNEL_DTYPES,
+    Backend,
+    attention_backward,
+    attention_forward,
+    resolve_backend,
+    row_delta,
+)
+from ..estimate import estimate_pattern_cp
+from ..layout import Layout
 from .comm import RingComm
-from .estimate import estimate_pattern_cp
-from .layout import Layout
 
 
 @functools.lru_cache(maxsize=64)
