@@ -47,7 +47,7 @@ class AttentionContext:
     Attributes:
         group: context-parallel process group (None: single device).
         layout: how the global sequence is split over ``group`` (required when it has > 1 rank).
-        pattern_config: a ``PatternConfig`` (mtraining.ops.estimate) for dynamic sparse attention;
+        pattern_config: a ``PatternConfig`` (mtraining.ops.pattern) for dynamic sparse attention;
             None: dense everywhere.
         dense_layers: layers that always run dense.
         min_sparse_len: global sequence lengths below this run dense (sparse does not pay).

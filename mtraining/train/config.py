@@ -62,7 +62,7 @@ class AttentionSection(_Section):
     threshold: float | None = Field(None, gt=0, le=1)
     """Keep the fewest lines reaching this estimated attention mass instead of fixed budgets."""
     budgets: str | None = None
-    """Pattern file with per-layer/per-head budgets (mtraining.ops.budgets)."""
+    """Pattern file with per-layer/per-head budgets (mtraining.ops.pattern.budgets)."""
     dense_layers: list[int] = []
     """Layers that always run dense attention."""
     min_sparse_len: int = Field(0, ge=0)

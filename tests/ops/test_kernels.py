@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mtraining.ops import VerticalSlashPattern, attention_oracle
-from mtraining.ops.sparse.attention import attention_backward, attention_forward, row_delta, sparse_attention
+from mtraining.ops.sparse import attention_backward, attention_delta, attention_forward, sparse_attention
 from tests.factories import make_pattern, make_qkv, striped_positions
 from tests.numerics import assert_close, rel_err
 
@@ -73,7 +73,7 @@ def test_backward_primitive_with_external_lse():
     pos = torch.arange(n)
     out, lse = attention_forward(q.double(), k.double(), v.double(), pattern, pos, pos, 0.25, backend="torch")
     do = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    delta = row_delta(do, out)
+    delta = attention_delta(do, out)
     k_pos = pos[32:96]
     args = (q, k[:, 32:96], v[:, 32:96], lse.float(), delta.float(), pattern, pos, k_pos, 0.25)
     got = attention_backward(do.float(), *args, backend="triton")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mtraining.ops import VerticalSlashPattern
-from mtraining.ops.sparse.attention import attention_backward, attention_forward, row_delta, sparse_attention
+from mtraining.ops.sparse import attention_backward, attention_delta, attention_forward, sparse_attention
 from tests.factories import make_pattern
 from tests.numerics import rel_err
 
@@ -51,7 +51,7 @@ def test_bf16_matches_fp32_reference(seq, head_dim, dq_mode):
     scale = head_dim**-0.5
     out_ref, lse_ref = attention_forward(q, k, v, pattern, pos, pos, scale, backend="torch")
     do = torch.randn(out_ref.shape, generator=gen).cuda()
-    delta = row_delta(do, out_ref)
+    delta = attention_delta(do, out_ref)
     grads_ref = attention_backward(do, q, k, v, lse_ref, delta, pattern, pos, pos, scale, backend="torch")
 
     qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))

@@ -1,7 +1,7 @@
-"""The Triton index builders (ops/walk_kernels.py, the CUDA path) equal the torch builders exactly.
+"""The Triton index builders (ops/sparse/index_kernels.py, the CUDA path) equal the torch builders exactly.
 
 On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py); the
-torch builders of ops/kernel_index.py are the oracle: every tensor of the chunk pair and of both
+torch builders of ops/sparse/index.py are the oracle: every tensor of the chunk pair and of both
 walks must match in dtype, shape and every entry (padding included), on random patterns, partial
 last blocks, empty and dense patterns, verticals only, and the chunk pairs of ring steps.
 """
