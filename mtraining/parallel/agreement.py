@@ -24,13 +24,22 @@ _VERIFIED: weakref.WeakKeyDictionary[dist.ProcessGroup, set[tuple]] = weakref.We
 _MAX_VERDICTS = 4096  # per group; the set starts over when full
 
 
-def _digest(value: Hashable) -> int:
+def _digest(value: object) -> int:
     """A 64-bit digest of ``repr(value)``: the same on every process (unlike ``hash`` of a string)."""
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little", signed=True)
 
 
+def _hashable(value: object) -> Hashable:
+    """The value itself where it hashes (the cheap key of the hot path), else its repr."""
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
 def check_ranks_agree(
-    group: dist.ProcessGroup | None, device: torch.device, what: str, fields: dict[str, Hashable]
+    group: dist.ProcessGroup | None, device: torch.device, what: str, fields: dict[str, object]
 ) -> None:
     """Return if every rank of ``group`` passes equal ``fields`` (checked once per group and fields),
     else raise the same ValueError on every rank naming what differs. Collective on first use.
@@ -39,10 +48,11 @@ def check_ranks_agree(
         group: the process group (None: the default group).
         device: where the digests travel (the ring's device: CUDA under NCCL, CPU under gloo).
         what: the call, for the message (e.g. "ring_attention").
-        fields: name -> value (hashable, with a repr that identifies it) of everything the ranks must share.
+        fields: name -> value of everything the ranks must share; a value is compared by its repr, which
+            must identify it (a layout, a config, shapes, numbers, strings).
     """
     group = group if group is not None else dist.group.WORLD
-    key = tuple(fields.items())
+    key = tuple((name, _hashable(value)) for name, value in fields.items())
     verified = _VERIFIED.setdefault(group, set())
     if key in verified:
         return

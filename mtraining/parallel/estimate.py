@@ -74,8 +74,8 @@ def estimate_pattern_cp(
         "q shape": tuple(q.shape),
         "k shape": tuple(k.shape),
         "dtype": str(q.dtype),
-        "layout": repr(layout),
-        "pattern_config": repr(config),
+        "layout": layout,
+        "pattern_config": config,
         "layer_idx": layer_idx,
         "softmax_scale": softmax_scale,
     }

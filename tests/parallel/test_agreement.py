@@ -19,7 +19,7 @@ N, B, HQ, HKV, D = 128, 1, 4, 2, 16
 
 # (case, what rank 1 passes differently from rank 0, the message every rank must raise)
 DISAGREEMENTS = [
-    ("layout", dict(layout="contiguous"), r"layout: rank 0 'StripedLayout\(.*', rank 1 'ContiguousLayout\("),
+    ("layout", dict(layout="contiguous"), r"layout: rank 0 StripedLayout\(.*\), rank 1 ContiguousLayout\("),
     ("query heads", dict(hq=2 * HQ), r"q shape: rank 0 \(1, 64, 4, 16\), rank 1 \(1, 64, 8, 16\)"),
     ("key/value heads", dict(hkv=1), r"k shape: .*v shape: rank 0 \(1, 64, 2, 16\), rank 1 \(1, 64, 1, 16\)"),
     ("head dim", dict(d=32), r"q shape: .*rank 1 \(1, 64, 4, 32\)"),

@@ -35,19 +35,21 @@ class LayoutPlan:
         rank: this rank (group rank).
         positions: int32 global positions of every rank's shard, on the device.
         visible: per source rank, does this rank's queries see any of its keys (first key <= last query).
-        blocks: per source rank, the dense decomposition of the step (None: more than MAX_BLOCKS blocks).
     """
 
     layout: Layout
     rank: int
     positions: tuple[Tensor, ...]
     visible: tuple[bool, ...]
-    blocks: tuple[tuple[Block, ...] | None, ...]
+    _blocks: dict[int, tuple[Block, ...] | None] = field(default_factory=dict, repr=False)
     _dense_patterns: dict[tuple[int, int], VerticalSlashPattern] = field(default_factory=dict, repr=False)
 
     def step_blocks(self, src: int) -> tuple[Block, ...] | None:
-        """The dense decomposition of the step that visits ``src``'s keys."""
-        return self.blocks[src]
+        """The dense decomposition of the step that visits ``src``'s keys (None: more than MAX_BLOCKS
+        blocks), computed on first use from the layout's CPU positions."""
+        if src not in self._blocks:
+            self._blocks[src] = decompose(self.layout.positions(self.rank), self.layout.positions(src))
+        return self._blocks[src]
 
     def dense_pattern(self, batch: int, heads: int) -> VerticalSlashPattern:
         """Dense causal on the layout's G-grid, for the Triton kernels (kept: its kernel indices live across calls)."""
@@ -71,20 +73,14 @@ def layout_plan(layout: Layout, rank: int, device: torch.device) -> LayoutPlan:
         rank,
         tuple(p.to(device=device, dtype=torch.int32) for p in cpu),
         tuple(int(p[0]) <= last_query for p in cpu),
-        tuple(decompose(cpu[rank], p) for p in cpu),
     )
 
 
 @dataclass(frozen=True)
 class RingPlan:
-    """One ring call: this rank and, per source rank, how the step visiting its keys runs (None: skipped)."""
+    """One ring call of one rank: per source rank, how the step visiting its keys runs (None: skipped)."""
 
-    rank: int
     steps: tuple[ChunkPlan | None, ...]
-
-    @property
-    def world_size(self) -> int:
-        return len(self.steps)
 
     def attend(
         self,
@@ -137,4 +133,4 @@ def plan_ring(
         else None
         for src, (k_pos, visible) in enumerate(zip(lp.positions, lp.visible))
     )
-    return RingPlan(rank, steps)
+    return RingPlan(steps)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable
 
 import torch
 from torch import Tensor
@@ -27,7 +26,7 @@ def call_fields(
     ring: str,
     inner_size: int | None,
     reuse: bool,
-) -> dict[str, Hashable]:
+) -> dict[str, object]:
     """What every rank of a ring call must share (``agreement.check_ranks_agree``), from this rank's
     arguments. The pattern enters by its grid and shape, not its contents (read on the device)."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
@@ -37,11 +36,11 @@ def call_fields(
         "v shape": tuple(v.shape),
         "dtype": str(q.dtype),
         "device type": q.device.type,
-        "layout": repr(layout),
+        "layout": layout,
         "pattern (seq_len, block, batch, heads)": None
         if pattern is None
         else (pattern.seq_len, pattern.block_size, pattern.batch, pattern.heads),
-        "pattern_config": repr(pattern_config),
+        "pattern_config": pattern_config,
         "softmax_scale": softmax_scale,
         "backend": backend,
         "layer_idx": layer_idx,
