@@ -118,7 +118,7 @@ class VerticalSlashPattern:
     vertical_pos: Tensor
     num_verticals: Tensor
     index_cache: dict = field(default_factory=dict, compare=False, repr=False)
-    """Kernel indices derived from this pattern per chunk pair (ops/sparse/index.py); lives with the pattern."""
+    """Kernel indices derived from this pattern per chunk pair (kernel_index.py); lives with the pattern."""
 
     @property
     def num_blocks(self) -> int:
