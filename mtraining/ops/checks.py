@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
+    """The softmax scale: ``softmax_scale`` (a finite number > 0), or 1/sqrt(head_dim) when None."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    number = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
+    if not number or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(
+            f"softmax_scale must be a finite number > 0, got {softmax_scale!r}; pass None for 1/sqrt(head_dim)"
+        )
+    return float(softmax_scale)
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, float_dtypes: tuple[torch.dtype, ...] | None = None) -> None:

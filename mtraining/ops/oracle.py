@@ -6,12 +6,10 @@ Backward runs through autograd.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from .checks import check_pattern, check_qkv, default_positions, position_span
+from .checks import check_pattern, check_qkv, default_positions, position_span, resolve_scale
 from .numerics import acc_dtype, finite_keys, mask_scores
 from .pattern import VerticalSlashPattern
 
@@ -48,7 +46,7 @@ def attention_oracle(
         check_pattern(pattern, q, position_span(q_pos, k_pos) if given else (0, k.shape[1] - 1))
     b, sq, hq, d = q.shape
     group = hq // k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    scale = resolve_scale(softmax_scale, d)
     acc = acc_dtype(q)
     qh = q.transpose(1, 2).to(acc)
     kh, vh, bad = finite_keys(

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..ops.checks import resolve_scale
 from ..ops.pattern import VerticalSlashPattern
 from ..ops.pattern.estimate import PatternConfig, PositionPlan, last_query_partial_lse, line_scores, select_lines
 from .agreement import check_ranks_agree
@@ -88,7 +89,7 @@ def estimate_pattern_cp(
         raise ValueError(f"last_q ({config.last_q}) exceeds the sequence length {n}; lower last_q to at most {n}")
     config.head_budgets(layer_idx, q.shape[2], n)  # fail on budgets before any communication
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    scale = resolve_scale(softmax_scale, q.shape[-1])
     k_pos, last_pos, mine, local, every, plan = _rank_positions(layout, rank, config.last_q, q.device)
     # the globally last queries on every rank: each row is non-zero on its owner only, so the sum is exact
     q_last = torch.where(mine, q.index_select(1, local), 0.0)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checks import check_qkv, default_positions
+from ..checks import check_qkv, default_positions, resolve_scale
 from ..numerics import acc_dtype, matmul_acc
 from .budgets import Budgets, load_budgets
 from .vertical_slash import VerticalSlashPattern, line_lists
@@ -370,7 +370,7 @@ def estimate_pattern(
     if last_q > sq:
         raise ValueError(f"last_q ({last_q}) exceeds the {sq} query rows; lower last_q to at most {sq}")
     budgets = config._budget_lists(layer_idx, hq, seq_len)  # fail on budgets before any work
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    scale = resolve_scale(softmax_scale, d)
     given_k = k_pos is not None
     if q_pos is None and not given_k and sq <= seq_len:  # keys 0..S-1, queries the last Sq of them
         q_last = q[:, sq - last_q :]

@@ -10,7 +10,6 @@ blocks (no pattern, on cuDNN where it applies: ops/dense) or by the backend; the
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -19,7 +18,15 @@ import torch
 from torch import Tensor
 
 from .. import dense, reference
-from ..checks import SUPPORTED_HEAD_DIMS, check_pattern, check_qkv, check_reuse, default_positions, position_span
+from ..checks import (
+    SUPPORTED_HEAD_DIMS,
+    check_pattern,
+    check_qkv,
+    check_reuse,
+    default_positions,
+    position_span,
+    resolve_scale,
+)
 from ..numerics import merge_partial, row_delta
 from ..pattern import VerticalSlashPattern
 from .index import DENSE_BLOCK, check_aligned_positions
@@ -232,7 +239,7 @@ def _plan_call(
     if pattern is not None:
         # default positions span 0..Sk-1: known on the host, no device sync
         check_pattern(pattern, q, position_span(q_pos, k_pos) if q_given or k_given else (0, k.shape[1] - 1))
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = resolve_scale(softmax_scale, q.shape[-1])
     if q_given or k_given:
         blocks = functools.partial(dense.decompose, q_pos, k_pos)
     else:

@@ -9,13 +9,12 @@ outer ring across nodes (hierarchical.py, process groups from ``parallel/topolog
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import Tensor
 
-from ...ops.checks import check_reuse
+from ...ops.checks import check_reuse, resolve_scale
 from ...ops.pattern import PatternConfig, VerticalSlashPattern
 from ...ops.sparse.attention import Backend, resolve_backend
 from ..agreement import check_ranks_agree
@@ -114,7 +113,7 @@ def ring_attention(
     check_ring_inputs(q, k, v, dist.get_world_size(group), layout, pattern, pattern_config, name)
     check_reuse(reuse, q)
     schedule = _schedule(group, ring, inner_size, q, outer_comm)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = resolve_scale(softmax_scale, q.shape[-1])
     if pattern_config is not None:
         pattern = estimate_pattern_cp(q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale)
     plan = plan_ring(q, k, pattern, layout, dist.get_rank(group), scale, name)
