@@ -20,8 +20,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..models import AttentionContext, bind, build_model, export_hf
 from ..models.fused import use_liger_kernels
-from ..ops.budgets import load_budgets
-from ..ops.estimate import PatternConfig
+from ..ops.pattern.budgets import load_budgets
+from ..ops.pattern.estimate import PatternConfig
 from ..parallel.layout import make_layout
 from .checkpoint import full_model_state, save_checkpoint, write_error
 from .config import AttentionSection, Config
