@@ -30,14 +30,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
 from common import bench_ms, command_line, commit, device_name, write_results  # noqa: E402
 from sparse_attention import dense_times, sparse_times, training_step_ms  # noqa: E402
 
-from mtraining.ops import VerticalSlashPattern, attention_oracle  # noqa: E402
-from mtraining.ops.attention import sparse_attention  # noqa: E402
-from mtraining.ops.estimate import PatternConfig, estimate_pattern  # noqa: E402
+from bench.synthetic import random_qkv, rope_structured_qkv  # noqa: E402
+from mtraining.ops import (  # noqa: E402
+    PatternConfig,
+    VerticalSlashPattern,
+    attention_oracle,
+    estimate_pattern,
+    sparse_attention,  # noqa: E402
+)
 from mtraining.ops.pattern import compact  # noqa: E402
-from mtraining.ops.synthetic import random_qkv, rope_structured_qkv  # noqa: E402
 
 Attention = Callable[[Tensor, Tensor, Tensor], Tensor]
 """q [B, N, Hq, D], k/v [B, N, Hkv, D] -> out [B, N, Hq, D]."""

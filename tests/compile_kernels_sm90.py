@@ -8,8 +8,8 @@ from __future__ import annotations
 import triton
 from triton.backends.compiler import GPUTarget
 
-from mtraining.ops import triton_kernels as tk
-from mtraining.ops import walk_kernels as wk
+from mtraining.ops.sparse import index_kernels as wk
+from mtraining.ops.sparse import kernels as tk
 from mtraining.train import ce_kernel
 
 INT_POINTERS = {

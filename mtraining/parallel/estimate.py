@@ -1,6 +1,7 @@
 """Estimate the global vertical-slash pattern from sharded q/k: every rank gets the identical pattern.
 
-The single-device estimate (``mtraining.ops.estimate``) is composed across the ranks of a layout:
+The single-device estimate (``mtraining.ops.pattern.estimate``) is composed across the ranks of a layout:
+0. every rank checks that all make the same call (shapes, layout, config: ``agreement.py``, once);
 1. the last ``last_q`` queries (globally last positions; under striped/zigzag they may sit on
    several ranks) reach every rank through one all-reduce of a zero-filled buffer (exact);
 2. each rank computes their partial LSE over its keys; an all-gather and a logsumexp over ranks
@@ -23,8 +24,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..ops.checks import resolve_scale
-from ..ops.estimate import PatternConfig, PositionPlan, last_query_partial_lse, line_scores, select_lines
 from ..ops.pattern import VerticalSlashPattern
+from ..ops.pattern.estimate import PatternConfig, PositionPlan, last_query_partial_lse, line_scores, select_lines
+from .agreement import check_ranks_agree
 from .layout import Layout
 
 
@@ -69,6 +71,16 @@ def estimate_pattern_cp(
     q [B, S/W, Hq, D], k [B, S/W, Hkv, D] in ``layout`` order. Collective: every rank of ``group``
     must call it with its own shards; all get the same pattern. One device sync (``select_lines``).
     """
+    fields = {
+        "q shape": tuple(q.shape),
+        "k shape": tuple(k.shape),
+        "dtype": str(q.dtype),
+        "layout": layout,
+        "pattern_config": config,
+        "layer_idx": layer_idx,
+        "softmax_scale": softmax_scale,
+    }
+    check_ranks_agree(group, q.device, "estimate_pattern_cp", fields)
     if not isinstance(config, PatternConfig):
         raise ValueError(f"pattern_config must be a PatternConfig, got {type(config).__name__}")
     layout.check_pattern_block(config.block_size)

@@ -121,7 +121,7 @@ class AttentionSection(_Section):
     threshold: float | None = Field(None, gt=0, le=1)
     """Keep the fewest lines reaching this estimated attention mass instead of fixed budgets."""
     budgets: str | None = None
-    """Pattern file with per-layer/per-head budgets (mtraining.ops.budgets)."""
+    """Pattern file with per-layer/per-head budgets (mtraining.ops.pattern.budgets)."""
     dense_layers: list[int] = []
     """Layers that always run dense attention."""
     min_sparse_len: int = Field(0, ge=0)
@@ -418,7 +418,7 @@ class Config(_Section):
         return inner
 
     def _check_pattern(self) -> None:
-        from ..ops.estimate import PatternConfig
+        from ..ops.pattern.estimate import PatternConfig
 
         att, seq = self.attention, self.data.seq_len
         budgets = {"v_size": att.v_size, "s_size": att.s_size, "last_q": att.last_q}

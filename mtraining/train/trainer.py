@@ -21,8 +21,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..models import AttentionContext, bind, build_model
 from ..models.fused import use_liger_kernels
-from ..ops.budgets import load_budgets
-from ..ops.estimate import PatternConfig
+from ..ops.pattern.budgets import load_budgets
+from ..ops.pattern.estimate import PatternConfig
 from ..parallel.layout import make_layout
 from ..parallel.topology import init_ring_groups
 from .agree import agree, from_rank0

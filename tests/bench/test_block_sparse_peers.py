@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtraining.ops import VerticalSlashPattern
+from tests.factories import make_pattern
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,14 +19,6 @@ def _peers():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _random_pattern(seq_len: int, block: int, seed: int) -> VerticalSlashPattern:
-    gen = torch.Generator().manual_seed(seed)
-    nb = -(-seq_len // block)
-    diag = torch.rand(1, 3, nb, generator=gen) < 0.3
-    vert = torch.rand(1, 3, seq_len, generator=gen) < 0.04
-    return VerticalSlashPattern.from_masks(diag, vert, block)
 
 
 def _pairs_per_block(pairs: torch.Tensor, block: int) -> torch.Tensor:
@@ -40,7 +32,7 @@ def _pairs_per_block(pairs: torch.Tensor, block: int) -> torch.Tensor:
 @pytest.mark.parametrize("seq_len,seed", [(96, 0), (100, 1), (128, 2), (77, 3)])
 def test_a_block_is_kept_iff_the_pattern_has_a_pair_in_it(seq_len, seed):
     peers = _peers()
-    pattern = _random_pattern(seq_len, 16, seed)
+    pattern = make_pattern("random", 1, 3, seq_len, 16, seed)
     pos = torch.arange(seq_len)
     expected = _pairs_per_block(pattern.pair_mask(pos, pos), 16)
     assert expected.any() and not expected.all()
@@ -50,7 +42,7 @@ def test_a_block_is_kept_iff_the_pattern_has_a_pair_in_it(seq_len, seed):
 @pytest.mark.parametrize("seq_len,seed", [(96, 0), (100, 1), (77, 3)])
 def test_rounded_pattern_keeps_exactly_the_causal_pairs_of_the_kept_blocks(seq_len, seed):
     peers = _peers()
-    pattern = _random_pattern(seq_len, 16, seed)
+    pattern = make_pattern("random", 1, 3, seq_len, 16, seed)
     rounded = peers.rounded_pattern(pattern)
     pos = torch.arange(seq_len)
     kept = peers.block_mask(pattern)
@@ -63,7 +55,7 @@ def test_rounded_pattern_keeps_exactly_the_causal_pairs_of_the_kept_blocks(seq_l
 
 def test_flex_block_mask_lists_the_kept_blocks_both_ways():
     peers = _peers()
-    pattern = _random_pattern(100, 16, 4)
+    pattern = make_pattern("random", 1, 3, 100, 16, 4)
     kept = peers.block_mask(pattern)
     mask = peers.flex_block_mask(kept, 100, 16)
     assert torch.equal(mask.to_dense().bool(), kept)

@@ -518,7 +518,7 @@ def test_a_full_disk_at_save_says_so(tmp_path, monkeypatch):
 
 
 def test_non_finite_softmax_scale_is_refused():
-    from mtraining.ops.attention import sparse_attention
+    from mtraining.ops import sparse_attention
 
     q = torch.randn(1, 32, 2, 16)
     for scale in (float("nan"), float("inf"), -1.0):

@@ -10,9 +10,9 @@ import triton
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import triton_kernels as tk
-from .kernel_index import DENSE_BLOCK, ChunkPair, KeyWalk, QueryWalk, build_key_walk, build_query_walk, chunk_pair
-from .pattern import VerticalSlashPattern
+from ..pattern import VerticalSlashPattern
+from . import kernels as tk
+from .index import DENSE_BLOCK, ChunkPair, KeyWalk, QueryWalk, build_key_walk, build_query_walk, chunk_pair
 
 
 @dataclass(frozen=True)

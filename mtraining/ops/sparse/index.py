@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .pattern import VerticalSlashPattern, compact
+from ..pattern import VerticalSlashPattern, compact
 
 DENSE_BLOCK = 64  # block grid the Triton backend uses for dense causal attention (pattern=None)
 _ABSENT = torch.iinfo(torch.int32).max
@@ -136,9 +136,9 @@ def chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> C
     On CUDA one Triton launch (walk_kernels.py), elsewhere torch ops (``chunk_pair_torch``); the same
     tensors either way."""
     if q_pos.is_cuda:
-        from . import walk_kernels
+        from . import index_kernels
 
-        return walk_kernels.chunk_pair(pattern, q_pos, k_pos)
+        return index_kernels.chunk_pair(pattern, q_pos, k_pos)
     return chunk_pair_torch(pattern, q_pos, k_pos)
 
 
@@ -168,9 +168,9 @@ def _local_gblock(pos: Tensor, block_size: int) -> Tensor:
 def build_query_walk(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWalk:
     """The global pattern restricted to a chunk pair, seen from the query blocks (one Triton launch on CUDA)."""
     if pair.q_pos.is_cuda:
-        from . import walk_kernels
+        from . import index_kernels
 
-        return walk_kernels.query_walk(pattern, pair)
+        return index_kernels.query_walk(pattern, pair)
     return query_walk_torch(pattern, pair)
 
 
@@ -191,9 +191,9 @@ def query_walk_torch(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWal
 def build_key_walk(pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int) -> KeyWalk:
     """The global pattern restricted to a chunk pair, seen from the key blocks (one Triton launch on CUDA)."""
     if pair.q_pos.is_cuda:
-        from . import walk_kernels
+        from . import index_kernels
 
-        return walk_kernels.key_walk(pattern, pair, v_chunk)
+        return index_kernels.key_walk(pattern, pair, v_chunk)
     return key_walk_torch(pattern, pair, v_chunk)
 
 

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .kernel_index import _ABSENT, ChunkPair, KeyWalk, QueryWalk, list_width
-from .pattern import VerticalSlashPattern
+from ..pattern import VerticalSlashPattern
+from .index import _ABSENT, ChunkPair, KeyWalk, QueryWalk, list_width
 
 ABSENT = tl.constexpr(_ABSENT)
 
