@@ -1,7 +1,7 @@
-"""The Triton index builders (ops/walk_kernels.py, the CUDA path) equal the torch builders exactly.
+"""The Triton walk builders (ops/sparse/index_kernels.py, the CUDA path) equal the torch builders exactly.
 
 On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py); the
-torch builders of ops/kernel_index.py are the oracle: every tensor of the chunk pair and of both
+torch builders of ops/sparse/index.py are the oracle: every tensor of the chunk pair and of both
 walks must match in dtype, shape and every entry (padding included), on random patterns, partial
 last blocks, empty and dense patterns, verticals only, and the chunk pairs of ring steps.
 """
@@ -14,6 +14,7 @@ import torch
 from mtraining.ops import VerticalSlashPattern
 from mtraining.ops.sparse import index as ki
 from mtraining.ops.sparse import index_kernels as wk
+from mtraining.ops.sparse import launch
 from mtraining.parallel.layout import ContiguousLayout, StripedLayout, ZigzagLayout
 
 V_CHUNKS = (1, 3, 16)  # vertical chunk sizes of the key walk (the dK/dV kernels' block_v)
@@ -49,11 +50,11 @@ def assert_same(got, want, what: str) -> None:
 
 def check_builders(pattern: VerticalSlashPattern, q_pos: torch.Tensor, k_pos: torch.Tensor) -> None:
     want = ki.chunk_pair_torch(pattern, q_pos, k_pos)
-    pair = wk.chunk_pair(pattern, q_pos, k_pos)
+    pair = wk.chunk_pair_triton(pattern, q_pos, k_pos)
     assert_same(pair, want, "chunk_pair")
-    assert_same(wk.query_walk(pattern, pair), ki.query_walk_torch(pattern, want), "query walk")
+    assert_same(wk.query_walk_triton(pattern, pair), ki.query_walk_torch(pattern, want), "query walk")
     for v_chunk in V_CHUNKS:
-        assert_same(wk.key_walk(pattern, pair, v_chunk), ki.key_walk_torch(pattern, want, v_chunk), "key walk")
+        assert_same(wk.key_walk_triton(pattern, pair, v_chunk), ki.key_walk_torch(pattern, want, v_chunk), "key walk")
 
 
 @pytest.fixture(params=["launch_blocks", "small_blocks"])
@@ -120,13 +121,13 @@ def test_dispatch_by_device(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a Triton builder ran for CPU tensors")
 
-    for name in ("chunk_pair", "query_walk", "key_walk"):
-        monkeypatch.setattr(wk, name, refuse)
+    for name in ("chunk_pair_triton", "query_walk_triton", "key_walk_triton"):
+        monkeypatch.setattr(launch, name, refuse)
     pattern = make_pattern("random", 1, 2, 64, 16, torch.Generator().manual_seed(2))
     pos = torch.arange(64, dtype=torch.int32)
-    pair = ki.chunk_pair(pattern, pos, pos)
-    assert_same(ki.build_query_walk(pattern, pair), ki.query_walk_torch(pattern, pair), "query walk")
-    assert_same(ki.build_key_walk(pattern, pair, 16), ki.key_walk_torch(pattern, pair, 16), "key walk")
+    pair = launch.chunk_pair(pattern, pos, pos)
+    assert_same(launch.query_walk(pattern, pos, pos), ki.query_walk_torch(pattern, pair), "query walk")
+    assert_same(launch.key_walk(pattern, pos, pos, 16), ki.key_walk_torch(pattern, pair, 16), "key walk")
 
 
 @pytest.mark.cuda
@@ -148,8 +149,10 @@ def test_builders_agree_on_gpu(layout):
         lay = layout(n, 4, g)
         q_pos, k_pos = (lay.positions(r).to("cuda", torch.int32) for r in (2, 1))
     want = ki.chunk_pair_torch(pattern, q_pos, k_pos)
-    pair = ki.chunk_pair(pattern, q_pos, k_pos)
+    pair = launch.chunk_pair(pattern, q_pos, k_pos)
     assert_same(pair, want, "chunk_pair")
-    assert_same(ki.build_query_walk(pattern, pair), ki.query_walk_torch(pattern, want), "query walk")
+    assert_same(launch.query_walk(pattern, q_pos, k_pos), ki.query_walk_torch(pattern, want), "query walk")
     for v_chunk in (64, 128):
-        assert_same(ki.build_key_walk(pattern, pair, v_chunk), ki.key_walk_torch(pattern, want, v_chunk), "key walk")
+        assert_same(
+            launch.key_walk(pattern, q_pos, k_pos, v_chunk), ki.key_walk_torch(pattern, want, v_chunk), "key walk"
+        )
