@@ -8,6 +8,9 @@ last blocks, empty and dense patterns, verticals only, and the chunk pairs of ri
 
 from __future__ import annotations
 
+import pickle
+import weakref
+
 import pytest
 import torch
 
@@ -156,3 +159,27 @@ def test_builders_agree_on_gpu(layout):
         assert_same(
             launch.key_walk(pattern, q_pos, k_pos, v_chunk), ki.key_walk_torch(pattern, want, v_chunk), "key walk"
         )
+
+
+def test_walks_are_cached_per_chunk_pair(monkeypatch):
+    """A walk is built once per pattern and chunk pair: the very same position tensors, unmodified;
+    the cache holds them (no freed tensor's id can alias an entry) and pickles empty."""
+    builds = []
+
+    def counted(pattern, pair):
+        builds.append(1)
+        return ki.query_walk_torch(pattern, pair)
+
+    monkeypatch.setattr(launch, "query_walk_torch", counted)
+    pattern = make_pattern("random", 1, 2, 64, 16, torch.Generator().manual_seed(4))
+    pos = torch.arange(64, dtype=torch.int32)
+    walk = launch.query_walk(pattern, pos, pos)
+    assert launch.query_walk(pattern, pos, pos) is walk and len(builds) == 1
+    other = pos.clone()  # equal positions, another chunk pair as far as the cache knows
+    assert launch.query_walk(pattern, other, other) is not walk and len(builds) == 2
+    held = weakref.ref(other)
+    del other
+    assert held() is not None  # its id stays taken while the entry lives
+    pos.add_(0)  # modified in place: built again
+    assert launch.query_walk(pattern, pos, pos) is not walk and len(builds) == 3
+    assert len(pickle.loads(pickle.dumps(pattern)).index_cache) == 0

@@ -66,37 +66,25 @@ _DQ_MODES = {"kernel": 0, "atomic": 1}
 
 
 # ----------------------------------------------------------------------------- walks, once per chunk pair
-def _cached(pattern: VerticalSlashPattern, key: tuple, q_pos: Tensor, k_pos: Tensor, build):
-    """``build()``, computed once per (key, chunk pair) within one pattern's life.
-
-    The cache holds the position tensors themselves, so their ids cannot be reused while it lives.
-    """
-    key = (*key, id(q_pos), id(k_pos))
-    hit = pattern.index_cache.get(key)
-    if hit is None:
-        hit = pattern.index_cache[key] = (q_pos, k_pos, build())
-    return hit[2]
-
-
 def chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ChunkPair:
     """What the query and key walks of a chunk pair share, built once per pattern and chunk pair
     (``pattern.index_cache``): by one Triton launch on CUDA, in torch ops elsewhere."""
     build = chunk_pair_triton if q_pos.is_cuda else chunk_pair_torch
-    return _cached(pattern, ("pair",), q_pos, k_pos, lambda: build(pattern, q_pos, k_pos))
+    return pattern.index_cache.get(("pair",), q_pos, k_pos, lambda: build(pattern, q_pos, k_pos))
 
 
 def query_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> QueryWalk:
     """The forward's and dQ kernel's walk of a chunk pair, built once per pattern and chunk pair."""
     build = query_walk_triton if q_pos.is_cuda else query_walk_torch
-    return _cached(pattern, ("query",), q_pos, k_pos, lambda: build(pattern, chunk_pair(pattern, q_pos, k_pos)))
+    return pattern.index_cache.get(("query",), q_pos, k_pos, lambda: build(pattern, chunk_pair(pattern, q_pos, k_pos)))
 
 
 def key_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, v_chunk: int) -> KeyWalk:
     """The dK/dV kernels' walk of a chunk pair, verticals in chunks of ``v_chunk``, built once per
     pattern, chunk pair and ``v_chunk``."""
     build = key_walk_triton if q_pos.is_cuda else key_walk_torch
-    return _cached(
-        pattern, ("key", v_chunk), q_pos, k_pos, lambda: build(pattern, chunk_pair(pattern, q_pos, k_pos), v_chunk)
+    return pattern.index_cache.get(
+        ("key", v_chunk), q_pos, k_pos, lambda: build(pattern, chunk_pair(pattern, q_pos, k_pos), v_chunk)
     )
 
 
