@@ -355,7 +355,7 @@ def _dkdv_step(
     ``_visible``. DQ_MODE 1 also adds this tile's dQ = dS K into the float32 DQ (Q's strides)
     atomically; 0 leaves dQ to its own kernel. Scores are formed query-major (S = Q K^T, dP = dO V^T,
     K and V as the shared-memory operand) and transposed for dV += P^T dO and dK += dS^T Q
-    (DESIGN.md, kernel walks: the key-major S^T = K Q^T measured slower).
+    (BENCHMARKS.md, kernel variants: the key-major S^T = K Q^T is slower).
     """
     d = tl.arange(0, HEAD_DIM)
     rows = row0 + tl.arange(0, BLOCK_M)
