@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 PTX = """//
@@ -84,3 +86,32 @@ def test_a_changed_instruction_is_reported_and_fails(tmp_path):
     assert result.returncode == 1, result.stderr
     assert "fwd: DIFFERS (2)" in result.stdout and "extra: DIFFERS (missing old)" in result.stdout
     assert out.exists()
+
+
+SMALL_KERNEL = """.version 8.7
+.target sm_90a
+.address_size 64
+.visible .entry {name}(.param .u64 {name}_param_0)
+{{
+	.reg .b32 %r<2>;
+	.reg .b64 %rd<3>;
+	ld.param.u64 %rd1, [{name}_param_0];
+	cvta.to.global.u64 %rd2, %rd1;
+	mov.u32 %r1, {value};
+	st.global.u32 [%rd2], %r1;
+	ret;
+}}
+"""
+
+
+def test_ptxas_compares_registers_and_sass(tmp_path):
+    tool = _tool()
+    if not tool._nvidia_bin("ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    old, new = _dumps(tmp_path, SMALL_KERNEL.format(name="a", value=7), SMALL_KERNEL.format(name="b", value=7))
+    [same] = tool.compare(old, new, ptxas=True)
+    assert same["identical"] and same["sass_identical"] and same["sass_instructions"] > 0
+    (new / "fwd.ptx").write_text(SMALL_KERNEL.format(name="b", value=8))
+    [changed] = tool.compare(old, new, ptxas=True)
+    assert not changed["identical"] and not changed["sass_identical"] and changed["sass_lines_changed"] >= 2
+    assert changed["ptxas_new"]["spill_stores"] == 0

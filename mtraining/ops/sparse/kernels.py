@@ -23,9 +23,9 @@ A query tile walks its keys in three stages (``_query_tile_walk``, shared by the
 2. diagonal: the causal-diagonal block, G // BLOCK_N key tiles masked by position;
 3. vertical: the vertical columns of this key chunk, BLOCK_V at a time, except those whose block
    diagonal is selected (stages 1 and 2 saw them: no pair counts twice), masked by position.
-The dK/dV block kernel walks stages 1 and 2 from the keys' side (``_key_tile_walk``). Every masked
-pair is decided by ``_visible``. Scores are kept in base 2 (``qk_scale`` includes log2(e), ``exp2``);
-the LSE written out is natural-log.
+The dK/dV block kernel walks stages 1 and 2 from the keys' side. A masked pair counts where
+``_visible`` holds (written out in ``_dkdv_step``, see there). Scores are kept in base 2
+(``qk_scale`` includes log2(e), ``exp2``); the LSE written out is natural-log.
 
 Argument lists group one tensor (or one tensor's strides) per line; ``# fmt: skip`` keeps them so.
 The widths and strides of the index lists are plain ints (``do_not_specialize``): the lists change
@@ -71,23 +71,6 @@ def _vertical_tile(idx, n_vert, vcols_row, KPos, mask_row, q_block, G: tl.conste
     k_block = k_pos // G
     use = _uncovered(mask_row, q_block, k_block, valid)
     return cols, tl.where(use, k_pos, INT_MAX), use
-
-
-@triton.jit
-def _key_tile(
-    K, V, KPos, b, hk, cols, ok, d,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-):  # fmt: skip
-    """(k [N, D], v [N, D], positions [N]) of the local key rows cols [N] of KV head hk (``ok``: which exist)."""
-    k = tl.load(
-        K + b * stride_kb + cols[:, None] * stride_ks + hk * stride_kh + d[None, :], mask=ok[:, None], other=0.0
-    )
-    v = tl.load(
-        V + b * stride_vb + cols[:, None] * stride_vs + hk * stride_vh + d[None, :], mask=ok[:, None], other=0.0
-    )
-    k_pos = tl.load(KPos + cols, mask=ok, other=INT_MAX)
-    return k, v, k_pos
 
 
 @triton.jit
@@ -352,23 +335,30 @@ def _dkdv_step(
     """Accumulate dK/dV of one key tile against one query tile of head h.
 
     Rows past Sq load lse = +inf, so they add nothing (and their dQ is exactly 0); MASK applies
-    ``_visible``. DQ_MODE 1 also adds this tile's dQ = dS K into the float32 DQ (Q's strides)
+    the test of ``_visible``. DQ_MODE 1 also adds this tile's dQ = dS K into the float32 DQ (Q's strides)
     atomically; 0 leaves dQ to its own kernel. Scores are formed query-major (S = Q K^T, dP = dO V^T,
     K and V as the shared-memory operand) and transposed for dV += P^T dO and dK += dS^T Q
     (BENCHMARKS.md, kernel variants: the key-major S^T = K Q^T is slower).
+
+    The row loads of ``_load_do_lse_delta`` and the test of ``_visible`` are written out here: as
+    calls they change the dK/dV kernels' SASS (ptxas schedules around the debug scopes of inlined
+    calls, DEVELOPERS.md), which would have to be timed on a GPU first.
     """
     d = tl.arange(0, HEAD_DIM)
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = rows < Sq
     q_off = b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + d[None, :]
     q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)  # [M, D]
-    do, lse2, delta = _load_do_lse_delta(
-        DO, Lse, Delta, b, h, rows, row_ok, d, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh
+    do = tl.load(
+        DO + b * stride_dob + rows[:, None] * stride_dos + h * stride_doh + d[None, :], mask=row_ok[:, None], other=0.0
     )
+    lse = tl.load(Lse + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    delta = tl.load(Delta + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=0.0)
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N]
     if MASK:
         q_pos = tl.load(QPos + rows, mask=row_ok, other=-1)
-        s = tl.where(_visible(q_pos, k_pos), s, float("-inf"))
+        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])
     dv += tl.dot(tl.trans(p.to(do.dtype)), do)
     ds = (p * (tl.dot(do, tl.trans(v)) - delta[:, None])).to(q.dtype)  # [M, N]
@@ -376,41 +366,6 @@ def _dkdv_step(
     if DQ_MODE == 1:
         dq = tl.dot(ds, k) * sm_scale
         tl.atomic_add(DQ + q_off, dq, mask=row_ok[:, None], sem="relaxed")
-    return dk, dv
-
-
-@triton.jit
-def _key_tile_walk(
-    dk, dv, k, v, k_pos,  # the key tile: dK, dV [N, D] f32, keys and values [N, D], positions [N]
-    Q, DO, Lse, Delta, QPos, DQ, b, h,  # the query rows of head h
-    starts, count, diag_start,  # the key block's KeyWalk entry: its list, pointers to its count and diagonal
-    qk_scale, sm_scale, Sq,
-    stride_qb, stride_qs, stride_qh,
-    stride_dob, stride_dos, stride_doh,
-    stride_lb, stride_lh,  # Lse and Delta
-    STAGE: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, DQ_MODE: tl.constexpr,
-):  # fmt: skip
-    """Stage STAGE of a key tile's walk against query head h: 1 the off-diagonal query blocks (rows
-    past Sq of a last, partial block add nothing), 2 the causal-diagonal block, masked by position."""
-    if STAGE == 1:
-        # off-diagonal: step j visits query tile j % (G // BLOCK_M) of the (j // (G // BLOCK_M))-th listed block
-        for j in range(0, tl.load(count) * (G // BLOCK_M)):
-            row0 = tl.load(starts + j // (G // BLOCK_M)) + (j % (G // BLOCK_M)) * BLOCK_M
-            dk, dv = _dkdv_step(
-                dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, row0, b, h, qk_scale, sm_scale, Sq,
-                stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-                BLOCK_M, HEAD_DIM, False, DQ_MODE,
-            )  # fmt: skip
-    else:
-        # diagonal: G // BLOCK_M query tiles from local query row diag (-1: the diagonal is not selected)
-        diag = tl.load(diag_start)
-        if diag >= 0:
-            for sub in tl.static_range(G // BLOCK_M):
-                dk, dv = _dkdv_step(
-                    dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, diag + sub * BLOCK_M, b, h, qk_scale, sm_scale, Sq,
-                    stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-                    BLOCK_M, HEAD_DIM, True, DQ_MODE,
-                )  # fmt: skip
     return dk, dv
 
 
@@ -442,9 +397,14 @@ def _bwd_dkdv_block_kernel(
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < Sk
     d = tl.arange(0, HEAD_DIM)
-    k, v, k_pos = _key_tile(
-        K, V, KPos, b, hk, cols, col_ok, d, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh
+    # the key tile [BLOCK_N, D], its values and positions
+    k = tl.load(
+        K + b * stride_kb + cols[:, None] * stride_ks + hk * stride_kh + d[None, :], mask=col_ok[:, None], other=0.0
     )
+    v = tl.load(
+        V + b * stride_vb + cols[:, None] * stride_vs + hk * stride_vh + d[None, :], mask=col_ok[:, None], other=0.0
+    )
+    k_pos = tl.load(KPos + cols, mask=col_ok, other=INT_MAX)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     blk = tile // (G // BLOCK_N)
@@ -452,14 +412,24 @@ def _bwd_dkdv_block_kernel(
         h = hk * GROUP + g
         tile_off = b * stride_cb + h * stride_ch + blk
         starts = Starts + b * stride_sb + h * stride_sh + blk * stride_st
-        for stage in tl.static_range(1, 3):  # off-diagonal blocks, the diagonal block
-            dk, dv = _key_tile_walk(
-                dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, b, h,
-                starts, Count + tile_off, DiagStart + tile_off,
-                qk_scale, sm_scale, Sq,
+        # off-diagonal: step j visits query tile j % (G // BLOCK_M) of the (j // (G // BLOCK_M))-th listed
+        # block (rows past Sq of a last, partial block add nothing)
+        for j in range(0, tl.load(Count + tile_off) * (G // BLOCK_M)):
+            row0 = tl.load(starts + j // (G // BLOCK_M)) + (j % (G // BLOCK_M)) * BLOCK_M
+            dk, dv = _dkdv_step(
+                dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, row0, b, h, qk_scale, sm_scale, Sq,
                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-                stage, G, BLOCK_M, HEAD_DIM, DQ_MODE,
+                BLOCK_M, HEAD_DIM, False, DQ_MODE,
             )  # fmt: skip
+        # diagonal: G // BLOCK_M query tiles from local query row diag (-1: the diagonal is not selected)
+        diag = tl.load(DiagStart + tile_off)
+        if diag >= 0:
+            for sub in tl.static_range(G // BLOCK_M):
+                dk, dv = _dkdv_step(
+                    dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, diag + sub * BLOCK_M, b, h, qk_scale, sm_scale, Sq,
+                    stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
+                    BLOCK_M, HEAD_DIM, True, DQ_MODE,
+                )  # fmt: skip
     out_off = b * stride_dkb + cols[:, None] * stride_dks + hk * stride_dkh + d[None, :]
     tl.store(DK + out_off, dk * sm_scale, mask=col_ok[:, None])
     tl.store(DV + out_off, dv, mask=col_ok[:, None])
@@ -501,9 +471,14 @@ def _bwd_dkdv_vertical_kernel(
     valid = cols < Sk
     cols = tl.where(valid, cols, 0)
     d = tl.arange(0, HEAD_DIM)
-    k, v, k_pos = _key_tile(
-        K, V, KPos, b, hk, cols, valid, d, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh
+    # the chunk's columns as a key tile [BLOCK_V, D], its values and positions
+    k = tl.load(
+        K + b * stride_kb + cols[:, None] * stride_ks + hk * stride_kh + d[None, :], mask=valid[:, None], other=0.0
     )
+    v = tl.load(
+        V + b * stride_vb + cols[:, None] * stride_vs + hk * stride_vh + d[None, :], mask=valid[:, None], other=0.0
+    )
+    k_pos = tl.load(KPos + cols, mask=valid, other=INT_MAX)
     k_block = k_pos // G
     mask_row = DiagMask + b * stride_mb + h * stride_mh
     dk = tl.zeros([BLOCK_V, HEAD_DIM], dtype=tl.float32)
