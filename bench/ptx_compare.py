@@ -114,6 +114,7 @@ def compare(old_dir: Path, new_dir: Path, ptxas: bool = False, show: int = 40) -
                     sass_instructions=len(new_sass),
                     sass_identical=not sass_diff,
                     sass_lines_changed=changed_lines(sass_diff),
+                    sass_diff=sass_diff[:show],
                 )
             records.append(record)
     return records
@@ -130,8 +131,15 @@ def main() -> int:
     parser.add_argument("new", type=Path, help="PTX dump of the commit under test")
     parser.add_argument("--ptxas", action="store_true", help="also assemble both sides: registers, spills, SASS")
     parser.add_argument("--out", type=Path, help="write the records as JSON (e.g. bench/results/ptx_compare.json)")
+    parser.add_argument(
+        "--why", action="append", default=[], metavar="KERNEL=TEXT", help="record why a kernel differs (repeatable)"
+    )
     args = parser.parse_args()
     records = compare(args.old, args.new, ptxas=args.ptxas)
+    why = dict(note.split("=", 1) for note in args.why)
+    for r in records:
+        if r["kernel"] in why:
+            r["why"] = why[r["kernel"]]
     for r in records:
         status = (
             "identical" if r["identical"] else f"DIFFERS ({r.get('lines_changed', 'missing ' + r.get('missing', ''))})"
