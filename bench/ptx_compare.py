@@ -158,6 +158,9 @@ def main() -> int:
             old=_source(args.old),
             new=_source(args.new),
         )
+        if args.ptxas:
+            version = subprocess.run([str(_nvidia_bin("ptxas")), "--version"], capture_output=True, text=True)
+            header["ptxas"] = version.stdout.strip().splitlines()[-2]
         print(f"wrote {write_results('ptx_compare', [dict(header, kernels=records)], args.out)}")
     return 0 if all(r["identical"] and r.get("sass_identical", True) for r in records) else 1
 
