@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
 from common import bench_ms, command_line, commit, device_name, write_results  # noqa: E402
 
-from mtraining.ops.attention import sparse_attention  # noqa: E402
-from mtraining.ops.estimate import PatternConfig, estimate_pattern  # noqa: E402
+from bench.synthetic import rope_structured_qkv  # noqa: E402
+from mtraining.ops.pattern.estimate import PatternConfig, estimate_pattern  # noqa: E402
 from mtraining.ops.sparse import launch as tb  # noqa: E402
+from mtraining.ops.sparse.attention import sparse_attention  # noqa: E402
 from mtraining.ops.sparse.index_kernels import chunk_pair_triton, key_walk_triton, query_walk_triton  # noqa: E402
-from mtraining.ops.synthetic import rope_structured_qkv  # noqa: E402
 
 
 def top_kernels(fn, top: int) -> list[tuple[str, float]]:

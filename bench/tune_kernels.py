@@ -24,8 +24,8 @@ from common import command_line, commit, device_name, write_results  # noqa: E40
 from sparse_attention import sweep_pattern  # noqa: E402
 
 from mtraining.ops import VerticalSlashPattern  # noqa: E402
-from mtraining.ops.attention import sparse_attention  # noqa: E402
 from mtraining.ops.sparse import launch as tb  # noqa: E402
+from mtraining.ops.sparse.attention import sparse_attention  # noqa: E402
 
 KERNELS = ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_block_kernel", "_bwd_dkdv_vertical_kernel")
 T = tb.Tiles

@@ -1,5 +1,5 @@
 """Command line: ``mtraining train CONFIG.yaml [key=value ...]``, ``mtraining export``, ``mtraining tokenize``,
-and the evaluation suite under ``mtraining eval`` (ppl, niah, ruler, report).
+and the evaluation suite under ``mtraining eval`` (ppl, niah, ruler, infinitebench, report).
 
 Run under torchrun for several ranks (``torchrun --nproc_per_node 4 -m mtraining.cli train ...``)
 or let ``--nproc N`` start torchrun for you on this machine.
@@ -8,8 +8,6 @@ or let ``--nproc N`` start torchrun for you on this machine.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import typer
@@ -22,31 +20,43 @@ app = typer.Typer(
 app.add_typer(eval_app, name="eval")
 
 
-def _fail(err: Exception) -> None:
-    typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
+def _fail(err: Exception | str, code: int = 2, prefix: str = "error") -> None:
+    typer.secho(f"{prefix}: {err}", fg=typer.colors.RED if prefix == "error" else typer.colors.YELLOW, err=True)
+    raise typer.Exit(code)
 
 
-@app.command()
+@app.command(
+    epilog="Exit codes: 0 done; 1 crash (traceback printed); 2 the config or command cannot run; 3 the loss or "
+    "gradient norm became NaN/inf (the step was not applied); 4 a rank stopped responding (parallel.timeout_minutes); "
+    "5 a checkpoint or the export could not be written (full disk, permissions); 130 interrupted (SIGINT); "
+    "143 SIGTERM: the ranks finished the step and saved a checkpoint, run the same command to resume."
+)
 def train(
     config: Path = typer.Argument(..., help="YAML config (see configs/)."),
     overrides: list[str] = typer.Argument(None, help="section.key=value overrides, e.g. train.steps=10."),
     nproc: int = typer.Option(1, "--nproc", help="Start this many local ranks with torchrun (CPU: gloo, GPU: NCCL)."),
 ) -> None:
-    """Train a model as the config says (resumes from the newest checkpoint in checkpoint.dir)."""
+    """Train a model as the config says (resumes from the newest checkpoint in checkpoint.dir that verifies).
+
+    SIGTERM (preemption) makes the ranks finish the current step, save a checkpoint and exit 143.
+    """
     from .train.config import load_config
+    from .train.outputs import check_output_dirs
 
     overrides = overrides or []
     try:
         cfg = load_config(config, overrides)
         if nproc > 1 and "RANK" not in os.environ:
+            from .train.torchrun import launch
+
             cfg.check_world_size(nproc)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-            cmd += ["-m", "mtraining.cli", "train", str(config), *overrides]
-            raise typer.Exit(subprocess.call(cmd))
+            check_output_dirs(cfg)
+            args = ["--standalone", f"--nproc_per_node={nproc}", "-m", "mtraining.cli", "train", str(config)]
+            raise typer.Exit(launch([*args, *overrides]))
     except ValueError as err:
         _fail(err)
     from .train.distributed import shutdown
+    from .train.errors import EXIT_INTERRUPTED, Preempted, RankStalled, RunStopped
     from .train.trainer import Trainer
 
     try:
@@ -56,6 +66,14 @@ def train(
         _fail(err)
     try:
         trainer.run()
+    except RunStopped as err:
+        if trainer.par.is_main or isinstance(err, RankStalled):  # a stall is seen differently by each rank
+            _fail(err, err.exit_code, "stopped" if isinstance(err, Preempted) else "error")
+        raise typer.Exit(err.exit_code) from None
+    except KeyboardInterrupt:
+        if trainer.par.is_main:
+            _fail(f"interrupted after step {trainer.step}; nothing was saved", EXIT_INTERRUPTED, "stopped")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     finally:
         trainer.close()
         shutdown()
@@ -68,19 +86,22 @@ def export(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="A step_N folder; default: newest in checkpoint.dir."),
     overrides: list[str] = typer.Option([], "--set", help="section.key=value overrides."),
 ) -> None:
-    """Write the weights of a distributed checkpoint as a Hugging Face model directory (one process)."""
-    from .train.checkpoint import latest_checkpoint
+    """Write the weights of a distributed checkpoint as a Hugging Face model directory (one process).
+
+    The checkpoint is verified against its manifest first; without --checkpoint, the newest one of
+    checkpoint.dir that verifies is used.
+    """
     from .train.config import load_config
+    from .train.errors import SaveFailed
     from .train.export import export_checkpoint
 
     try:
         cfg = load_config(config, overrides)
-        path = checkpoint or latest_checkpoint(cfg.checkpoint.dir)
-        if path is None:
-            raise ValueError(f"no complete checkpoint in {cfg.checkpoint.dir}; pass --checkpoint DIR/step_N")
-        export_checkpoint(cfg, path, out)
+        path = export_checkpoint(cfg, checkpoint or cfg.checkpoint.dir, out, report=typer.echo)
     except ValueError as err:
         _fail(err)
+    except SaveFailed as err:
+        _fail(err, err.exit_code)
     typer.echo(f"exported {path} to {out}")
 
 

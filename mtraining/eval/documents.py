@@ -1,10 +1,12 @@
 """Local documents for evaluation, and a built-in filler text (no network, no shipped corpus needed).
 
 ``load_documents`` reads text files (``.txt``, ``.md``: one document each), JSONL (one document per
-line, the text under ``text_field``) and parquet (a column ``text_field``; needs pyarrow), given as
-files or directories (searched recursively). A PG-19-style folder of books is a directory of
-``.txt`` files. ``filler_sentences`` is a deterministic stream of plain English sentences for
-haystacks when the user has no text of their own.
+line, the text under ``text_field``), parquet and Hugging Face arrow files (a column ``text_field``;
+need pyarrow), given as files or directories (searched recursively). PG-19 comes as any of these: a
+folder of ``<id>.txt`` books per split (the original release), parquet files with a ``text`` column
+(the Hugging Face hub), or the arrow files of ``datasets`` (its cache, or ``save_to_disk``, whose
+metadata JSON files are skipped). ``filler_sentences`` is a deterministic stream of plain English
+sentences for haystacks when the user has no text of their own.
 """
 
 from __future__ import annotations
@@ -18,19 +20,23 @@ from pathlib import Path
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
-SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+ARROW_SUFFIXES = (".arrow",)
+SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES + ARROW_SUFFIXES
+HF_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")  # next to save_to_disk's arrow files
 
 
 def _files(path: Path) -> list[Path]:
     if not path.exists():
         raise ValueError(
-            f"data path {path} does not exist; pass a text (.txt/.md), JSONL or parquet file, or a directory of them"
+            f"data path {path} does not exist; pass a text (.txt/.md), JSONL, parquet or arrow file, or a directory of them"
         )
     if path.is_file():
         if path.suffix.lower() not in SUFFIXES:
             raise ValueError(f"{path} has an unsupported suffix {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
         return [path]
-    found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES)
+    found = sorted(
+        p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES and p.name not in HF_METADATA
+    )
     if not found:
         raise ValueError(f"directory {path} holds no {', '.join(SUFFIXES)} files; point --data at your documents")
     return found
@@ -55,12 +61,20 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
             yield record[text_field]
 
 
-def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
+def _read_table(path: Path, text_field: str) -> Iterator[str]:
+    """The strings in column ``text_field`` of a parquet file or an arrow file (IPC stream or file format)."""
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(f"reading {path} needs pyarrow: pip install pyarrow (or convert it to JSONL)") from None
-    table = pq.read_table(path)
+    if path.suffix.lower() in PARQUET_SUFFIXES:
+        table = pq.read_table(path)
+    else:
+        try:  # datasets writes the stream format
+            table = pa.ipc.open_stream(path).read_all()
+        except pa.ArrowInvalid:
+            table = pa.ipc.open_file(path).read_all()
     if text_field not in table.column_names:
         raise ValueError(f"{path} has no column {text_field!r} (columns: {table.column_names}); pass --text-field NAME")
     yield from (t for t in table.column(text_field).to_pylist() if isinstance(t, str))
@@ -69,7 +83,7 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
 def load_documents(paths: Sequence[str | Path], text_field: str = "text") -> list[str]:
     """All non-empty documents under ``paths``, in sorted file order (then line/row order)."""
     if not paths:
-        raise ValueError("no data given; pass --data with a text/JSONL/parquet file or a directory")
+        raise ValueError("no data given; pass --data with a text/JSONL/parquet/arrow file or a directory")
     docs: list[str] = []
     for path in paths:
         for file in _files(Path(path)):
@@ -79,7 +93,7 @@ def load_documents(paths: Sequence[str | Path], text_field: str = "text") -> lis
             elif suffix in JSONL_SUFFIXES:
                 docs.extend(_read_jsonl(file, text_field))
             else:
-                docs.extend(_read_parquet(file, text_field))
+                docs.extend(_read_table(file, text_field))
     docs = [d for d in docs if d.strip()]
     if not docs:
         raise ValueError(f"no non-empty documents found in {', '.join(map(str, paths))}")

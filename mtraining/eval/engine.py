@@ -75,7 +75,7 @@ class AttentionSpec:
         """The ``PatternConfig`` of sparse runs (None when dense)."""
         if not self.sparse:
             return None
-        from ..ops.estimate import PatternConfig
+        from ..ops.pattern.estimate import PatternConfig
 
         return PatternConfig(block_size=self.block_size, **self.pattern)
 

@@ -9,6 +9,7 @@ built by the trainer's loader (``mtraining.models.build_model``) so they run mtr
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,17 +99,11 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 def _training_checkpoint(path: Path, config: str | Path) -> tuple[nn.Module, str | None]:
     """(model with the checkpoint's weights, tokenizer path from the config) of a training checkpoint."""
-    from ..models import build_model
-    from ..train.checkpoint import latest_checkpoint, load_checkpoint
     from ..train.config import load_config
-    from ..train.loss import CausalLMLoss
+    from ..train.export import load_trained_model
 
     cfg = load_config(config)
-    step = path if (path / ".metadata").is_file() else latest_checkpoint(path)
-    if step is None:
-        raise ValueError(f"{path} holds no complete training checkpoint (step_N with .metadata); pass a step_N folder")
-    model = build_model(cfg.model.path, cfg.model.config, cfg.model.rope_theta, cfg.model.rope_parameters)
-    load_checkpoint(step, CausalLMLoss(model))
+    model, _ = load_trained_model(cfg, path, report=lambda line: print(line, file=sys.stderr))  # verified first
     return model, cfg.data.tokenizer or cfg.model.path
 
 

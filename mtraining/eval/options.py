@@ -60,7 +60,7 @@ class SessionOptions:
         names = ("v_size", "s_size", "last_q", "local_window", "threshold")
         pattern = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.budgets is not None:
-            from ..ops.budgets import load_budgets
+            from ..ops.pattern.budgets import load_budgets
 
             pattern["budgets"] = load_budgets(self.budgets)
         return pattern

@@ -18,9 +18,9 @@ from typing import Literal
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..ops.attention import sparse_attention
-from ..ops.estimate import PatternConfig, estimate_pattern
 from ..ops.pattern import VerticalSlashPattern
+from ..ops.pattern.estimate import PatternConfig, estimate_pattern
+from ..ops.sparse.attention import sparse_attention
 from ..parallel.estimate import estimate_pattern_cp
 from ..parallel.layout import Layout
 from ..parallel.ring import ring_attention
@@ -47,7 +47,7 @@ class AttentionContext:
     Attributes:
         group: context-parallel process group (None: single device).
         layout: how the global sequence is split over ``group`` (required when it has > 1 rank).
-        pattern_config: a ``PatternConfig`` (mtraining.ops.estimate) for dynamic sparse attention;
+        pattern_config: a ``PatternConfig`` (mtraining.ops.pattern) for dynamic sparse attention;
             None: dense everywhere.
         dense_layers: layers that always run dense.
         min_sparse_len: global sequence lengths below this run dense (sparse does not pay).

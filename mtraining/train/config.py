@@ -7,8 +7,9 @@ names the fix.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
@@ -17,7 +18,38 @@ from ..parallel.layout import make_layout
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # every number must be finite: a NaN or infinite learning rate, scale or size never runs
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# HF config fields that must be positive integers / positive finite numbers when given
+_POSITIVE_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+_POSITIVE_FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")
+
+
+def _check_hf_fields(config: dict[str, Any]) -> None:
+    """Impossible numbers in ``model.config`` fail here, not deep inside transformers."""
+    for key in _POSITIVE_INT_FIELDS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"model.config.{key} must be a positive integer, got {value!r}")
+    for key in _POSITIVE_FLOAT_FIELDS:
+        value = config.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+        if value is not None and not ok:
+            raise ValueError(f"model.config.{key} must be a finite number > 0, got {value!r}")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ValueError(f"model.config.num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
 
 
 class ModelSection(_Section):
@@ -40,6 +72,8 @@ class ModelSection(_Section):
             raise ValueError("set exactly one of model.path (a local HF directory) or model.config (random init)")
         if self.config is not None and "model_type" not in self.config:
             raise ValueError("model.config needs a model_type, e.g. model_type: qwen2")
+        if self.config is not None:
+            _check_hf_fields(self.config)
         return self
 
 
@@ -62,7 +96,7 @@ class AttentionSection(_Section):
     threshold: float | None = Field(None, gt=0, le=1)
     """Keep the fewest lines reaching this estimated attention mass instead of fixed budgets."""
     budgets: str | None = None
-    """Pattern file with per-layer/per-head budgets (mtraining.ops.budgets)."""
+    """Pattern file with per-layer/per-head budgets (mtraining.ops.pattern.budgets)."""
     dense_layers: list[int] = []
     """Layers that always run dense attention."""
     min_sparse_len: int = Field(0, ge=0)
@@ -78,6 +112,10 @@ class ParallelSection(_Section):
     """Data-parallel (FSDP2) degree."""
     context: PositiveInt = 1
     """Context-parallel degree: ranks that share one sequence."""
+    timeout_minutes: PositiveFloat = 10.0
+    """How long a rank waits in a collective for the others before the run stops with exit code 4
+    (a rank stopped responding). Covers the slowest step and the longest wait on rank 0 (saving the
+    export); a watchdog reports a step running 10x longer than usual before that (train/watchdog.py)."""
 
 
 class DataSection(_Section):
@@ -102,7 +140,7 @@ class OptimSection(_Section):
     """Cosine decay ends at lr * min_lr_ratio."""
     warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
     eps: PositiveFloat = 1e-8
     grad_clip: float | None = Field(1.0, gt=0)
 
@@ -111,7 +149,7 @@ class TrainSection(_Section):
     steps: PositiveInt
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """cuda: one GPU per rank (NCCL); cpu: gloo; auto: CUDA when available."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)
     activation_checkpointing: bool = True
     loss_chunk_tokens: PositiveInt = 4096
     """Rows of logits materialised at once by the chunked cross-entropy."""
@@ -151,6 +189,12 @@ class CheckpointSection(_Section):
     """Continue from the newest checkpoint in dir if there is one."""
     export_dir: str | None = None
     """Write the final weights as a HF directory here."""
+    allow_changed_schedule: bool = False
+    """Resume although train.steps or an optim setting differs from the checkpoint's run (the learning
+    rate of the next step then jumps); refused otherwise (train/resume.py)."""
+    allow_changed_model: bool = False
+    """Resume although the model config (same parameter shapes, e.g. another rope_theta) or the
+    tokenizer differs from the checkpoint's; refused otherwise. Another model is always refused."""
 
 
 class LogSection(_Section):
@@ -204,10 +248,21 @@ class Config(_Section):
             raise ValueError("checkpoint.every is set but checkpoint.dir is not; set checkpoint.dir")
         if any(layer < 0 for layer in att.dense_layers):
             raise ValueError(f"attention.dense_layers must be layer indices >= 0, got {att.dense_layers}")
+        if self.model.config is not None and "num_hidden_layers" in self.model.config:
+            self.check_layers(self.model.config["num_hidden_layers"])
         return self
 
+    def check_layers(self, num_layers: int) -> None:
+        """Fail unless every layer named in attention.dense_layers exists in a model of ``num_layers``."""
+        missing = [layer for layer in self.attention.dense_layers if layer >= num_layers]
+        if missing:
+            raise ValueError(
+                f"attention.dense_layers names layers {missing} but the model has {num_layers} "
+                f"(0 to {num_layers - 1}); drop them from attention.dense_layers"
+            )
+
     def _check_pattern(self) -> None:
-        from ..ops.estimate import PatternConfig
+        from ..ops.pattern.estimate import PatternConfig
 
         att, seq = self.attention, self.data.seq_len
         budgets = {"v_size": att.v_size, "s_size": att.s_size, "last_q": att.last_q}
@@ -264,8 +319,19 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
             node = child
-        node[leaf] = yaml.safe_load(value)
+        try:
+            node[leaf] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or err
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem}); fix or quote it") from None
     return out
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """What a YAML parser error says, with its line and column (1-based)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
 
 
 def _format(err: ValidationError) -> str:
@@ -292,7 +358,10 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(err)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections (model, data, train, ...)")
     return parse_config(raw, overrides)

@@ -20,19 +20,25 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..models import AttentionContext, bind, build_model, export_hf
 from ..models.fused import use_liger_kernels
-from ..ops.budgets import load_budgets
-from ..ops.estimate import PatternConfig
+from ..ops.pattern.budgets import load_budgets
+from ..ops.pattern.estimate import PatternConfig
 from ..parallel.layout import make_layout
-from .checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import full_model_state, save_checkpoint, write_error
 from .config import AttentionSection, Config
 from .data import TOKEN_SUFFIXES, TextTokenizer, expand_sources, token_stream
 from .distributed import ParallelState, init_parallel
+from .divergence import check_finite
+from .errors import Preempted, RunStopped
 from .loss import IGNORE_INDEX, CausalLMLoss
 from .monitor import Monitor, flops_per_token, matmul_params, peak_memory_gb, peak_tflops
 from .optim import build_optimizer, lr_at, set_lr
+from .outputs import check_free_space, check_output_dirs
 from .packing import PackedSamples, shard_batch
 from .profile import step_profiler, write_profile
+from .resume import describe_run, model_identity, resume
 from .saved_outputs import device_memory, plan_saved_outputs, saved_outputs_bytes
+from .signals import StopSignal
+from .watchdog import StepWatchdog, is_collective_failure
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -83,12 +89,15 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         cfg.check_world_size(dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1)))
-        self.par = par = init_parallel(cfg.parallel.data, cfg.parallel.context, cfg.train.device)
+        check_output_dirs(cfg)
+        timeout_s = cfg.parallel.timeout_minutes * 60
+        self.par = par = init_parallel(cfg.parallel.data, cfg.parallel.context, cfg.train.device, timeout_s)
         att, data = cfg.attention, cfg.data
         self.data = self._load_data()
         torch.manual_seed(cfg.train.seed)
         hf = build_model(cfg.model.path, cfg.model.config, cfg.model.rope_theta, cfg.model.rope_parameters)
         self._check_vocab(hf)
+        cfg.check_layers(hf.config.num_hidden_layers)
         if cfg.train.fused_kernels == "liger":
             if par.device.type != "cuda":
                 raise ValueError("train.fused_kernels=liger runs on CUDA only: set train.fused_kernels=none on the CPU")
@@ -112,18 +121,21 @@ class Trainer:
         self._flops_matmul = self._flops_per_token(hf, 0.0)
         self._flops_attention = self._flops_per_token(hf, 1.0) - self._flops_matmul
         loss_model = CausalLMLoss(hf, cfg.train.loss_chunk_tokens, cfg.train.loss_impl)
+        # what a checkpoint of this run belongs to (train/resume.py), before sharding renames nothing
+        self.run_info = describe_run(cfg, model_identity(hf.config, loss_model.state_dict()), par.dp_size, par.cp_size)
+        # float32 weights and AdamW's two moments
+        check_free_space(cfg.checkpoint.dir, 12 * sum(p.numel() for p in loss_model.parameters()), "checkpoint.dir")
         self.model = shard_model(loss_model, par, _DTYPES[cfg.model.dtype], cfg.train.activation_checkpointing)
         o = cfg.optim
         self.optimizer = build_optimizer(self.model, o.lr, o.weight_decay, o.betas, o.eps)
-        self.step = 0
-        resume_from = latest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
-        if resume_from is not None:
-            self.step = load_checkpoint(resume_from, self.model, self.optimizer)
+        notes: list[str] = []
+        self.step, self.last_checkpoint = resume(cfg, self.run_info, self.model, self.optimizer, notes.append)
         self.monitor = Monitor(
             par.is_main, cfg.log.dir, cfg.train.steps, self.step, cfg.log.every, cfg.log.tensorboard, cfg.log.progress
         )
-        if resume_from is not None:
-            self.monitor.write(f"resumed from {resume_from} at step {self.step}")
+        for note in notes:
+            self.monitor.write(note)
+        self.watchdog = StepWatchdog.for_default_group(timeout_s)
         self._peak = peak_tflops(par.device, cfg.log.peak_tflops)
         self._plan_outputs = cfg.train.save_attention_outputs == "auto" and cfg.train.activation_checkpointing
 
@@ -187,13 +199,13 @@ class Trainer:
             if saved is not None:
                 saved.clear()
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        grad_norm = _to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))  # waits for the device
+        check_finite(step + 1, total / tokens, grad_norm, self.last_checkpoint)  # before a NaN reaches the weights
         lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.train.steps, cfg.optim.min_lr_ratio)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        grad_norm = _to_float(grad_norm)  # waits for the device
         return self._metrics(total / tokens, grad_norm, lr, time.perf_counter() - start)
 
     def _decide_saved_outputs(self) -> None:
@@ -240,25 +252,49 @@ class Trainer:
         """Collective: a distributed checkpoint of the current step."""
         if self.cfg.checkpoint.dir is None:
             raise ValueError("checkpoint.dir is not set; set it to save checkpoints")
-        path = save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer)
+        path = save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, self.run_info)
+        self.last_checkpoint = path
         self.monitor.write(f"saved checkpoint {path}")
         return path
 
     def export(self, out_dir: str | Path) -> Path:
         """Collective: write the current weights as a HF directory (rank 0 writes)."""
         state = full_model_state(self.model)
+        failure = None
         if self.par.is_main:
             prefix = "model."
             weights = {k.removeprefix(prefix): v for k, v in state.items()}
-            export_hf(weights, self.hf_config, out_dir, tokenizer=self.cfg.data.tokenizer or self.cfg.model.path)
-            self.monitor.write(f"exported HF model to {out_dir}")
-        dist.barrier()
+            try:
+                export_hf(weights, self.hf_config, out_dir, tokenizer=self.cfg.data.tokenizer or self.cfg.model.path)
+                self.monitor.write(f"exported HF model to {out_dir}")
+            except Exception as err:  # write_error hands back what is not a full disk or a permission problem
+                failure = write_error(err, Path(out_dir), "exporting to")
+        box = [failure]
+        dist.broadcast_object_list(box, src=0)  # every rank stops the same way
+        if box[0] is not None:
+            raise box[0]
         return Path(out_dir)
 
     def run(self) -> list[dict[str, float]]:
-        """Train to ``train.steps``, checkpointing and exporting as configured; returns every step's metrics."""
-        ck, history = self.cfg.checkpoint, []
+        """Train to ``train.steps``, checkpointing and exporting as configured; returns every step's metrics.
+
+        Raises ``RunStopped`` (errors.py) when the run must end early: divergence, a stalled rank,
+        SIGTERM (after saving a checkpoint), a failed save.
+        """
+        history: list[dict[str, float]] = []
+        try:
+            with StopSignal(self.par.device) as stop:
+                self._train(history, stop)
+        except RuntimeError as err:
+            if isinstance(err, RunStopped) or not is_collective_failure(err):
+                raise
+            raise self.watchdog.stalled(self.step + 1, err) from err
+        return history
+
+    def _train(self, history: list[dict[str, float]], stop: StopSignal) -> None:
+        ck = self.cfg.checkpoint
         while self.step < self.cfg.train.steps:
+            self.watchdog.step_started(self.step + 1)
             if self.step + 1 == self.cfg.log.profile_step:
                 with step_profiler(self.par.device) as prof:
                     metrics = self.train_step()
@@ -266,19 +302,28 @@ class Trainer:
                 self.monitor.write(f"profile of step {self.step}: {table} and its .json trace (one per rank)")
             else:
                 metrics = self.train_step()
+            self.watchdog.step_finished()
             if self._plan_outputs:
                 self._plan_outputs = False
                 self._decide_saved_outputs()
             history.append(metrics)
             self.monitor.log(self.step, metrics)
             last = self.step == self.cfg.train.steps
-            if ck.dir is not None and (last or (ck.every is not None and self.step % ck.every == 0)):
+            saved = ck.dir is not None and (last or (ck.every is not None and self.step % ck.every == 0))
+            if saved:
                 self.save()
+            if stop.agreed():
+                if ck.dir is not None and not saved:
+                    self.save()
+                where = (
+                    f"saved {self.last_checkpoint}" if ck.dir is not None else "nothing saved (checkpoint.dir unset)"
+                )
+                raise Preempted(f"SIGTERM: stopped after step {self.step}, {where}; run the same command to resume")
         if ck.export_dir is not None:
             self.export(ck.export_dir)
-        return history
 
     def close(self) -> None:
+        self.watchdog.close()
         self.monitor.close()
 
 

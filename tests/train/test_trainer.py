@@ -95,10 +95,9 @@ def test_checkpoint_resume_is_bit_identical_and_export_loads(tmp_path):
     assert 0 < out["resumed"]["density"] < 1 and 0 < out["resumed"]["recall"] <= 1
 
     from mtraining.models import build_model
-    from mtraining.train.checkpoint import latest_checkpoint
     from mtraining.train.export import export_checkpoint
 
-    export_checkpoint(cfg, latest_checkpoint(tmp_path / "ck"), tmp_path / "offline")  # one process
+    export_checkpoint(cfg, tmp_path / "ck", tmp_path / "offline")  # one process, the newest checkpoint
     trained = {k.removeprefix("model."): v for k, v in out["state"].items()}
     for directory in ("hf", "offline"):
         exported = build_model(path=tmp_path / directory)

@@ -1,7 +1,7 @@
 """Cost model of flat and hierarchical ring attention: predicted forward + backward time per layer.
 
 Inputs are per-step compute times (one ring step's attention, forward and backward, on one GPU)
-and links (bandwidth per direction per GPU, latency per transfer). Ranks advance in lock step, and
+and links (``links.Link``: bandwidth per direction per GPU, latency per transfer). Ranks advance in lock step, and
 a step whose transfer is overlapped with compute costs max(compute, transfer). The schedules are
 the ones the engines run (ring.py, hierarchical.py):
 
@@ -26,20 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Link:
-    """``bandwidth`` bytes/s per direction per GPU, ``latency`` seconds per transfer."""
-
-    bandwidth: float
-    latency: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.bandwidth > 0 or not self.latency >= 0:
-            raise ValueError(f"a link needs bandwidth > 0 bytes/s and latency >= 0 s, got {self}")
-
-    def seconds(self, nbytes: float) -> float:
-        return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
+from bench.links import Link
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,11 @@
-"""Forward/backward primitives in plain PyTorch: the CPU path (gloo rings, the tiny CPU trainer).
+"""The torch backend (``backend="torch"``): forward/backward primitives in plain PyTorch, the CPU path of
+the rings and the trainer, and the per-block attention of ``MTRAINING_DENSE_BACKEND=reference``.
 
-Same contract as the Triton kernels: positions are global, the pattern is global, the forward
-returns (out, lse) and the backward takes the *final* LSE and delta = rowsum(dO * O), so partial
-results from ring steps combine exactly. Works in query-row chunks to bound memory.
+Same contract as the Triton kernels (``ops/sparse/launch.py``): positions are global, the pattern is
+global, the forward returns (out, lse) and the backward takes the *final* LSE and delta = rowsum(dO * O),
+so partial results from ring steps combine exactly. Works in query-row chunks to bound memory. Masked
+pairs contribute nothing, not even a NaN or an infinity of a key the row may not see
+(``numerics.finite_keys``).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .numerics import acc_dtype, finite_keys, mask_scores, merge_partial
 from .oracle import attention_mask
 from .pattern import VerticalSlashPattern
 
@@ -19,11 +23,6 @@ _ROW_CHUNK = 1024
 def _expand_kv(t: Tensor, group: int, dtype: torch.dtype) -> Tensor:
     """[B, S, Hkv, D] -> [B, Hq, S, D] in dtype (a view-free copy; small sizes only)."""
     return t.transpose(1, 2).to(dtype).repeat_interleave(group, dim=1)
-
-
-def _scores(q_rows: Tensor, kh: Tensor, scale: float, allowed: Tensor) -> Tensor:
-    s = torch.matmul(q_rows, kh.transpose(-1, -2)) * scale
-    return s.masked_fill(~allowed, float("-inf"))
 
 
 def forward(
@@ -37,24 +36,24 @@ def forward(
     out_dtype: torch.dtype,
     merge_into: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(out [B, Sq, Hq, D] in out_dtype, lse [B, Hq, Sq] float32; -inf and 0 for rows seeing nothing)."""
+    """(out [B, Sq, Hq, D] in out_dtype, lse [B, Hq, Sq] in the accumulation dtype; 0 and -inf for rows
+    seeing nothing); with ``merge_into`` (out, lse) of earlier keys, merged into those and returned."""
     b, sq, hq, d = q.shape
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q)
     group = hq // k.shape[2]
-    kh, vh = _expand_kv(k, group, acc), _expand_kv(v, group, acc)
+    kh, vh, bad = finite_keys(_expand_kv(k, group, acc), _expand_kv(v, group, acc))
     qh = q.transpose(1, 2).to(acc)
     out = torch.empty(b, hq, sq, d, dtype=acc, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=acc, device=q.device)
     for start in range(0, sq, _ROW_CHUNK):
         rows = slice(start, min(start + _ROW_CHUNK, sq))
         allowed = attention_mask(q_pos[rows], k_pos, pattern, b, hq)
-        s = _scores(qh[:, :, rows], kh, scale, allowed)
+        s = mask_scores(torch.matmul(qh[:, :, rows], kh.transpose(-1, -2)) * scale, allowed, bad)
         row_lse = torch.logsumexp(s, dim=-1)
         safe = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))
         out[:, :, rows] = torch.matmul(torch.exp(s - safe[..., None]), vh)
         lse[:, :, rows] = row_lse
-    lse_dtype = torch.float64 if acc == torch.float64 else torch.float32
-    out, lse = out.transpose(1, 2).to(out_dtype), lse.to(lse_dtype)
+    out = out.transpose(1, 2).to(out_dtype)
     if merge_into is None:
         return out, lse
     merge_partial(*merge_into, out, lse)
@@ -83,8 +82,8 @@ def backward(
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    kh, vh = _expand_kv(k, group, acc), _expand_kv(v, group, acc)
+    acc = acc_dtype(q)
+    kh, vh, bad = finite_keys(_expand_kv(k, group, acc), _expand_kv(v, group, acc))
     qh, doh = q.transpose(1, 2).to(acc), do.transpose(1, 2).to(acc)
     dq = torch.zeros(b, hq, sq, d, dtype=acc, device=q.device)
     dkh = torch.zeros_like(kh)
@@ -93,10 +92,11 @@ def backward(
     for start in range(0, sq, _ROW_CHUNK):
         rows = slice(start, min(start + _ROW_CHUNK, sq))
         allowed = attention_mask(q_pos[rows], k_pos, pattern, b, hq)
-        s = _scores(qh[:, :, rows], kh, scale, allowed)
+        s = mask_scores(torch.matmul(qh[:, :, rows], kh.transpose(-1, -2)) * scale, allowed, bad)
         p = torch.exp(s - safe_lse[:, :, rows, None])
         dp = torch.matmul(doh[:, :, rows], vh.transpose(-1, -2))
-        ds = p * (dp - delta[:, :, rows, None].to(acc))
+        # masked pairs give exactly 0 even in a row whose delta is not finite (it sees a non-finite key)
+        ds = torch.where(allowed, p * (dp - delta[:, :, rows, None].to(acc)), 0.0)
         dq[:, :, rows] = torch.matmul(ds, kh) * scale
         dkh += torch.matmul(ds.transpose(-1, -2), qh[:, :, rows]) * scale
         dvh += torch.matmul(p.transpose(-1, -2), doh[:, :, rows])
@@ -104,13 +104,3 @@ def backward(
     dv = dvh.view(b, hkv, group, -1, d).sum(2).transpose(1, 2)
     dq = dq.transpose(1, 2)
     return (dq if dq_dtype is None else dq.to(dq_dtype)), dk, dv
-
-
-def merge_partial(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> None:
-    """In place on out [B, S, H, D] / lse [B, H, S] (or views): exact merge with a partial result
-    over disjoint keys; rows that see no key on either side stay 0 / -inf."""
-    new = torch.logaddexp(lse, part_lse)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-    out.mul_(torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1))
-    out.add_(part_out.to(out.dtype) * torch.exp(part_lse - safe).transpose(1, 2).unsqueeze(-1))
-    lse.copy_(new)

@@ -13,11 +13,17 @@ On CUDA the transfer is ordered on a dedicated side stream, never on the compute
 Every buffer is allocated before the ring loop and outlives it, and the compute stream waits for
 the last transfer, so the caching allocator never hands out memory the side stream still uses.
 On the CPU (gloo) the ops run on gloo's threads and ``wait`` blocks on them.
+
+A ``RingComm`` is built per ring call (it only looks up the neighbours' global ranks and takes a side
+stream from torch's pool), so nothing is cached on process-group objects. Anything with the same
+``start`` (``Comm``) can stand in for it, e.g. a benchmark's emulated slow link (bench/links.py).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,6 +44,18 @@ class Transfer:
         else:
             for work in self._works:
                 work.wait()
+
+
+class Posted(Protocol):
+    """A posted exchange (``Transfer``, or a stand-in's)."""
+
+    def wait(self) -> None: ...
+
+
+class Comm(Protocol):
+    """What the ring schedules need of a communicator: post an exchange with the ring neighbours."""
+
+    def start(self, send: Sequence[Tensor], recv: Sequence[Tensor], tag: int = 0) -> Posted: ...
 
 
 class RingComm:
@@ -66,3 +84,9 @@ class RingComm:
             done = torch.cuda.Event()
             done.record(self._stream)
         return Transfer(works, done, tensors)
+
+
+def spares(like: Tensor, count: int, dtype: torch.dtype | None = None) -> list[tuple[Tensor, Tensor]]:
+    """``count`` contiguous receive buffers for a pair shaped like ``like`` (k and v, or dk and dv)."""
+    make = functools.partial(torch.empty, like.shape, dtype=dtype or like.dtype, device=like.device)
+    return [(make(), make()) for _ in range(count)]

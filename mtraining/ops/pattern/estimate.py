@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..checks import check_qkv, default_positions, resolve_scale
+from ..numerics import acc_dtype, matmul_acc
 from .budgets import Budgets, load_budgets
-from .checks import check_qkv, default_positions
-from .matmul import acc_dtype, matmul_acc
-from .pattern import VerticalSlashPattern, line_lists
+from .vertical_slash import VerticalSlashPattern, line_lists
 
 _CHUNK_ELEMENTS = 1 << 26
 _SORT_ELEMENTS = 1 << 22
@@ -216,11 +216,8 @@ def last_query_partial_lse(
     """
     q_last_pos, k_pos = _check_line_inputs(q_last, q_last_pos, k, k_pos)
     plan = _checked_plan(plan, q_last_pos, k_pos)
-    return _partial_lse(grouped_queries(q_last, k.shape[2]), q_last_pos, k, k_pos, scale, plan)
-
-
-def _partial_lse(qg: Tensor, q_last_pos: Tensor, k: Tensor, k_pos: Tensor, scale: float, plan: PositionPlan) -> Tensor:
-    b, hq, r = _batch_heads_rows(qg, plan)
+    qg = grouped_queries(q_last, k.shape[2])
+    b, r, hq, _ = q_last.shape
     lse = None
     for start, stop, _, partly_causal in plan.chunks(b * hq * r):
         s = grouped_scores(qg, k[:, start:stop].permute(0, 2, 3, 1)).mul_(scale).view(b, hq, r, stop - start)
@@ -263,20 +260,6 @@ def line_scores(
         )
     plan = _checked_plan(plan, q_last_pos, k_pos)
     qg = grouped_queries(q_last, k.shape[2])
-    return _line_scores(qg, q_last_pos, k, k_pos, scale, row_lse, seq_len, plan)
-
-
-def _line_scores(
-    qg: Tensor,
-    q_last_pos: Tensor,
-    k: Tensor,
-    k_pos: Tensor,
-    scale: float,
-    row_lse: Tensor,
-    seq_len: int,
-    plan: PositionPlan,
-) -> tuple[Tensor, Tensor]:
-    b, hq, r = _batch_heads_rows(qg, plan)
     if plan.q_lo < 0 or plan.k_lo < 0 or plan.q_hi >= seq_len or plan.k_hi >= seq_len:
         raise ValueError(
             f"positions must lie in [0, seq_len={seq_len}): q_last_pos spans [{plan.q_lo}, {plan.q_hi}], k_pos "
@@ -387,7 +370,7 @@ def estimate_pattern(
     if last_q > sq:
         raise ValueError(f"last_q ({last_q}) exceeds the {sq} query rows; lower last_q to at most {sq}")
     budgets = config._budget_lists(layer_idx, hq, seq_len)  # fail on budgets before any work
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    scale = resolve_scale(softmax_scale, d)
     given_k = k_pos is not None
     if q_pos is None and not given_k and sq <= seq_len:  # keys 0..S-1, queries the last Sq of them
         q_last = q[:, sq - last_q :]
@@ -408,9 +391,8 @@ def estimate_pattern(
                 f"k_pos must hold each position 0..{seq_len - 1} once (the whole sequence); for a subset of keys "
                 "compose last_query_partial_lse, line_scores and select_lines"
             )
-    qg = grouped_queries(q_last, k.shape[2])
-    lse = _partial_lse(qg, q_last_pos, k, k_pos, scale, plan)
-    vertical, slash = _line_scores(qg, q_last_pos, k, k_pos, scale, lse, seq_len, plan)
+    lse = last_query_partial_lse(q_last, q_last_pos, k, k_pos, scale, plan)
+    vertical, slash = line_scores(q_last, q_last_pos, k, k_pos, scale, lse, seq_len, plan)
     if given_k:  # scores follow k's row order; the pattern indexes them by position
         vertical = torch.empty_like(vertical).index_copy_(-1, k_pos, vertical)
     return _select_lines(vertical, slash, config, seq_len, *budgets)
@@ -443,12 +425,6 @@ def _checked_plan(plan: PositionPlan | None, q_pos: Tensor, k_pos: Tensor) -> Po
             "with PositionPlan.from_positions(q_last_pos, k_pos) or pass None"
         )
     return plan
-
-
-def _batch_heads_rows(qg: Tensor, plan: PositionPlan) -> tuple[int, int, int]:
-    """(B, Hq, R) of grouped queries [B, Hkv, group * R, D]."""
-    b, hkv, gr, _ = qg.shape
-    return b, hkv * gr // plan.rows, plan.rows
 
 
 def grouped_queries(q_last: Tensor, kv_heads: int) -> Tensor:

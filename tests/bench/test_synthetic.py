@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from mtraining.ops.estimate import PatternConfig, estimate_pattern
+from bench.synthetic import anchor_positions, random_qkv, rope_structured_qkv
 from mtraining.ops.oracle import attention_oracle
-from mtraining.ops.synthetic import anchor_positions, random_qkv, rope_structured_qkv
+from mtraining.ops.pattern.estimate import PatternConfig, estimate_pattern
 
 GENERATORS = [rope_structured_qkv, random_qkv]
 

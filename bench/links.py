@@ -1,8 +1,9 @@
-"""Inter-node link emulation for benchmarks: outer-ring transfers take as long as on a slower link.
+"""Links between GPUs, for benchmarks: a model of one (``Link``) and its emulation in a real ring.
 
-Off unless asked for (``emulate_outer_link`` context, or ``outer_link=`` of the hierarchical ring).
-A transfer of ``B`` bytes (what this rank sends; the link is full duplex, one NIC per GPU) is
-modelled to take ``latency + B / bandwidth``. The real transfer is posted as usual; its completion
+``Link`` is what the ring cost model (ring_model.py) predicts with and what ``EmulatedComm`` makes the
+hierarchical ring's outer transfers take (``ring_attention(..., ring="hierarchical",
+outer_comm=emulated(link))``): a transfer of ``B`` bytes (what this rank sends; the link is full
+duplex, one NIC per GPU) is modelled to take ``latency + B / bandwidth``. The real transfer is posted as usual; its completion
 is then held back until that modelled time has passed since it was posted, so the transfer takes
 max(real, modelled) -- the real one on a fast local link is the smaller:
 
@@ -11,67 +12,48 @@ max(real, modelled) -- the real one on a fast local link is the smaller:
   stream) spins for the modelled time (``torch.cuda._sleep``, calibrated once against CUDA events)
   and records an event; ``wait`` makes the compute stream wait for the real transfer and for it.
 
-Results measured with it must say so: ``LinkModel.label`` (e.g. "emulated 25 GB/s, 5 us") goes into
-the ``outer_link`` field of a benchmark record; ``outer_link_label()`` gives "real" when off.
+Results measured with it must say so: ``Link.label`` (e.g. "emulated 25 GB/s, 5 us") goes into the
+``outer_link`` field of a benchmark record.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from mtraining.parallel.ring.comm import Comm
+
 
 @dataclass(frozen=True)
-class LinkModel:
-    """A link of ``bandwidth`` bytes/s per direction and ``latency`` seconds per transfer."""
+class Link:
+    """A link of ``bandwidth`` bytes/s per direction (per GPU) and ``latency`` seconds per transfer."""
 
     bandwidth: float
     latency: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
-            raise ValueError(f"bandwidth must be > 0 bytes/s (e.g. 25e9 for 25 GB/s), got {self.bandwidth!r}")
+            raise ValueError(f"a link needs bandwidth > 0 bytes/s (e.g. 25e9 for 25 GB/s), got {self.bandwidth!r}")
         if not self.latency >= 0:
-            raise ValueError(f"latency must be >= 0 seconds (e.g. 5e-6), got {self.latency!r}")
+            raise ValueError(f"a link needs latency >= 0 seconds (e.g. 5e-6), got {self.latency!r}")
 
-    def seconds(self, nbytes: int | float) -> float:
-        """Modelled time of one transfer of ``nbytes``."""
-        return self.latency + nbytes / self.bandwidth
+    def seconds(self, nbytes: float) -> float:
+        """Modelled time of one transfer of ``nbytes`` (none: 0)."""
+        return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
 
     @property
     def label(self) -> str:
         return f"emulated {self.bandwidth / 1e9:g} GB/s, {self.latency * 1e6:g} us"
 
 
-_ACTIVE: list[LinkModel] = []
-
-
-@contextlib.contextmanager
-def emulate_outer_link(bandwidth: float, latency: float = 0.0) -> Iterator[LinkModel]:
-    """Within the block, hierarchical rings emulate this outer link (bytes/s, seconds)."""
-    link = LinkModel(float(bandwidth), float(latency))
-    _ACTIVE.append(link)
-    try:
-        yield link
-    finally:
-        _ACTIVE.pop()
-
-
-def active_outer_link() -> LinkModel | None:
-    """The innermost active emulation, or None (the default: real links)."""
-    return _ACTIVE[-1] if _ACTIVE else None
-
-
-def outer_link_label(link: LinkModel | None = None) -> str:
-    """Benchmark label of the outer link: the emulated link's label, or "real"."""
-    link = link if link is not None else active_outer_link()
-    return link.label if link is not None else "real"
+def emulated(link: Link) -> Callable[[Comm], EmulatedComm]:
+    """``outer_comm`` for ``ring_attention``: the hierarchical ring's outer transfers as slow as ``link``."""
+    return functools.partial(EmulatedComm, link=link)
 
 
 @functools.lru_cache(maxsize=8)
@@ -105,13 +87,11 @@ class _DelayedTransfer:
 
 
 class EmulatedComm:
-    """A ``RingComm`` whose transfers complete no earlier than ``link`` would deliver them."""
+    """A ring communicator (``Comm``) whose transfers complete no earlier than ``link`` would deliver them."""
 
-    def __init__(self, comm, link: LinkModel) -> None:
+    def __init__(self, comm: Comm, link: Link) -> None:
         self.comm = comm
         self.link = link
-        self.rank = comm.rank
-        self.world_size = comm.world_size
         self._stream = None
 
     def start(self, send: Sequence[Tensor], recv: Sequence[Tensor], tag: int = 0) -> _DelayedTransfer:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..ops.pattern import VerticalSlashPattern
-from .layout import Layout
+from mtraining.ops.pattern import VerticalSlashPattern
+from mtraining.parallel.layout import Layout
 
 _CHUNK_ELEMENTS = 1 << 24  # bound on the [heads, verticals, query blocks] temporaries
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mtraining.parallel.cost_model import (
+from bench.ring_model import (
     AttentionShape,
     Cluster,
     Link,
