@@ -1,4 +1,4 @@
-"""The Triton index builders (ops/sparse/index_kernels.py, the CUDA path) equal the torch builders exactly.
+"""The Triton walk builders (ops/sparse/index_kernels.py, the CUDA path) equal the torch builders exactly.
 
 On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py); the
 torch builders of ops/sparse/index.py are the oracle: every tensor of the chunk pair and of both
@@ -8,12 +8,16 @@ last blocks, empty and dense patterns, verticals only, and the chunk pairs of ri
 
 from __future__ import annotations
 
+import pickle
+import weakref
+
 import pytest
 import torch
 
 from mtraining.ops import VerticalSlashPattern
 from mtraining.ops.sparse import index as ki
 from mtraining.ops.sparse import index_kernels as wk
+from mtraining.ops.sparse import launch
 from mtraining.parallel.layout import ContiguousLayout, StripedLayout, ZigzagLayout
 from tests.factories import make_pattern
 
@@ -31,11 +35,11 @@ def assert_same(got, want, what: str) -> None:
 
 def check_builders(pattern: VerticalSlashPattern, q_pos: torch.Tensor, k_pos: torch.Tensor) -> None:
     want = ki.chunk_pair_torch(pattern, q_pos, k_pos)
-    pair = wk.chunk_pair(pattern, q_pos, k_pos)
+    pair = wk.chunk_pair_triton(pattern, q_pos, k_pos)
     assert_same(pair, want, "chunk_pair")
-    assert_same(wk.query_walk(pattern, pair), ki.query_walk_torch(pattern, want), "query walk")
+    assert_same(wk.query_walk_triton(pattern, pair), ki.query_walk_torch(pattern, want), "query walk")
     for v_chunk in V_CHUNKS:
-        assert_same(wk.key_walk(pattern, pair, v_chunk), ki.key_walk_torch(pattern, want, v_chunk), "key walk")
+        assert_same(wk.key_walk_triton(pattern, pair, v_chunk), ki.key_walk_torch(pattern, want, v_chunk), "key walk")
 
 
 @pytest.fixture(params=["launch_blocks", "small_blocks"])
@@ -102,13 +106,13 @@ def test_dispatch_by_device(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a Triton builder ran for CPU tensors")
 
-    for name in ("chunk_pair", "query_walk", "key_walk"):
-        monkeypatch.setattr(wk, name, refuse)
+    for name in ("chunk_pair_triton", "query_walk_triton", "key_walk_triton"):
+        monkeypatch.setattr(launch, name, refuse)
     pattern = make_pattern("random_heads", 1, 2, 64, 16, torch.Generator().manual_seed(2))
     pos = torch.arange(64, dtype=torch.int32)
-    pair = ki.chunk_pair(pattern, pos, pos)
-    assert_same(ki.build_query_walk(pattern, pair), ki.query_walk_torch(pattern, pair), "query walk")
-    assert_same(ki.build_key_walk(pattern, pair, 16), ki.key_walk_torch(pattern, pair, 16), "key walk")
+    pair = launch.chunk_pair(pattern, pos, pos)
+    assert_same(launch.query_walk(pattern, pos, pos), ki.query_walk_torch(pattern, pair), "query walk")
+    assert_same(launch.key_walk(pattern, pos, pos, 16), ki.key_walk_torch(pattern, pair, 16), "key walk")
 
 
 @pytest.mark.cuda
@@ -130,8 +134,34 @@ def test_builders_agree_on_gpu(layout):
         lay = layout(n, 4, g)
         q_pos, k_pos = (lay.positions(r).to("cuda", torch.int32) for r in (2, 1))
     want = ki.chunk_pair_torch(pattern, q_pos, k_pos)
-    pair = ki.chunk_pair(pattern, q_pos, k_pos)
+    pair = launch.chunk_pair(pattern, q_pos, k_pos)
     assert_same(pair, want, "chunk_pair")
-    assert_same(ki.build_query_walk(pattern, pair), ki.query_walk_torch(pattern, want), "query walk")
+    assert_same(launch.query_walk(pattern, q_pos, k_pos), ki.query_walk_torch(pattern, want), "query walk")
     for v_chunk in (64, 128):
-        assert_same(ki.build_key_walk(pattern, pair, v_chunk), ki.key_walk_torch(pattern, want, v_chunk), "key walk")
+        assert_same(
+            launch.key_walk(pattern, q_pos, k_pos, v_chunk), ki.key_walk_torch(pattern, want, v_chunk), "key walk"
+        )
+
+
+def test_walks_are_cached_per_chunk_pair(monkeypatch):
+    """A walk is built once per pattern and chunk pair: the very same position tensors, unmodified;
+    the cache holds them (no freed tensor's id can alias an entry) and pickles empty."""
+    builds = []
+
+    def counted(pattern, pair):
+        builds.append(1)
+        return ki.query_walk_torch(pattern, pair)
+
+    monkeypatch.setattr(launch, "query_walk_torch", counted)
+    pattern = make_pattern("random_heads", 1, 2, 64, 16, torch.Generator().manual_seed(4))
+    pos = torch.arange(64, dtype=torch.int32)
+    walk = launch.query_walk(pattern, pos, pos)
+    assert launch.query_walk(pattern, pos, pos) is walk and len(builds) == 1
+    other = pos.clone()  # equal positions, another chunk pair as far as the cache knows
+    assert launch.query_walk(pattern, other, other) is not walk and len(builds) == 2
+    held = weakref.ref(other)
+    del other
+    assert held() is not None  # its id stays taken while the entry lives
+    pos.add_(0)  # modified in place: built again
+    assert launch.query_walk(pattern, pos, pos) is not walk and len(builds) == 3
+    assert len(pickle.loads(pickle.dumps(pattern)).index_cache) == 0

@@ -14,8 +14,9 @@ global G-grid and verticals are computed column by column, each pair exactly onc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -98,6 +99,37 @@ def _cut(lists: Tensor, width: int) -> Tensor:
     return lists if lists.shape[-1] == width else lists[..., :width].contiguous()
 
 
+class ChunkPairCache:
+    """What the kernels derive from one pattern per chunk pair (the walks of ops/sparse/launch.py),
+    built once and reused by the forward, the backward and every ring step that meets the pair again.
+
+    A chunk pair is its two position tensors themselves: an entry is found only for the very same
+    (q_pos, k_pos) objects, not modified in place since it was built (torch's version counter). Each
+    entry holds its position tensors, so their ids cannot be taken by other tensors while the cache
+    lives; the cache lives as long as its pattern. Copies and pickles of a pattern start empty.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[Tensor, Tensor, Any]] = {}
+
+    def get(self, kind: tuple, q_pos: Tensor, k_pos: Tensor, build: Callable[[], Any]) -> Any:
+        """The entry ``kind`` of the chunk pair (q_pos, k_pos), from ``build()`` the first time."""
+        key = (*kind, id(q_pos), q_pos._version, id(k_pos), k_pos._version)
+        hit = self._entries.get(key)
+        if hit is None:
+            hit = self._entries[key] = (q_pos, k_pos, build())
+        return hit[2]
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __reduce__(self):
+        return ChunkPairCache, ()
+
+
 @dataclass(frozen=True)
 class VerticalSlashPattern:
     """Per-(batch, query-head) vertical-slash pattern on the global grid (see module docstring).
@@ -117,8 +149,8 @@ class VerticalSlashPattern:
     num_diags: Tensor
     vertical_pos: Tensor
     num_verticals: Tensor
-    index_cache: dict = field(default_factory=dict, compare=False, repr=False)
-    """Kernel indices derived from this pattern per chunk pair (kernel_index.py); lives with the pattern."""
+    index_cache: ChunkPairCache = field(default_factory=ChunkPairCache, compare=False, repr=False)
+    """The kernels' walks of each chunk pair this pattern met (ops/sparse/launch.py); lives with the pattern."""
 
     @property
     def num_blocks(self) -> int:

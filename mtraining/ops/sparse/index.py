@@ -1,4 +1,6 @@
-"""Local kernel indices: the global pattern restricted to one (query chunk, key chunk) pair.
+"""The walks of the sparse kernels and their builders in torch ops (the CPU path and the oracle of the Triton ones).
+
+A walk is the global pattern restricted to one (query chunk, key chunk) pair.
 
 The Triton kernels never search: for every block of G query rows they get the list of key blocks
 to visit (forward and dQ), for every block of G keys the list of query blocks (dK/dV), plus the
@@ -7,8 +9,9 @@ chunk. The lists are per G-block, not per kernel tile, so one query walk and one
 ``ChunkPair``) serve all three kernels whatever their tile sizes; a tile of B rows or keys (B
 divides G) walks its block's list and steps through each listed block in G / B tiles.
 Everything is derived on the device from the global pattern and the global positions of the rows
-(on CUDA by three Triton launches, walk_kernels.py; elsewhere, and as their oracle, by vectorised
-torch ops), so one kernel serves any layout and any ring step, and the kernel loops are plain
+(on CUDA by three Triton launches, index_kernels.py; elsewhere, and as their oracle, by the
+vectorised torch ops here; launch.py picks one and caches the result per pattern and chunk pair),
+so one kernel serves any layout and any ring step, and the kernel loops are plain
 `for j in range(n)` loops that Triton can software-pipeline. Building a walk never waits for the
 device (list widths are host-known upper bounds), so ring steps queue without host syncs.
 
@@ -28,7 +31,7 @@ from torch import Tensor
 from ..pattern import VerticalSlashPattern, compact
 
 DENSE_BLOCK = 64  # block grid the Triton backend uses for dense causal attention (pattern=None)
-_ABSENT = torch.iinfo(torch.int32).max
+ABSENT = torch.iinfo(torch.int32).max  # padding of the walks' lists
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ def _block_lists(
     other = gblock[None, None, :, None] + sign * diags[:, :, None, :]  # [B, H, nBlocks, D]
     ok = real[:, :, None, :] & (diags[:, :, None, :] > 0) & (other >= 0) & (other < nb)
     start = other_block_start[other.clamp(0, nb - 1).long()]
-    return compact(start, ok & (start >= 0), _ABSENT, width=list_width(pattern, other_len))
+    return compact(start, ok & (start >= 0), ABSENT, width=list_width(pattern, other_len))
 
 
 def list_width(pattern: VerticalSlashPattern, other_len: int) -> int:
@@ -130,20 +133,8 @@ class ChunkPair:
     vcol_pos: Tensor
 
 
-def chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ChunkPair:
-    """The part of the global pattern that a query chunk and a key chunk (global positions) share.
-
-    On CUDA one Triton launch (walk_kernels.py), elsewhere torch ops (``chunk_pair_torch``); the same
-    tensors either way."""
-    if q_pos.is_cuda:
-        from . import index_kernels
-
-        return index_kernels.chunk_pair(pattern, q_pos, k_pos)
-    return chunk_pair_torch(pattern, q_pos, k_pos)
-
-
 def chunk_pair_torch(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ChunkPair:
-    """``chunk_pair`` in torch ops: the CPU path and the oracle of the Triton builder."""
+    """The part of the global pattern that a query chunk and a key chunk (global positions) share."""
     g, nb = pattern.block_size, pattern.num_blocks
     dev = q_pos.device
     q_pos, k_pos = q_pos.to(torch.int32), k_pos.to(torch.int32)
@@ -155,7 +146,7 @@ def chunk_pair_torch(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor
     real_v = torch.arange(vpos.shape[-1], device=dev) < pattern.num_verticals[..., None]
     local = torch.searchsorted(k_pos, vpos.contiguous()).clamp(max=sk - 1)
     vcols, _ = compact(local, real_v & (k_pos[local.long()] == vpos), sk, width=local.shape[-1])
-    vcol_pos = torch.where(vcols < sk, k_pos[vcols.clamp(max=sk - 1).long()], _ABSENT).contiguous()
+    vcol_pos = torch.where(vcols < sk, k_pos[vcols.clamp(max=sk - 1).long()], ABSENT).contiguous()
     diag_mask = pattern.diag_mask()
     return ChunkPair(q_pos, k_pos, q_block_start, k_block_start, diag_mask.to(torch.int8).contiguous(), vcols, vcol_pos)
 
@@ -165,17 +156,8 @@ def _local_gblock(pos: Tensor, block_size: int) -> Tensor:
     return (pos[::block_size] // block_size).to(torch.int32)
 
 
-def build_query_walk(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWalk:
-    """The global pattern restricted to a chunk pair, seen from the query blocks (one Triton launch on CUDA)."""
-    if pair.q_pos.is_cuda:
-        from . import index_kernels
-
-        return index_kernels.query_walk(pattern, pair)
-    return query_walk_torch(pattern, pair)
-
-
 def query_walk_torch(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWalk:
-    """``build_query_walk`` in torch ops: the CPU path and the oracle of the Triton builder."""
+    """The global pattern restricted to a chunk pair, seen from the query blocks."""
     g = pattern.block_size
     sq, sk = pair.q_pos.shape[0], pair.k_pos.shape[0]
     q_gblock = _local_gblock(pair.q_pos, g)
@@ -188,17 +170,8 @@ def query_walk_torch(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWal
     )
 
 
-def build_key_walk(pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int) -> KeyWalk:
-    """The global pattern restricted to a chunk pair, seen from the key blocks (one Triton launch on CUDA)."""
-    if pair.q_pos.is_cuda:
-        from . import index_kernels
-
-        return index_kernels.key_walk(pattern, pair, v_chunk)
-    return key_walk_torch(pattern, pair, v_chunk)
-
-
 def key_walk_torch(pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int) -> KeyWalk:
-    """``build_key_walk`` in torch ops: the CPU path and the oracle of the Triton builder."""
+    """The global pattern restricted to a chunk pair, seen from the key blocks (verticals in chunks of ``v_chunk``)."""
     g = pattern.block_size
     k_gblock = _local_gblock(pair.k_pos, g)
     starts, count = _block_lists(pattern, k_gblock, +1, pair.q_block_start, pair.q_pos.shape[0])

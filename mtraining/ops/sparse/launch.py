@@ -1,4 +1,8 @@
-"""Triton backend: launches the kernels of triton_kernels.py with the contract of torch_backend.py."""
+"""Launches of the sparse-attention kernels (kernels.py) with the contract of ops/torch_backend.py.
+
+Tile configurations, the walks of each chunk pair (index.py; built by Triton launches on CUDA,
+index_kernels.py, and cached on the pattern), and the kernel launches, by keyword.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,9 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..pattern import VerticalSlashPattern
-from . import kernels as tk
-from .index import DENSE_BLOCK, ChunkPair, KeyWalk, QueryWalk, build_key_walk, build_query_walk, chunk_pair
+from . import kernels
+from .index import DENSE_BLOCK, ChunkPair, KeyWalk, QueryWalk, chunk_pair_torch, key_walk_torch, query_walk_torch
+from .index_kernels import chunk_pair_triton, key_walk_triton, query_walk_triton
 
 
 @dataclass(frozen=True)
@@ -25,7 +30,7 @@ class Tiles:
     num_warps: int
     num_stages: int
     # backward only, how dQ is made: "kernel" (its own kernel: 3 more matrix products per tile) or
-    # "atomic" (added by the dK/dV kernels as they go; on an H200 slower, bench/results/tune_kernels.json).
+    # "atomic" (added by the dK/dV kernels as they go; slower on an H200, DESIGN.md "Backward").
     dq_mode: Literal["kernel", "atomic"] = "kernel"
     # backward only: query tiles per program of the vertical dK/dV kernel (long columns are split
     # over programs so that they fill the GPU)
@@ -44,8 +49,8 @@ class TileConfig:
 def tile_config(
     block_size: int, head_dim: int, device: torch.device, dtype: torch.dtype = torch.bfloat16
 ) -> TileConfig:
-    """Small tiles under the interpreter; on the GPU the fastest measured on an H200 (bench/tune_kernels.py)
-    for half precision, and tiles that fit in shared memory for float32 (a correctness path)."""
+    """Small tiles under the interpreter; on the GPU the half-precision tiles bench/tune_kernels.py
+    chose on an H200, and tiles that fit in shared memory for float32 (a correctness path)."""
     g = block_size
     if device.type != "cuda":
         t = Tiles(min(g, 32), min(g, 32), min(g, 32), 4, 1, v_split=2)
@@ -60,33 +65,33 @@ def tile_config(
 _DQ_MODES = {"kernel": 0, "atomic": 1}
 
 
-def _cached(pattern: VerticalSlashPattern, key: tuple, q_pos: Tensor, k_pos: Tensor, build):
-    """``build()``, computed once per (key, chunk pair) within one pattern's life.
-
-    The cache holds the position tensors themselves, so their ids cannot be reused while it lives.
-    """
-    key = (*key, id(q_pos), id(k_pos))
-    hit = pattern.index_cache.get(key)
-    if hit is None:
-        hit = pattern.index_cache[key] = (q_pos, k_pos, build())
-    return hit[2]
-
-
-def _pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ChunkPair:
-    """What the query and key walks of a chunk pair share (built once per pattern and chunk pair)."""
-    return _cached(pattern, ("pair",), q_pos, k_pos, lambda: chunk_pair(pattern, q_pos, k_pos))
+# ----------------------------------------------------------------------------- walks, once per chunk pair
+def chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ChunkPair:
+    """What the query and key walks of a chunk pair share, built once per pattern and chunk pair
+    (``pattern.index_cache``): by one Triton launch on CUDA, in torch ops elsewhere."""
+    build = chunk_pair_triton if q_pos.is_cuda else chunk_pair_torch
+    return pattern.index_cache.get(("pair",), q_pos, k_pos, lambda: build(pattern, q_pos, k_pos))
 
 
 def query_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> QueryWalk:
-    """The forward's and dQ kernel's index of this chunk pair (built once per pattern and chunk pair)."""
-    return _cached(pattern, ("query",), q_pos, k_pos, lambda: build_query_walk(pattern, _pair(pattern, q_pos, k_pos)))
+    """The forward's and dQ kernel's walk of a chunk pair, built once per pattern and chunk pair."""
+    build = query_walk_triton if q_pos.is_cuda else query_walk_torch
+    return pattern.index_cache.get(("query",), q_pos, k_pos, lambda: build(pattern, chunk_pair(pattern, q_pos, k_pos)))
 
 
 def key_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, v_chunk: int) -> KeyWalk:
-    """The dK/dV kernels' index of this chunk pair, verticals in chunks of ``v_chunk``."""
-    return _cached(
-        pattern, ("key", v_chunk), q_pos, k_pos, lambda: build_key_walk(pattern, _pair(pattern, q_pos, k_pos), v_chunk)
+    """The dK/dV kernels' walk of a chunk pair, verticals in chunks of ``v_chunk``, built once per
+    pattern, chunk pair and ``v_chunk``."""
+    build = key_walk_triton if q_pos.is_cuda else key_walk_torch
+    return pattern.index_cache.get(
+        ("key", v_chunk), q_pos, k_pos, lambda: build(pattern, chunk_pair(pattern, q_pos, k_pos), v_chunk)
     )
+
+
+# ----------------------------------------------------------------------------- launch arguments
+def _strides(name: str, t: Tensor, dims: str) -> dict[str, int]:
+    """Keyword strides of the leading dims of ``t``: ``_strides("q", q, "bsh")`` -> stride_qb, stride_qs, stride_qh."""
+    return {f"stride_{name}{dim}": stride for dim, stride in zip(dims, t.stride())}
 
 
 def _unit_stride(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -113,16 +118,45 @@ def _resolve(q: Tensor, pattern: VerticalSlashPattern | None, q_pos: Tensor, k_p
     return VerticalSlashPattern.dense(q.shape[0], q.shape[2], seq_len, DENSE_BLOCK, device=q.device)
 
 
-def _query_walk_args(w: QueryWalk) -> tuple[tuple, tuple]:
-    """Index tensors and strides shared by the forward and dQ kernels."""
-    return (w.q_gblock, w.starts, w.count, w.diag, w.diag_mask, w.vcols, w.vcount), (
-        *w.starts.stride()[:3],
-        *w.count.stride()[:2],
-        *w.diag_mask.stride()[:2],
-        *w.vcols.stride()[:2],
+def _query_walk_args(w: QueryWalk) -> dict:
+    """The QueryWalk arguments of the forward and dQ kernels."""
+    return dict(
+        QGBlock=w.q_gblock,
+        Starts=w.starts,
+        Count=w.count,
+        DiagStart=w.diag,
+        DiagMask=w.diag_mask,
+        VCols=w.vcols,
+        VCountQ=w.vcount,
+        **_strides("s", w.starts, "bht"),
+        **_strides("c", w.count, "bh"),
+        **_strides("m", w.diag_mask, "bh"),
+        **_strides("w", w.vcols, "bh"),
     )
 
 
+def _query_tile_args(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, block_n: int) -> dict:
+    """What the forward and dQ kernels read of the inputs: Q, K, V (K and V also as tensor
+    descriptors of ``block_n``-row tiles), the positions and the shapes."""
+    return dict(
+        Q=q,
+        K=k,
+        V=v,
+        KDesc=_key_tiles(k, block_n),
+        VDesc=_key_tiles(v, block_n),
+        QPos=q_pos,
+        KPos=k_pos,
+        Sq=q.shape[1],
+        Sk=k.shape[1],
+        H=q.shape[2],
+        GROUP=q.shape[2] // k.shape[2],
+        **_strides("q", q, "bsh"),
+        **_strides("k", k, "bsh"),
+        **_strides("v", v, "bsh"),
+    )
+
+
+# ----------------------------------------------------------------------------- the backend contract
 def forward(
     q: Tensor,
     k: Tensor,
@@ -140,34 +174,20 @@ def forward(
     pattern = _resolve(q, pattern, q_pos, k_pos)
     b, sq, hq, d = q.shape
     t = tile_config(pattern.block_size, d, q.device, q.dtype).fwd
-    tensors, strides = _query_walk_args(query_walk(pattern, q_pos, k_pos))
+    walk = query_walk(pattern, q_pos, k_pos)
     if merge_into is not None:
         out, lse = merge_into
     else:
         out = torch.full((b, sq, hq, d), float("nan"), dtype=out_dtype, device=q.device)
         lse = torch.full((b, hq, sq), float("nan"), dtype=torch.float32, device=q.device)
-    tk._fwd_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
-        q,
-        k,
-        v,
-        _key_tiles(k, t.block_n),
-        _key_tiles(v, t.block_n),
-        out,
-        lse,
-        q_pos,
-        k_pos,
-        *tensors,
-        scale * tk.LOG2E,
-        sq,
-        k.shape[1],
-        hq,
-        hq // k.shape[2],
-        *q.stride()[:3],
-        *k.stride()[:3],
-        *v.stride()[:3],
-        *out.stride()[:3],
-        *lse.stride()[:2],
-        *strides,
+    kernels._fwd_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
+        **_query_tile_args(q, k, v, q_pos, k_pos, t.block_n),
+        **_query_walk_args(walk),
+        Out=out,
+        Lse=lse,
+        qk_scale=scale * kernels.LOG2E,
+        **_strides("o", out, "bsh"),
+        **_strides("l", lse, "bh"),
         G=pattern.block_size,
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
@@ -201,7 +221,6 @@ def backward(
     pattern = _resolve(q, pattern, q_pos, k_pos)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    group = hq // hkv
     cfg = tile_config(pattern.block_size, d, q.device, q.dtype)
     lse = lse.float().contiguous()
     delta = delta.float().contiguous()
@@ -212,31 +231,22 @@ def backward(
     dq = torch.empty_like(q, dtype=dq_out if own_kernel else torch.float32).fill_(float("nan") if own_kernel else 0.0)
     dk = torch.full((b, sk, hkv, d), float("nan"), dtype=torch.float32, device=q.device)
     dv = torch.full_like(dk, float("nan"))
-    scales = (scale * tk.LOG2E, scale)
-    qkv_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *lse.stride()[:2])
+    rows = dict(
+        DO=do,
+        Lse=lse,
+        Delta=delta,
+        qk_scale=scale * kernels.LOG2E,
+        sm_scale=scale,
+        **_strides("do", do, "bsh"),
+        **_strides("l", lse, "bh"),
+    )
     if own_kernel:
         t = cfg.dq
-        tensors, strides = _query_walk_args(query_walk(pattern, q_pos, k_pos))
-        tk._bwd_dq_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
-            q,
-            k,
-            v,
-            _key_tiles(k, t.block_n),
-            _key_tiles(v, t.block_n),
-            do,
-            lse,
-            delta,
-            dq,
-            q_pos,
-            k_pos,
-            *tensors,
-            *scales,
-            sq,
-            sk,
-            hq,
-            group,
-            *qkv_strides,
-            *strides,
+        kernels._bwd_dq_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
+            **_query_tile_args(q, k, v, q_pos, k_pos, t.block_n),
+            **_query_walk_args(query_walk(pattern, q_pos, k_pos)),
+            **rows,
+            DQ=dq,
             G=pattern.block_size,
             BLOCK_M=t.block_m,
             BLOCK_N=t.block_n,
@@ -246,73 +256,56 @@ def backward(
             num_stages=t.num_stages,
         )
     t = cfg.dkdv
-    w = key_walk(pattern, q_pos, k_pos, t.block_v)
-    pair = _pair(pattern, q_pos, k_pos)
-    launch = dict(DQ_MODE=_DQ_MODES[mode], num_warps=t.num_warps, num_stages=t.num_stages)
-    tk._bwd_dkdv_block_kernel[(triton.cdiv(sk, t.block_n), b * hkv)](
-        q,
-        k,
-        v,
-        do,
-        lse,
-        delta,
-        dk,
-        dv,
-        dq,
-        q_pos,
-        k_pos,
-        w.starts,
-        w.count,
-        w.diag,
-        *scales,
-        sq,
-        sk,
-        hq,
-        group,
-        *qkv_strides,
-        *dk.stride()[:3],
-        *w.starts.stride()[:3],
-        *w.count.stride()[:2],
+    walk = key_walk(pattern, q_pos, k_pos, t.block_v)
+    pair = chunk_pair(pattern, q_pos, k_pos)
+    shared = dict(
+        Q=q,
+        K=k,
+        V=v,
+        **rows,
+        DK=dk,
+        DV=dv,
+        DQ=dq,
+        QPos=q_pos,
+        KPos=k_pos,
+        Sq=sq,
+        Sk=sk,
+        H=hq,
+        GROUP=hq // hkv,
+        **_strides("q", q, "bsh"),
+        **_strides("k", k, "bsh"),
+        **_strides("v", v, "bsh"),
+        **_strides("dk", dk, "bsh"),
         G=pattern.block_size,
         BLOCK_M=t.block_m,
-        BLOCK_N=t.block_n,
         HEAD_DIM=d,
-        **launch,
+        DQ_MODE=_DQ_MODES[mode],
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
+    kernels._bwd_dkdv_block_kernel[(triton.cdiv(sk, t.block_n), b * hkv)](
+        **shared,
+        Starts=walk.starts,
+        Count=walk.count,
+        DiagStart=walk.diag,
+        **_strides("s", walk.starts, "bht"),
+        **_strides("c", walk.count, "bh"),
+        BLOCK_N=t.block_n,
     )
     n_qt = triton.cdiv(sq, t.block_m)
-    tk._bwd_dkdv_vertical_kernel[(triton.cdiv(pair.vcols.shape[-1], t.block_v), b * hq, triton.cdiv(n_qt, t.v_split))](
-        q,
-        k,
-        v,
-        do,
-        lse,
-        delta,
-        dk,
-        dv,
-        dq,
-        q_pos,
-        k_pos,
-        pair.diag_mask,
-        pair.vcols,
-        w.vstart,
-        *scales,
-        sq,
-        sk,
-        hq,
-        group,
-        n_qt,
-        pair.vcols.shape[-1],
-        t.v_split,
-        *qkv_strides,
-        *dk.stride()[:3],
-        *pair.diag_mask.stride()[:2],
-        *pair.vcols.stride()[:2],
-        *w.vstart.stride()[:2],
-        G=pattern.block_size,
-        BLOCK_M=t.block_m,
+    vwidth = pair.vcols.shape[-1]
+    kernels._bwd_dkdv_vertical_kernel[(triton.cdiv(vwidth, t.block_v), b * hq, triton.cdiv(n_qt, t.v_split))](
+        **shared,
+        DiagMask=pair.diag_mask,
+        VCols=pair.vcols,
+        VStartRow=walk.vstart,
+        NQT=n_qt,
+        VWIDTH=vwidth,
+        SPLIT=t.v_split,
+        **_strides("m", pair.diag_mask, "bh"),
+        **_strides("w", pair.vcols, "bh"),
+        **_strides("t", walk.vstart, "bh"),
         BLOCK_V=t.block_v,
-        HEAD_DIM=d,
-        **launch,
     )
     return dq.to(dq_out), dk, dv
 
@@ -323,16 +316,16 @@ def row_delta(do: Tensor, out: Tensor) -> Tensor:
     b, sq, h, d = out.shape
     delta = torch.empty((b, h, sq), dtype=torch.float32, device=out.device)
     rows, block = b * sq * h, 64
-    tk._row_delta_kernel[(triton.cdiv(rows, block),)](
-        do,
-        out,
-        delta,
-        rows,
-        h,
-        sq,
-        *do.stride()[:3],
-        *delta.stride()[:2],
-        *out.stride()[:3],
+    kernels._row_delta_kernel[(triton.cdiv(rows, block),)](
+        DO=do,
+        Out=out,
+        Delta=delta,
+        R=rows,
+        H=h,
+        S=sq,
+        **_strides("do", do, "bsh"),
+        **_strides("delta", delta, "bh"),
+        **_strides("o", out, "bsh"),
         BLOCK_R=block,
         HEAD_DIM=d,
     )
