@@ -1,9 +1,9 @@
 """Forward passes for evaluation: per-token loss of a long sequence, and prefill + greedy answer.
 
 Attention runs through the trainer's adapter (``mtraining.models``: ``attn_implementation=
-"mtraining"`` with an ``AttentionContext``), so a long prompt sees exactly the attention of
-training: dense or dynamic sparse, on one device or as a ring over a context-parallel group in a
-layout. ``attention_context`` is the one place that decides it.
+"mtraining"`` with an ``Attention``), so a long prompt sees exactly the attention of training:
+dense or dynamic sparse, on one device or as a ring over a context-parallel group in a layout.
+``prefill_attention`` is the one place that decides it.
 
 Context parallelism (``group`` with W > 1 ranks, e.g. under torchrun):
 
@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..models import ATTN_IMPLEMENTATION, AttentionContext, bind
+from ..models import ATTN_IMPLEMENTATION, Attention, bind
 from ..parallel.layout import make_layout
 
 IGNORE = -100
@@ -91,11 +91,11 @@ def layout_unit(layout: str, world_size: int, block_size: int) -> int:
     return (2 if layout == "zigzag" else 1) * world_size * block_size
 
 
-def attention_context(spec: AttentionSpec, group: dist.ProcessGroup | None, seq_len: int) -> AttentionContext:
+def prefill_attention(spec: AttentionSpec, group: dist.ProcessGroup | None, seq_len: int) -> Attention:
     """The attention a prefill of ``seq_len`` tokens runs (the one switch between paths)."""
     world_size = 1 if group is None else dist.get_world_size(group)
     layout = make_layout(spec.layout, seq_len, world_size, spec.block_size) if world_size > 1 else None
-    return AttentionContext(
+    return Attention(
         group=group if world_size > 1 else None,
         layout=layout,
         pattern_config=spec.pattern_config(),
@@ -155,16 +155,18 @@ class Engine:
     def _prefill(self, ids: Tensor, cache=None) -> Tensor:
         """Run the base model on ``ids`` [seq] through the configured attention; local hidden states."""
         seq_len = ids.shape[0]
-        ctx = bind(self.model, attention_context(self.spec, self.group, seq_len))
+        attention = bind(self.model, prefill_attention(self.spec, self.group, seq_len))
         positions = torch.arange(seq_len, device=self.device)
-        out = self.model.base_model(
-            input_ids=self._local(ids[None].to(self.device), seq_len),
-            position_ids=self._local(positions[None], seq_len),
-            past_key_values=cache,
-            use_cache=cache is not None,
-        )
-        if ctx.stats:
-            self.densities.append(sum(s.density for s in ctx.stats.values()) / len(ctx.stats))
+        with attention.forward(record="density"):
+            out = self.model.base_model(
+                input_ids=self._local(ids[None].to(self.device), seq_len),
+                position_ids=self._local(positions[None], seq_len),
+                past_key_values=cache,
+                use_cache=cache is not None,
+            )
+        density = attention.end_step().density
+        if density is not None:
+            self.densities.append(density)
         return out.last_hidden_state
 
     # ------------------------------------------------------------------ loss
