@@ -112,7 +112,6 @@ class _Session:
             ring=opts.ring,
             inner_size=inner_size,
         )
-        self.spec.pattern_config()  # validate the sparse options before any work
         self.engine = Engine(self.loaded.model, self.spec, self.group)
         self.checkpoint = str(checkpoint)
         self.started = time.time()
@@ -165,7 +164,7 @@ class _Session:
             "label": self.opts.label or f"{self.loaded.name}-{self.spec.name}",
             "checkpoint": self.checkpoint,
             "attention": self.spec.name,
-            "pattern": _jsonable(self.spec.pattern) if self.spec.sparse else None,
+            "pattern": self.spec.pattern if self.spec.sparse else None,
             "dense_layers": list(self.spec.dense_layers) if self.spec.sparse else None,
             "sparse_density": sum(self.engine.densities) / len(self.engine.densities)
             if self.engine.densities
@@ -192,10 +191,6 @@ def _layers(text: str | None) -> tuple[int, ...]:
     if any(layer < 0 for layer in layers):
         raise ValueError(f"--dense-layers takes layer indices >= 0, got {text!r}")
     return layers
-
-
-def _jsonable(pattern: dict) -> dict:
-    return {k: (getattr(v, "source", str(v)) if k == "budgets" else v) for k, v in pattern.items()}
 
 
 def _run(command: str, nproc: int, body) -> None:

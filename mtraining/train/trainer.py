@@ -21,13 +21,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..models import Attention, StepStats, bind, build_model
 from ..models.fused import use_liger_kernels
-from ..ops.pattern.budgets import load_budgets
-from ..ops.pattern.estimate import PatternConfig
 from ..parallel.layout import make_layout
 from ..parallel.topology import init_ring_groups
 from .agree import agree, from_rank0
 from .checkpoint import full_model_state, save_checkpoint
-from .config import AttentionSection, Config
+from .config import Config
 from .data import open_sources
 from .distributed import ParallelState, init_parallel
 from .divergence import check_finite
@@ -45,22 +43,6 @@ from .saved_outputs import device_memory, plan_saved_outputs, saved_outputs_byte
 from .signals import StopSignal
 from .summary import startup_summary
 from .watchdog import StepWatchdog, is_collective_failure
-
-
-def pattern_config(att: AttentionSection) -> PatternConfig | None:
-    """The estimation config of the attention section (None when attention is dense)."""
-    if not att.sparse:
-        return None
-    common = dict(
-        last_q=att.last_q,
-        block_size=att.block_size,
-        sink_tokens=att.sink_tokens,
-        local_window=att.local_window,
-        threshold=att.threshold,
-    )
-    if att.budgets is not None:
-        return PatternConfig(budgets=load_budgets(att.budgets), **common)
-    return PatternConfig(v_size=att.v_size, s_size=att.s_size, **common)
 
 
 def _head_dim(config) -> int:
@@ -116,7 +98,7 @@ class Trainer:
             Attention(
                 group=par.cp_group,
                 layout=self.layout if par.cp_size > 1 else None,
-                pattern_config=pattern_config(att),
+                pattern_config=att.pattern_config(),
                 dense_layers=frozenset(att.dense_layers),
                 min_sparse_len=att.min_sparse_len,
                 max_density=att.max_density,
