@@ -30,14 +30,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..models import ATTN_IMPLEMENTATION, Attention, bind
 from ..ops.pattern.estimate import PatternConfig
 from ..parallel.layout import Layout, make_layout
+from ..train.loss import IGNORE_INDEX, token_losses
 
-IGNORE = -100
 DECODE_ATTENTION = "sdpa"
 _LOGIT_ELEMENTS = 1 << 26  # lm-head chunk: at most this many logits at once (256 MB in float32)
 _TAIL_CHUNK = 256  # prompt tokens per dense step after the prefill (bounds the SDPA mask)
@@ -170,17 +169,9 @@ class Engine:
 
     # ------------------------------------------------------------------ loss
     def _token_nll(self, hidden: Tensor, labels: Tensor) -> Tensor:
-        """float32 [S] loss of each position (0 where the label is ignored), lm head in chunks."""
-        head = self.model.get_output_embeddings()
-        softcap = getattr(self.model.config, "final_logit_softcapping", None)
-        chunk = max(1, _LOGIT_ELEMENTS // head.weight.shape[0])
-        parts = []
-        for start in range(0, hidden.shape[0], chunk):
-            logits = head(hidden[start : start + chunk]).float()
-            if softcap:
-                logits = torch.tanh(logits / softcap) * softcap
-            parts.append(F.cross_entropy(logits, labels[start : start + chunk], ignore_index=IGNORE, reduction="none"))
-        return torch.cat(parts)
+        """float32 [S] loss of each position (0 where the label is ignored): training's loss, per token."""
+        weight = self.model.get_output_embeddings().weight
+        return token_losses(hidden, weight, labels, chunk_tokens=max(1, _LOGIT_ELEMENTS // weight.shape[0]))
 
     @torch.no_grad()
     def token_nll(self, ids: Tensor) -> Tensor:
@@ -194,7 +185,7 @@ class Engine:
                 f"length {seq_len} cannot be split by the {self.spec.layout} layout over {self.world_size} ranks; "
                 f"use lengths that are multiples of {self.unit}"
             )
-        labels = torch.cat([ids[1:], ids.new_full((1,), IGNORE)])  # shift on the full sequence, then shard
+        labels = torch.cat([ids[1:], ids.new_full((1,), IGNORE_INDEX)])  # shift on the full sequence, then shard
         hidden = self._prefill(ids)[0]
         nll = self._token_nll(hidden, self._local(labels[None].to(self.device), seq_len)[0])
         if self.group is not None:  # gathered on the device (NCCL needs device tensors)
