@@ -49,7 +49,6 @@ def test_liger_unknown_model_type():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_liger_kernels_match_the_model_on_gpu(monkeypatch):
     """bf16 logits and gradients of a tiny Qwen2 with and without the fused kernels."""
     pytest.importorskip("liger_kernel")

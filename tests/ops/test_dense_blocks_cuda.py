@@ -15,10 +15,7 @@ from mtraining.ops.sparse import attention_backward, attention_delta, attention_
 from mtraining.parallel import make_layout, ring_attention
 from tests.numerics import rel_err
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.cuda
 
 
 def randn(gen, *shape):
@@ -175,7 +172,7 @@ def _nccl_dense_worker(rank: int, world: int, store_path: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA GPUs")
+@pytest.mark.cuda(gpus=2)
 def test_dense_ring_nccl_cudnn_and_triton_match_reference(tmp_path):
     world = min(torch.cuda.device_count(), 4)
     torch.multiprocessing.spawn(_nccl_dense_worker, args=(world, str(tmp_path / "store")), nprocs=world)
