@@ -7,16 +7,8 @@ import torch
 
 from mtraining.models import Attention, attention, bind, build_config, build_model
 from mtraining.ops.pattern.estimate import PatternConfig
+from tests.configs import SMALL
 
-SMALL = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
 ARCHS = {
     "qwen2": {},
     "qwen3": {"head_dim": 8},

@@ -17,17 +17,9 @@ import mtraining.ops.sparse.attention as sparse_ops
 from mtraining.models import Attention, attention, bind, build_model
 from mtraining.ops.pattern.estimate import PatternConfig
 from mtraining.train.loss import CausalLMLoss
+from tests.configs import SMALL
 
-MODEL = dict(
-    model_type="qwen2",
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
+MODEL = dict(model_type="qwen2", **SMALL)
 SPARSE = PatternConfig(v_size=8, s_size=16, last_q=8, block_size=16, sink_tokens=2, local_window=16)
 
 

@@ -11,18 +11,7 @@ import torch
 from mtraining.models import build_model
 from mtraining.models.fused import use_liger_kernels
 from mtraining.train.config import parse_config
-
-TINY = dict(
-    model_type="qwen2",
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    tie_word_embeddings=True,
-)
+from tests.configs import TINY
 
 
 def test_liger_needs_cuda_and_names_the_fix():
