@@ -344,13 +344,7 @@ def ruler(
                 checkpoint, opts, prefill_granule, grid, haystack, text_field, seed, samples, max_new_tokens
             )
             result = run_ruler(s.engine, s.loaded.tokenizer, task_list, grid, prompting)
-            settings = {
-                "lengths": grid,
-                "tasks": task_list,
-                "samples": samples,
-                "seed": seed,
-                "max_new_tokens": max_new_tokens,
-            }
+            settings = _generated(grid, task_list, prompting)
         _save_table(s, "ruler", "RULER-style tasks", settings, result)
 
     _run("ruler", nproc, body)
@@ -397,13 +391,7 @@ def infinitebench(
             s.check(grid, generate=True)
             prompting = Prompting(samples, seed, max_new_tokens=max_new_tokens, show_progress=s.root)
             result = run_infinitebench(s.engine, s.loaded.tokenizer, task_list, grid, prompting)
-            settings = {
-                "lengths": grid,
-                "tasks": task_list,
-                "samples": samples,
-                "seed": seed,
-                "max_new_tokens": max_new_tokens,
-            }
+            settings = _generated(grid, task_list, prompting)
         _save_table(s, "infinitebench", "InfiniteBench", settings, result)
 
     _run("infinitebench", nproc, body)
@@ -450,6 +438,17 @@ class _Files:
             "truncate": self.truncate,
             "max_new_tokens": self.max_new_tokens,
         }
+
+
+def _generated(lengths: list[int], tasks: list[str], prompting: Prompting) -> dict:
+    """The settings of a ruler or infinitebench command whose prompts are generated from a seed."""
+    return {
+        "lengths": lengths,
+        "tasks": tasks,
+        "samples": prompting.samples,
+        "seed": prompting.seed,
+        "max_new_tokens": prompting.max_new_tokens,
+    }
 
 
 def _from_files(
