@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from mtraining.data.cache import TokenCache
-from mtraining.data.tokenizer import TextTokenizer
+from mtraining.data.documents import DataError
+from mtraining.data.tokenizer import TextTokenizer, Tokenizer
 from mtraining.eval.loading import load_tokenizer
 
 DATA = Path(__file__).resolve().parents[2] / "data"
@@ -76,3 +77,12 @@ def test_token_cache_keys_are_unchanged(tmp_path):
     entry = TokenCache(tmp_path / "cache").tokenize(source, tok, "text", EOS, log=lambda _: None)
     assert Path(entry.path).stem == "e1268ddd4f58aa6cf90f8b019903a1d29b4f3d9860997bd6fc0cb7c8e6856b7c"
     assert entry.open().tolist() == [*IDS[:8], EOS]
+
+
+def test_train_and_eval_share_one_class_and_only_exact_files_key_caches(folders, tmp_path):
+    assert type(TextTokenizer(folders["eos"])) is type(load_tokenizer(folders["eos"])) is Tokenizer
+    source = tmp_path / "docs.jsonl"
+    source.write_text(json.dumps({"text": "Who?"}) + "\n")
+    auto = Tokenizer.from_folder(folders["eos"], add_special_tokens=False)  # what AutoTokenizer makes of a folder
+    with pytest.raises(DataError, match="token caches need one"):
+        TokenCache(tmp_path / "cache").tokenize(source, auto, "text", EOS)
