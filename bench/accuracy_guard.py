@@ -68,7 +68,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
-from common import RESULTS_DIR, command_line, commit, device_name  # noqa: E402
+from common import RESULTS_DIR, provenance  # noqa: E402
 
 from mtraining.data.tokenizer import TextTokenizer  # noqa: E402
 from mtraining.eval.documents import Haystack, filler_sentences  # noqa: E402
@@ -693,9 +693,7 @@ def main() -> None:
         gap = (sparse["final_loss"] - dense["final_loss"]) / dense["final_loss"]
     result = dict(
         name="accuracy_guard",
-        device=device_name() if args.device == "cuda" else "cpu",
-        commit=commit(),
-        command=command_line(),
+        **provenance(on_gpu=args.device == "cuda"),
         arch=args.arch,
         model_config=ARCHS[args.arch],
         seq_len=args.seq_len,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..data.cache import TokenCache
 from ..data.documents import DataError, file_kind, find_files
-from ..data.tokenizer import TextTokenizer
+from ..data.tokenizer import TextTokenizer, Tokenizer
 from ..data.tokens import TokenStream, open_token_file
 from .agree import agree
 from .config import Config
@@ -43,7 +43,7 @@ def tokenizer_path(cfg: Config) -> str | None:
     return cfg.data.tokenizer or cfg.model.path
 
 
-def _tokenizer(cfg: Config, text_files: list) -> TextTokenizer | None:
+def _tokenizer(cfg: Config, text_files: list) -> Tokenizer | None:
     if not text_files:
         return None
     path = tokenizer_path(cfg)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mtraining.data.tokenizer import TextTokenizer
+from mtraining.data.tokenizer import TextTokenizer, Tokenizer
 from mtraining.parallel.layout import make_layout
 from mtraining.train.config import parse_config
 from mtraining.train.data import load_sources, open_sources
@@ -30,7 +30,7 @@ def _config(tmp_path: Path, sources: list, **data) -> object:
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> TextTokenizer:
+def tokenizer() -> Tokenizer:
     return TextTokenizer(DATA / "tokenizer.json")
 
 
