@@ -1,0 +1,62 @@
+"""Packed documents through the rings (flat and hierarchical, every layout) against the float64 oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtraining.ops import Documents
+from mtraining.parallel import make_layout
+from mtraining.parallel.ring.plan import document_plan, plan_ring
+from tests.factories import make_documents
+from tests.rings import LAYOUTS, SEQ, G, check_ring
+
+
+def documents(kind: str, world: int, seed: int, batch: int = 1) -> Documents:
+    return make_documents(kind, SEQ[world], G, torch.Generator().manual_seed(seed), batch)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout_name", LAYOUTS)
+@pytest.mark.parametrize(
+    "kind,docs_kind", [("random", "mixed"), ("causal", "quarters"), ("local_sinks", "spanning"), ("random", "short")]
+)
+def test_ring_with_documents_matches_oracle(pool, world, layout_name, kind, docs_kind):
+    docs = documents(docs_kind, world, world + len(kind))
+    check_ring(pool, world, layout_name, kind, torch.float64, seed=world, documents=docs)
+
+
+@pytest.mark.parametrize("layout_name", LAYOUTS)
+@pytest.mark.parametrize("docs_kind", ["mixed", "quarters"])
+def test_hierarchical_ring_with_documents(pool, layout_name, docs_kind):
+    ring = dict(ring="hierarchical", inner_size=2)
+    check_ring(pool, 4, layout_name, "random", seed=3, ring=ring, documents=documents(docs_kind, 4, 5))
+
+
+def test_ring_documents_gqa_batch_rows_float32(pool):
+    """Per-row documents for a batch of two, GQA 6:2, float32, strided inputs."""
+    docs = documents("mixed", 3, 8, batch=2)
+    check_ring(pool, 3, "striped", "local_sinks", torch.float32, b=2, hq=6, hkv=2, seed=4, strided=True, documents=docs)
+
+
+@pytest.mark.parametrize("layout_name,kind", [("zigzag", "causal"), ("striped", "random")])
+def test_ring_documents_triton_interpreter(pool, layout_name, kind):
+    docs = make_documents("mixed", 128, G, torch.Generator().manual_seed(6))
+    check_ring(pool, 2, layout_name, kind, torch.float32, seed=3, backend="triton", tol=2e-5, n=128, documents=docs)
+
+
+def test_steps_without_keys_of_the_rows_documents_are_skipped():
+    """Contiguous layout, four documents of one rank each: a rank's only computing step is its own; the
+    striped layout with one document spanning all ranks computes every visible step."""
+    n, world = SEQ[4], 4
+    q = k = torch.zeros(1, n // world, 2, 16)
+    quarters = Documents.from_lengths([n // 4] * 4)
+    layout = make_layout("contiguous", n, world, G)
+    for rank in range(world):
+        plan = plan_ring(q, k, None, layout, rank, 1.0, "torch", quarters)
+        assert [step is not None for step in plan.steps] == [src == rank for src in range(world)]
+        assert plan_ring(q, k, None, layout, rank, 1.0, "torch").steps[0] is not None  # causal: rank 0's keys
+    striped = make_layout("striped", n, world, G)
+    spanning = Documents.from_lengths([3, n - 3])
+    for rank in range(world):
+        assert document_plan(spanning, striped, rank, q.device).visible == (True,) * world
