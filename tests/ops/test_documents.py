@@ -11,9 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtraining.ops import Documents, attention_oracle, sparse_attention
+from mtraining.ops import Documents, PatternConfig, attention_oracle, estimate_pattern, sparse_attention
 from mtraining.ops.dense import dense_backend
 from mtraining.ops.documents import resolve_documents
+from mtraining.ops.pattern import estimate
+from mtraining.ops.pattern.estimate import select_lines
 from mtraining.ops.sparse import attention_backward, attention_delta, attention_forward
 from mtraining.ops.sparse import index as ki
 from mtraining.parallel import make_layout
@@ -292,3 +294,62 @@ def test_kept_pairs_and_density_count_the_document_mask(kind, docs_kind, batch):
     assert torch.allclose(pattern.density(docs), kept / lse_dense.exp().sum(-1).round())
     _, lse_all = attention_oracle(q64, k64, k64, pattern)
     assert torch.equal(pattern.kept_pairs(), lse_all.exp().sum(-1).round())
+
+
+# --------------------------------------------------------------------------- estimation
+def brute_document_scores(q, k, docs, last_q, scale):
+    """(vertical, slash) [B, Hq, N] float64: the last ``last_q`` rows of each document (all of a shorter one)
+    against their own document's keys, softmax-normalised within it, by brute force."""
+    b, n, hq, _ = q.shape
+    group = hq // k.shape[2]
+    vertical = torch.zeros(b, hq, n, dtype=torch.float64)
+    slash = torch.zeros(b, hq, n, dtype=torch.float64)
+    for bi in range(b):
+        row = min(bi, docs.batch - 1)
+        for start, length in zip(docs.starts[row].tolist(), docs.lengths(row).tolist()):
+            for i in range(start + length - min(last_q, length), start + length):
+                keys = torch.arange(start, i + 1)
+                kh = k[bi, keys].double().repeat_interleave(group, dim=1)  # [j, Hq, D]
+                p = torch.softmax(torch.einsum("hd,jhd->hj", q[bi, i].double(), kh) * scale, -1)
+                vertical[bi, :, keys] += p
+                slash[bi, :, i - keys] += p
+    return vertical, slash
+
+
+@pytest.mark.parametrize("docs_kind,batch", [("mixed", 2), ("short", 1), ("spanning", 1), ("quarters", 2)])
+def test_estimate_scores_each_document_against_its_own_keys(docs_kind, batch):
+    """The estimate with documents equals line selection on brute-force per-document scores; every document's
+    first sinks are forced; dropping the documents' bounds gives other scores (the check can fail)."""
+    gen = torch.Generator().manual_seed(len(docs_kind) * 3 + batch)
+    n, g, hq, hkv = 112, 16, 4, 2
+    q, k, _, _ = make_qkv(batch, n, n, hq, hkv, 16, torch.float64, gen)
+    docs = make_documents(docs_kind, n, g, gen, batch)
+    config = PatternConfig(v_size=40, s_size=48, last_q=8, block_size=g, sink_tokens=2, local_window=16)
+    pattern = estimate_pattern(q, k, config, documents=docs)
+    vertical, slash = brute_document_scores(q, k, docs, config.last_q, 0.25)
+    want = select_lines(vertical.float(), slash.float(), config, n, documents=docs)
+    assert torch.equal(pattern.vertical_mask(), want.vertical_mask())
+    assert torch.equal(pattern.diag_mask(), want.diag_mask())
+    sinks = estimate.document_sinks(docs, config.sink_tokens, q.device).expand(batch, hq, n)
+    enough = sinks.sum(-1) <= config.v_size
+    assert (pattern.vertical_mask() | ~sinks)[enough].all()  # every document's sinks where the budget allows
+    assert pattern.num_verticals.max() <= config.v_size
+    ignored = select_lines(*brute_document_scores(q, k, Documents.from_lengths([n]), config.last_q, 0.25), config, n)
+    assert not torch.equal(ignored.vertical_mask(), pattern.vertical_mask())
+
+
+def test_document_sinks_are_forced_earliest_first():
+    """More documents than the vertical budget holds sinks for: the earliest documents' sinks win."""
+    n = 64
+    docs = Documents.from_lengths([4] * 16)
+    config = PatternConfig(v_size=6, s_size=8, last_q=4, block_size=16, sink_tokens=2, local_window=4)
+    vertical = torch.rand(1, 1, n, generator=torch.Generator().manual_seed(0))
+    pattern = select_lines(vertical, torch.rand(1, 1, n), config, n, documents=docs)
+    assert pattern.vertical_pos[0, 0].tolist() == [0, 1, 4, 5, 8, 9]
+
+
+def test_scoring_rows_of_short_documents():
+    docs = Documents.from_lengths([3, 10, 1])
+    pos, bound = estimate.scoring_rows(docs, 0, 4)
+    assert pos.tolist() == [0, 1, 2, 9, 10, 11, 12, 13]
+    assert bound.tolist() == [0, 0, 0, 3, 3, 3, 3, 13]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from mtraining.ops import Documents
+from mtraining.ops import Documents, estimate_pattern
 from mtraining.parallel import make_layout
+from mtraining.parallel.estimate import estimate_pattern_cp
 from mtraining.parallel.ring.plan import document_plan, plan_ring
 from tests.factories import make_documents
-from tests.rings import LAYOUTS, SEQ, G, check_ring
+from tests.rings import CONFIGS, LAYOUTS, SEQ, G, check_ring, make_inputs
 
 
 def documents(kind: str, world: int, seed: int, batch: int = 1) -> Documents:
@@ -60,3 +62,33 @@ def test_steps_without_keys_of_the_rows_documents_are_skipped():
     spanning = Documents.from_lengths([3, n - 3])
     for rank in range(world):
         assert document_plan(spanning, striped, rank, q.device).visible == (True,) * world
+
+
+def estimate_case(group, layout_name, q, k, config, docs):
+    """Worker: the distributed estimate with documents from this rank's shards, as plain tensors."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    layout = make_layout(layout_name, q.shape[1], world, G)
+    p = estimate_pattern_cp(layout.shard(q, rank), layout.shard(k, rank), config, group, layout, documents=docs)
+    return p.block_diags, p.num_diags, p.vertical_pos, p.num_verticals
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout_name", LAYOUTS)
+@pytest.mark.parametrize("docs_kind,batch", [("mixed", 2), ("spanning", 1), ("short", 1)])
+def test_distributed_estimate_with_documents_equals_single_device(pool, world, layout_name, docs_kind, batch):
+    n, config = SEQ[world], CONFIGS["topk"]
+    q, k, _, _ = make_inputs(world, batch, n, 4, 2, torch.float64, rope=True)
+    docs = documents(docs_kind, world, 11, batch)
+    ref = estimate_pattern(q, k, config, documents=docs)
+    expected = (ref.block_diags, ref.num_diags, ref.vertical_pos, ref.num_verticals)
+    for rank_result in pool.run(estimate_case, world, layout_name, q, k, config, docs):
+        for got, want in zip(rank_result, expected):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("layout_name", LAYOUTS)
+def test_ring_estimated_with_documents_matches_oracle(pool, layout_name):
+    """The ring estimates the pattern with documents and runs it: the oracle of the single-device estimate."""
+    check_ring(pool, 4, layout_name, "threshold", torch.float32, seed=2, documents=documents("mixed", 4, 3))
+    check_ring(pool, 2, layout_name, "topk", torch.float64, seed=1, ring=dict(ring="hierarchical", inner_size=1),
+               documents=documents("spanning", 2, 4))  # fmt: skip

@@ -20,7 +20,8 @@ default positions, else fetched in one device sync (passes 1 and 2 take one to s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import check_qkv, default_positions, resolve_scale
+from ..documents import Documents, resolve_documents
 from ..numerics import acc_dtype, matmul_acc
 from .budgets import Budgets, load_budgets
 from .vertical_slash import VerticalSlashPattern, line_lists
@@ -206,13 +208,20 @@ def _pieces(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def last_query_partial_lse(
-    q_last: Tensor, q_last_pos: Tensor, k: Tensor, k_pos: Tensor, scale: float, plan: PositionPlan | None = None
+    q_last: Tensor,
+    q_last_pos: Tensor,
+    k: Tensor,
+    k_pos: Tensor,
+    scale: float,
+    plan: PositionPlan | None = None,
+    row_bound: Tensor | None = None,
 ) -> Tensor:
     """Float32 LSE [B, Hq, R] of the rows q_last [B, R, Hq, D] over the keys k [B, Sk, Hkv, D].
 
     Causal by global position; -inf where none of these keys is allowed. Partial LSEs over
     disjoint key sets combine exactly with ``torch.logaddexp`` (or logsumexp over ranks).
     ``plan``: ``PositionPlan.from_positions(q_last_pos, k_pos)`` if already known (saves its device sync).
+    ``row_bound`` [R]: packed documents, the first key position each row may see (its document's start).
     """
     q_last_pos, k_pos = _check_line_inputs(q_last, q_last_pos, k, k_pos)
     plan = _checked_plan(plan, q_last_pos, k_pos)
@@ -221,8 +230,8 @@ def last_query_partial_lse(
     lse = None
     for start, stop, _, partly_causal in plan.chunks(b * hq * r):
         s = grouped_scores(qg, k[:, start:stop].permute(0, 2, 3, 1)).mul_(scale).view(b, hq, r, stop - start)
-        if partly_causal:
-            s.masked_fill_(k_pos[start:stop] > q_last_pos[:, None], float("-inf"))
+        if partly_causal or row_bound is not None:
+            s.masked_fill_(_hidden(q_last_pos, k_pos[start:stop], row_bound), float("-inf"))
         part = torch.logsumexp(s, dim=-1)  # rows with no key here: -inf
         lse = part if lse is None else torch.logaddexp(lse, part)
     return lse.float()
@@ -238,6 +247,7 @@ def line_scores(
     row_lse: Tensor,
     seq_len: int,
     plan: PositionPlan | None = None,
+    row_bound: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Vertical and slash scores of the rows q_last over the keys k, given the global row LSE.
 
@@ -248,7 +258,8 @@ def line_scores(
     ``PositionPlan.run``), slash sums are strided diagonal sums: no atomics for one contiguous run,
     one small ``index_add_`` of per-run sums otherwise. Other positions add every probability with
     ``index_add_`` (on CUDA the order of float additions may then vary between runs unless
-    torch.use_deterministic_algorithms(True)). ``plan``: as in ``last_query_partial_lse``.
+    torch.use_deterministic_algorithms(True)). ``plan`` and ``row_bound`` (packed documents: rows then
+    take this general path): as in ``last_query_partial_lse``.
     """
     q_last_pos, k_pos = _check_line_inputs(q_last, q_last_pos, k, k_pos)
     b, r, hq, _ = q_last.shape
@@ -270,6 +281,8 @@ def line_scores(
     lse_rows = row_lse.to(acc).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)[..., None]  # rows seeing no key: 0
     vertical = torch.empty(b, hq, plan.keys, dtype=torch.float32, device=qg.device)
     slash = torch.zeros(bh, seq_len + 1, dtype=acc, device=qg.device)  # last slot: non-causal pairs
+    if row_bound is not None:  # rows of several documents: not one run of consecutive positions
+        plan = replace(plan, run=0)
     for start, stop, run, partly_causal in plan.chunks(bh * r):
         if run:
             # keys reversed within each run, then R zero columns: diagonals become strided views (_diagonal_sums)
@@ -294,8 +307,8 @@ def line_scores(
         else:
             p = grouped_scores(qg, k[:, start:stop].permute(0, 2, 3, 1)).view(b, hq, r, stop - start)
             p.mul_(scale).sub_(lse_rows)
-            if partly_causal:
-                p.masked_fill_(k_pos[start:stop] > q_last_pos[:, None], float("-inf"))
+            if partly_causal or row_bound is not None:
+                p.masked_fill_(_hidden(q_last_pos, k_pos[start:stop], row_bound), float("-inf"))
             p.exp_()
             vertical[..., start:stop] = p.sum(dim=-2)
             offsets = q_last_pos[:, None] - k_pos[start:stop]
@@ -305,14 +318,21 @@ def line_scores(
 
 @torch.no_grad()
 def select_lines(
-    vertical_scores: Tensor, slash_scores: Tensor, config: PatternConfig, seq_len: int, layer_idx: int = 0
+    vertical_scores: Tensor,
+    slash_scores: Tensor,
+    config: PatternConfig,
+    seq_len: int,
+    layer_idx: int = 0,
+    documents: Documents | None = None,
 ) -> VerticalSlashPattern:
     """Pick the lines of every head from global scores and build the pattern.
 
     vertical_scores [B, Hq, seq_len] (index = key position), slash_scores [B, Hq, seq_len]
     (index = offset). Keeps the top budget lines per head (see PatternConfig.threshold for the
     mass mode), always including sinks and the local window. Ties go to the lower index, so
-    identical scores give an identical pattern on every rank. One device sync.
+    identical scores give an identical pattern on every rank. One device sync. With packed
+    ``documents`` the sinks are the first ``sink_tokens`` of every document, forced while the vertical
+    budget lasts (earlier documents first).
     """
     if not isinstance(config, PatternConfig):
         raise ValueError(f"config must be a PatternConfig, got {type(config).__name__}")
@@ -327,13 +347,21 @@ def select_lines(
             "have one shape and device"
         )
     budgets = config._budget_lists(layer_idx, vertical_scores.shape[1], seq_len)
-    return _select_lines(vertical_scores, slash_scores, config, seq_len, *budgets)
+    documents = resolve_documents(documents, vertical_scores.shape[0], seq_len)
+    return _select_lines(vertical_scores, slash_scores, config, seq_len, *budgets, documents)
 
 
 def _select_lines(
-    vertical_scores: Tensor, slash_scores: Tensor, config: PatternConfig, seq_len: int, v_budget, s_budget
+    vertical_scores: Tensor,
+    slash_scores: Tensor,
+    config: PatternConfig,
+    seq_len: int,
+    v_budget,
+    s_budget,
+    documents: Documents | None = None,
 ) -> VerticalSlashPattern:
-    verticals = _top_lines(vertical_scores, v_budget, config.sink_tokens, config.threshold)
+    sinks = None if documents is None else document_sinks(documents, config.sink_tokens, vertical_scores.device)
+    verticals = _top_lines(vertical_scores, v_budget, config.sink_tokens, config.threshold, sinks)
     slashes = _top_lines(slash_scores, s_budget, config.local_window, config.threshold)
     lists = line_lists(verticals, slashes, seq_len, config.block_size)
     named = (("vertical_scores", vertical_scores), ("slash_scores", slash_scores))
@@ -355,12 +383,15 @@ def estimate_pattern(
     k_pos: Tensor | None = None,
     layer_idx: int = 0,
     softmax_scale: float | None = None,
+    documents: Documents | None = None,
 ) -> VerticalSlashPattern:
     """Single-device estimate: q [B, Sq, Hq, D], k [B, S, Hkv, D] holding the whole sequence.
 
     The ``config.last_q`` rows with the largest positions score the lines. Positions default to
     keys 0..S-1 and queries the last Sq of them; k_pos must hold each of 0..S-1 once. With default
     positions the position plan is known on the host: one device sync in all (``select_lines``).
+    With packed ``documents`` (default positions, Sq = S) the last ``last_q`` rows of every document score
+    against their own document's keys (``scoring_rows``) and every document's first sinks are forced.
     """
     if not isinstance(config, PatternConfig):
         raise ValueError(f"config must be a PatternConfig, got {type(config).__name__}")
@@ -371,6 +402,19 @@ def estimate_pattern(
         raise ValueError(f"last_q ({last_q}) exceeds the {sq} query rows; lower last_q to at most {sq}")
     budgets = config._budget_lists(layer_idx, hq, seq_len)  # fail on budgets before any work
     scale = resolve_scale(softmax_scale, d)
+    documents = resolve_documents(documents, b, seq_len)
+    if documents is not None:
+        if q_pos is not None or k_pos is not None or sq != seq_len:
+            raise ValueError(
+                "estimating with documents needs every query of the sequence at default positions (q and k of "
+                "the whole packed sequence); under context parallelism use estimate_pattern_cp"
+            )
+        keys = torch.arange(seq_len)
+        each = documents.batch > 1  # per batch row where the rows' boundaries differ
+        rows = [document_scores(q[i : i + 1] if each else q, keys, k[i : i + 1] if each else k, keys, scale,
+                                documents, i, config.last_q) for i in range(b if each else 1)]  # fmt: skip
+        vertical, slash = (torch.cat(parts) for parts in zip(*rows))
+        return _select_lines(vertical, slash, config, seq_len, *budgets, documents)
     given_k = k_pos is not None
     if q_pos is None and not given_k and sq <= seq_len:  # keys 0..S-1, queries the last Sq of them
         q_last = q[:, sq - last_q :]
@@ -398,7 +442,80 @@ def estimate_pattern(
     return _select_lines(vertical, slash, config, seq_len, *budgets)
 
 
+# --------------------------------------------------------------------------- packed documents
+def scoring_rows(documents: Documents, row: int, last_q: int) -> tuple[Tensor, Tensor]:
+    """(positions, left bounds) int64 CPU [R] of the rows that score the lines of batch row ``row``: the last
+    min(last_q, length) positions of every document (a document shorter than ``last_q`` scores with all
+    its rows), in ascending order."""
+    starts = documents.starts[min(row, documents.batch - 1)]
+    lengths = documents.lengths(min(row, documents.batch - 1))
+    take = lengths.clamp(max=last_q)
+    ends = starts + lengths
+    pos = torch.cat([torch.arange(e - t, e) for e, t in zip(ends.tolist(), take.tolist())])
+    return pos, torch.repeat_interleave(starts, take)
+
+
+def document_scores(
+    q: Tensor,
+    q_pos: Tensor,
+    k: Tensor,
+    k_pos: Tensor,
+    scale: float,
+    documents: Documents,
+    row: int,
+    last_q: int,
+    share_rows: Callable[[Tensor], Tensor] | None = None,
+    share_lse: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(vertical [1, Hq, Sk] in k's order, slash [1, Hq, N]) scores of batch row ``row`` (q, k: [1, ...])
+    from its scoring rows (``scoring_rows``), each row against its own document's keys.
+
+    q_pos, k_pos: int64 CPU, the global position of each row of q and k (host-known: no device sync).
+    Under context parallelism ``share_rows`` completes the scoring rows (those q does not hold are zero)
+    and ``share_lse`` combines the partial row LSE over the ranks; None: q and k hold the whole sequence.
+    """
+    pos, bound = scoring_rows(documents, row, last_q)
+    local = torch.searchsorted(q_pos, pos).clamp(max=q_pos.shape[0] - 1)
+    held = (q_pos[local] == pos)[None, :, None, None].to(q.device)
+    q_last = torch.where(held, q.index_select(1, local.to(q.device)), 0.0)
+    if share_rows is not None:
+        q_last = share_rows(q_last)
+    late = torch.nonzero(k_pos > int(pos[0])).flatten()
+    plan = PositionPlan(
+        pos.numel(), k_pos.numel(), int(pos[0]), int(pos[-1]), int(k_pos.min()), int(k_pos.max()), 0,
+        (int(late[0]), int(late[-1])) if late.numel() else None,
+    )  # fmt: skip
+    pos, bound, k_dev = pos.to(q.device), bound.to(q.device), k_pos.to(k.device)
+    lse = last_query_partial_lse(q_last, pos, k, k_dev, scale, plan, bound)
+    if share_lse is not None:
+        lse = share_lse(lse)
+    return line_scores(q_last, pos, k, k_dev, scale, lse, documents.seq_len, plan, bound)
+
+
+def document_sinks(documents: Documents, sink_tokens: int, device: torch.device) -> Tensor:
+    """Boolean [B or 1, 1, N]: the first ``sink_tokens`` positions of every document (forced verticals)."""
+
+    def build() -> Tensor:
+        mask = torch.zeros(documents.batch, 1, documents.seq_len, dtype=torch.bool)
+        for b in range(documents.batch):
+            starts, lengths = documents.starts[b], documents.lengths(b).clamp(max=sink_tokens)
+            sinks = torch.repeat_interleave(starts, lengths)
+            sinks += torch.arange(sinks.numel()) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+            mask[b, 0, sinks] = True
+        return mask.to(device)
+
+    return documents.cached(("sinks", sink_tokens, device), build)
+
+
 # --------------------------------------------------------------------------- helpers
+def _hidden(q_pos: Tensor, k_pos: Tensor, row_bound: Tensor | None) -> Tensor:
+    """Boolean [R, C]: pairs a row may not see (later keys; with ``row_bound``, keys before its document)."""
+    hidden = k_pos[None, :] > q_pos[:, None]
+    if row_bound is not None:
+        hidden |= k_pos[None, :] < row_bound[:, None]
+    return hidden
+
+
 def _check_int(value: object, name: str, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r}")
@@ -466,8 +583,11 @@ def _add_contiguous(slash: Tensor, sums: Tensor, d_lo: int) -> None:
     slash[:, lo : d_lo + sums.shape[1]].add_(sums[:, lo - d_lo :])
 
 
-def _top_lines(scores: Tensor, budget: list[int], forced: int, threshold: float | None) -> Tensor:
-    """Kept line indices [B, H, max budget], -1 padded: forced lines 0..forced-1, then by score."""
+def _top_lines(
+    scores: Tensor, budget: list[int], forced: int, threshold: float | None, forced_mask: Tensor | None = None
+) -> Tensor:
+    """Kept line indices [B, H, max budget], -1 padded: forced lines 0..forced-1 (or those of ``forced_mask``
+    [B or 1, 1, N], lowest first while the budget lasts), then by score."""
     b, h, n = scores.shape
     width = max(budget)
     same = min(budget) == width  # every head keeps `width` lines in top-k mode: no padding
@@ -477,7 +597,10 @@ def _top_lines(scores: Tensor, budget: list[int], forced: int, threshold: float 
     for lo in range(0, h, step):
         part = scores[:, lo : lo + step]
         key = part.clone()
-        if forced:
+        if forced_mask is not None:
+            key.masked_fill_(forced_mask, float("inf"))
+            forced = forced_mask.sum(-1)  # [B or 1, 1]
+        elif forced:
             key[..., :forced].fill_(float("inf"))
         order = torch.sort(key, dim=-1, descending=True, stable=True).indices
         del key

@@ -123,7 +123,9 @@ def ring_attention(
     schedule = _schedule(group, ring, inner_size, q, outer_comm)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     if pattern_config is not None:
-        pattern = estimate_pattern_cp(q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale)
+        pattern = estimate_pattern_cp(
+            q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale, documents
+        )
     plan = plan_ring(q, k, pattern, layout, dist.get_rank(group), scale, name, documents)
     out, lse = RingAttention.apply(q, k, v, plan, schedule, reuse)
     return (out, lse) if return_lse else out
