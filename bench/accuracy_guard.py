@@ -70,9 +70,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 from common import RESULTS_DIR, command_line, commit, device_name  # noqa: E402
 
+from mtraining.data.tokenizer import TextTokenizer  # noqa: E402
 from mtraining.eval.documents import Haystack, filler_sentences  # noqa: E402
 from mtraining.eval.tasks import _build_niah, _build_vt, _keys, _numbers, _render  # noqa: E402  (same format as the eval)
-from mtraining.train.data import TextTokenizer  # noqa: E402
 
 TOKENIZER = ROOT / "data" / "tokenizer.json"
 GOAL = 0.02  # sparse final loss within 2% of dense
@@ -255,7 +255,8 @@ def read_metrics(folder: Path) -> list[dict]:
     path = folder / "log" / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    return [r for r in rows if "event" not in r]  # step rows (start / resume markers left out)
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -651,7 +652,7 @@ def main() -> None:
     deadline = t_start + args.deadline_minutes * 60
     out = args.out or RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
-    work = args.work or Path(tempfile.mkdtemp(prefix="accuracy_guard_"))
+    work = (args.work or Path(tempfile.mkdtemp(prefix="accuracy_guard_"))).resolve()  # configs hold absolute paths
     work.mkdir(parents=True, exist_ok=True)
     LOG.append(out / "accuracy_guard.log")
     LOG[0].write_text("")

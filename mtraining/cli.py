@@ -2,7 +2,8 @@
 and the evaluation suite under ``mtraining eval`` (ppl, niah, ruler, infinitebench, report).
 
 Run under torchrun for several ranks (``torchrun --nproc_per_node 4 -m mtraining.cli train ...``)
-or let ``--nproc N`` start torchrun for you on this machine.
+or let ``--nproc N`` start torchrun for you (with ``--nnodes/--node-rank/--rdzv-endpoint`` on each
+node of a multi-node job).
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ app.add_typer(eval_app, name="eval")
 
 
 def _fail(err: Exception | str, code: int = 2, prefix: str = "error") -> None:
-    typer.secho(f"{prefix}: {err}", fg=typer.colors.RED if prefix == "error" else typer.colors.YELLOW, err=True)
+    """Print the error and exit with ``code``. A SharedError (train/agree.py) is every rank's: rank 0 reports it."""
+    from .train.agree import SharedError
+
+    if not isinstance(err, SharedError) or int(os.environ.get("RANK", "0")) == 0:
+        typer.secho(f"{prefix}: {err}", fg=typer.colors.RED if prefix == "error" else typer.colors.YELLOW, err=True)
     raise typer.Exit(code)
 
 
@@ -32,27 +37,49 @@ def _fail(err: Exception | str, code: int = 2, prefix: str = "error") -> None:
     "143 SIGTERM: the ranks finished the step and saved a checkpoint, run the same command to resume."
 )
 def train(
-    config: Path = typer.Argument(..., help="YAML config (see configs/)."),
+    config: Path = typer.Argument(
+        ..., help="YAML config (see configs/); relative paths in it are relative to its folder."
+    ),
     overrides: list[str] = typer.Argument(None, help="section.key=value overrides, e.g. train.steps=10."),
-    nproc: int = typer.Option(1, "--nproc", help="Start this many local ranks with torchrun (CPU: gloo, GPU: NCCL)."),
+    nproc: int = typer.Option(
+        1,
+        "--nproc",
+        help="Start this many ranks on this machine with torchrun (CPU: gloo, GPU: NCCL; one per GPU). Alone it is "
+        "a single-node job; with --nnodes/--node-rank/--rdzv-endpoint it is the ranks of this node.",
+    ),
+    nnodes: int = typer.Option(
+        1, "--nnodes", help="Nodes of a multi-node job: run this same command on every node with its --node-rank."
+    ),
+    node_rank: int = typer.Option(None, "--node-rank", help="This node's index, 0 .. nnodes-1 (multi-node)."),
+    rdzv_endpoint: str = typer.Option(
+        None, "--rdzv-endpoint", help="HOST:PORT of node 0, where the nodes meet (multi-node; a free port)."
+    ),
 ) -> None:
     """Train a model as the config says (resumes from the newest checkpoint in checkpoint.dir that verifies).
+
+    One node: `mtraining train CONFIG --nproc 8`. Several: on node n of N, `mtraining train CONFIG --nproc 8
+    --nnodes N --node-rank n --rdzv-endpoint NODE0:29500` (torchrun with the same options works too:
+    `torchrun --nnodes N --node-rank n --rdzv-endpoint NODE0:29500 --nproc-per-node 8 -m mtraining.cli train
+    CONFIG`). Before starting the ranks the launcher checks the config, output folders, data, tokenizer and
+    model once and tokenises text sources into the token cache.
 
     SIGTERM (preemption) makes the ranks finish the current step, save a checkpoint and exit 143.
     """
     from .train.config import load_config
-    from .train.outputs import check_output_dirs
 
     overrides = overrides or []
     try:
         cfg = load_config(config, overrides)
-        if nproc > 1 and "RANK" not in os.environ:
-            from .train.torchrun import launch
+        launcher = nproc > 1 or nnodes > 1 or node_rank is not None or rdzv_endpoint is not None
+        if launcher and "RANK" not in os.environ:
+            from .train.preflight import preflight
+            from .train.torchrun import launch, torchrun_command
 
-            cfg.check_world_size(nproc)
-            check_output_dirs(cfg)
-            args = ["--standalone", f"--nproc_per_node={nproc}", "-m", "mtraining.cli", "train", str(config)]
-            raise typer.Exit(launch([*args, *overrides]))
+            args = torchrun_command(nproc, nnodes, node_rank, rdzv_endpoint)
+            for warning in preflight(cfg, nproc * nnodes, nproc):
+                typer.secho(warning, fg=typer.colors.YELLOW, err=True)
+            args += ["-m", "mtraining.cli", "train", str(config), *overrides]
+            raise typer.Exit(launch(args))
     except ValueError as err:
         _fail(err)
     from .train.distributed import shutdown
@@ -108,28 +135,36 @@ def export(
 @app.command()
 def tokenize(
     config: Path = typer.Argument(..., help="YAML config whose data.sources and tokenizer to use."),
-    out: Path = typer.Argument(..., help="Output .npy token file (use it as data.sources: [OUT.npy])."),
+    out: Path = typer.Argument(None, help="Also write every source's tokens, concatenated, to this .npy file."),
     overrides: list[str] = typer.Option([], "--set", help="section.key=value overrides."),
 ) -> None:
-    """Tokenise the config's text sources once into a token file, so ranks need not tokenise at start."""
-    import numpy as np
-
+    """Tokenise the config's text sources into the token cache now (e.g. on a login node before a job), so
+    ranks only memory-map them; with OUT, also write all sources end to end as one token file."""
     from .train.config import load_config
-    from .train.data import TextTokenizer, token_stream
+    from .train.data import load_sources
 
     try:
         cfg = load_config(config, overrides)
-        d = cfg.data
-        tok_path = d.tokenizer or cfg.model.path
-        stream = token_stream(
-            d.sources, TextTokenizer(tok_path) if tok_path else None, d.text_field, d.separator, d.token_dtype
-        )
+        sources = load_sources(cfg, tokenize=True, log=typer.echo)
     except ValueError as err:
         _fail(err)
-    dtype = np.uint16 if stream.max() < 2**16 else np.uint32
-    out.parent.mkdir(parents=True, exist_ok=True)
-    np.save(out, stream.astype(dtype))
-    typer.echo(f"wrote {len(stream)} tokens ({np.dtype(dtype).name}) to {out}")
+    for s in sources:
+        typer.echo(f"{s.name}: {s.files} files, {len(s.stream):,} tokens, largest id {s.max_id}")
+    if out is not None:
+        import numpy as np
+
+        dtype = np.uint16 if max(s.max_id for s in sources) < 1 << 16 else np.uint32
+        total = sum(len(s.stream) for s in sources)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        target = np.lib.format.open_memmap(out, mode="w+", dtype=dtype, shape=(total,))
+        done = 0
+        for s in sources:
+            for start in range(0, len(s.stream), 1 << 24):
+                window = s.stream.read(start, min(len(s.stream), start + (1 << 24)))
+                target[done : done + len(window)] = window
+                done += len(window)
+        target.flush()
+        typer.echo(f"wrote {total} tokens ({np.dtype(dtype).name}) to {out}")
 
 
 if __name__ == "__main__":

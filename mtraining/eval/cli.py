@@ -85,6 +85,8 @@ class _Session:
     """Loaded model, tokenizer, context-parallel group and engine for one command on this rank."""
 
     def __init__(self, checkpoint: Path, opts: SessionOptions, granule: int = 2048) -> None:
+        import torch.distributed as dist
+
         from .engine import AttentionSpec, Engine
         from .loading import load, pick_device
         from .runtime import init_group, is_root
@@ -96,6 +98,8 @@ class _Session:
         self.opts = opts
         self.group = init_group(pick_device(opts.device))
         self.root = is_root(self.group)
+        world_size = 1 if self.group is None else dist.get_world_size(self.group)
+        inner_size = opts.ring_inner_size(world_size)
         self.loaded = load(checkpoint, opts.tokenizer, opts.config, opts.device, opts.dtype)
         self.spec = AttentionSpec(
             sparse=opts.attention == "sparse",
@@ -105,6 +109,8 @@ class _Session:
             pattern=pattern,
             prefill_granule=granule,
             dense_layers=layers,
+            ring=opts.ring,
+            inner_size=inner_size,
         )
         self.spec.pattern_config()  # validate the sparse options before any work
         self.engine = Engine(self.loaded.model, self.spec, self.group)
@@ -165,6 +171,8 @@ class _Session:
             if self.engine.densities
             else None,
             "layout": self.spec.layout,
+            "ring": self.spec.ring,
+            "inner_size": self.spec.inner_size,
             "prefill_granule": self.spec.prefill_granule,
             "block_size": self.spec.block_size,
             "world_size": self.engine.world_size,

@@ -9,6 +9,9 @@
   RULER's evaluate.py scores: string_match_part for its qa tasks, string_match_all for the others,
   with its answer budgets per task family (niah 128 tokens, vt 30, cwe 120, fwe 50, qa 32).
 
+Files (``--data``: files, globs or folders of .jsonl, also gzipped) are found and read by the shared
+reader (mtraining.data.documents), whose errors name the file and line.
+
 ``place`` puts each record in the smallest asked length that holds its prompt and answer, in the
 model's tokenizer. A record longer than the largest length is refused with a message naming the fix,
 or with ``truncate`` cut in the middle to fit it, as InfiniteBench's scripts cut prompts to 128K.
@@ -16,10 +19,10 @@ or with ``truncate`` cut in the middle to fit it, as InfiniteBench's scripts cut
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from ..data.documents import KINDS, find_files, read_records
 from . import infinitebench
 from .answers import score_samples, task_grid
 from .engine import Engine
@@ -42,37 +45,23 @@ RULER_FAMILIES = {
 def _jsonl_files(paths: Sequence[str | Path]) -> list[Path]:
     if not paths:
         raise ValueError("no data given; pass --data with a .jsonl file or a directory of them")
-    files: list[Path] = []
-    for raw in paths:
-        path = Path(raw)
-        if not path.exists():
-            raise ValueError(f"data path {path} does not exist; pass the benchmark's .jsonl files or their directory")
-        found = [path] if path.is_file() else sorted(path.rglob("*.jsonl"))
-        if not found:
-            raise ValueError(f"directory {path} holds no .jsonl files; point --data at the benchmark's files")
-        files += found
-    return files
+    return [file for path in paths for file in find_files(path, ("jsonl",))]
+
+
+def _stem(path: Path) -> str:
+    """The file name without its JSONL ending (passkey.jsonl.gz -> passkey)."""
+    ending = next(e for e in sorted(KINDS["jsonl"], key=len, reverse=True) if path.name.lower().endswith(e))
+    return path.name[: -len(ending)]
 
 
 def _records(path: Path, limit: int | None) -> Iterator[tuple[int, dict]]:
-    """(line number, record) of the first ``limit`` records of a JSONL file."""
-    count = 0
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if limit is not None and count >= limit:
-                return
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{path}:{line_no} is not valid JSON ({e.msg}); use one JSON object per line"
-                ) from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{line_no} is a {type(record).__name__}, not a JSON object")
-            count += 1
-            yield line_no, record
+    """(line number, record) of the first ``limit`` records of a JSONL file (the shared reader's)."""
+    for count, (line_no, record) in enumerate(read_records(path)):
+        if limit is not None and count >= limit:
+            return
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{line_no} is a JSON {type(record).__name__}, not an object")
+        yield line_no, record
 
 
 def _load(
@@ -106,7 +95,8 @@ def infinitebench_samples(
             if task not in tasks:
                 raise ValueError(f"unknown InfiniteBench task {task!r}; use one of {', '.join(tasks)}")
             return task
-        named = [t for t in tasks if path.stem == t or path.stem.startswith(t + "_")]
+        stem = _stem(path)
+        named = [t for t in tasks if stem == t or stem.startswith(t + "_")]
         if not named:
             raise ValueError(
                 f"cannot tell the InfiniteBench task of {path} from its name; name it TASK.jsonl or pass --task, "
@@ -143,7 +133,8 @@ def ruler_samples(
     def task_of(path: Path) -> str:
         if task is not None:
             return task
-        return path.parent.name if path.stem in ("validation", "test") else path.stem
+        stem = _stem(path)
+        return path.parent.name if stem in ("validation", "test") else stem
 
     return _load(paths, limit, task_of, lambda t, r: _ruler_sample(t, r, max_new_tokens))
 

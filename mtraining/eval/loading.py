@@ -100,11 +100,12 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 def _training_checkpoint(path: Path, config: str | Path) -> tuple[nn.Module, str | None]:
     """(model with the checkpoint's weights, tokenizer path from the config) of a training checkpoint."""
     from ..train.config import load_config
+    from ..train.data import tokenizer_path
     from ..train.export import load_trained_model
 
     cfg = load_config(config)
     model, _ = load_trained_model(cfg, path, report=lambda line: print(line, file=sys.stderr))  # verified first
-    return model, cfg.data.tokenizer or cfg.model.path
+    return model, tokenizer_path(cfg)
 
 
 def load(
@@ -139,8 +140,18 @@ def load(
     tok = load_tokenizer(path, tokenizer, fallback)
     target = pick_device(device)
     model = model.to(device=target, dtype=pick_dtype(dtype, target)).eval()
-    name = path.name if path.name not in ("", ".") else path.resolve().name
-    return Loaded(model, tok, name, getattr(model.config, "max_position_embeddings", None))
+    return Loaded(model, tok, checkpoint_name(path), getattr(model.config, "max_position_embeddings", None))
+
+
+def checkpoint_name(path: Path) -> str:
+    """A name for a checkpoint in labels and result folders: its path relative to the working directory
+    (absolute outside it) with '_' for '/', so runs/a/export and runs/b/export do not collide."""
+    full = path.resolve()
+    try:
+        parts = full.relative_to(Path.cwd()).parts
+    except ValueError:
+        parts = full.parts[1:]
+    return "_".join(parts) or full.name
 
 
 def check_rope_range(lengths: list[int], extra: int, max_positions: int | None, allow: bool) -> None:

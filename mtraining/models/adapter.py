@@ -54,6 +54,8 @@ class AttentionContext:
         max_density: a layer whose estimated pattern keeps more than this fraction of the causal
             pairs runs dense for that call (sparse kernels are slower than dense there); None: never.
         backend: "auto", "torch" or "triton".
+        ring: "flat" or "hierarchical" (``ring_attention``'s ring); ``inner_size``: ranks per inner ring
+            of the hierarchical ring (default there: LOCAL_WORLD_SIZE).
         record: what each sparse layer records in ``stats``: nothing, density, or density and recall
             (recall costs about one more estimation pass). The trainer turns it off for the backward
             pass, where activation checkpointing recomputes the forward.
@@ -77,6 +79,8 @@ class AttentionContext:
     min_sparse_len: int = 0
     max_density: float | None = None
     backend: str = "auto"
+    ring: Literal["flat", "hierarchical"] = "flat"
+    inner_size: int | None = None
     record: Literal["off", "density", "recall"] = "density"
     stats: dict[int, PatternStats] = field(default_factory=dict)
     replay_patterns: dict[int, VerticalSlashPattern | None] | None = None
@@ -155,6 +159,8 @@ def mtraining_attention(
             return_lse=True,
             backend=ctx.backend,
             layer_idx=layer,
+            ring=ctx.ring,
+            inner_size=ctx.inner_size if ctx.ring == "hierarchical" else None,
             reuse=reuse,
         )
     else:

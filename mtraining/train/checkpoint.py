@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from .agree import all_gather, from_rank0
 from .errors import SaveFailed
 
 MANIFEST = "manifest.json"
@@ -65,14 +66,6 @@ def checkpoints(root: str | Path | None) -> list[Path]:
 
 def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    if not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def _barrier() -> None:
@@ -111,7 +104,7 @@ def save_checkpoint(
         mine = {p.name: _describe(p) for p in sorted(partial.glob(f"__{rank}_*.distcp"))}
     except (Exception, CheckpointException) as err:
         raise write_error(err, final, "saving checkpoint") from None
-    files = {name: info for part in _all_gather(mine) for name, info in part.items()}
+    files = {name: info for part in all_gather(mine) for name, info in part.items()}
     failure = None
     if rank == 0:
         try:
@@ -122,18 +115,10 @@ def save_checkpoint(
             _commit(partial, final)
         except OSError as err:
             failure = write_error(err, final, "saving checkpoint")
-    failure = _from_rank0(failure)  # every rank learns whether the commit worked
+    failure = from_rank0(failure)  # every rank learns whether the commit worked
     if failure is not None:
         raise failure
     return final
-
-
-def _from_rank0(obj: Any) -> Any:
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _write_json(path: Path, payload: dict) -> None:
@@ -243,7 +228,7 @@ def verify_checkpoint(path: str | Path) -> str | None:
         problems = [str(err)]
     except OSError as err:
         problems = [f"{path.name} cannot be read ({err})"]
-    found = list(dict.fromkeys(p for part in _all_gather(problems) for p in part))
+    found = list(dict.fromkeys(p for part in all_gather(problems) for p in part))
     return "; ".join(found) if found else None
 
 

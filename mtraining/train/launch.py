@@ -8,7 +8,7 @@ once one rank has failed the others get ``grace_s`` to answer (a peer blocked in
 the failed rank would otherwise wait out the group's timeout) before they are killed. The "fork" start method
 reuses the parent's imports (torch, transformers), so start-up takes well under a second; ``fn``
 must then not rely on state the parent created after importing (open process groups, threads).
-For real jobs use torchrun (``mtraining train --nproc N``).
+For real jobs use torchrun (``mtraining train --nproc N``, on one node or several: train/torchrun.py).
 """
 
 from __future__ import annotations

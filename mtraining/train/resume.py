@@ -2,15 +2,18 @@
 
 ``describe_run`` is recorded in every checkpoint's manifest: the model (its Hugging Face config and
 every parameter's shape), the tokenizer (SHA-256 of its files), the world shape, the schedule
-(``train.steps`` and the optim section: the learning rate of a step is a function of them) and the
-data settings. ``check_resume`` compares it with the run about to continue from it:
+(``train.steps`` and the optim section: the learning rate of a step is a function of them; the
+micro-batches per step) and the data settings. ``check_resume`` compares it with the run about to continue from it:
 
 - another model (parameter names or shapes differ): refused;
 - the same shapes with another HF config or tokenizer: refused unless ``checkpoint.allow_changed_model``;
-- another schedule or optimizer setting: refused unless ``checkpoint.allow_changed_schedule`` (the
-  message gives the learning rate of the next step both ways);
+- another schedule or optimizer setting (train.steps, the optim section, the micro-batches per step:
+  train.grad_accum or data.global_batch_tokens): refused unless ``checkpoint.allow_changed_schedule``
+  (the message gives the learning rate of the next step both ways);
 - ``train.steps`` below the checkpoint's step: refused;
-- another world shape or data settings: said, not refused (the data order then differs).
+- another world shape or data settings: said, not refused (the data order then differs); settings
+  that change neither the gradients nor the data (train.defer_grad_sync, parallel.ring, data.cache_dir)
+  are not recorded.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch import nn
 
 from .checkpoint import checkpoints, file_digest, load_checkpoint, newest_verified
 from .config import Config
+from .data import tokenizer_path
 from .optim import lr_at, set_hyperparameters
 
 # HF config fields that say nothing about the weights or the computation
@@ -34,8 +38,14 @@ _VOLATILE = frozenset(
     | {"output_attentions", "output_hidden_states", "id2label", "label2id", "problem_type"}
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
-_SCHEDULE_KEYS = ("train.steps",)
+# beside the optim section, what makes an optimizer step: its learning rate is a function of
+# train.steps, and its micro-batches (train.grad_accum, or data.global_batch_tokens) decide how many
+# tokens it averages over; the defaults stand for a run recorded before those keys existed
+_SCHEDULE_KEYS = ("train.steps", "train.grad_accum", "data.global_batch_tokens")
+_SCHEDULE_DEFAULTS = {"train.grad_accum": 1, "data.global_batch_tokens": None}
 _DATA_KEYS = ("train.seed",)
+# data keys that change neither the tokens nor their order
+_NOT_DATA = ("data.cache_dir",)
 
 
 def model_identity(hf_config, state_dict: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -73,10 +83,10 @@ def describe_run(cfg: Config, model: dict[str, Any], data_parallel: int, context
     """What a checkpoint of this run belongs to (JSON values, as the manifest stores them)."""
     run = {
         "model": model,
-        "tokenizer": tokenizer_digest(cfg.data.tokenizer or cfg.model.path),
+        "tokenizer": tokenizer_digest(tokenizer_path(cfg)),
         "world": {"parallel.data": data_parallel, "parallel.context": context_parallel},
         "schedule": _flat(cfg, "optim", _SCHEDULE_KEYS),
-        "data": _flat(cfg, "data", _DATA_KEYS),
+        "data": {k: v for k, v in _flat(cfg, "data", _DATA_KEYS).items() if k not in _SCHEDULE_KEYS + _NOT_DATA},
     }
     return json.loads(json.dumps(run))
 
@@ -135,7 +145,7 @@ def check_resume(saved: dict, current: dict, step: int, cfg: Config, where: str)
             if not ck.allow_changed_model:
                 raise ValueError(
                     f"{where} was trained with another tokenizer (its files differ from "
-                    f"{cfg.data.tokenizer or cfg.model.path}); use that tokenizer, or set "
+                    f"{tokenizer_path(cfg)}); use that tokenizer, or set "
                     "checkpoint.allow_changed_model=true to continue with this one"
                 )
             notes.append("continuing with a changed tokenizer")
@@ -146,7 +156,7 @@ def check_resume(saved: dict, current: dict, step: int, cfg: Config, where: str)
         )
     if not saved:
         return [f"{where} records no run (an older format): its model and schedule are not checked"]
-    old, new = saved["schedule"], current["schedule"]
+    old, new = {**_SCHEDULE_DEFAULTS, **saved["schedule"]}, current["schedule"]
     if changed := _differences(old, new):
         lr_old, lr_new = (
             lr_at(step, s["optim.lr"], s["optim.warmup_steps"], s["train.steps"], s["optim.min_lr_ratio"])

@@ -4,8 +4,10 @@ tested on small samples written here in those formats."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
+import shutil
 import statistics
 from pathlib import Path
 
@@ -172,6 +174,20 @@ def test_infinitebench_task_from_name_or_option(tmp_path):
         datafiles.infinitebench_samples([write_jsonl(tmp_path / "longbook_qa_eng.jsonl", [{"id": 0}])])
 
 
+def test_benchmark_files_go_through_the_shared_reader(tmp_path):
+    """Gzipped JSONL and globs, as for training data; a line that is not an object names file and line."""
+    folder = infinitebench_files(tmp_path / "ib")
+    raw = (folder / "passkey.jsonl").read_bytes()
+    (folder / "passkey.jsonl").unlink()
+    (folder / "passkey.jsonl.gz").write_bytes(gzip.compress(raw))
+    samples = datafiles.infinitebench_samples([str(folder / "pass*")])
+    assert [s.answers for s in samples] == [["71432"], ["06907"]] and samples[0].task == "passkey"
+    write_jsonl(tmp_path / "list" / "passkey.jsonl", [])
+    (tmp_path / "list" / "passkey.jsonl").write_text('["not", "an", "object"]\n')
+    with pytest.raises(ValueError, match="passkey.jsonl:1 is a JSON list, not an object"):
+        datafiles.infinitebench_samples([tmp_path / "list"])
+
+
 def test_bad_files_name_the_line_and_the_fix(tmp_path):
     bad = write_jsonl(tmp_path / "passkey.jsonl", [{"id": 0, "context": "x", "input": "q", "answer": ["1"]}, {"id": 1}])
     with pytest.raises(ValueError, match=r"passkey.jsonl:2: an InfiniteBench record needs .*found fields \['id'\]"):
@@ -183,7 +199,7 @@ def test_bad_files_name_the_line_and_the_fix(tmp_path):
         datafiles.infinitebench_samples([bad])
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "passkey.jsonl").write_text("{not json\n")
-    with pytest.raises(ValueError, match="passkey.jsonl:1 is not valid JSON"):
+    with pytest.raises(ValueError, match="passkey.jsonl:1: not valid JSON"):
         datafiles.infinitebench_samples([tmp_path / "broken"])
     with pytest.raises(ValueError, match="does not exist"):
         datafiles.ruler_samples([tmp_path / "missing"])
@@ -263,7 +279,12 @@ def test_pg19_parquet_and_arrow(tmp_path):
     )
     (saved / "dataset_info.json").write_text(json.dumps({"features": {}}, indent=2))
     (saved.parent / "dataset_dict.json").write_text(json.dumps({"splits": ["test"]}))
-    assert load_documents([saved.parent]) == ["One.", "Two."]
+    assert load_documents([saved.parent]) == ["One.", "Two."]  # a DatasetDict of one split: that split
+    cache = tmp_path / "cache" / "pg19" / "default" / "0.1.0" / "abc123"  # datasets' cache: no state.json
+    cache.mkdir(parents=True)
+    shutil.copy(saved / "data-00000-of-00001.arrow", cache / "pg19-test.arrow")
+    (cache / "dataset_info.json").write_text(json.dumps({"features": {}}, indent=2))
+    assert load_documents([tmp_path / "cache"]) == ["One.", "Two."]  # the metadata JSON is not a document
     with pa.ipc.new_file(tmp_path / "file.arrow", table.schema) as writer:  # the IPC file format too
         writer.write_table(table)
     assert load_documents([tmp_path / "file.arrow"]) == ["One.", "Two."]

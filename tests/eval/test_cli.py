@@ -312,27 +312,35 @@ def test_bad_input_names_the_fix(tiny, tmp_path):
         "ppl", tiny, "--data", CORPUS, *base[2:], "--lengths", "4096", "--allow-extrapolation"
     )
     assert "dense or sparse" in fails("niah", tiny, *base, "--attention", "sparsest")
+    assert "flat or hierarchical" in fails("niah", tiny, *base, "--ring", "star")
+    assert "--inner-size sizes the inner rings" in fails("niah", tiny, *base, "--inner-size", "2")
     assert "unknown tasks" in fails("ruler", tiny, *base, "--tasks", "niah_single,sudoku")
     assert "use a longer length" in fails("ruler", tiny, *base[2:], "--lengths", "64", "--tasks", "cwe")
 
 
-def test_torchrun_two_ranks_matches_one(tiny, tmp_path):
-    """`--nproc 2` relaunches under torchrun (gloo): same perplexity as one process."""
+def test_torchrun_two_ranks_match_one_on_either_ring(tiny, tmp_path):
+    """`--nproc 2` relaunches under torchrun (gloo): same perplexity as one process, on the flat ring and on the
+    hierarchical ring (--ring hierarchical --inner-size 1: two one-rank "nodes" joined by the outer ring)."""
     args = ["ppl", str(tiny), "--data", str(CORPUS), "--pack", "--lengths", "256", *FAST]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for nproc, out in ((2, "two"), (1, "one")):
-        cmd = [
-            sys.executable,
-            "-m",
-            "mtraining.eval.cli",
-            *args,
-            "--nproc",
-            str(nproc),
-            "--out-dir",
-            str(tmp_path / out),
-        ]
+    runs = {"two": ["--nproc", "2"], "hier": ["--nproc", "2", "--ring", "hierarchical", "--inner-size", "1"], "one": []}
+    for out, extra in runs.items():
+        cmd = [sys.executable, "-m", "mtraining.eval.cli", *args, *extra, "--out-dir", str(tmp_path / out)]
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
-    two, one = (json.loads((tmp_path / d / "ppl.json").read_text()) for d in ("two", "one"))
-    assert two["world_size"] == 2 and one["world_size"] == 1
-    assert two["result"][0]["ppl"] == pytest.approx(one["result"][0]["ppl"], rel=1e-5)
+    two, hier, one = (json.loads((tmp_path / d / "ppl.json").read_text()) for d in runs)
+    assert two["world_size"] == hier["world_size"] == 2 and one["world_size"] == 1
+    assert (two["ring"], hier["ring"], hier["inner_size"]) == ("flat", "hierarchical", 1)
+    for other in (two, hier):
+        assert other["result"][0]["ppl"] == pytest.approx(one["result"][0]["ppl"], rel=1e-5)
+
+
+def test_default_labels_tell_checkpoints_apart(tmp_path, monkeypatch):
+    """Every `.../export` used to be labelled export-dense: labels now carry the checkpoint's path."""
+    from mtraining.eval.loading import checkpoint_name
+
+    monkeypatch.chdir(tmp_path)
+    assert checkpoint_name(Path("runs/a/export")) == "runs_a_export"
+    assert checkpoint_name(Path("runs/b/export")) == "runs_b_export"
+    assert checkpoint_name(tmp_path / "runs" / "b" / "export") == "runs_b_export"
+    assert checkpoint_name(Path("/models/Qwen2.5-3B")) == "models_Qwen2.5-3B"

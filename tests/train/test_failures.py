@@ -125,6 +125,26 @@ def test_a_diverging_run_stops_with_exit_code_3_and_writes_no_nan(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def _finite_checks(cfg) -> tuple[list[tuple[int, float]], list[dict]]:
+    import mtraining.train.trainer as trainer
+
+    checked, check = [], trainer.check_finite
+
+    def spy(step, loss, grad_norm, last_checkpoint):
+        checked.append((step, loss))
+        check(step, loss, grad_norm, last_checkpoint)
+
+    trainer.check_finite = spy  # in this forked rank only
+    return checked, _train(cfg)
+
+
+def test_with_accumulation_the_divergence_check_runs_once_per_optimizer_step():
+    """Three micro-batches a step: one check per step, after all of them, on the loss of the whole step."""
+    checked, history = run_local(_finite_checks, 1, _config(*SMALL_BUDGET, "train.steps=2", "train.grad_accum=3"))[0]
+    assert [step for step, _ in checked] == [1, 2]
+    assert [loss for _, loss in checked] == [m["loss"] for m in history]
+
+
 # ---------------------------------------------------------------------------------------------- 2 signals
 def _tagged(tag: str) -> list[int]:
     """Processes whose environment carries ``tag`` (the launcher, torchrun and every rank inherit it)."""
@@ -136,6 +156,12 @@ def _tagged(tag: str) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def _step_rows(metrics: Path) -> list[dict]:
+    """The step rows of a metrics.jsonl (not its start/resume event rows)."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    return [r for r in rows if "event" not in r]
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
@@ -155,7 +181,7 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, sig, ranks):
         try:
             metrics = tmp_path / "metrics.jsonl"
             deadline = time.monotonic() + 240
-            while not (metrics.is_file() and metrics.read_text().strip()) and time.monotonic() < deadline:
+            while not _step_rows(metrics) and time.monotonic() < deadline:  # the first step is done
                 assert proc.poll() is None, (tmp_path / "out.txt").read_text()
                 time.sleep(0.5)
             proc.send_signal(sig)
@@ -172,7 +198,7 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, sig, ranks):
         assert code == 130 and "stopped: interrupted after step" in out, out[-3000:]
         return
     assert code == 143, out[-3000:]
-    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    last = _step_rows(metrics)[-1]["step"]
     assert f"stopped: SIGTERM: stopped after step {last}, saved {ck / f'step_{last:08d}'}" in out
     assert verify_checkpoint(ck / f"step_{last:08d}") is None
 
@@ -515,6 +541,8 @@ CHANGED_RUNS = [
     (["train.steps=8"], "allow_changed_schedule", "train.steps 2 -> 8: the learning rate of step 3 becomes"),
     (["optim.lr=0.001"], "allow_changed_schedule", "optim.lr 0.01 -> 0.001"),
     (["optim.weight_decay=0.0"], "allow_changed_schedule", "optim.weight_decay 0.1 -> 0.0"),
+    (["train.grad_accum=2"], "allow_changed_schedule", "train.grad_accum 1 -> 2"),  # tokens per step double
+    (["data.global_batch_tokens=256"], "allow_changed_schedule", "data.global_batch_tokens null -> 256"),
     (["data.tokenizer=null"], None, "data settings changed since step_00000002: data.tokenizer"),
     (["data.seq_len=256"], None, "data.seq_len 128 -> 256; the data order differs"),
     (["train.seed=3"], None, "train.seed 0 -> 3"),
@@ -534,6 +562,20 @@ def test_a_resume_that_changes_the_run_is_refused_or_said(trained, overrides, ke
     assert expected in msg and f"checkpoint.{key}=true" in msg
     allowed = cfg.model_copy(update={"checkpoint": cfg.checkpoint.model_copy(update={key: True})})
     assert any(expected in n for n in check_resume(saved, current, 2, allowed, "step_00000002"))
+
+
+def test_settings_that_change_neither_gradients_nor_data_resume_silently(trained):
+    """Reducing gradients once per step, the ring's shape and the token cache's folder are not a changed run;
+    a record written before train.grad_accum and data.global_batch_tokens existed reads as their defaults."""
+    from mtraining.train.resume import check_resume
+
+    cfg, current, saved = _current(
+        ["train.defer_grad_sync=true", "parallel.ring=hierarchical", "parallel.inner_size=1", "data.cache_dir=/x"],
+        trained,
+    )
+    assert check_resume(saved, current, 2, cfg, "step_00000002") == []
+    older = {**saved, "schedule": {k: v for k, v in saved["schedule"].items() if k.startswith(("optim.", "train.st"))}}
+    assert check_resume(older, current, 2, cfg, "step_00000002") == []
 
 
 def test_a_changed_model_config_or_world_shape(trained):
