@@ -8,6 +8,11 @@ context-parallel group in a layout. Unbound modules run dense causal attention o
 
 HF hands over query [B, Hq, S, D] and key/value [B, Hkv, S, D]; we pass transposed *views* in our
 [B, S, H, D] convention, so K/V heads are never repeated for GQA.
+
+Packed documents: the context's ``documents`` (set by the trainer per micro-batch: global boundaries)
+restrict every query to its own document. Without them, a single-device call whose ``position_ids``
+restart at 0 inside a row (Hugging Face's packed convention, as flash-attention's varlen path reads
+it) gets the documents those resets mark.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Literal
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..ops.documents import Documents
 from ..ops.pattern import VerticalSlashPattern
 from ..ops.pattern.estimate import PatternConfig, estimate_pattern
 from ..ops.sparse.attention import sparse_attention
@@ -66,6 +72,8 @@ class AttentionContext:
             under activation checkpointing: the forward recomputed in the backward is then exactly
             the forward, without a second estimation.
         replay: see ``replay_patterns``.
+        documents: packed documents of the current micro-batch (global boundaries, ``ops.Documents``),
+            set by the trainer before its forward and kept for the recompute; None: one document per row.
         replay_outputs: None, or a dict in which each layer's forward keeps its attention (out, lse)
             while ``replay`` is False, and from which the recomputed forward (``replay`` True) takes
             them back instead of running attention again: one [B, S, Hq, D] output per layer held
@@ -86,6 +94,8 @@ class AttentionContext:
     replay_patterns: dict[int, VerticalSlashPattern | None] | None = None
     replay: bool = False
     replay_outputs: dict[int, tuple[Tensor, Tensor]] | None = None
+    documents: Documents | None = None
+    _position_documents: tuple[Tensor, int, Documents] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.cp_size > 1 and self.layout is None:
@@ -95,6 +105,19 @@ class AttentionContext:
                 f"layout is for {self.layout.world_size} ranks but the context-parallel group has {self.cp_size}; "
                 "build the layout with the group's size"
             )
+
+    def documents_for(self, position_ids: Tensor | None, seq_len: int) -> Documents | None:
+        """The documents of this call: ``documents``, else (single device) those marked by packed
+        ``position_ids`` [B, S] restarting at 0 (read once per position-id tensor: one device sync)."""
+        if self.documents is not None or self.cp_size > 1 or position_ids is None:
+            return self.documents
+        if position_ids.shape[-1] != seq_len:
+            return None  # decoding with a cache: one row of queries, no boundaries to read
+        held = self._position_documents
+        if held is None or held[0] is not position_ids or held[1] != position_ids._version:
+            held = (position_ids, position_ids._version, Documents.from_position_ids(position_ids))
+            self._position_documents = held
+        return held[2]
 
     @property
     def cp_size(self) -> int:
@@ -131,18 +154,19 @@ def mtraining_attention(
             f"sliding-window attention (window {sliding_window}) is not supported; set the model config's "
             "sliding_window: null (and use_sliding_window: false)"
         )
-    ctx: AttentionContext = getattr(module, CONTEXT_ATTR, None) or AttentionContext()
+    ctx: AttentionContext = getattr(module, CONTEXT_ATTR, None) or _DEFAULT
     layer = int(getattr(module, "layer_idx", 0) or 0)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     cp = ctx.cp_size > 1
+    documents = ctx.documents_for(kwargs.get("position_ids"), q.shape[1] if q.shape[1] == k.shape[1] else -1)
     config = ctx.sparse_for(layer, ctx.layout.seq_len if cp else k.shape[1])
     pattern = None
     saved = ctx.replay_patterns
     if config is not None and ctx.replay and saved is not None and layer in saved:
         pattern = saved.pop(layer)
     elif config is not None:
-        pattern = _decide(ctx, config, layer, q, k, scale, cp)
+        pattern = _decide(ctx, config, layer, q, k, scale, cp, documents)
         if saved is not None:
             saved[layer] = pattern
     outputs = ctx.replay_outputs
@@ -162,21 +186,40 @@ def mtraining_attention(
             ring=ctx.ring,
             inner_size=ctx.inner_size if ctx.ring == "hierarchical" else None,
             reuse=reuse,
+            documents=documents,
         )
     else:
         out, lse = sparse_attention(
-            q, k, v, pattern, softmax_scale=scale, return_lse=True, backend=ctx.backend, reuse=reuse
+            q,
+            k,
+            v,
+            pattern,
+            softmax_scale=scale,
+            return_lse=True,
+            backend=ctx.backend,
+            reuse=reuse,
+            documents=documents,
         )
     if outputs is not None and not ctx.replay:
         outputs[layer] = (out.detach(), lse)
     return out, None
 
 
-def _decide(ctx: AttentionContext, config: PatternConfig, layer: int, q: Tensor, k: Tensor, scale: float, cp: bool):
-    """This layer's pattern for this call (None: run dense), with its stats recorded as asked."""
-    pattern = _estimate(ctx, config, layer, q.detach(), k.detach(), scale)
+def _decide(
+    ctx: AttentionContext,
+    config: PatternConfig,
+    layer: int,
+    q: Tensor,
+    k: Tensor,
+    scale: float,
+    cp: bool,
+    documents: Documents | None,
+):
+    """This layer's pattern for this call (None: run dense), with its stats recorded as asked (density:
+    of the pairs within documents, what dense attention computes)."""
+    pattern = _estimate(ctx, config, layer, q.detach(), k.detach(), scale, documents)
     measured = ctx.record != "off" or ctx.max_density is not None
-    density = float(pattern.density().mean()) if measured else None
+    density = float(pattern.density(documents).mean()) if measured else None
     # the same decision on every rank: the pattern, so its density, is global
     ran_dense = ctx.max_density is not None and density > ctx.max_density
     if ctx.record != "off":
@@ -188,11 +231,24 @@ def _decide(ctx: AttentionContext, config: PatternConfig, layer: int, q: Tensor,
     return None if ran_dense else pattern
 
 
-def _estimate(ctx: AttentionContext, config: PatternConfig, layer: int, q: Tensor, k: Tensor, scale: float):
+def _estimate(
+    ctx: AttentionContext,
+    config: PatternConfig,
+    layer: int,
+    q: Tensor,
+    k: Tensor,
+    scale: float,
+    documents: Documents | None,
+):
     """The global pattern of this layer from the current q/k (identical on every rank of the ring)."""
     if ctx.cp_size > 1:
-        return estimate_pattern_cp(q, k, config, ctx.group, ctx.layout, layer_idx=layer, softmax_scale=scale)
-    return estimate_pattern(q, k, config, layer_idx=layer, softmax_scale=scale)
+        return estimate_pattern_cp(
+            q, k, config, ctx.group, ctx.layout, layer_idx=layer, softmax_scale=scale, documents=documents
+        )
+    return estimate_pattern(q, k, config, layer_idx=layer, softmax_scale=scale, documents=documents)
+
+
+_DEFAULT = AttentionContext()  # unbound modules: dense causal on one device
 
 
 def no_mask(attention_mask: Tensor | None = None, **kwargs) -> None:
