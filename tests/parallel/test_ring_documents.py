@@ -10,8 +10,19 @@ from mtraining.ops import Documents, estimate_pattern
 from mtraining.parallel import make_layout
 from mtraining.parallel.estimate import estimate_pattern_cp
 from mtraining.parallel.ring.plan import document_plan, plan_ring
-from tests.factories import make_documents
-from tests.rings import CONFIGS, LAYOUTS, SEQ, G, check_ring, make_inputs
+from tests.factories import make_documents, make_pattern
+from tests.rings import (
+    CONFIGS,
+    LAYOUTS,
+    SEQ,
+    TOL,
+    G,
+    assert_gathered_close,
+    check_ring,
+    make_inputs,
+    reference,
+    ring_case,
+)
 
 
 def documents(kind: str, world: int, seed: int, batch: int = 1) -> Documents:
@@ -92,3 +103,24 @@ def test_ring_estimated_with_documents_matches_oracle(pool, layout_name):
     check_ring(pool, 4, layout_name, "threshold", torch.float32, seed=2, documents=documents("mixed", 4, 3))
     check_ring(pool, 2, layout_name, "topk", torch.float64, seed=1, ring=dict(ring="hierarchical", inner_size=1),
                documents=documents("spanning", 2, 4))  # fmt: skip
+
+
+def unbounded_ring_case(group, *args):
+    """Worker: ``ring_case`` with the documents' left bounds dropped (every row bounded by position 0)."""
+    real = Documents.left_bounds
+    Documents.left_bounds = lambda self, pos: torch.zeros(1, pos.numel(), dtype=torch.int32, device=pos.device)
+    try:
+        return ring_case(group, *args)
+    finally:
+        Documents.left_bounds = real
+
+
+@pytest.mark.parametrize("layout_name", ["contiguous", "striped"])
+def test_dropping_the_bound_fails_in_the_ring(pool, layout_name):
+    """The ring checks can fail: without the left bounds the ring computes across documents."""
+    docs = documents("mixed", 4, 1)
+    inputs = make_inputs(1, 1, SEQ[4], 4, 2, torch.float64)
+    pattern = make_pattern("random", 1, 4, SEQ[4], G, 2)
+    results = pool.run(unbounded_ring_case, 4, layout_name, inputs, pattern, None, None, "torch", False, None, docs)
+    with pytest.raises(AssertionError):
+        assert_gathered_close(results, layout_name, reference(inputs, pattern, None, docs), TOL[torch.float64])
