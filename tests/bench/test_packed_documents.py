@@ -15,7 +15,7 @@ def test_packed_lengths_fill_the_sequence():
 
 def test_cpu_run_checks_against_the_oracle_and_records_every_figure(tmp_path):
     argv = "--device cpu --check --seq-len 256 --min-doc 8 --max-doc 96 --block-size 16 --heads-q 2 --heads-kv 1"
-    argv += " --head-dim 16 --v-size 32 --s-size 64 --world 2 --layouts striped contiguous"
+    argv += " --head-dim 16 --v-size 32 --s-size 64 --world 2 --layouts striped contiguous --dense-causal"
     record = packed_documents.main([*argv.split(), "--out", str(tmp_path)])
     assert record["check"]["passed"], record["check"]
     saved = json.loads((tmp_path / "packed_documents.json").read_text())[0]
