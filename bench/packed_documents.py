@@ -10,7 +10,7 @@ documents, and without them for the unmasked case). Timed forward + backward on 
   independent baseline, cuDNN SDPA called once per document;
 - ``sparse_nodocs``: today's sparse attention across documents with its own pattern, with
   ``documents=None`` and with one document per sequence (``Documents.from_lengths([N])``: must cost the same);
-- ``dense_causal`` (with ``--dense-causal``: about a minute at 512K): dense causal over the whole sequence.
+- ``dense_causal`` (with ``--dense-causal``; the whole causal grid, the slowest case): dense causal over the sequence.
 Goals (issue 16): one document per sequence no slower than today; ``sparse_docs`` within 1.3x of
 (masked density x ``dense_docs``); per-rank imbalance <= 1.1 on the striped layout. The per-rank figures
 come from emulated ranks on this GPU: each rank's ring steps (``parallel.ring.plan_ring``: skipped steps
