@@ -313,6 +313,6 @@ class Attention:
             recall = None
             if record == "recall":
                 group, layout = (self.group, self.layout) if cp else (None, None)
-                recall = pattern_recall(q, k, pattern, config.last_q, scale, group, layout)
+                recall = pattern_recall(q, k, pattern, config.last_q, scale, group, layout, documents)
             self._stats[layer] = PatternStats(density=density, recall=recall, ran_dense=ran_dense)
         return None if ran_dense else pattern
