@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -213,20 +213,13 @@ def _pieces(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
 
 @torch.no_grad()
 def last_query_partial_lse(
-    q_last: Tensor,
-    q_last_pos: Tensor,
-    k: Tensor,
-    k_pos: Tensor,
-    scale: float,
-    plan: PositionPlan | None = None,
-    row_bound: Tensor | None = None,
+    q_last: Tensor, q_last_pos: Tensor, k: Tensor, k_pos: Tensor, scale: float, plan: PositionPlan | None = None
 ) -> Tensor:
     """Float32 LSE [B, Hq, R] of the rows q_last [B, R, Hq, D] over the keys k [B, Sk, Hkv, D].
 
     Causal by global position; -inf where none of these keys is allowed. Partial LSEs over
     disjoint key sets combine exactly with ``torch.logaddexp`` (or logsumexp over ranks).
     ``plan``: ``PositionPlan.from_positions(q_last_pos, k_pos)`` if already known (saves its device sync).
-    ``row_bound`` [R]: packed documents, the first key position each row may see (its document's start).
     """
     q_last_pos, k_pos = _check_line_inputs(q_last, q_last_pos, k, k_pos)
     plan = _checked_plan(plan, q_last_pos, k_pos)
@@ -235,8 +228,8 @@ def last_query_partial_lse(
     lse = None
     for start, stop, _, partly_causal in plan.chunks(b * hq * r):
         s = grouped_scores(qg, k[:, start:stop].permute(0, 2, 3, 1)).mul_(scale).view(b, hq, r, stop - start)
-        if partly_causal or row_bound is not None:
-            s.masked_fill_(_hidden(q_last_pos, k_pos[start:stop], row_bound), float("-inf"))
+        if partly_causal:
+            s.masked_fill_(k_pos[start:stop] > q_last_pos[:, None], float("-inf"))
         part = torch.logsumexp(s, dim=-1)  # rows with no key here: -inf
         lse = part if lse is None else torch.logaddexp(lse, part)
     return lse.float()
@@ -252,7 +245,7 @@ def line_scores(
     row_lse: Tensor,
     seq_len: int,
     plan: PositionPlan | None = None,
-    row_bound: Tensor | None = None,
+    into: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Vertical and slash scores of the rows q_last over the keys k, given the global row LSE.
 
@@ -263,8 +256,9 @@ def line_scores(
     ``PositionPlan.run``), slash sums are strided diagonal sums: no atomics for one contiguous run,
     one small ``index_add_`` of per-run sums otherwise. Other positions add every probability with
     ``index_add_`` (on CUDA the order of float additions may then vary between runs unless
-    torch.use_deterministic_algorithms(True)). ``plan`` and ``row_bound`` (packed documents: rows then
-    take this general path): as in ``last_query_partial_lse``.
+    torch.use_deterministic_algorithms(True)). ``plan``: as in ``last_query_partial_lse``. ``into``: a
+    [B * Hq, seq_len + 1] buffer in the accumulation dtype to add the slash sums to (several calls over
+    disjoint rows, as packed documents make), else a new one.
     """
     q_last_pos, k_pos = _check_line_inputs(q_last, q_last_pos, k, k_pos)
     b, r, hq, _ = q_last.shape
@@ -285,9 +279,7 @@ def line_scores(
     acc = acc_dtype(qg)
     lse_rows = row_lse.to(acc).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)[..., None]  # rows seeing no key: 0
     vertical = torch.empty(b, hq, plan.keys, dtype=torch.float32, device=qg.device)
-    slash = torch.zeros(bh, seq_len + 1, dtype=acc, device=qg.device)  # last slot: non-causal pairs
-    if row_bound is not None:  # rows of several documents: not one run of consecutive positions
-        plan = replace(plan, run=0)
+    slash = torch.zeros(bh, seq_len + 1, dtype=acc, device=qg.device) if into is None else into  # last: non-causal
     for start, stop, run, partly_causal in plan.chunks(bh * r):
         if run:
             # keys reversed within each run, then R zero columns: diagonals become strided views (_diagonal_sums)
@@ -312,8 +304,8 @@ def line_scores(
         else:
             p = grouped_scores(qg, k[:, start:stop].permute(0, 2, 3, 1)).view(b, hq, r, stop - start)
             p.mul_(scale).sub_(lse_rows)
-            if partly_causal or row_bound is not None:
-                p.masked_fill_(_hidden(q_last_pos, k_pos[start:stop], row_bound), float("-inf"))
+            if partly_causal:
+                p.masked_fill_(k_pos[start:stop] > q_last_pos[:, None], float("-inf"))
             p.exp_()
             vertical[..., start:stop] = p.sum(dim=-2)
             offsets = q_last_pos[:, None] - k_pos[start:stop]
@@ -472,12 +464,15 @@ def document_scores(
     share_rows: Callable[[Tensor], Tensor] | None = None,
     share_lse: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(vertical [1, Hq, Sk] in k's order, slash [1, Hq, N]) scores of batch row ``row`` (q, k: [1, ...])
-    from its scoring rows (``scoring_rows``), each row against its own document's keys.
+    """(vertical [B, Hq, Sk] in k's order, slash [B, Hq, N]) scores of q, k ([B, ...]) from the scoring rows
+    of batch row ``row``'s documents (``scoring_rows``; B may be > 1 when the rows share boundaries).
 
-    q_pos, k_pos: int64 CPU, the global position of each row of q and k (host-known: no device sync).
-    Under context parallelism ``share_rows`` completes the scoring rows (those q does not hold are zero)
-    and ``share_lse`` combines the partial row LSE over the ranks; None: q and k hold the whole sequence.
+    Each document's rows are scored against its own keys only (the keys of k in its position range), one
+    document at a time, so the cost is that of one sequence's estimate: rows x keys of each document,
+    not of the whole sequence. q_pos, k_pos: int64 CPU, ascending global positions of q's and k's rows
+    (host-known: no device sync). Under context parallelism ``share_rows`` completes the scoring rows
+    (those q does not hold are zero) and ``share_lse`` combines the partial row LSEs over the ranks
+    (one call each for all documents); None: q and k hold the whole sequence.
     """
     pos, bound = scoring_rows(documents, row, last_q)
     local = torch.searchsorted(q_pos, pos).clamp(max=q_pos.shape[0] - 1)
@@ -485,16 +480,43 @@ def document_scores(
     q_last = torch.where(held, q.index_select(1, local.to(q.device)), 0.0)
     if share_rows is not None:
         q_last = share_rows(q_last)
-    late = torch.nonzero(k_pos > int(pos[0])).flatten()
-    plan = PositionPlan(
-        pos.numel(), k_pos.numel(), int(pos[0]), int(pos[-1]), int(k_pos.min()), int(k_pos.max()), 0,
-        (int(late[0]), int(late[-1])) if late.numel() else None,
-    )  # fmt: skip
-    pos, bound, k_dev = pos.to(q.device), bound.to(q.device), k_pos.to(k.device)
-    lse = last_query_partial_lse(q_last, pos, k, k_dev, scale, plan, bound)
+    b, _, hq, _ = q_last.shape
+    spans = _document_spans(pos, bound, k_pos)
+    pos_dev, k_dev = pos.to(q.device), k_pos.to(k.device)
+    parts = []
+    for r0, r1, k0, k1, plan in spans:  # partial LSE of each document's rows over its keys here
+        if plan is None:
+            parts.append(torch.full((b, hq, r1 - r0), float("-inf"), device=q.device))
+        else:
+            parts.append(
+                last_query_partial_lse(q_last[:, r0:r1], pos_dev[r0:r1], k[:, k0:k1], k_dev[k0:k1], scale, plan)
+            )
+    lse = torch.cat(parts, -1)
     if share_lse is not None:
         lse = share_lse(lse)
-    return line_scores(q_last, pos, k, k_dev, scale, lse, documents.seq_len, plan, bound)
+    n = documents.seq_len
+    vertical = torch.zeros(b, hq, k_pos.shape[0], dtype=torch.float32, device=k.device)
+    slash = torch.zeros(b * hq, n + 1, dtype=acc_dtype(q_last), device=q.device)
+    for r0, r1, k0, k1, plan in spans:
+        if plan is not None:
+            rows = slice(r0, r1)
+            v, _ = line_scores(q_last[:, rows], pos_dev[rows], k[:, k0:k1], k_dev[k0:k1], scale, lse[..., rows], n,
+                               plan, into=slash)  # fmt: skip
+            vertical[..., k0:k1] = v
+    return vertical, slash[:, :n].float().view(b, hq, n)
+
+
+def _document_spans(pos: Tensor, bound: Tensor, k_pos: Tensor) -> list[tuple[int, int, int, int, PositionPlan | None]]:
+    """Per document of the scoring rows ``pos`` (ascending, one run per document, ``bound`` its start): (first
+    row, end row, first key, end key of k_pos in the document, their PositionPlan or None without keys)."""
+    starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), bound[1:] != bound[:-1]])).flatten().tolist()
+    spans = []
+    for r0, r1 in zip(starts, [*starts[1:], pos.numel()]):
+        lo, hi = int(bound[r0]), int(pos[r1 - 1])  # the document's keys the rows see: lo..hi
+        k0, k1 = (int(i) for i in torch.searchsorted(k_pos, torch.tensor([lo, hi + 1])))
+        plan = PositionPlan.from_positions(pos[r0:r1], k_pos[k0:k1]) if k1 > k0 else None
+        spans.append((r0, r1, k0, k1, plan))
+    return spans
 
 
 def document_sinks(documents: Documents, sink_tokens: int, device: torch.device) -> Tensor:
@@ -513,14 +535,6 @@ def document_sinks(documents: Documents, sink_tokens: int, device: torch.device)
 
 
 # --------------------------------------------------------------------------- helpers
-def _hidden(q_pos: Tensor, k_pos: Tensor, row_bound: Tensor | None) -> Tensor:
-    """Boolean [R, C]: pairs a row may not see (later keys; with ``row_bound``, keys before its document)."""
-    hidden = k_pos[None, :] > q_pos[:, None]
-    if row_bound is not None:
-        hidden |= k_pos[None, :] < row_bound[:, None]
-    return hidden
-
-
 def _check_int(value: object, name: str, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r}")
