@@ -99,6 +99,7 @@ def emulated_rank_ms(q, k, v, do, pattern, layout, documents, timer) -> list[flo
                 out, lse = plan.attend(src, qr, shards[src][1], shards[src][2], torch.float32, out, lse)
             if out is None:
                 return
+            out = out.to(qr.dtype)  # as the ring's autograd op keeps it for the backward
             delta = attention_delta(dor, out)
             for src in range(layout.world_size):
                 plan.grads(src, dor, qr, shards[src][1], shards[src][2], out, lse, delta)
