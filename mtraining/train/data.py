@@ -43,6 +43,20 @@ def tokenizer_path(cfg: Config) -> str | None:
     return cfg.data.tokenizer or cfg.model.path
 
 
+def document_separator(cfg: Config) -> int | None:
+    """The token id that ends a document (data.separator, default the tokenizer's EOS) when
+    data.document_masking is on; None when it is off."""
+    if not cfg.data.document_masking:
+        return None
+    path = tokenizer_path(cfg)
+    if path is None:
+        raise DataError(
+            "data.document_masking finds documents by their separator token: set data.tokenizer (a tokenizer.json "
+            "or a model folder) so its id is known"
+        )
+    return TextTokenizer(path).separator_id(cfg.data.separator)
+
+
 def _tokenizer(cfg: Config, text_files: list) -> Tokenizer | None:
     if not text_files:
         return None
