@@ -504,6 +504,24 @@ def _eval_summary(task: str, result) -> str:
     return ", ".join(f"{n // 1024}K: {a:.0f}%" for n, a in zip(result["lengths"], result["average"]))
 
 
+def packed_documents_table() -> str:
+    """Packed documents at 512K (bench/packed_documents.py): fwd+bwd ms with and without document masking,
+    the gap to (masked density x dense with documents), the estimate's cost and the emulated ranks' balance."""
+    head = ["commit", "docs", "masked density", "sparse docs ms", "dense docs ms", "SDPA per doc ms",
+            "sparse no docs ms", "one doc / today", "over ideal", "estimate docs / no docs ms",
+            "striped time imbalance"]  # fmt: skip
+    lines = [_row(head), _row(["---"] * len(head))]
+    for r in reversed(_load("packed_documents")):
+        lines.append(_row([
+            r["commit"], r["documents"], f"{r['masked_density']:.3f}", f"{r['sparse_docs_fwd_bwd_ms']:.1f}",
+            f"{r['dense_docs_fwd_bwd_ms']:.1f}", f"{r['sdpa_per_document_fwd_bwd_ms']:.1f}",
+            f"{r['sparse_nodocs_fwd_bwd_ms']:.1f}", f"{r['one_document_over_today']:.3f}",
+            f"{r['sparse_docs_over_ideal']:.2f}", f"{r['estimate_docs_ms']:.1f} / {r['estimate_nodocs_ms']:.1f}",
+            f"{r['balance']['striped']['time_rank_imbalance']:.3f}",
+        ]))  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> None:
     for title, table in (
         ("sparse_attention", sparse_attention_table()),
@@ -513,6 +531,7 @@ def main() -> None:
         ("ring_attention", ring_table()),
         ("layout_balance", layout_balance_table()),
         ("estimate_cp", estimate_cp_table()),
+        ("packed_documents", packed_documents_table()),
         ("training", training_tables()),
         ("loss", loss_table()),
         ("recall_cost", recall_table()),
