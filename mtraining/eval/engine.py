@@ -162,26 +162,29 @@ class Engine:
         return out.last_hidden_state
 
     # ------------------------------------------------------------------ loss
-    def _token_nll(self, hidden: Tensor, labels: Tensor) -> Tensor:
-        """float32 [S] loss of each position (0 where the label is ignored), lm head in chunks."""
+    def _token_scores(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """float32 [S] loss of each position (0 where the label is ignored) and int64 [S] greedy next token,
+        lm head in chunks."""
         head = self.model.get_output_embeddings()
         softcap = getattr(self.model.config, "final_logit_softcapping", None)
         chunk = max(1, _LOGIT_ELEMENTS // head.weight.shape[0])
-        parts = []
+        nll, greedy = [], []
         for start in range(0, hidden.shape[0], chunk):
             logits = head(hidden[start : start + chunk]).float()
             if softcap:
                 logits = torch.tanh(logits / softcap) * softcap
-            parts.append(F.cross_entropy(logits, labels[start : start + chunk], ignore_index=IGNORE, reduction="none"))
-        return torch.cat(parts)
+            nll.append(F.cross_entropy(logits, labels[start : start + chunk], ignore_index=IGNORE, reduction="none"))
+            greedy.append(logits.argmax(-1))
+        return torch.cat(nll), torch.cat(greedy)
 
     @torch.no_grad()
-    def token_nll(self, ids: Tensor) -> Tensor:
-        """float32 [L - 1] on the CPU, every rank: -log p(ids[i + 1] | ids[: i + 1])."""
+    def token_scores(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """On the CPU, every rank: float32 [L - 1] -log p(ids[i + 1] | ids[: i + 1]) and int64 [L - 1] the
+        greedy prediction of ids[i + 1] (teacher-forced: one prefill of the whole sequence)."""
         ids = ids.long().flatten()
         seq_len = ids.shape[0]
         if seq_len < 2:
-            raise ValueError("perplexity needs sequences of at least 2 tokens")
+            raise ValueError("scoring needs sequences of at least 2 tokens")
         if seq_len % self.unit and self.group is not None:
             raise ValueError(
                 f"length {seq_len} cannot be split by the {self.spec.layout} layout over {self.world_size} ranks; "
@@ -189,13 +192,20 @@ class Engine:
             )
         labels = torch.cat([ids[1:], ids.new_full((1,), IGNORE)])  # shift on the full sequence, then shard
         hidden = self._prefill(ids)[0]
-        nll = self._token_nll(hidden, self._local(labels[None].to(self.device), seq_len)[0])
+        scores = self._token_scores(hidden, self._local(labels[None].to(self.device), seq_len)[0])
         if self.group is not None:  # gathered on the device (NCCL needs device tensors)
-            shards = [torch.empty_like(nll) for _ in range(self.world_size)]
-            dist.all_gather(shards, nll, group=self.group)
             layout = make_layout(self.spec.layout, seq_len, self.world_size, self.spec.block_size)
-            nll = layout.gather(shards, dim=0)
-        return nll[:-1].cpu()
+            gathered = []
+            for local in scores:
+                shards = [torch.empty_like(local) for _ in range(self.world_size)]
+                dist.all_gather(shards, local, group=self.group)
+                gathered.append(layout.gather(shards, dim=0))
+            scores = tuple(gathered)
+        return scores[0][:-1].cpu(), scores[1][:-1].cpu()
+
+    def token_nll(self, ids: Tensor) -> Tensor:
+        """float32 [L - 1] on the CPU, every rank: -log p(ids[i + 1] | ids[: i + 1])."""
+        return self.token_scores(ids)[0]
 
     # ------------------------------------------------------------------ generation
     def _gathered_cache(self, cache, prefix_len: int):

@@ -1,0 +1,133 @@
+"""The text corpus of the GPU scale of bench/extension.py: documents in the formats that ``mtraining eval
+niah`` and ``ruler`` ask about, and a BPE tokenizer trained on them.
+
+The mixture (each document a pure function of its kind and seed; training seeds never reach the
+evaluation's prompt seeds, which start at 0):
+
+- ``niah``: a haystack of the built-in filler with "The secret number of KEY is N." needles, then
+  the question and its answer, exactly as ``mtraining eval niah/ruler`` render them (single,
+  multi-key, multi-value and multi-query variants);
+- ``vt``: variable-tracking chains in the RULER format, with their answer;
+- ``recall``: filler in which facts are stated at random points and asked again later, with the
+  answer: associative recall in the needles' own sentence, at every distance.
+
+``cwe``/``fwe`` (word counting) are not in the mixture: the RULER average reports them as they come.
+The tokenizer is a byte-level BPE trained on a sample of the mixture, with digits split one per
+token, so a needle costs about ten tokens and a number is copied digit by digit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+
+from mtraining.eval.documents import Haystack, filler_sentences
+from mtraining.eval.tasks import _build_niah, _build_vt, _keys, _numbers, _render
+
+KINDS = ("niah", "niah", "niah", "vt", "recall", "recall", "recall", "recall")
+_NIAH = ("niah_single", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
+EOS = "<|endoftext|>"
+_SEED_BASE = 1_000_000  # document seeds of training sets start here (eval prompts use 0, 1, ...)
+
+
+def _listing(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + f" and {items[-1]}"
+
+
+def recall_log(seed: int, sentences: int, rate: float = 0.05) -> str:
+    """Filler with facts stated at random points and asked again later, answered (any distance back)."""
+    rng = random.Random(f"recall-{seed}")
+    keys = _keys(rng, 300)
+    values = _numbers(rng, 300)
+    stated: list[int] = []
+    out = []
+    for sentence in filler_sentences(sentences, seed):
+        out.append(sentence)
+        r = rng.random()
+        if r < rate and len(stated) < len(keys):
+            i = len(stated)
+            stated.append(i)
+            out.append(f"The secret number of {keys[i]} is {values[i]}.")
+        elif r < 2 * rate and stated:
+            i = rng.choice(stated)
+            out.append(
+                f"Question: What is the secret number of {keys[i]}? Answer: The secret number of {keys[i]} is {values[i]}."
+            )
+    return " ".join(out)
+
+
+def make_document(kind: str, seed: int, max_sentences: int) -> str:
+    """One document of ``kind`` (see KINDS) with up to ``max_sentences`` filler sentences."""
+    rng = random.Random(f"text-{kind}-{seed}")
+    knob = int(math.exp(rng.uniform(math.log(8), math.log(max_sentences))))
+    if kind == "niah":
+        parts = _build_niah(rng.choice(_NIAH), seed, knob, Haystack(seed=seed), None)
+        return _render(parts) + " " + _listing(parts.answers) + "."
+    if kind == "vt":
+        parts = _build_vt(seed, knob, Haystack(seed=seed))
+        return _render(parts) + " " + _listing(parts.answers) + "."
+    return recall_log(seed, knob, rate=rng.choice((0.05, 0.1, 0.2)))
+
+
+def documents(first_seed: int, count: int, max_sentences: int) -> list[str]:
+    kinds = [KINDS[random.Random(f"text-kind-{first_seed + i}").randrange(len(KINDS))] for i in range(count)]
+    return [make_document(k, first_seed + i, max_sentences) for i, k in enumerate(kinds)]
+
+
+def write_tokenizer(path: Path, vocab_size: int, seed: int = 0) -> Path:
+    """A byte-level BPE with single-digit tokens, trained on a sample of the mixture."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(documents(_SEED_BASE // 2 + 1000 * seed, 400, 120), trainer=trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
+def train_stream(path: Path, tokenizer: Path, tokens: int, seq_len: int, seed: int, stage: int) -> dict:
+    """At least ``tokens`` tokens of training documents (``</s>``-separated) sized for ``seq_len``, as .npy."""
+    from mtraining.train.data import TextTokenizer
+
+    tok = TextTokenizer(tokenizer)
+    eos = tok.separator_id(None)
+    max_sentences = max(16, seq_len // 10)  # ~12 tokens per filler sentence: documents up to about one sample
+    first = _SEED_BASE + 10_000_000 * stage + 100_000 * seed
+    parts, total = [], 0
+    while total < tokens:
+        for ids in tok.encode(documents(first + len(parts), 256, max_sentences)):
+            parts.append(np.asarray(ids + [eos], dtype=np.uint16))
+            total += len(ids) + 1
+    stream = np.concatenate(parts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, stream)
+    return {"path": str(path), "tokens": int(stream.size), "seq_len": seq_len, "documents": len(parts)}
+
+
+def heldout(path: Path, tokenizer: Path, min_tokens: int, count: int, seed: int) -> dict:
+    """JSONL of ``count`` held-out recall logs of at least ``min_tokens`` tokens (perplexity by position)."""
+    from mtraining.train.data import TextTokenizer
+
+    tok = TextTokenizer(tokenizer)
+    docs, s, sentences = [], 0, min_tokens // 10
+    while len(docs) < count:
+        doc = recall_log(9 * _SEED_BASE + 10_000 * seed + s, sentences)
+        s += 1
+        if len(tok.encode([doc])[0]) > min_tokens:
+            docs.append(doc)
+        else:
+            sentences = int(sentences * 1.2) + 1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return {"path": str(path), "documents": len(docs), "min_tokens": min_tokens}
