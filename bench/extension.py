@@ -76,21 +76,27 @@ def write_json(path: Path, data) -> None:
     tmp.replace(path)
 
 
+def cpu_seconds() -> float:
+    """User+sys CPU time of this process and of its finished child processes (ranks, trainings)."""
+    return sum(
+        r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    )
+
+
 class Clock:
-    """CPU time (user+sys of finished child processes) and wall time of one stage; checks --max-minutes."""
+    """CPU time (``cpu_seconds``) and wall time of one stage; refuses to start one past --max-minutes."""
 
     deadline: float | None = None
 
     def __enter__(self) -> Clock:
         if Clock.deadline is not None and time.time() > Clock.deadline:
             raise OutOfTime
-        self.started, self.before = time.time(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.started, self.before = time.time(), cpu_seconds()
         return self
 
     def __exit__(self, *exc) -> None:
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         self.wall_s = round(time.time() - self.started, 1)
-        self.cpu_s = round(after.ru_utime + after.ru_stime - self.before.ru_utime - self.before.ru_stime, 1)
+        self.cpu_s = round(cpu_seconds() - self.before, 1)
 
 
 # ---------------------------------------------------------------------------------------------- 1: corpus
@@ -105,7 +111,7 @@ def corpus(scale: Scale, work: Path, seed: int) -> dict:
     if scale.task == "recall":
         out = {"tokenizer": str(extension_corpus.write_tokenizer(scale.vocab, folder / "tokenizer.json"))}
         for i, (name, st) in enumerate(stages.items()):
-            shape = Shape(st.pairs, st.pairs)
+            shape = None if st.repeat else Shape(st.pairs, st.pairs)
             out[name] = extension_corpus.train_stream(
                 folder / f"{name}.npy", scale.vocab, st.seq_len, st.steps * st.batch, shape, seed, stage=i
             )
@@ -114,7 +120,9 @@ def corpus(scale: Scale, work: Path, seed: int) -> dict:
         out = {"tokenizer": str(tokenizer)}
         for i, (name, st) in enumerate(stages.items()):
             tokens = st.steps * st.batch * st.seq_len + st.seq_len + 1
-            out[name] = extension_text.train_stream(folder / f"{name}.npy", tokenizer, tokens, st.seq_len, seed, i)
+            out[name] = extension_text.train_stream(
+                folder / f"{name}.npy", tokenizer, tokens, st.seq_len, seed, i, repeat=st.repeat
+            )
         out["heldout"] = extension_text.heldout(folder / "heldout.jsonl", tokenizer, scale.long, scale.eval_docs, seed)
     out["seconds"] = round(time.time() - started, 1)
     write_json(manifest, out)

@@ -164,6 +164,19 @@ def make_document(
     return Document(ids, answers, [(needle_at[i] - 1) / max(1, context - 2) for i in asked])
 
 
+def repeat_document(seed: str, length: int, vocab: Vocab, shortest: int = 8, longest: int = 24) -> list[int]:
+    """``</s>`` and one random segment (any keys, values and words) repeated to ``length`` tokens.
+
+    Every token after the first period is predicted by finding the previous occurrence of the
+    current token and copying the one after it: the induction circuit that associative recall
+    needs, learned here from a dense signal (the curriculum's first stage).
+    """
+    rng = random.Random(seed)
+    first = vocab.key(0)
+    segment = [rng.randrange(first, vocab.size) for _ in range(rng.randint(shortest, longest))]
+    return [vocab.eos_id] + (segment * (length // len(segment) + 1))[: length - 1]
+
+
 @dataclass(frozen=True)
 class Shape:
     """How many needles and queries a document of a given length holds."""
@@ -172,26 +185,25 @@ class Shape:
     queries: int
 
 
-def train_stream(path: Path, vocab: Vocab, seq_len: int, samples: int, shape: Shape, seed: int, stage: int = 0) -> dict:
-    """``samples + 1`` training documents of ``seq_len`` tokens, back to back in one .npy token file.
+def train_stream(
+    path: Path, vocab: Vocab, seq_len: int, samples: int, shape: Shape | None, seed: int, stage: int = 0
+) -> dict:
+    """``samples + 1`` training documents of ``seq_len`` tokens, back to back in one .npy token file:
+    recall documents of ``shape``, or repeated segments (``repeat_document``) when ``shape`` is None.
 
     The trainer cuts sample i as tokens [i N, (i + 1) N + 1) with N = seq_len; each document is N
     tokens, so sample i is document i plus the ``</s>`` that starts document i + 1 (its last label).
     """
-    docs = [
-        make_document(f"train-{seed}-{stage}-{i}", seq_len, vocab, shape.pairs, shape.queries).ids
-        for i in range(samples + 1)
-    ]
+    seeds = [f"train-{seed}-{stage}-{i}" for i in range(samples + 1)]
+    if shape is None:
+        docs = [repeat_document(s, seq_len, vocab) for s in seeds]
+    else:
+        docs = [make_document(s, seq_len, vocab, shape.pairs, shape.queries).ids for s in seeds]
     stream = np.asarray([t for d in docs for t in d], dtype=np.uint16)
     path.parent.mkdir(parents=True, exist_ok=True)
     np.save(path, stream)
-    return {
-        "path": str(path),
-        "documents": samples + 1,
-        "tokens": int(stream.size),
-        "seq_len": seq_len,
-        **asdict(shape),
-    }
+    kind = {"kind": "repeat"} if shape is None else {"kind": "recall", **asdict(shape)}
+    return {"path": str(path), "documents": samples + 1, "tokens": int(stream.size), "seq_len": seq_len, **kind}
 
 
 def eval_set(

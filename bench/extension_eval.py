@@ -79,7 +79,6 @@ def evaluate_text(export: str, scale: Scale, budget: Budget | None, heldout: Pat
     from mtraining.eval.niah import run_niah
     from mtraining.eval.ppl import run_ppl
     from mtraining.eval.ruler import run_ruler
-    from mtraining.eval.tasks import TASKS
 
     loaded = load(export, device=_device(scale), dtype=scale.dtype)
     tok = loaded.tokenizer
@@ -95,7 +94,7 @@ def evaluate_text(export: str, scale: Scale, budget: Budget | None, heldout: Pat
             "grid": {"depths": scale.depths, "scores": [row[0] for row in niah["scores"]]},
         }
         prompting = Prompting(samples=scale.ruler_samples, seed=seed, show_progress=False)
-        ruler = run_ruler(engine, tok, TASKS, [n], prompting)
+        ruler = run_ruler(engine, tok, scale.ruler_tasks, [n], prompting)
         out["tasks"]["ruler"][str(n)] = {
             "documents": [{"hits": r["score"], "answers": 1} for r in ruler["records"]],
             "by_task": {t: v[0] for t, v in ruler["scores"].items()},

@@ -12,10 +12,13 @@ from dataclasses import dataclass
 
 from extension_corpus import Shape, Vocab
 
+from mtraining.eval.tasks import TASKS
+
 
 @dataclass(frozen=True)
 class Stage:
-    """One training run's schedule: length, steps, sequences per step (all ranks), peak lr, needles per document."""
+    """One training run's schedule: length, steps, sequences per step (all ranks), peak lr, and its documents:
+    recall documents with ``pairs`` needles (all queried; recall task), or repeated segments (``repeat``)."""
 
     seq_len: int
     steps: int
@@ -23,6 +26,7 @@ class Stage:
     lr: float
     pairs: int = 8
     warmup: int = 20
+    repeat: bool = False
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class Scale:
     depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     niah_samples: int = 10  # text: prompts per (length, depth) cell
     ruler_samples: int = 8  # text: prompts per (task, length)
+    ruler_tasks: tuple[str, ...] = TASKS
     checkpoint_every: int = 50
     activation_checkpointing: bool = False
 
@@ -149,8 +154,13 @@ SCALES = {
         model=qwen2(128, 2, 4, 2, _CPU_VOCAB.size, 4096),
         vocab=_CPU_VOCAB,
         l0=256,
-        curriculum=(Stage(128, 1000, 32, 1e-3), Stage(256, 300, 16, 1e-3)),
-        extension=Stage(2048, 150, 4, 5e-4, pairs=16),
+        # induction first (repeated segments), then recall at 128, then at L0 (measured: bench/results/extension_cpu.md)
+        curriculum=(
+            Stage(64, 600, 32, 1e-3, repeat=True),
+            Stage(128, 300, 16, 1e-3, pairs=8),
+            Stage(256, 200, 16, 1e-3, pairs=8),
+        ),
+        extension=Stage(2048, 120, 2, 5e-4, pairs=16, warmup=15),
         base_theta=10_000.0,
         theta_factor=16.0,
         budgets=SWEEP,
@@ -163,7 +173,7 @@ SCALES = {
         model=qwen2(768, 12, 12, 4, _GPU_VOCAB, 65536),
         text_vocab=_GPU_VOCAB,
         l0=4096,
-        curriculum=(Stage(1024, 600, 64, 1e-3), Stage(4096, 300, 16, 6e-4)),
+        curriculum=(Stage(1024, 200, 64, 1e-3, repeat=True), Stage(1024, 600, 64, 1e-3), Stage(4096, 300, 16, 6e-4)),
         extension=Stage(32768, 150, 2, 3e-4),
         base_theta=10_000.0,
         theta_factor=16.0,
@@ -186,7 +196,7 @@ SCALES = {
         model=qwen2(32, 2, 2, 1, _TOY_VOCAB.size, 1024),
         vocab=_TOY_VOCAB,
         l0=64,
-        curriculum=(Stage(64, 4, 4, 1e-3, pairs=4),),
+        curriculum=(Stage(64, 3, 4, 1e-3, repeat=True), Stage(64, 3, 4, 1e-3, pairs=4)),
         extension=Stage(256, 3, 2, 1e-3, pairs=4),
         base_theta=10_000.0,
         theta_factor=4.0,
@@ -204,12 +214,12 @@ SCALES = {
         task="text",
         model=qwen2(32, 2, 2, 1, 384, 2048),
         text_vocab=384,
-        l0=256,
-        curriculum=(Stage(256, 3, 2, 1e-3),),
+        l0=512,
+        curriculum=(Stage(512, 3, 2, 1e-3, repeat=True),),
         extension=Stage(1024, 2, 1, 1e-3),
         base_theta=10_000.0,
-        theta_factor=4.0,
-        factor=4,
+        theta_factor=2.0,
+        factor=2,
         budgets=(Budget("v10", v=1 / 16, s=1 / 16),),
         default_budget="v10",
         base_ranks=1,
@@ -218,6 +228,7 @@ SCALES = {
         depths=(0.0, 1.0),
         niah_samples=1,
         ruler_samples=1,
+        ruler_tasks=("niah_multikey", "vt"),
         checkpoint_every=2,
     ),
 }

@@ -60,6 +60,17 @@ def recall_log(seed: int, sentences: int, rate: float = 0.05) -> str:
     return " ".join(out)
 
 
+def repeat_document(seed: int, sentences: int) -> str:
+    """A few random filler sentences and needles, repeated in the same order up to ``sentences``: every
+    token after the first period is predicted by copying what followed its previous occurrence (the
+    induction circuit retrieval needs, from a dense signal: the curriculum's first stage)."""
+    rng = random.Random(f"repeat-{seed}")
+    period = filler_sentences(rng.randint(2, 6), seed)
+    period += [f"The secret number of {k} is {v}." for k, v in zip(_keys(rng, 2), _numbers(rng, 2))]
+    rng.shuffle(period)
+    return " ".join((period * (sentences // len(period) + 1))[:sentences])
+
+
 def make_document(kind: str, seed: int, max_sentences: int) -> str:
     """One document of ``kind`` (see KINDS) with up to ``max_sentences`` filler sentences."""
     rng = random.Random(f"text-{kind}-{seed}")
@@ -96,8 +107,11 @@ def write_tokenizer(path: Path, vocab_size: int, seed: int = 0) -> Path:
     return path
 
 
-def train_stream(path: Path, tokenizer: Path, tokens: int, seq_len: int, seed: int, stage: int) -> dict:
-    """At least ``tokens`` tokens of training documents (``</s>``-separated) sized for ``seq_len``, as .npy."""
+def train_stream(
+    path: Path, tokenizer: Path, tokens: int, seq_len: int, seed: int, stage: int, repeat: bool = False
+) -> dict:
+    """At least ``tokens`` tokens of training documents (EOS-separated) sized for ``seq_len``, as .npy: the
+    mixture, or repeated sentences (``repeat_document``) when ``repeat``."""
     from mtraining.train.data import TextTokenizer
 
     tok = TextTokenizer(tokenizer)
@@ -106,13 +120,18 @@ def train_stream(path: Path, tokenizer: Path, tokens: int, seq_len: int, seed: i
     first = _SEED_BASE + 10_000_000 * stage + 100_000 * seed
     parts, total = [], 0
     while total < tokens:
-        for ids in tok.encode(documents(first + len(parts), 256, max_sentences)):
+        seeds = range(first + len(parts), first + len(parts) + 256)
+        batch = (
+            [repeat_document(s, max_sentences) for s in seeds] if repeat else documents(seeds[0], 256, max_sentences)
+        )
+        for ids in tok.encode(batch):
             parts.append(np.asarray(ids + [eos], dtype=np.uint16))
             total += len(ids) + 1
     stream = np.concatenate(parts)
     path.parent.mkdir(parents=True, exist_ok=True)
     np.save(path, stream)
-    return {"path": str(path), "tokens": int(stream.size), "seq_len": seq_len, "documents": len(parts)}
+    kind = "repeat" if repeat else "mixture"
+    return {"path": str(path), "tokens": int(stream.size), "seq_len": seq_len, "documents": len(parts), "kind": kind}
 
 
 def heldout(path: Path, tokenizer: Path, min_tokens: int, count: int, seed: int) -> dict:
