@@ -209,6 +209,7 @@ def train(run: Path, config: dict) -> dict:
     last = metrics[-10:]
     summary = dict(
         run=f"{run.parent.name}/{run.name}",
+        commit=commit(),
         config=config,
         wall_s=clock.wall_s,
         cpu_s=clock.cpu_s,
@@ -254,12 +255,14 @@ def extensions(scale: Scale, work: Path, data: dict, base: Path, seed: int) -> d
 # ---------------------------------------------------------------------------------------------- 4: evaluation
 def eval_plan(scale: Scale) -> list[tuple[str, str, Budget | None]]:
     """(label, model, sparse budget or None): the base dense; the dense extension dense and at every sparse
-    budget (sparse inference on a dense-trained model); each sparse extension dense and at its own budget."""
+    budget (sparse inference on a dense-trained model); each sparse extension at its own budget and dense.
+    Without ``scale.every_inference`` the cross evaluations are those of the default budget only."""
     plan = [("base/dense", "base", None), ("dense/dense", "dense", None)]
-    plan += [(f"dense/sparse-{b.name}", "dense", b) for b in scale.budgets]
     for b in scale.budgets:
         name = f"sparse-{b.name}"
-        plan += [(f"{name}/dense", name, None), (f"{name}/{name}", name, b)]
+        cross = scale.every_inference or b.name == scale.default_budget
+        plan += [(f"dense/{name}", "dense", b)] if cross else []
+        plan += [(f"{name}/{name}", name, b)] + ([(f"{name}/dense", name, None)] if cross else [])
     return plan
 
 
@@ -283,6 +286,7 @@ def evaluate(scale: Scale, work: Path, data: dict, label: str, export: Path, bud
                 str(export), scale, budget, extension_eval.recall_documents(scale, seed)
             )
     result.update(
+        commit=commit(),
         label=label,
         model=export.parent.name,
         attention="dense" if budget is None else f"sparse {budget.name}",
@@ -322,6 +326,8 @@ def run(scale: Scale, work: Path, out: Path, seed: int) -> dict:
         wall_s=round(sum(r["wall_s"] for r in stages), 1),
         cpu_s=round(sum(r["cpu_s"] for r in stages), 1),
         parameters=_parameters(base),
+        tasks=list(scale.tasks),
+        lengths=scale.lengths,
         scale=asdict(scale),
         corpus=data,
         training={r["run"]: r for r in base_runs} | {f"extend/{k}": v for k, v in runs.items()},

@@ -12,17 +12,18 @@ which also serves as the attention sink), then a *context* of filler with ``pair
   context and copy the token after it (associative recall, as in the Zoology MQAR task);
 - filler: phrases of 2-6 filler words; each document draws its own phrases and repeats them with a
   Zipf law, so some phrases recur at every distance and a model that looks further back predicts
-  more of the filler (perplexity falls with position: the signal of ``mtraining eval ppl``).
+  more of the filler (perplexity falls with position, the signal of perplexity by position bucket).
 
 Training documents place needles uniformly and ask every needle; evaluation documents place the
 queried needles at fixed depths (fractions of the context) and the rest uniformly, so one task is
-scored at every length, as a depth x length grid. Seeds of the training, evaluation and held-out
-sets are disjoint (string seeds with the set's name first). One word is one token (``write_tokenizer``), so lengths are exact.
+scored at every length, as a depth x length grid, and the same documents give perplexity by
+position. The curriculum's first stage reads ``repeat_document``s instead (a random segment
+repeated: induction first). Seeds of the training and evaluation sets are disjoint (string seeds
+with the set's name first). One word is one token (``write_tokenizer``), so lengths are exact.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -211,14 +212,3 @@ def eval_set(
 ) -> list[Document]:
     """``samples`` evaluation documents of ``length`` tokens, queried needles at ``depths``."""
     return [make_document(f"eval-{seed}-{length}-{i}", length, vocab, shape.pairs, 0, depths) for i in range(samples)]
-
-
-def heldout_documents(path: Path, vocab: Vocab, length: int, count: int, shape: Shape, seed: int) -> dict:
-    """JSONL of ``count`` held-out documents of ``length`` tokens as text (for ``mtraining eval ppl``)."""
-    tokens = vocab.tokens()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for i in range(count):
-            doc = make_document(f"heldout-{seed}-{i}", length, vocab, shape.pairs, shape.queries)
-            f.write(json.dumps({"text": " ".join(tokens[t] for t in doc.ids)}) + "\n")
-    return {"path": str(path), "documents": count, "length": length, **asdict(shape)}

@@ -94,6 +94,7 @@ class Scale:
     ruler_samples: int = 8  # text: prompts per (task, length)
     ruler_tasks: tuple[str, ...] = TASKS
     checkpoint_every: int = 50
+    every_inference: bool = True  # also evaluate the dense extension at every budget and each sparse one dense
     activation_checkpointing: bool = False
 
     @property
@@ -187,6 +188,8 @@ SCALES = {
         dtype="bfloat16",
         backend="auto",
         eval_docs=16,
+        ruler_samples=4,
+        every_inference=False,  # generation dominates the GPU time: the default budget's cross evaluations only
         checkpoint_every=100,
         activation_checkpointing=True,
     ),
