@@ -105,6 +105,7 @@ def test_budgets_scale_with_the_length_and_make_valid_patterns(scale):
             assert fields["v_size"] >= s.sink_tokens and fields["s_size"] >= s.local_window
         long = budget.pattern(s.long, s)
         assert long["v_size"] == max(s.sink_tokens, round(budget.v * s.long))
+        assert long["s_size"] == s.local_window + round(budget.s * s.long / s.block_size)  # extra block diagonals
     assert s.budget(s.default_budget).threshold is None
     assert Budget("t", 0.1, 0.1, threshold=0.9).pattern(s.long, s)["threshold"] == 0.9
 
