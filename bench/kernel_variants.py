@@ -24,15 +24,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
 from common import RESULTS_DIR, command_line, commit, device_name  # noqa: E402
 from sparse_attention import sparse_times, sweep_pattern, training_step_ms  # noqa: E402
 from tune_kernels import kernel_ms  # noqa: E402
 
+from bench.synthetic import rope_structured_qkv  # noqa: E402
 from mtraining.ops import VerticalSlashPattern  # noqa: E402
-from mtraining.ops import triton_backend as tb  # noqa: E402
-from mtraining.ops.attention import sparse_attention  # noqa: E402
-from mtraining.ops.estimate import PatternConfig, estimate_pattern  # noqa: E402
-from mtraining.ops.synthetic import rope_structured_qkv  # noqa: E402
+from mtraining.ops.pattern.estimate import PatternConfig, estimate_pattern  # noqa: E402
+from mtraining.ops.sparse import launch as tb  # noqa: E402
+from mtraining.ops.sparse.attention import sparse_attention  # noqa: E402
 
 
 def parse_tiles(spec: str) -> tuple[str, tb.Tiles]:

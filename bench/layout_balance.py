@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
 from common import command_line, commit, device_name, write_results  # noqa: E402
 
-from mtraining.ops.estimate import PatternConfig, estimate_pattern  # noqa: E402
-from mtraining.ops.synthetic import rope_structured_qkv  # noqa: E402
-from mtraining.parallel.imbalance import imbalance_report  # noqa: E402
+from bench.imbalance import imbalance_report  # noqa: E402
+from bench.synthetic import rope_structured_qkv  # noqa: E402
+from mtraining.ops.pattern.estimate import PatternConfig, estimate_pattern  # noqa: E402
 from mtraining.parallel.layout import make_layout  # noqa: E402
 
 

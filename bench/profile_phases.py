@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
 from common import bench_ms, command_line, commit, device_name, write_results  # noqa: E402
 
-from mtraining.ops import triton_backend as tb  # noqa: E402
-from mtraining.ops.attention import sparse_attention  # noqa: E402
-from mtraining.ops.estimate import PatternConfig, estimate_pattern  # noqa: E402
-from mtraining.ops.kernel_index import build_key_walk, build_query_walk, chunk_pair  # noqa: E402
-from mtraining.ops.synthetic import rope_structured_qkv  # noqa: E402
+from bench.synthetic import rope_structured_qkv  # noqa: E402
+from mtraining.ops.pattern.estimate import PatternConfig, estimate_pattern  # noqa: E402
+from mtraining.ops.sparse import launch as tb  # noqa: E402
+from mtraining.ops.sparse.attention import sparse_attention  # noqa: E402
+from mtraining.ops.sparse.index_kernels import chunk_pair_triton, key_walk_triton, query_walk_triton  # noqa: E402
 
 
 def top_kernels(fn, top: int) -> list[tuple[str, float]]:
@@ -61,9 +62,9 @@ def main() -> None:
         tiles = tb.tile_config(g, d, q.device)
 
         def walks():
-            pair = chunk_pair(pattern, pos, pos)
-            build_query_walk(pattern, pair)
-            build_key_walk(pattern, pair, tiles.dkdv.block_v)
+            pair = chunk_pair_triton(pattern, pos, pos)
+            query_walk_triton(pattern, pair)
+            key_walk_triton(pattern, pair, tiles.dkdv.block_v)
 
         out = sparse_attention(qg, kg, vg, pattern)  # builds and caches the walks
         phases = {

@@ -2,7 +2,7 @@
 
 Methods, on identical inputs in the same run: torch's own context_parallel ring with cuDNN SDPA
 (the dense peer), our dense ring (zigzag; ``dense_zigzag``: steps as dense blocks through cuDNN,
-ops/dense_blocks.py; ``dense_zigzag_triton``: the same ring on our Triton kernels with a dense
+ops/dense/; ``dense_zigzag_triton``: the same ring on our Triton kernels with a dense
 pattern, the path before cuDNN), our sparse ring on the contiguous layout (the naive baseline) and
 on the striped layout (balanced). Method names are ``dense_<layout>[_<cudnn|triton>]`` or
 ``sparse_<layout>``. Sparse methods estimate the pattern inside the call (v_size/s_size per head),
@@ -24,11 +24,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
 from common import command_line, commit, device_name, write_results  # noqa: E402
 
-from mtraining.ops import dense_blocks  # noqa: E402
-from mtraining.ops.estimate import PatternConfig  # noqa: E402
-from mtraining.ops.synthetic import random_qkv, rope_structured_qkv  # noqa: E402
+from bench.synthetic import random_qkv, rope_structured_qkv  # noqa: E402
+from mtraining.ops import dense  # noqa: E402
+from mtraining.ops.pattern.estimate import PatternConfig  # noqa: E402
 from mtraining.parallel.estimate import estimate_pattern_cp  # noqa: E402
 from mtraining.parallel.layout import make_layout  # noqa: E402
 from mtraining.parallel.ring import ring_attention  # noqa: E402
@@ -108,19 +109,19 @@ def ours_times(q, k, v, do, layout, group, pattern_config, iters: int) -> tuple[
 
 def dense_note(q, k, layout, setting: str) -> str:
     """Which path this rank's dense ring steps take (cuDNN blocks per step, or the Triton kernels)."""
-    with dense_blocks.dense_backend(setting):
-        ops = dense_blocks.select_ops(q, k, "triton")
+    with dense.dense_backend(setting):
+        ops = dense.select_ops(q, k, "triton")
     if ops is None:
         return "triton"
     rank = dist.get_rank()
-    counts = [dense_blocks.decompose(layout.positions(rank), layout.positions(s)) for s in range(layout.world_size)]
+    counts = [dense.decompose(layout.positions(rank), layout.positions(s)) for s in range(layout.world_size)]
     return f"{ops.name} blocks per source rank " + ",".join("triton" if c is None else str(len(c)) for c in counts)
 
 
 def pattern_stats(q, k, layout, config) -> tuple[float, float]:
     """(density, max/mean over ranks of computed pairs) of the pattern estimated on the full inputs."""
-    from mtraining.ops.estimate import estimate_pattern
-    from mtraining.parallel.imbalance import imbalance_report
+    from bench.imbalance import imbalance_report
+    from mtraining.ops.pattern.estimate import estimate_pattern
 
     pattern = estimate_pattern(q, k, config)
     return float(pattern.density().mean()), float(imbalance_report(pattern, layout).rank_imbalance)
@@ -180,7 +181,7 @@ def main() -> None:
                             raise ValueError(f"unknown method {method!r}: use dense_<layout>[_cudnn|_triton]")
                         layout = make_layout(layout_name, n, world, g)
                         cfg = config if sparse else None
-                        with dense_blocks.dense_backend(dense_setting):
+                        with dense.dense_backend(dense_setting):
                             f, fb, est = ours_times(q, k, v, do, layout, group, cfg, args.iters)
                         if not sparse:
                             note = f"dense steps: {dense_note(q, k, layout, dense_setting)}"

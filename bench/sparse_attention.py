@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
 from common import bench_ms, command_line, commit, device_name, write_results  # noqa: E402
 
 from mtraining.ops import VerticalSlashPattern  # noqa: E402
-from mtraining.ops.attention import sparse_attention  # noqa: E402
+from mtraining.ops.sparse.attention import sparse_attention  # noqa: E402
 
 
 def dense_times(q, k, v, do) -> tuple[float, float]:
@@ -68,7 +69,7 @@ def sparse_times(q, k, v, do, pattern) -> tuple[float, float, float]:
 def training_step_ms(q, k, v, do, config) -> float:
     """Estimate + forward + backward as a training step runs them: a new pattern every call, so its
     kernel indices are built inside the timed region too."""
-    from mtraining.ops.estimate import estimate_pattern
+    from mtraining.ops.pattern.estimate import estimate_pattern
 
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
@@ -90,8 +91,8 @@ def sweep_pattern(b: int, h: int, n: int, g: int, density: float, n_verticals: i
 
 
 def run(args) -> list[dict]:
-    from mtraining.ops.estimate import PatternConfig, estimate_pattern
-    from mtraining.ops.synthetic import random_qkv, rope_structured_qkv
+    from bench.synthetic import random_qkv, rope_structured_qkv
+    from mtraining.ops.pattern.estimate import PatternConfig, estimate_pattern
 
     generators = {"structured": rope_structured_qkv, "random": random_qkv}
     hq, hkv, d, g = args.heads_q, args.heads_kv, args.head_dim, args.block_size

@@ -74,6 +74,78 @@ def sparse_attention_table() -> str:
     return "\n\n".join(blocks)
 
 
+def block_sparse_peers_table() -> str:
+    """Ours vs FA4 block-sparse and FlexAttention on our pattern rounded to their blocks, and cuDNN dense
+    (bench/block_sparse_peers.py); cells are fwd / fwd+bwd ms, ratios are fwd+bwd times over ours (> 1: ours faster)."""
+    head = [
+        "seq",
+        "density (rounded)",
+        "ours ms",
+        "ours total ms",
+        "FA4 ms",
+        "FA4 / ours time",
+        "Flex ms",
+        "Flex / ours time",
+        "cuDNN ms",
+        "cuDNN / ours time",
+        "ours / (density x cuDNN)",
+        "FA4 / (rounded x cuDNN)",
+        "commit",
+    ]
+
+    def ms(r: dict, name: str) -> str:
+        if f"{name}_fwd_bwd_ms" not in r:
+            return "failed" if f"{name}_error" in r else ""
+        return f"{r[f'{name}_fwd_ms']:.1f} / {r[f'{name}_fwd_bwd_ms']:.1f}"
+
+    def ratio(r: dict, key: str, fmt: str = "{:.2f}x") -> str:
+        return fmt.format(r[key]) if key in r else ""
+
+    blocks = []
+    for (device, run_commit), records in _runs(_load("block_sparse_peers"), lambda r: (r["device"], r["commit"])):
+        r0 = records[0]
+        lines = [
+            f"{r0['gpus']} x {device}, commit {run_commit}, flash-attn-4 {r0['fa4_version']}, torch {r0['torch']}:"
+        ]
+        for c in (r for r in records if r["kind"] == "check"):
+            errs = [
+                f"{name} vs {target} pattern {max(c[f'{name}_vs_{target}'].values()):.1e}"
+                if f"{name}_vs_{target}" in c
+                else f"{name} {'failed' if f'{name}_error' in c else 'not run'}"
+                for name, target in (("ours", "exact"), ("fa4", "rounded"), ("flex", "rounded"))
+            ]
+            lines += [
+                "",
+                f"Check at {c['seq_len'] // 1024}K, {c['inputs']} inputs (density {c['density']:.3f}, rounded "
+                f"{c['rounded_density']:.3f}), largest relative error of out/dq/dk/dv against a float32 oracle: "
+                + "; ".join(errs)
+                + f" (the two oracles are {max(c['oracles_apart'].values()):.2f} apart).",
+            ]
+        lines += ["", _row(head), _row(["---"] * len(head))]
+        for r in sorted((r for r in records if r["kind"] == "timing"), key=lambda r: r["seq_len"]):
+            lines.append(
+                _row(
+                    [
+                        f"{r['seq_len'] // 1024}K",
+                        f"{r['density']:.3f} ({r['rounded_density']:.3f})",
+                        ms(r, "ours"),
+                        f"{r['ours_total_ms']:.1f}",
+                        ms(r, "fa4"),
+                        ratio(r, "fa4_over_ours"),
+                        ms(r, "flex"),
+                        ratio(r, "flex_over_ours"),
+                        ms(r, "cudnn"),
+                        ratio(r, "cudnn_over_ours"),
+                        f"{r['ours_over_ideal']:.2f}",
+                        ratio(r, "fa4_over_ideal", "{:.2f}"),
+                        r["commit"],
+                    ]
+                )
+            )
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
 def _dq_mode(tiles: dict) -> str:
     """How the record made dQ; records before dq_mode carried fused_dq (True = per-element atomics)."""
     return tiles.get("dq_mode") or ("atomic" if tiles.get("fused_dq") else "kernel")
@@ -252,6 +324,30 @@ def recall_table() -> str:
     return "\n".join(lines)
 
 
+def checkpoint_integrity_table() -> str:
+    """Checkpoint save with the manifest (SHA-256 per file) vs plain DCP, verification and load (medians)."""
+    head = ["checkpoint GB", "plain save s", "save + manifest s", "SHA-256 s (CPU s)", "GB per CPU-s"]
+    head += ["verify s (CPU s)", "load s", "device", "commit"]
+    lines = [_row(head), _row(["---"] * len(head))]
+    for r in _load("checkpoint_integrity"):
+        lines.append(
+            _row(
+                [
+                    f"{r['checkpoint_bytes'] / 1e9:.2f}",
+                    f"{r['plain_dcp_save_s']:.1f}",
+                    f"{r['save_checkpoint_s']:.1f}",
+                    f"{r['sha256_all_files_s']:.1f} ({r['sha256_all_files_cpu_s']:.1f})",
+                    f"{r['sha256_gb_per_cpu_s']:.2f}",
+                    f"{r['verify_checkpoint_s']:.1f} ({r['verify_checkpoint_cpu_s']:.1f})",
+                    f"{r['load_checkpoint_s']:.1f}",
+                    r["device"],
+                    r["commit"],
+                ]
+            )
+        )
+    return "\n".join(lines)
+
+
 def loss_table() -> str:
     """LM-head cross-entropy (loss + backward) by implementation: time, peak memory, the per-chunk row
     step alone (its timing clones the logits: the clone is subtracted) and errors against float64."""
@@ -391,6 +487,7 @@ def extension_tables() -> str:
 def main() -> None:
     for title, table in (
         ("sparse_attention", sparse_attention_table()),
+        ("block_sparse_peers", block_sparse_peers_table()),
         ("tune_kernels", kernel_table()),
         ("kernel_variants", kernel_variants_table()),
         ("ring_attention", ring_table()),
@@ -400,6 +497,7 @@ def main() -> None:
         ("loss", loss_table()),
         ("recall_cost", recall_table()),
         ("extension", extension_tables()),
+        ("checkpoint_integrity", checkpoint_integrity_table()),
     ):
         print(f"<!-- {title} -->\n{table}\n")
 

@@ -26,6 +26,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
 from common import command_line, commit, device_name, write_results  # noqa: E402
 
 ARCHS = {
@@ -68,8 +69,8 @@ def structured_checkpoint(folder: Path, arch: dict, seq_len: int, device: str, l
     give every head the local-heavy logits of real attention (``local_logit`` at distance 0, as in
     the structured synthetic inputs), so patterns have realistic density. Qwen2 has q/k biases.
     """
+    from bench.synthetic import local_band_directions
     from mtraining.models import build_model
-    from mtraining.ops.synthetic import local_band_directions
 
     torch.manual_seed(0)
     with torch.device(device):

@@ -3,7 +3,7 @@
 For a dense pattern and a ~10%-density local+vertical pattern at 128K (Qwen2.5-3B attention shape),
 times the forward, dQ, dK/dV (block) and dK/dV (vertical) kernels for each candidate tile config,
 from CUDA kernel times recorded by torch.profiler (median of several runs). The winners go into
-``mtraining.ops.triton_backend.tile_config``.
+``mtraining.ops.sparse.launch.tile_config``.
 
     python bench/tune_kernels.py
 """
@@ -24,8 +24,8 @@ from common import command_line, commit, device_name, write_results  # noqa: E40
 from sparse_attention import sweep_pattern  # noqa: E402
 
 from mtraining.ops import VerticalSlashPattern  # noqa: E402
-from mtraining.ops import triton_backend as tb  # noqa: E402
-from mtraining.ops.attention import sparse_attention  # noqa: E402
+from mtraining.ops.sparse import launch as tb  # noqa: E402
+from mtraining.ops.sparse.attention import sparse_attention  # noqa: E402
 
 KERNELS = ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_block_kernel", "_bwd_dkdv_vertical_kernel")
 T = tb.Tiles

@@ -1,15 +1,14 @@
 """Command line: ``mtraining train CONFIG.yaml [key=value ...]``, ``mtraining export``, ``mtraining tokenize``,
-and the evaluation suite under ``mtraining eval`` (ppl, niah, ruler, report).
+and the evaluation suite under ``mtraining eval`` (ppl, niah, ruler, infinitebench, report).
 
 Run under torchrun for several ranks (``torchrun --nproc_per_node 4 -m mtraining.cli train ...``)
-or let ``--nproc N`` start torchrun for you on this machine.
+or let ``--nproc N`` start torchrun for you (with ``--nnodes/--node-rank/--rdzv-endpoint`` on each
+node of a multi-node job).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import typer
@@ -22,31 +21,69 @@ app = typer.Typer(
 app.add_typer(eval_app, name="eval")
 
 
-def _fail(err: Exception) -> None:
-    typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
+def _fail(err: Exception | str, code: int = 2, prefix: str = "error") -> None:
+    """Print the error and exit with ``code``. A SharedError (train/agree.py) is every rank's: rank 0 reports it."""
+    from .train.agree import SharedError
+
+    if not isinstance(err, SharedError) or int(os.environ.get("RANK", "0")) == 0:
+        typer.secho(f"{prefix}: {err}", fg=typer.colors.RED if prefix == "error" else typer.colors.YELLOW, err=True)
+    raise typer.Exit(code)
 
 
-@app.command()
+@app.command(
+    epilog="Exit codes: 0 done; 1 crash (traceback printed); 2 the config or command cannot run; 3 the loss or "
+    "gradient norm became NaN/inf (the step was not applied); 4 a rank stopped responding (parallel.timeout_minutes); "
+    "5 a checkpoint or the export could not be written (full disk, permissions); 130 interrupted (SIGINT); "
+    "143 SIGTERM: the ranks finished the step and saved a checkpoint, run the same command to resume."
+)
 def train(
-    config: Path = typer.Argument(..., help="YAML config (see configs/)."),
+    config: Path = typer.Argument(
+        ..., help="YAML config (see configs/); relative paths in it are relative to its folder."
+    ),
     overrides: list[str] = typer.Argument(None, help="section.key=value overrides, e.g. train.steps=10."),
-    nproc: int = typer.Option(1, "--nproc", help="Start this many local ranks with torchrun (CPU: gloo, GPU: NCCL)."),
+    nproc: int = typer.Option(
+        1,
+        "--nproc",
+        help="Start this many ranks on this machine with torchrun (CPU: gloo, GPU: NCCL; one per GPU). Alone it is "
+        "a single-node job; with --nnodes/--node-rank/--rdzv-endpoint it is the ranks of this node.",
+    ),
+    nnodes: int = typer.Option(
+        1, "--nnodes", help="Nodes of a multi-node job: run this same command on every node with its --node-rank."
+    ),
+    node_rank: int = typer.Option(None, "--node-rank", help="This node's index, 0 .. nnodes-1 (multi-node)."),
+    rdzv_endpoint: str = typer.Option(
+        None, "--rdzv-endpoint", help="HOST:PORT of node 0, where the nodes meet (multi-node; a free port)."
+    ),
 ) -> None:
-    """Train a model as the config says (resumes from the newest checkpoint in checkpoint.dir)."""
+    """Train a model as the config says (resumes from the newest checkpoint in checkpoint.dir that verifies).
+
+    One node: `mtraining train CONFIG --nproc 8`. Several: on node n of N, `mtraining train CONFIG --nproc 8
+    --nnodes N --node-rank n --rdzv-endpoint NODE0:29500` (torchrun with the same options works too:
+    `torchrun --nnodes N --node-rank n --rdzv-endpoint NODE0:29500 --nproc-per-node 8 -m mtraining.cli train
+    CONFIG`). Before starting the ranks the launcher checks the config, output folders, data, tokenizer and
+    model once and tokenises text sources into the token cache.
+
+    SIGTERM (preemption) makes the ranks finish the current step, save a checkpoint and exit 143.
+    """
     from .train.config import load_config
 
     overrides = overrides or []
     try:
         cfg = load_config(config, overrides)
-        if nproc > 1 and "RANK" not in os.environ:
-            cfg.check_world_size(nproc)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-            cmd += ["-m", "mtraining.cli", "train", str(config), *overrides]
-            raise typer.Exit(subprocess.call(cmd))
+        launcher = nproc > 1 or nnodes > 1 or node_rank is not None or rdzv_endpoint is not None
+        if launcher and "RANK" not in os.environ:
+            from .train.preflight import preflight
+            from .train.torchrun import launch, torchrun_command
+
+            args = torchrun_command(nproc, nnodes, node_rank, rdzv_endpoint)
+            for warning in preflight(cfg, nproc * nnodes, nproc):
+                typer.secho(warning, fg=typer.colors.YELLOW, err=True)
+            args += ["-m", "mtraining.cli", "train", str(config), *overrides]
+            raise typer.Exit(launch(args))
     except ValueError as err:
         _fail(err)
     from .train.distributed import shutdown
+    from .train.errors import EXIT_INTERRUPTED, Preempted, RankStalled, RunStopped
     from .train.trainer import Trainer
 
     try:
@@ -56,6 +93,14 @@ def train(
         _fail(err)
     try:
         trainer.run()
+    except RunStopped as err:
+        if trainer.par.is_main or isinstance(err, RankStalled):  # a stall is seen differently by each rank
+            _fail(err, err.exit_code, "stopped" if isinstance(err, Preempted) else "error")
+        raise typer.Exit(err.exit_code) from None
+    except KeyboardInterrupt:
+        if trainer.par.is_main:
+            _fail(f"interrupted after step {trainer.step}; nothing was saved", EXIT_INTERRUPTED, "stopped")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     finally:
         trainer.close()
         shutdown()
@@ -68,47 +113,58 @@ def export(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="A step_N folder; default: newest in checkpoint.dir."),
     overrides: list[str] = typer.Option([], "--set", help="section.key=value overrides."),
 ) -> None:
-    """Write the weights of a distributed checkpoint as a Hugging Face model directory (one process)."""
-    from .train.checkpoint import latest_checkpoint
+    """Write the weights of a distributed checkpoint as a Hugging Face model directory (one process).
+
+    The checkpoint is verified against its manifest first; without --checkpoint, the newest one of
+    checkpoint.dir that verifies is used.
+    """
     from .train.config import load_config
+    from .train.errors import SaveFailed
     from .train.export import export_checkpoint
 
     try:
         cfg = load_config(config, overrides)
-        path = checkpoint or latest_checkpoint(cfg.checkpoint.dir)
-        if path is None:
-            raise ValueError(f"no complete checkpoint in {cfg.checkpoint.dir}; pass --checkpoint DIR/step_N")
-        export_checkpoint(cfg, path, out)
+        path = export_checkpoint(cfg, checkpoint or cfg.checkpoint.dir, out, report=typer.echo)
     except ValueError as err:
         _fail(err)
+    except SaveFailed as err:
+        _fail(err, err.exit_code)
     typer.echo(f"exported {path} to {out}")
 
 
 @app.command()
 def tokenize(
     config: Path = typer.Argument(..., help="YAML config whose data.sources and tokenizer to use."),
-    out: Path = typer.Argument(..., help="Output .npy token file (use it as data.sources: [OUT.npy])."),
+    out: Path = typer.Argument(None, help="Also write every source's tokens, concatenated, to this .npy file."),
     overrides: list[str] = typer.Option([], "--set", help="section.key=value overrides."),
 ) -> None:
-    """Tokenise the config's text sources once into a token file, so ranks need not tokenise at start."""
-    import numpy as np
-
+    """Tokenise the config's text sources into the token cache now (e.g. on a login node before a job), so
+    ranks only memory-map them; with OUT, also write all sources end to end as one token file."""
     from .train.config import load_config
-    from .train.data import TextTokenizer, token_stream
+    from .train.data import load_sources
 
     try:
         cfg = load_config(config, overrides)
-        d = cfg.data
-        tok_path = d.tokenizer or cfg.model.path
-        stream = token_stream(
-            d.sources, TextTokenizer(tok_path) if tok_path else None, d.text_field, d.separator, d.token_dtype
-        )
+        sources = load_sources(cfg, tokenize=True, log=typer.echo)
     except ValueError as err:
         _fail(err)
-    dtype = np.uint16 if stream.max() < 2**16 else np.uint32
-    out.parent.mkdir(parents=True, exist_ok=True)
-    np.save(out, stream.astype(dtype))
-    typer.echo(f"wrote {len(stream)} tokens ({np.dtype(dtype).name}) to {out}")
+    for s in sources:
+        typer.echo(f"{s.name}: {s.files} files, {len(s.stream):,} tokens, largest id {s.max_id}")
+    if out is not None:
+        import numpy as np
+
+        dtype = np.uint16 if max(s.max_id for s in sources) < 1 << 16 else np.uint32
+        total = sum(len(s.stream) for s in sources)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        target = np.lib.format.open_memmap(out, mode="w+", dtype=dtype, shape=(total,))
+        done = 0
+        for s in sources:
+            for start in range(0, len(s.stream), 1 << 24):
+                window = s.stream.read(start, min(len(s.stream), start + (1 << 24)))
+                target[done : done + len(window)] = window
+                done += len(window)
+        target.flush()
+        typer.echo(f"wrote {total} tokens ({np.dtype(dtype).name}) to {out}")
 
 
 if __name__ == "__main__":

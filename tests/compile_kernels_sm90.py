@@ -1,15 +1,22 @@
 """Compile every Triton kernel for an H100/H200 (sm_90) without a GPU: catches compile errors on the CPU.
 
-Run as a script in a process without TRITON_INTERPRET (tests/test_kernels_compile.py does).
+Run as a script in a process without TRITON_INTERPRET (tests/ops/test_kernels_compile.py does).
+``--ptx-dir DIR`` also writes each kernel's PTX to DIR/<label>.ptx, one file per compiled
+configuration, for bench/ptx_compare.py (the PTX of two commits, compared without a GPU).
+The attention kernels compile with the bf16 tiles of ``launch.tile_config`` at G = 128, D = 128.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import json
+import subprocess
+from pathlib import Path
+
 import triton
 from triton.backends.compiler import GPUTarget
 
-from mtraining.ops import triton_kernels as tk
-from mtraining.ops import walk_kernels as wk
 from mtraining.train import ce_kernel
 
 INT_POINTERS = {
@@ -22,7 +29,7 @@ INT_POINTERS = {
     "VCols",
     "VCountQ",
     "VStartRow",
-    # index builders (walk_kernels.py)
+    # index builders (ops/sparse/index_kernels.py)
     "BlockDiags",
     "NumDiags",
     "VertPos",
@@ -39,6 +46,47 @@ FP32_POINTERS = {"Lse", "Delta", "DQ", "DK", "DV"}
 DATA_POINTERS = {"Q", "K", "V", "Out", "DO"}
 FLOAT_SCALARS = {"qk_scale", "sm_scale"}
 DESCRIPTORS = {"KDesc", "VDesc"}
+# Every launch configuration: (label, kernel, constexprs beyond G and HEAD_DIM, num_warps, num_stages).
+ATTENTION = [
+    ("fwd", "_fwd_kernel", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_V=64, MERGE=False), 8, 3),
+    ("fwd_merge", "_fwd_kernel", dict(BLOCK_M=128, BLOCK_N=128, BLOCK_V=64, MERGE=True), 8, 3),
+    ("dq", "_bwd_dq_kernel", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_V=64), 4, 2),
+    ("dkdv_block", "_bwd_dkdv_block_kernel", dict(BLOCK_M=64, BLOCK_N=64, DQ_MODE=0), 4, 2),
+    ("dkdv_block_dq", "_bwd_dkdv_block_kernel", dict(BLOCK_M=64, BLOCK_N=128, DQ_MODE=1), 4, 2),
+    ("dkdv_vertical", "_bwd_dkdv_vertical_kernel", dict(BLOCK_M=64, BLOCK_V=64, DQ_MODE=0), 4, 2),
+    ("dkdv_vertical_dq", "_bwd_dkdv_vertical_kernel", dict(BLOCK_M=64, BLOCK_V=64, DQ_MODE=1), 4, 2),
+]
+# The row-delta kernel and the index builders launch with Triton's defaults (4 warps, 3 stages).
+ROW_DELTA = ("row_delta", "_row_delta_kernel", dict(BLOCK_R=64, HEAD_DIM=128))
+BUILDERS = [
+    ("pair", "_pair_kernel", lambda b: dict(BLOCK_NB=b["nb"], BLOCK_V=b["verts"])),
+    ("query_walk", "_walk_kernel", lambda b: dict(QUERY=True, BLOCK_R=b["rows"], BLOCK_D=b["diags"])),
+    ("key_walk", "_walk_kernel", lambda b: dict(QUERY=False, BLOCK_R=b["rows"], BLOCK_D=b["diags"])),
+]
+
+
+def _modules():
+    """(attention kernels, index builders); the modules before issue 17's ops/sparse/ folder also load,
+    so that the PTX of an older commit can be dumped for comparison (PYTHONPATH=<its worktree>)."""
+    try:
+        return importlib.import_module("mtraining.ops.sparse.kernels"), importlib.import_module(
+            "mtraining.ops.sparse.index_kernels"
+        )
+    except ModuleNotFoundError:
+        return importlib.import_module("mtraining.ops.triton_kernels"), importlib.import_module(
+            "mtraining.ops.walk_kernels"
+        )
+
+
+def _source() -> dict:
+    """Which mtraining (path, git commit) and Triton the dump was compiled from."""
+    import mtraining
+
+    package = Path(mtraining.__file__).resolve().parent
+    git = ["git", "-C", str(package)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD", "--", "."], capture_output=True).returncode != 0
+    return dict(mtraining=str(package), commit=head + ("+dirty" if dirty else ""), triton=triton.__version__)
 
 
 def signature(fn, constexprs: dict) -> dict:
@@ -54,7 +102,7 @@ def signature(fn, constexprs: dict) -> dict:
             sig[name] = "*fp32"
         elif name in DATA_POINTERS:
             sig[name] = "*bf16"
-        elif name in DESCRIPTORS:  # key/value tiles of one head (triton_backend._key_tiles)
+        elif name in DESCRIPTORS:  # key/value tiles of one head (ops/sparse/launch.py, _key_tiles)
             sig[name] = f"tensordesc<bf16[1,{constexprs['BLOCK_N']},1,{constexprs['HEAD_DIM']}]>"
         elif name in FLOAT_SCALARS:
             sig[name] = "fp32"
@@ -64,26 +112,31 @@ def signature(fn, constexprs: dict) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ptx-dir", type=Path, help="write each kernel's PTX to DIR/<label>.ptx")
+    args = parser.parse_args()
+    if args.ptx_dir:
+        args.ptx_dir.mkdir(parents=True, exist_ok=True)
+        (args.ptx_dir / "source.json").write_text(json.dumps(_source(), indent=1) + "\n")
     target = GPUTarget("cuda", 90, 32)
-    tiles = dict(G=128, HEAD_DIM=128)
-    for fn, extra in [
-        (tk._fwd_kernel, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_V=64, MERGE=False)),
-        (tk._fwd_kernel, dict(BLOCK_M=128, BLOCK_N=128, BLOCK_V=64, MERGE=True)),
-        (tk._bwd_dq_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_V=64)),
-        (tk._bwd_dkdv_block_kernel, dict(BLOCK_M=64, BLOCK_N=64, DQ_MODE=0)),
-        (tk._bwd_dkdv_block_kernel, dict(BLOCK_M=64, BLOCK_N=128, DQ_MODE=1)),
-        (tk._bwd_dkdv_vertical_kernel, dict(BLOCK_M=64, BLOCK_V=64, DQ_MODE=0)),
-        (tk._bwd_dkdv_vertical_kernel, dict(BLOCK_M=64, BLOCK_V=64, DQ_MODE=1)),
-    ]:
-        compile_one(fn, {**tiles, **extra}, target, dict(num_warps=8, num_stages=3))
-    # the index builders launch with Triton's defaults
-    blocks = wk.BLOCKS
-    for fn, extra in [
-        (wk._pair_kernel, dict(BLOCK_NB=blocks["nb"], BLOCK_V=blocks["verts"])),
-        (wk._walk_kernel, dict(QUERY=True, BLOCK_R=blocks["rows"], BLOCK_D=blocks["diags"])),
-        (wk._walk_kernel, dict(QUERY=False, BLOCK_R=blocks["rows"], BLOCK_D=blocks["diags"])),
-    ]:
-        compile_one(fn, dict(G=128, **extra), target, dict(num_warps=4, num_stages=3))
+    kernels, builders = _modules()
+    for label, name, extra, warps, stages in ATTENTION:
+        fn = getattr(kernels, name)
+        compile_one(
+            label,
+            fn,
+            dict(G=128, HEAD_DIM=128, **extra),
+            target,
+            dict(num_warps=warps, num_stages=stages),
+            args.ptx_dir,
+        )
+    label, name, constexprs = ROW_DELTA
+    compile_one(label, getattr(kernels, name), constexprs, target, dict(num_warps=4, num_stages=3), args.ptx_dir)
+    for label, name, extra in BUILDERS:
+        fn = getattr(builders, name)
+        compile_one(
+            label, fn, dict(G=128, **extra(builders.BLOCKS)), target, dict(num_warps=4, num_stages=3), args.ptx_dir
+        )
     # the loss's rows kernel: float32 logits, bf16 gradient
     ce_signature = {
         "logits_ptr": "*fp32",
@@ -100,14 +153,19 @@ def main() -> None:
     src = triton.compiler.ASTSource(
         fn=ce_kernel._cross_entropy_rows_kernel, signature=ce_signature, constexprs=dict(BLOCK=4096, WRITE_GRAD=True)
     )
-    triton.compile(src, target=target, options=dict(num_warps=8))
-    print("_cross_entropy_rows_kernel: ok")
+    compiled = triton.compile(src, target=target, options=dict(num_warps=8))
+    _report("cross_entropy_rows", compiled, args.ptx_dir)
 
 
-def compile_one(fn, constexprs: dict, target, options: dict) -> None:
+def compile_one(label: str, fn, constexprs: dict, target, options: dict, ptx_dir: Path | None) -> None:
     src = triton.compiler.ASTSource(fn=fn, signature=signature(fn, constexprs), constexprs=constexprs)
-    compiled = triton.compile(src, target=target, options=options)
-    print(f"{fn.__name__}: ok, {compiled.metadata.shared} bytes shared memory")
+    _report(label, triton.compile(src, target=target, options=options), ptx_dir)
+
+
+def _report(label: str, compiled, ptx_dir: Path | None) -> None:
+    print(f"{label} ({compiled.metadata.name}): ok, {compiled.metadata.shared} bytes shared memory")
+    if ptx_dir:
+        (ptx_dir / f"{label}.ptx").write_text(compiled.asm["ptx"])
 
 
 if __name__ == "__main__":

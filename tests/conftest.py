@@ -17,6 +17,12 @@ if not torch.cuda.is_available():
 from tests.distributed import ProcessPool  # noqa: E402  (after TRITON_INTERPRET)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def token_cache(tmp_path_factory):
+    """One token cache for the session (tokenised text is shared between tests, never the user's cache)."""
+    os.environ["MTRAINING_CACHE"] = str(tmp_path_factory.mktemp("token-cache"))
+
+
 @pytest.fixture(scope="module")
 def pool():
     """Four gloo worker processes shared by one test module (tests/distributed.py)."""

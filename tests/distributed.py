@@ -9,7 +9,10 @@ tests use, so one start-up (a few seconds) serves every world size:
 ``pool.run(fn, world_size, *args)`` calls ``fn(group, *args)`` on each member rank and returns the
 results in group-rank order. ``fn`` must be importable (module level). Tasks and results travel as
 plain pickles (tensors copied, no shared-memory handles). A failure on any rank raises in the
-caller with that rank's traceback; a hang (e.g. an unmatched send) times out and restarts the pool.
+caller with that rank's traceback; a worker that dies is noticed at once, and workers that do not
+answer within ``grace_s`` of another's failure (blocked in a collective with it) or within
+``timeout`` (a hang, e.g. an unmatched send) are killed and the pool restarts on the next run
+(mtraining.train.launch.collect_replies).
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import queue
 import shutil
 import tempfile
 import traceback
 from collections.abc import Callable
 
 import torch.multiprocessing as mp
+
+from mtraining.train.launch import collect_replies
 
 GROUP_RANKS: dict[int, list[int] | None] = {1: [0], 2: [1, 3], 3: [0, 1, 2], 4: None}
 NPROCS = 4
@@ -51,8 +55,8 @@ def _worker(rank: int, store_path: str, tasks, results) -> None:
 class ProcessPool:
     """Persistent gloo workers; see the module docstring."""
 
-    def __init__(self, timeout: float = 120.0) -> None:
-        self.timeout = timeout
+    def __init__(self, timeout: float = 120.0, grace_s: float = 10.0) -> None:
+        self.timeout, self.grace_s = timeout, grace_s
         self._procs: list = []
 
     def _start(self) -> None:
@@ -76,27 +80,24 @@ class ProcessPool:
         task = pickle.dumps((fn, world_size, args))
         for r in ranks:
             self._tasks[r].put(task)
-        replies: dict[int, tuple] = {}
         try:
-            while len(replies) < len(ranks):
-                rank, reply = self._results.get(timeout=self.timeout)
-                replies[rank] = pickle.loads(reply)
-        except queue.Empty:
-            self.close()
-            raise TimeoutError(
-                f"ranks {sorted(set(ranks) - set(replies))} did not answer in {self.timeout} s"
-            ) from None
-        errors = [f"rank {r}:\n{msg}" for r, (status, msg) in sorted(replies.items()) if status == "error"]
+            replies = collect_replies(self._results, self._procs, ranks, self.timeout, self.grace_s)
+        except TimeoutError:
+            self.close(polite=False)
+            raise
+        if any(status == "lost" for status, _ in replies.values()):
+            self.close(polite=False)  # a dead or stuck worker: the next run starts a fresh pool
+        errors = [f"rank {r}:\n{msg}" for r, (status, msg) in sorted(replies.items()) if status != "ok"]
         if errors:
             raise AssertionError("\n".join(errors))
         return [replies[r][1] for r in ranks]
 
-    def close(self) -> None:
-        """Stop the workers (politely, then by handle) and remove the store."""
-        for t in self._tasks if self._procs else []:
+    def close(self, polite: bool = True) -> None:
+        """Stop the workers (asked to finish, else by handle) and remove the store."""
+        for t in self._tasks if self._procs and polite else []:
             t.put(None)
         for p in self._procs:
-            p.join(timeout=10)
+            p.join(timeout=10 if polite else 0)
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -1,4 +1,4 @@
-"""``mtraining eval``: ppl, niah, ruler and report commands (a typer sub-app: ``eval_app``).
+"""``mtraining eval``: ppl, niah, ruler, infinitebench and report commands (a typer sub-app: ``eval_app``).
 
 Several ranks (context parallelism): run under torchrun, e.g.
 ``torchrun --nproc-per-node 4 -m mtraining.eval.cli niah CKPT --lengths 128K,512K``, or pass
@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 eval_app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
-    help="Evaluate checkpoints: perplexity, needle in a haystack, RULER-style tasks.",
+    help="Evaluate checkpoints: perplexity, needle in a haystack, RULER-style tasks, InfiniteBench.",
 )
 
 Checkpoint = Annotated[Path, typer.Argument(help="Local HF model directory, or a training checkpoint with --config.")]
@@ -41,7 +42,22 @@ Granule = Annotated[
     ),
 ]
 Nproc = Annotated[int, typer.Option("--nproc", help="Start this many local context-parallel ranks with torchrun.")]
-TextField = Annotated[str, typer.Option("--text-field", help="JSONL/parquet field holding the text.")]
+TextField = Annotated[str, typer.Option("--text-field", help="JSONL/parquet/arrow field holding the text.")]
+DataFiles = Annotated[
+    list[Path] | None,
+    typer.Option("--data", help="The benchmark's own JSONL files or their directory, instead of generated prompts."),
+]
+TaskName = Annotated[
+    str | None, typer.Option("--task", help="With --data: the task of every file (default: from file/folder names).")
+]
+Limit = Annotated[int | None, typer.Option("--limit", help="With --data: the first N records of each file.")]
+Truncate = Annotated[
+    bool,
+    typer.Option(
+        "--truncate", help="With --data: cut the middle out of prompts longer than the longest length (else refused)."
+    ),
+]
+MaxNewTokens = Annotated[int | None, typer.Option("--max-new-tokens", help="Answer tokens; default: per task.")]
 
 
 def _fail(err: Exception) -> None:
@@ -69,6 +85,8 @@ class _Session:
     """Loaded model, tokenizer, context-parallel group and engine for one command on this rank."""
 
     def __init__(self, checkpoint: Path, opts: SessionOptions, granule: int = 2048) -> None:
+        import torch.distributed as dist
+
         from .engine import AttentionSpec, Engine
         from .loading import load, pick_device
         from .runtime import init_group, is_root
@@ -80,6 +98,8 @@ class _Session:
         self.opts = opts
         self.group = init_group(pick_device(opts.device))
         self.root = is_root(self.group)
+        world_size = 1 if self.group is None else dist.get_world_size(self.group)
+        inner_size = opts.ring_inner_size(world_size)
         self.loaded = load(checkpoint, opts.tokenizer, opts.config, opts.device, opts.dtype)
         self.spec = AttentionSpec(
             sparse=opts.attention == "sparse",
@@ -89,6 +109,8 @@ class _Session:
             pattern=pattern,
             prefill_granule=granule,
             dense_layers=layers,
+            ring=opts.ring,
+            inner_size=inner_size,
         )
         self.spec.pattern_config()  # validate the sparse options before any work
         self.engine = Engine(self.loaded.model, self.spec, self.group)
@@ -149,6 +171,8 @@ class _Session:
             if self.engine.densities
             else None,
             "layout": self.spec.layout,
+            "ring": self.spec.ring,
+            "inner_size": self.spec.inner_size,
             "prefill_granule": self.spec.prefill_granule,
             "block_size": self.spec.block_size,
             "world_size": self.engine.world_size,
@@ -193,7 +217,8 @@ def _run(command: str, nproc: int, body) -> None:
 def ppl(
     checkpoint: Checkpoint,
     data: Annotated[
-        list[Path], typer.Option("--data", help="Text/JSONL/parquet files or directories (e.g. PG-19 books).")
+        list[Path],
+        typer.Option("--data", help="Text/JSONL/parquet/arrow files or directories (e.g. PG-19's test/ folder)."),
     ],
     lengths: Lengths = "4K,8K,16K,32K",
     samples: Samples = 1,
@@ -287,50 +312,177 @@ def ruler(
     checkpoint: Checkpoint,
     lengths: Lengths = "4K,8K,16K,32K",
     tasks: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--tasks",
-            help="'all' or some of: niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe.",
+            help="'all' (default) or some of: niah_single, niah_multikey, niah_multivalue, niah_multiquery, vt, cwe, fwe.",
         ),
-    ] = "all",
+    ] = None,
     samples: Samples = 4,
     seed: Seed = 0,
     haystack: HaystackOpt = None,
-    max_new_tokens: Annotated[
-        int | None, typer.Option("--max-new-tokens", help="Answer tokens; default: per task.")
-    ] = None,
+    max_new_tokens: MaxNewTokens = None,
     text_field: TextField = "text",
+    data: DataFiles = None,
+    task: TaskName = None,
+    limit: Limit = None,
+    truncate: Truncate = False,
     *,
     opts: SessionOptions,
     prefill_granule: Granule = 2048,
     nproc: Nproc = 1,
 ) -> None:
-    """RULER-style synthetic tasks from a seed: scores per task and length (JSON and a Markdown table)."""
+    """RULER-style tasks generated from a seed, or RULER's own JSONL (--data): scores per task and length."""
 
     def body() -> None:
-        from .ruler import markdown_table, parse_tasks, run_ruler
-        from .runtime import console, parse_lengths
+        from .ruler import parse_tasks, run_ruler
+        from .runtime import parse_lengths
 
-        grid, task_list = parse_lengths(lengths), parse_tasks(tasks)
-        s, prompting = _prompted(
-            checkpoint, opts, prefill_granule, grid, haystack, text_field, seed, samples, max_new_tokens
-        )
-        result = run_ruler(s.engine, s.loaded.tokenizer, task_list, grid, prompting)
-        settings = {
-            "lengths": grid,
-            "tasks": task_list,
-            "samples": samples,
-            "seed": seed,
-            "max_new_tokens": max_new_tokens,
-        }
-        out, folder = s.save("ruler", settings, result)
-        if s.root:
-            table = markdown_table(result)
-            (folder / "ruler.md").write_text(f"# RULER-style tasks: {out['label']}\n\n{table}\n")
-            console().print(table)
-            console().print(f"wrote {folder / 'ruler.json'} and {folder / 'ruler.md'}")
+        grid = parse_lengths(lengths)
+        files = _Files.of(data, task, limit, truncate, max_new_tokens, tasks=tasks, haystack=haystack)
+        if files:
+            s, result = _from_files("ruler", checkpoint, opts, prefill_granule, grid, files)
+            settings = files.settings(grid)
+        else:
+            task_list = parse_tasks(tasks or "all")
+            s, prompting = _prompted(
+                checkpoint, opts, prefill_granule, grid, haystack, text_field, seed, samples, max_new_tokens
+            )
+            result = run_ruler(s.engine, s.loaded.tokenizer, task_list, grid, prompting)
+            settings = {
+                "lengths": grid,
+                "tasks": task_list,
+                "samples": samples,
+                "seed": seed,
+                "max_new_tokens": max_new_tokens,
+            }
+        _save_table(s, "ruler", "RULER-style tasks", settings, result)
 
     _run("ruler", nproc, body)
+
+
+@eval_app.command()
+@with_session_options
+def infinitebench(
+    checkpoint: Checkpoint,
+    lengths: Lengths = "4K,8K,16K,32K",
+    tasks: Annotated[
+        str | None,
+        typer.Option("--tasks", help="'all' (default) or some of: passkey, number_string, kv_retrieval, math_find."),
+    ] = None,
+    samples: Samples = 4,
+    seed: Seed = 0,
+    max_new_tokens: MaxNewTokens = None,
+    data: DataFiles = None,
+    task: TaskName = None,
+    limit: Limit = None,
+    truncate: Truncate = False,
+    *,
+    opts: SessionOptions,
+    prefill_granule: Granule = 2048,
+    nproc: Nproc = 1,
+) -> None:
+    """InfiniteBench's passkey, number string, key-value and Math.Find tasks, generated from a seed or
+    read from the benchmark's JSONL (--data): scores per task and length."""
+
+    def body() -> None:
+        from .answers import Prompting
+        from .infinitebench import TASKS, run_infinitebench
+        from .ruler import parse_tasks
+        from .runtime import parse_lengths
+
+        grid = parse_lengths(lengths)
+        files = _Files.of(data, task, limit, truncate, max_new_tokens, tasks=tasks)
+        if files:
+            s, result = _from_files("infinitebench", checkpoint, opts, prefill_granule, grid, files)
+            settings = files.settings(grid)
+        else:
+            task_list = parse_tasks(tasks or "all", TASKS)
+            s = _Session(checkpoint, opts, prefill_granule)
+            s.check(grid, generate=True)
+            prompting = Prompting(samples, seed, max_new_tokens=max_new_tokens, show_progress=s.root)
+            result = run_infinitebench(s.engine, s.loaded.tokenizer, task_list, grid, prompting)
+            settings = {
+                "lengths": grid,
+                "tasks": task_list,
+                "samples": samples,
+                "seed": seed,
+                "max_new_tokens": max_new_tokens,
+            }
+        _save_table(s, "infinitebench", "InfiniteBench", settings, result)
+
+    _run("infinitebench", nproc, body)
+
+
+@dataclass(frozen=True)
+class _Files:
+    """The benchmark's own files (--data) and how to read them (--task, --limit, --truncate, --max-new-tokens)."""
+
+    data: list[Path]
+    task: str | None
+    limit: int | None
+    truncate: bool
+    max_new_tokens: int | None
+
+    @classmethod
+    def of(
+        cls,
+        data: list[Path] | None,
+        task: str | None,
+        limit: int | None,
+        truncate: bool,
+        max_new_tokens: int | None,
+        **generating: object,
+    ) -> _Files | None:
+        """The files given, or None to generate prompts; ValueError for options of the other mode
+        (``generating``: the options that shape generated prompts, by name)."""
+        if data:
+            wrong = [f"--{name}" for name, value in generating.items() if value]
+            fix = "the prompts and tasks come from the files (--task names the task of every file)"
+        else:
+            wrong = [name for name, value in (("--task", task), ("--limit", limit), ("--truncate", truncate)) if value]
+            fix = "they read the benchmark's files: pass --data FILE.jsonl or drop them"
+        if wrong:
+            raise ValueError(f"{wrong[0]} does not apply {'with' if data else 'without'} --data: {fix}")
+        return cls(data, task, limit, truncate, max_new_tokens) if data else None
+
+    def settings(self, lengths: list[int]) -> dict:
+        return {
+            "lengths": lengths,
+            "data": [str(p) for p in self.data],
+            "task": self.task,
+            "limit": self.limit,
+            "truncate": self.truncate,
+            "max_new_tokens": self.max_new_tokens,
+        }
+
+
+def _from_files(
+    kind: str, checkpoint: Path, opts: SessionOptions, granule: int, lengths: list[int], files: _Files
+) -> tuple[_Session, dict]:
+    """The session and result of a ruler or infinitebench command run on the benchmark's own files."""
+    from . import datafiles
+
+    load = datafiles.ruler_samples if kind == "ruler" else datafiles.infinitebench_samples
+    samples = load(files.data, files.task, files.limit, files.max_new_tokens)  # format errors before the model
+    s = _Session(checkpoint, opts, granule)
+    s.check(lengths, generate=True)
+    tokenizer = s.loaded.tokenizer
+    placed = datafiles.place(samples, lengths, tokenizer.count, files.truncate)
+    return s, datafiles.run_samples(s.engine, tokenizer, placed, lengths, kind, s.root)
+
+
+def _save_table(s: _Session, kind: str, title: str, settings: dict, result: dict) -> None:
+    """KIND.json and KIND.md (the task x length table) on rank 0, and the table on the console."""
+    from .ruler import markdown_table
+    from .runtime import console
+
+    out, folder = s.save(kind, settings, result)
+    if s.root:
+        table = markdown_table(result)
+        (folder / f"{kind}.md").write_text(f"# {title}: {out['label']}\n\n{table}\n")
+        console().print(table)
+        console().print(f"wrote {folder / f'{kind}.json'} and {folder / f'{kind}.md'}")
 
 
 @eval_app.command()

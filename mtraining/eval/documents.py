@@ -1,86 +1,36 @@
 """Local documents for evaluation, and a built-in filler text (no network, no shipped corpus needed).
 
-``load_documents`` reads text files (``.txt``, ``.md``: one document each), JSONL (one document per
-line, the text under ``text_field``) and parquet (a column ``text_field``; needs pyarrow), given as
-files or directories (searched recursively). A PG-19-style folder of books is a directory of
-``.txt`` files. ``filler_sentences`` is a deterministic stream of plain English sentences for
-haystacks when the user has no text of their own.
+``load_documents`` reads documents with the shared reader (mtraining.data.documents): text files
+(``.txt``, ``.md``: one document each), JSONL (also gzipped; one document per line, the text under
+``text_field``), parquet and Arrow files (a column ``text_field``; need pyarrow) and saved ``datasets``
+folders, given as files, globs or directories (searched recursively). PG-19 comes as any of these: a
+folder of ``<id>.txt`` books per split (the original release), parquet files with a ``text`` column
+(the Hugging Face hub), or the Arrow files of ``datasets`` (its cache, or ``save_to_disk``; the
+metadata JSON files beside them are skipped). ``filler_sentences`` is a deterministic stream of plain
+English sentences for haystacks when the user has no text of their own.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-TEXT_SUFFIXES = (".txt", ".md", ".text")
-JSONL_SUFFIXES = (".jsonl", ".json")
-PARQUET_SUFFIXES = (".parquet",)
-SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
-
-
-def _files(path: Path) -> list[Path]:
-    if not path.exists():
-        raise ValueError(
-            f"data path {path} does not exist; pass a text (.txt/.md), JSONL or parquet file, or a directory of them"
-        )
-    if path.is_file():
-        if path.suffix.lower() not in SUFFIXES:
-            raise ValueError(f"{path} has an unsupported suffix {path.suffix!r}; use one of {', '.join(SUFFIXES)}")
-        return [path]
-    found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES)
-    if not found:
-        raise ValueError(f"directory {path} holds no {', '.join(SUFFIXES)} files; point --data at your documents")
-    return found
-
-
-def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{path}:{line_no} is not valid JSON ({e.msg}); use one JSON object per line"
-                ) from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(
-                    f"{path}:{line_no} has no string field {text_field!r} (found {keys}); pass --text-field NAME"
-                )
-            yield record[text_field]
-
-
-def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ValueError(f"reading {path} needs pyarrow: pip install pyarrow (or convert it to JSONL)") from None
-    table = pq.read_table(path)
-    if text_field not in table.column_names:
-        raise ValueError(f"{path} has no column {text_field!r} (columns: {table.column_names}); pass --text-field NAME")
-    yield from (t for t in table.column(text_field).to_pylist() if isinstance(t, str))
+from ..data.documents import TEXT_KINDS, find_files, read_documents
 
 
 def load_documents(paths: Sequence[str | Path], text_field: str = "text") -> list[str]:
     """All non-empty documents under ``paths``, in sorted file order (then line/row order)."""
     if not paths:
-        raise ValueError("no data given; pass --data with a text/JSONL/parquet file or a directory")
-    docs: list[str] = []
-    for path in paths:
-        for file in _files(Path(path)):
-            suffix = file.suffix.lower()
-            if suffix in TEXT_SUFFIXES:
-                docs.append(file.read_text(encoding="utf-8", errors="replace"))
-            elif suffix in JSONL_SUFFIXES:
-                docs.extend(_read_jsonl(file, text_field))
-            else:
-                docs.extend(_read_parquet(file, text_field))
-    docs = [d for d in docs if d.strip()]
+        raise ValueError("no data given; pass --data with a text/JSONL/parquet/arrow file or a directory")
+    docs = [
+        doc
+        for path in paths
+        for file in find_files(path, TEXT_KINDS)
+        for doc in read_documents(file, text_field)
+        if doc.strip()
+    ]
     if not docs:
         raise ValueError(f"no non-empty documents found in {', '.join(map(str, paths))}")
     return docs

@@ -54,6 +54,8 @@ class AttentionSpec:
         pattern: ``PatternConfig`` fields (v_size, s_size, last_q, threshold, ...) for sparse runs.
         min_sparse_len: sequences shorter than this run dense even when ``sparse``.
         dense_layers: layers that run dense even when ``sparse`` (as ``attention.dense_layers`` in training).
+        ring: "flat" or "hierarchical" context-parallel ring (``parallel.ring`` in training).
+        inner_size: ranks per inner ring of the hierarchical ring (default: LOCAL_WORLD_SIZE).
         prefill_granule: generation prefills the longest prompt prefix that is a multiple of this
             (rounded up to a multiple of the layout's unit); the rest runs dense.
     """
@@ -66,6 +68,8 @@ class AttentionSpec:
     min_sparse_len: int = 0
     prefill_granule: int = 2048
     dense_layers: tuple[int, ...] = ()
+    ring: str = "flat"
+    inner_size: int | None = None
 
     @property
     def name(self) -> str:
@@ -75,7 +79,7 @@ class AttentionSpec:
         """The ``PatternConfig`` of sparse runs (None when dense)."""
         if not self.sparse:
             return None
-        from ..ops.estimate import PatternConfig
+        from ..ops.pattern.estimate import PatternConfig
 
         return PatternConfig(block_size=self.block_size, **self.pattern)
 
@@ -98,6 +102,8 @@ def attention_context(spec: AttentionSpec, group: dist.ProcessGroup | None, seq_
         dense_layers=frozenset(spec.dense_layers),
         min_sparse_len=spec.min_sparse_len,
         backend=spec.backend,
+        ring=spec.ring,
+        inner_size=spec.inner_size,
     )
 
 

@@ -9,6 +9,7 @@ built by the trainer's loader (``mtraining.models.build_model``) so they run mtr
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,18 +99,13 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 def _training_checkpoint(path: Path, config: str | Path) -> tuple[nn.Module, str | None]:
     """(model with the checkpoint's weights, tokenizer path from the config) of a training checkpoint."""
-    from ..models import build_model
-    from ..train.checkpoint import latest_checkpoint, load_checkpoint
     from ..train.config import load_config
-    from ..train.loss import CausalLMLoss
+    from ..train.data import tokenizer_path
+    from ..train.export import load_trained_model
 
     cfg = load_config(config)
-    step = path if (path / ".metadata").is_file() else latest_checkpoint(path)
-    if step is None:
-        raise ValueError(f"{path} holds no complete training checkpoint (step_N with .metadata); pass a step_N folder")
-    model = build_model(cfg.model.path, cfg.model.config, cfg.model.rope_theta, cfg.model.rope_parameters)
-    load_checkpoint(step, CausalLMLoss(model))
-    return model, cfg.data.tokenizer or cfg.model.path
+    model, _ = load_trained_model(cfg, path, report=lambda line: print(line, file=sys.stderr))  # verified first
+    return model, tokenizer_path(cfg)
 
 
 def load(
@@ -144,8 +140,18 @@ def load(
     tok = load_tokenizer(path, tokenizer, fallback)
     target = pick_device(device)
     model = model.to(device=target, dtype=pick_dtype(dtype, target)).eval()
-    name = path.name if path.name not in ("", ".") else path.resolve().name
-    return Loaded(model, tok, name, getattr(model.config, "max_position_embeddings", None))
+    return Loaded(model, tok, checkpoint_name(path), getattr(model.config, "max_position_embeddings", None))
+
+
+def checkpoint_name(path: Path) -> str:
+    """A name for a checkpoint in labels and result folders: its path relative to the working directory
+    (absolute outside it) with '_' for '/', so runs/a/export and runs/b/export do not collide."""
+    full = path.resolve()
+    try:
+        parts = full.relative_to(Path.cwd()).parts
+    except ValueError:
+        parts = full.parts[1:]
+    return "_".join(parts) or full.name
 
 
 def check_rope_range(lengths: list[int], extra: int, max_positions: int | None, allow: bool) -> None:

@@ -27,6 +27,13 @@ class SessionOptions:
         "striped"
     )
     block_size: Annotated[int, typer.Option("--block-size", help="Kernel block / layout stripe.")] = 128
+    ring: Annotated[
+        str, typer.Option("--ring", help="Context-parallel ring: flat, or hierarchical (inner rings per node).")
+    ] = "flat"
+    inner_size: Annotated[
+        int | None,
+        typer.Option("--inner-size", help="Hierarchical ring: ranks per inner ring (default: ranks per node)."),
+    ] = None
     backend: Annotated[str, typer.Option("--backend", help="auto, torch or triton.")] = "auto"
     v_size: Annotated[int | None, typer.Option("--v-size", help="Sparse: verticals per head.")] = None
     s_size: Annotated[int | None, typer.Option("--s-size", help="Sparse: slashes per head.")] = None
@@ -60,10 +67,29 @@ class SessionOptions:
         names = ("v_size", "s_size", "last_q", "local_window", "threshold")
         pattern = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.budgets is not None:
-            from ..ops.budgets import load_budgets
+            from ..ops.pattern.budgets import load_budgets
 
             pattern["budgets"] = load_budgets(self.budgets)
         return pattern
+
+    def ring_inner_size(self, world_size: int) -> int | None:
+        """Ranks per inner ring for --ring hierarchical (validated against the world size), None for flat."""
+        if self.ring not in ("flat", "hierarchical"):
+            raise ValueError(f"--ring must be flat or hierarchical, got {self.ring!r}")
+        if self.ring == "flat":
+            if self.inner_size is not None:
+                raise ValueError(
+                    "--inner-size sizes the inner rings of --ring hierarchical; add it or drop --inner-size"
+                )
+            return None
+        if world_size == 1:
+            return None  # one process runs no ring
+        from ..parallel.topology import resolve_inner_size
+
+        try:
+            return resolve_inner_size(world_size, self.inner_size)
+        except ValueError as err:
+            raise ValueError(f"--ring hierarchical over {world_size} ranks: {err} (--inner-size N)") from None
 
     def folder(self, label: str) -> Path:
         """Where the results go: --out-dir, else eval-results/LABEL."""

@@ -1,7 +1,8 @@
-"""Figures (PNG, matplotlib without a display): NIAH heatmaps, perplexity by position, RULER by length."""
+"""Figures (PNG, matplotlib without a display): NIAH heatmaps, perplexity by position, task averages by length."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -82,12 +83,14 @@ def ppl_by_position(items: Sequence[tuple[str, list[dict]]], path: str | Path) -
     return _save(fig, path)
 
 
-def ruler_by_length(items: Sequence[tuple[str, dict]], path: str | Path) -> Path:
-    """RULER average score vs context length, one line per checkpoint."""
+def average_by_length(items: Sequence[tuple[str, dict]], path: str | Path, title: str) -> Path:
+    """Average score over tasks vs context length (RULER-style or InfiniteBench), one line per checkpoint;
+    lengths without a prompt are gaps."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, result in items:
-        ax.plot(result["lengths"], result["average"], marker="o", label=label)
+        average = [math.nan if v is None else v for v in result["average"]]
+        ax.plot(result["lengths"], average, marker="o", label=label)
     lengths = sorted({n for _, r in items for n in r["lengths"]})
     ax.set_xscale("log", base=2)
     ax.set_xticks(lengths, [short_length(n) for n in lengths])
@@ -95,7 +98,7 @@ def ruler_by_length(items: Sequence[tuple[str, dict]], path: str | Path) -> Path
     ax.set_ylim(-2, 102)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("average score (%)")
-    ax.set_title("RULER-style tasks by length")
+    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()
     return _save(fig, path)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -11,7 +12,7 @@ from . import plots
 from .plots import short_length
 from .ruler import markdown_table
 
-KINDS = ("ppl", "niah", "ruler")
+KINDS = ("ppl", "niah", "ruler", "infinitebench")
 
 
 def _load(path: Path) -> dict | None:
@@ -32,7 +33,7 @@ def collect(paths: Sequence[str | Path]) -> dict[str, list[dict]]:
         if path.is_file():
             data = _load(path)
             if data is None:
-                raise ValueError(f"{path} is not an evaluation result (no kind ppl/niah/ruler)")
+                raise ValueError(f"{path} is not an evaluation result (no kind {'/'.join(KINDS)})")
             found[data["kind"]].append(data)
         else:
             for file in sorted(path.rglob("*.json")):
@@ -40,7 +41,7 @@ def collect(paths: Sequence[str | Path]) -> dict[str, list[dict]]:
                     found[data["kind"]].append(data)
     if not any(found.values()):
         raise ValueError(
-            f"no evaluation results in {', '.join(map(str, paths))}; run `mtraining eval ppl|niah|ruler` first"
+            f"no evaluation results in {', '.join(map(str, paths))}; run `mtraining eval {'|'.join(KINDS)}` first"
         )
     for results in found.values():  # unique labels within a kind
         seen: dict[str, int] = {}
@@ -105,24 +106,27 @@ def _niah_section(results: list[dict], out_dir: Path) -> list[str]:
     ]
 
 
-def _ruler_section(results: list[dict], out_dir: Path) -> list[str]:
+def _mean(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def _task_section(results: list[dict], out_dir: Path, title: str, plot: str) -> list[str]:
+    """Average over tasks per length for each checkpoint, a plot of it, then each checkpoint's task table."""
     lengths = sorted({n for r in results for n in r["result"]["lengths"]})
     rows = []
     for r in results:
         res = r["result"]
         avg = dict(zip(res["lengths"], res["average"]))
-        rows.append(
-            [_who(r)]
-            + [_fmt(avg.get(n, math.nan), 1) for n in lengths]
-            + [_fmt(sum(res["average"]) / len(res["average"]), 1)]
-        )
-    plots.ruler_by_length([(r["label"], r["result"]) for r in results], out_dir / "ruler_by_length.png")
+        rows.append([_who(r)] + [_fmt(avg.get(n, math.nan), 1) for n in lengths] + [_fmt(_mean(res["average"]), 1)])
+    items = [(r["label"], r["result"]) for r in results]
+    plots.average_by_length(items, out_dir / f"{plot}.png", f"{title} by length")
     out = [
-        "## RULER-style tasks (% correct, average over tasks)",
+        f"## {title} (% correct, average over tasks)",
         "",
         _table(["checkpoint"] + [short_length(n) for n in lengths] + ["mean"], rows),
         "",
-        "![RULER by length](ruler_by_length.png)",
+        f"![{title} by length]({plot}.png)",
         "",
     ]
     for r in results:
@@ -138,9 +142,15 @@ def build_report(paths: Sequence[str | Path], out_dir: str | Path) -> Path:
     lines = ["# Evaluation report", ""]
     every = {(r["label"], r["checkpoint"], r["attention"]) for rs in found.values() for r in rs}
     lines += [f"- **{label}**: `{ckpt}`, {attention} attention" for label, ckpt, attention in sorted(every)] + [""]
-    for kind, section in (("ppl", _ppl_section), ("niah", _niah_section), ("ruler", _ruler_section)):
+    sections = {
+        "ppl": _ppl_section,
+        "niah": _niah_section,
+        "ruler": functools.partial(_task_section, title="RULER-style tasks", plot="ruler_by_length"),
+        "infinitebench": functools.partial(_task_section, title="InfiniteBench", plot="infinitebench_by_length"),
+    }
+    for kind in KINDS:
         if found[kind]:
-            lines += section(found[kind], out_dir)
+            lines += sections[kind](found[kind], out_dir)
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path

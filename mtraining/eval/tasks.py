@@ -105,7 +105,11 @@ _VOWELS = "aeiou"
 
 @dataclass
 class Sample:
-    """One prompt with its expected answers (``meta`` says how it was built)."""
+    """One prompt with its expected answers, scored by ``metric`` (a name in ``scoring.METRICS``).
+
+    ``meta`` says how it was built. A prompt longer than ``length - max_new_tokens`` tokens (only
+    official files run with truncation allowed) is cut in the middle when answered (``answers``).
+    """
 
     task: str
     length: int
@@ -114,6 +118,7 @@ class Sample:
     max_new_tokens: int
     prompt_tokens: int = 0
     meta: dict = field(default_factory=dict)
+    metric: str = "match_all"
 
 
 @dataclass
@@ -307,6 +312,25 @@ def fit_knob(
     return lo, t_lo
 
 
+def fit_prompt(
+    prompt_at: Callable[[int], str], count_tokens: Callable[[str], int], task: str, length: int, new_tokens: int
+) -> tuple[int, int]:
+    """(knob, tokens) of the largest ``prompt_at(knob)`` that leaves ``new_tokens`` of ``length`` for the answer."""
+    cache: dict[int, int] = {}
+
+    def tokens_at(knob: int) -> int:
+        if knob not in cache:
+            cache[knob] = count_tokens(prompt_at(knob))
+        return cache[knob]
+
+    try:
+        return fit_knob(tokens_at, length - new_tokens)
+    except ValueError as e:
+        raise ValueError(
+            f"task {task} does not fit length {length} ({e}, plus {new_tokens} answer tokens); use a longer length"
+        ) from None
+
+
 def generate(
     task: str,
     length: int,
@@ -326,21 +350,8 @@ def generate(
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be a fraction in [0, 1], got {depth}")
     new_tokens = MAX_NEW_TOKENS[task] if max_new_tokens is None else max_new_tokens
-    budget = length - new_tokens
     build = _builder(task, seed, length, haystack or Haystack(seed=seed), depth)
-    cache: dict[int, int] = {}
-
-    def tokens_at(knob: int) -> int:
-        if knob not in cache:
-            cache[knob] = count_tokens(_render(build(knob)))
-        return cache[knob]
-
-    try:
-        knob, tokens = fit_knob(tokens_at, budget)
-    except ValueError as e:
-        raise ValueError(
-            f"task {task} does not fit length {length} ({e}, plus {new_tokens} answer tokens); use a longer length"
-        ) from None
+    knob, tokens = fit_prompt(lambda knob: _render(build(knob)), count_tokens, task, length, new_tokens)
     parts = build(knob)
     return Sample(
         task, length, _render(parts), parts.answers, new_tokens, tokens, {"knob": knob, "seed": seed, "depth": depth}

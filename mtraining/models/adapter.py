@@ -18,9 +18,9 @@ from typing import Literal
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..ops.attention import sparse_attention
-from ..ops.estimate import PatternConfig, estimate_pattern
 from ..ops.pattern import VerticalSlashPattern
+from ..ops.pattern.estimate import PatternConfig, estimate_pattern
+from ..ops.sparse.attention import sparse_attention
 from ..parallel.estimate import estimate_pattern_cp
 from ..parallel.layout import Layout
 from ..parallel.ring import ring_attention
@@ -47,13 +47,15 @@ class AttentionContext:
     Attributes:
         group: context-parallel process group (None: single device).
         layout: how the global sequence is split over ``group`` (required when it has > 1 rank).
-        pattern_config: a ``PatternConfig`` (mtraining.ops.estimate) for dynamic sparse attention;
+        pattern_config: a ``PatternConfig`` (mtraining.ops.pattern) for dynamic sparse attention;
             None: dense everywhere.
         dense_layers: layers that always run dense.
         min_sparse_len: global sequence lengths below this run dense (sparse does not pay).
         max_density: a layer whose estimated pattern keeps more than this fraction of the causal
             pairs runs dense for that call (sparse kernels are slower than dense there); None: never.
         backend: "auto", "torch" or "triton".
+        ring: "flat" or "hierarchical" (``ring_attention``'s ring); ``inner_size``: ranks per inner ring
+            of the hierarchical ring (default there: LOCAL_WORLD_SIZE).
         record: what each sparse layer records in ``stats``: nothing, density, or density and recall
             (recall costs about one more estimation pass). The trainer turns it off for the backward
             pass, where activation checkpointing recomputes the forward.
@@ -77,6 +79,8 @@ class AttentionContext:
     min_sparse_len: int = 0
     max_density: float | None = None
     backend: str = "auto"
+    ring: Literal["flat", "hierarchical"] = "flat"
+    inner_size: int | None = None
     record: Literal["off", "density", "recall"] = "density"
     stats: dict[int, PatternStats] = field(default_factory=dict)
     replay_patterns: dict[int, VerticalSlashPattern | None] | None = None
@@ -155,6 +159,8 @@ def mtraining_attention(
             return_lse=True,
             backend=ctx.backend,
             layer_idx=layer,
+            ring=ctx.ring,
+            inner_size=ctx.inner_size if ctx.ring == "hierarchical" else None,
             reuse=reuse,
         )
     else:

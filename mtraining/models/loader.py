@@ -7,6 +7,7 @@ trainer decides the compute dtype.
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,14 +21,24 @@ SUPPORTED_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+# Constructor arguments that HF configs translate into rope_parameters (older config.json spellings).
+_ROPE_ALIASES = ("rope_theta", "rope_scaling", "partial_rotary_factor")
+# Fields from which Qwen2/Qwen3 configs derive layer_types (which layers use a sliding window).
+_WINDOW_FIELDS = {"use_sliding_window", "sliding_window", "max_window_layers"}
+# RoPE types whose frequencies depend on the pre-training length (kept explicit when the length grows).
+_SCALED_ROPE = ("yarn", "longrope", "llama3")
+
+
 def build_config(
     path: str | Path | None = None,
     config: dict[str, Any] | None = None,
     rope_theta: float | None = None,
     rope_parameters: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
 ):
-    """The HF config from a local directory or a dict with ``model_type``, RoPE overrides applied."""
-    from transformers import AutoConfig
+    """The HF config from a local directory or a dict with ``model_type``, with ``overrides`` (HF config
+    fields, given to the config's constructor so derived fields follow) and RoPE changes applied."""
+    from transformers import CONFIG_MAPPING, PretrainedConfig
 
     if (path is None) == (config is None):
         raise ValueError("pass exactly one of path (a local HF directory) or config (a dict with model_type)")
@@ -35,13 +46,20 @@ def build_config(
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a Hugging Face model directory: it has no config.json")
-        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        fields = PretrainedConfig.get_config_dict(path, local_files_only=True)[0]
     else:
         fields = dict(config)
-        hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    if hf_config.model_type not in SUPPORTED_TYPES:
-        raise ValueError(f"model_type {hf_config.model_type!r} is not supported; use one of {SUPPORTED_TYPES}")
+    model_type = fields.get("model_type")
+    if model_type not in SUPPORTED_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported; use one of {SUPPORTED_TYPES}")
+    overrides = dict(overrides or {})
+    _check_overrides(model_type, overrides)
+    if set(overrides) & _WINDOW_FIELDS and "layer_types" not in overrides:
+        fields.pop("layer_types", None)  # derived again from the overridden window settings
+    rope_changes = _rope_changes(overrides)
+    hf_config = CONFIG_MAPPING[model_type].from_dict({**fields, **overrides})
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope.update(rope_changes)
     rope.update(rope_parameters or {})
     if rope_theta is not None:
         rope["rope_theta"] = float(rope_theta)
@@ -50,12 +68,71 @@ def build_config(
     return hf_config
 
 
+def _rope_changes(overrides: dict[str, Any]) -> dict[str, Any]:
+    """Take the RoPE fields out of ``overrides`` as rope_parameters entries (config.json values would win
+    over constructor arguments)."""
+    changes: dict[str, Any] = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        scaling = dict(overrides.pop(key, None) or {})
+        if "type" in scaling:  # the older spelling of rope_type
+            scaling["rope_type"] = scaling.pop("type")
+        changes.update(scaling)
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in overrides:
+            changes[key] = overrides.pop(key)
+    return changes
+
+
+def _check_overrides(model_type: str | None, overrides: dict[str, Any]) -> None:
+    """ValueError naming the known fields when an override is not a field of this model type's config."""
+    from transformers import AutoConfig
+
+    if not overrides:
+        return
+    known = set(AutoConfig.for_model(model_type).to_dict()) | set(_ROPE_ALIASES)
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(
+            f"model.overrides: {unknown} are not fields of a {model_type} config; known fields: {sorted(known)}"
+        )
+
+
+def sliding_window_layers(hf_config) -> list[int]:
+    """Layers that would run sliding-window attention (mtraining attention is causal over the whole sequence)."""
+    types = getattr(hf_config, "layer_types", None)
+    if types is not None:
+        return [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if getattr(hf_config, "sliding_window", None) is not None:  # Mistral: every layer
+        return list(range(hf_config.num_hidden_layers))
+    return []
+
+
+def trained_config(hf_config, seq_len: int):
+    """A copy of ``hf_config`` that records training at ``seq_len`` tokens, for export.
+
+    max_position_embeddings becomes at least ``seq_len``; RoPE types whose frequencies depend on the
+    pre-training length (YaRN, LongRoPE, Llama 3) keep that length and their factor explicit in
+    rope_parameters, so the exported model computes the RoPE it was trained with.
+    """
+    out = copy.deepcopy(hf_config)
+    before = hf_config.max_position_embeddings
+    rope = dict(getattr(out, "rope_parameters", None) or {})
+    if rope.get("rope_type") in _SCALED_ROPE:
+        original = rope.setdefault("original_max_position_embeddings", before)
+        if rope.get("factor") is None:
+            rope["factor"] = before / original
+        out.rope_parameters = rope
+    out.max_position_embeddings = max(before, seq_len)
+    return out
+
+
 def build_model(
     path: str | Path | None = None,
     config: dict[str, Any] | None = None,
     rope_theta: float | None = None,
     rope_parameters: dict[str, Any] | None = None,
     attn_implementation: str = ATTN_IMPLEMENTATION,
+    overrides: dict[str, Any] | None = None,
 ) -> nn.Module:
     """A float32 ``*ForCausalLM``: weights from ``path`` (local safetensors) or random from ``config``.
 
@@ -64,14 +141,19 @@ def build_model(
     from transformers import AutoModelForCausalLM
 
     register()
-    hf_config = build_config(path, config, rope_theta, rope_parameters)
+    hf_config = build_config(path, config, rope_theta, rope_parameters, overrides)
     if path is not None:
-        if not any(Path(path).glob("*.safetensors")):
-            raise ValueError(f"{path} has no *.safetensors weights; export or convert the model to safetensors")
+        check_weights(path)
         return AutoModelForCausalLM.from_pretrained(
             path, config=hf_config, attn_implementation=attn_implementation, dtype=torch.float32, local_files_only=True
         )
     return AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation, dtype=torch.float32)
+
+
+def check_weights(path: str | Path) -> None:
+    """ValueError unless the model folder holds safetensors weights."""
+    if not any(Path(path).glob("*.safetensors")):
+        raise ValueError(f"{path} has no *.safetensors weights; export or convert the model to safetensors")
 
 
 def export_hf(

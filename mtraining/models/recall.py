@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops.estimate import grouped_queries, grouped_scores
-from ..ops.matmul import acc_dtype
+from ..ops.numerics import acc_dtype
 from ..ops.pattern import VerticalSlashPattern
+from ..ops.pattern.estimate import grouped_queries, grouped_scores
 from ..parallel.estimate import ranks_logsumexp
 from ..parallel.layout import Layout
 

@@ -1,12 +1,15 @@
-"""Single-device math: oracle attention, the vertical-slash pattern, its estimation, Triton kernels."""
+"""Single-device attention math, one folder per family.
 
-from .oracle import attention_oracle, merge_partials
-from .pattern import VerticalSlashPattern
+- ``ops.pattern``: the vertical-slash pattern and its online estimation (``estimate_pattern``);
+- ``ops.sparse``: the sparse attention op (``sparse_attention``): dispatch, autograd, Triton kernels;
+- ``ops.dense``: a dense causal chunk pair as a few dense blocks (cuDNN on CUDA);
+- ``ops.reference``: the plain-PyTorch backend; ``ops.oracle``: the float64 oracle every path is tested against;
+- ``ops.numerics``: accumulation dtype, LSE merge, the backward's row term; ``ops.checks``: input validation.
+"""
 
-__all__ = ["VerticalSlashPattern", "attention_oracle", "merge_partials"]
-from .budgets import Budgets, load_budgets
-from .estimate import PatternConfig, estimate_pattern, last_query_partial_lse, line_scores, select_lines
-from .synthetic import anchor_positions, random_qkv, rope_structured_qkv
+from .oracle import attention_oracle
+from .pattern import Budgets, PatternConfig, VerticalSlashPattern, estimate_pattern, load_budgets
+from .sparse import sparse_attention
 
-__all__ += ["Budgets", "load_budgets", "PatternConfig", "estimate_pattern", "last_query_partial_lse", "line_scores"]
-__all__ += ["select_lines", "anchor_positions", "random_qkv", "rope_structured_qkv"]
+__all__ = ["Budgets", "PatternConfig", "VerticalSlashPattern", "attention_oracle", "estimate_pattern"]
+__all__ += ["load_budgets", "sparse_attention"]

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
+    """The softmax scale: ``softmax_scale`` (a finite number > 0), or 1/sqrt(head_dim) when None."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    number = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
+    if not number or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(
+            f"softmax_scale must be a finite number > 0, got {softmax_scale!r}; pass None for 1/sqrt(head_dim)"
+        )
+    return float(softmax_scale)
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, float_dtypes: tuple[torch.dtype, ...] | None = None) -> None:
@@ -55,8 +69,9 @@ def default_positions(q: Tensor, k: Tensor, q_pos: Tensor | None, k_pos: Tensor 
     return q_pos, k_pos
 
 
-def check_pattern(pattern, q: Tensor) -> None:
-    """The pattern must cover the batch and query heads of q and live on its device."""
+def check_pattern(pattern, q: Tensor, span: tuple[int, int]) -> None:
+    """The pattern must cover the batch and query heads of q, live on its device, and be defined on the
+    positions of the rows and keys: ``span`` = (smallest, largest) of them (``position_span``)."""
     b, _, hq, _ = q.shape
     if (pattern.batch, pattern.heads) != (b, hq):
         raise ValueError(
@@ -65,6 +80,23 @@ def check_pattern(pattern, q: Tensor) -> None:
         )
     if pattern.device != q.device:
         raise ValueError(f"pattern is on {pattern.device} but q is on {q.device}; use pattern.to(q.device)")
+    lo, hi = span
+    if lo < 0:
+        raise ValueError(f"positions must be global token positions >= 0, got {lo}")
+    if hi >= pattern.seq_len:
+        raise ValueError(
+            f"pattern is for a sequence of {pattern.seq_len} tokens but the rows and keys reach position {hi}; "
+            "estimate the pattern on the sequence these positions index (estimate_pattern on its q and k)"
+        )
+
+
+def position_span(q_pos: Tensor, k_pos: Tensor) -> tuple[int, int]:
+    """(smallest, largest) position of the rows and keys, in one device sync; (0, -1) when there are none."""
+    both = torch.cat([q_pos.reshape(-1).long(), k_pos.reshape(-1).long()])
+    if both.numel() == 0:
+        return 0, -1
+    lo, hi = torch.stack(torch.aminmax(both)).tolist()
+    return lo, hi
 
 
 def check_reuse(reuse: tuple[Tensor, Tensor] | None, q: Tensor) -> None:

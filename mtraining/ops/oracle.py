@@ -6,12 +6,11 @@ Backward runs through autograd.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from .checks import check_pattern, check_qkv, default_positions
+from .checks import check_pattern, check_qkv, default_positions, position_span, resolve_scale
+from .numerics import acc_dtype, finite_keys, mask_scores
 from .pattern import VerticalSlashPattern
 
 
@@ -37,38 +36,28 @@ def attention_oracle(
 
     q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (Hq a multiple of Hkv). Returns out [B, Sq, Hq, D] in q's
     dtype and the natural-log LSE [B, Hq, Sq] in float32 (float64 for float64 inputs). Rows with no
-    allowed key give out = 0 and lse = -inf, which is what a ring merge expects.
+    allowed key give out = 0 and lse = -inf, which is what a ring merge expects. A key whose K or V is
+    not finite reaches only the rows allowed to see it (they come out NaN), forward and backward.
     """
     check_qkv(q, k, v)
+    given = q_pos is not None or k_pos is not None
     q_pos, k_pos = default_positions(q, k, q_pos, k_pos)
     if pattern is not None:
-        check_pattern(pattern, q)
+        check_pattern(pattern, q, position_span(q_pos, k_pos) if given else (0, k.shape[1] - 1))
     b, sq, hq, d = q.shape
     group = hq // k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scale = resolve_scale(softmax_scale, d)
+    acc = acc_dtype(q)
     qh = q.transpose(1, 2).to(acc)
-    kh = k.transpose(1, 2).to(acc).repeat_interleave(group, dim=1)
-    vh = v.transpose(1, 2).to(acc).repeat_interleave(group, dim=1)
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    kh, vh, bad = finite_keys(
+        k.transpose(1, 2).to(acc).repeat_interleave(group, dim=1),
+        v.transpose(1, 2).to(acc).repeat_interleave(group, dim=1),
+    )
     allowed = attention_mask(q_pos, k_pos, pattern, b, hq)
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = mask_scores(torch.matmul(qh, kh.transpose(-1, -2)) * scale, allowed, bad)
     lse = torch.logsumexp(scores, dim=-1)
     # exp(-inf - -inf) is nan: guard rows that see nothing.
     safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     probs = torch.exp(scores - safe_lse[..., None])
     out = torch.matmul(probs, vh).transpose(1, 2).to(q.dtype)
-    return out, lse
-
-
-def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    """Combine two partial attentions over disjoint key sets: exact, -inf safe.
-
-    out [B, S, H, D], lse [B, H, S]. Returns the merged (out, lse) in out_a's dtype.
-    """
-    lse = torch.logaddexp(lse_a, lse_b)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    wa = torch.exp(lse_a - safe).transpose(1, 2)[..., None]
-    wb = torch.exp(lse_b - safe).transpose(1, 2)[..., None]
-    out = out_a * wa.to(out_a.dtype) + out_b * wb.to(out_a.dtype)
     return out, lse

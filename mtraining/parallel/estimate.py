@@ -1,6 +1,7 @@
 """Estimate the global vertical-slash pattern from sharded q/k: every rank gets the identical pattern.
 
-The single-device estimate (``mtraining.ops.estimate``) is composed across the ranks of a layout:
+The single-device estimate (``mtraining.ops.pattern.estimate``) is composed across the ranks of a layout:
+0. every rank checks that all make the same call (shapes, layout, config: ``agreement.py``, once);
 1. the last ``last_q`` queries (globally last positions; under striped/zigzag they may sit on
    several ranks) reach every rank through one all-reduce of a zero-filled buffer (exact);
 2. each rank computes their partial LSE over its keys; an all-gather and a logsumexp over ranks
@@ -22,8 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops.estimate import PatternConfig, PositionPlan, last_query_partial_lse, line_scores, select_lines
+from ..ops.checks import resolve_scale
 from ..ops.pattern import VerticalSlashPattern
+from ..ops.pattern.estimate import PatternConfig, PositionPlan, last_query_partial_lse, line_scores, select_lines
+from .agreement import check_ranks_agree
 from .layout import Layout
 
 
@@ -68,6 +71,16 @@ def estimate_pattern_cp(
     q [B, S/W, Hq, D], k [B, S/W, Hkv, D] in ``layout`` order. Collective: every rank of ``group``
     must call it with its own shards; all get the same pattern. One device sync (``select_lines``).
     """
+    fields = {
+        "q shape": tuple(q.shape),
+        "k shape": tuple(k.shape),
+        "dtype": str(q.dtype),
+        "layout": layout,
+        "pattern_config": config,
+        "layer_idx": layer_idx,
+        "softmax_scale": softmax_scale,
+    }
+    check_ranks_agree(group, q.device, "estimate_pattern_cp", fields)
     if not isinstance(config, PatternConfig):
         raise ValueError(f"pattern_config must be a PatternConfig, got {type(config).__name__}")
     layout.check_pattern_block(config.block_size)
@@ -76,7 +89,7 @@ def estimate_pattern_cp(
         raise ValueError(f"last_q ({config.last_q}) exceeds the sequence length {n}; lower last_q to at most {n}")
     config.head_budgets(layer_idx, q.shape[2], n)  # fail on budgets before any communication
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    scale = resolve_scale(softmax_scale, q.shape[-1])
     k_pos, last_pos, mine, local, every, plan = _rank_positions(layout, rank, config.last_q, q.device)
     # the globally last queries on every rank: each row is non-zero on its owner only, so the sum is exact
     q_last = torch.where(mine, q.index_select(1, local), 0.0)

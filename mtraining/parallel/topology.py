@@ -11,9 +11,10 @@ node, so with ``I = LOCAL_WORLD_SIZE`` these are the GPUs of one host). Two kind
 An 8-GPU host can be run as 2 "nodes" of 4 (``inner_size=4``) to exercise the hierarchy.
 
 Process groups: ``dist.new_group`` is collective over all ranks, called in the same order
-everywhere, so the groups are created once per (context-parallel ranks, inner size) and cached:
+everywhere, so the groups are created once per (context-parallel ranks, inner size) and kept:
 by the first ring call when the context-parallel group is the whole world, else by
-``init_ring_groups`` called on every rank with every context-parallel group's ranks. (Local
+``init_ring_groups`` called on every rank with every context-parallel group's ranks. They are kept
+per default process group (a weak reference to it), so a re-initialised world starts afresh. (Local
 synchronisation is no way out: torch names such groups by a hash that includes how many groups
 each rank already has.) A ring of one rank has no group (None); a ring spanning the whole
 context-parallel group is that group itself.
@@ -22,6 +23,7 @@ context-parallel group is that group itself.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -111,7 +113,14 @@ class RingGroups:
 
 
 _WHOLE = "whole"  # a ring spanning the whole context-parallel group: the group itself
-_CACHE: dict[tuple[tuple[int, ...], int], tuple] = {}
+_CREATED: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple[tuple[int, ...], int], tuple]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _created() -> dict[tuple[tuple[int, ...], int], tuple]:
+    """(topology, inner, outer) by (context-parallel global ranks, inner size), created in the current world."""
+    return _CREATED.setdefault(dist.group.WORLD, {})
 
 
 def _ring_group(cp_ranks: list[int], ring: list[int], me: int):
@@ -142,9 +151,9 @@ def init_ring_groups(inner_size: int, cp_ranks: list[list[int]] | None = None) -
         shape = Topology(len(ranks), inner_size, 0)
         inner = [_ring_group(ranks, shape.inner_ranks(n), me) for n in range(shape.outer_size)]
         outer = [_ring_group(ranks, shape.outer_ranks(lr), me) for lr in range(inner_size)]
-        if me in ranks and key not in _CACHE:
+        if me in ranks and key not in _created():
             topo = Topology(len(ranks), inner_size, ranks.index(me))
-            _CACHE[key] = (topo, inner[topo.node], outer[topo.local_rank])
+            _created()[key] = (topo, inner[topo.node], outer[topo.local_rank])
 
 
 def ring_groups(group: dist.ProcessGroup | None, inner_size: int | None = None) -> RingGroups:
@@ -158,10 +167,11 @@ def ring_groups(group: dist.ProcessGroup | None, inner_size: int | None = None) 
     inner_size = resolve_inner_size(world, inner_size)
     ranks = tuple(dist.get_global_rank(group, r) for r in range(world))
     key = (ranks, inner_size)
-    if key not in _CACHE and inner_size in (1, world):  # one ring is the group, the others are single ranks
+    created = _created()
+    if key not in created and inner_size in (1, world):  # one ring is the group, the others are single ranks
         topo = Topology(world, inner_size, dist.get_rank(group))
-        _CACHE[key] = (topo, _WHOLE if inner_size == world else None, _WHOLE if inner_size == 1 else None)
-    if key not in _CACHE:
+        created[key] = (topo, _WHOLE if inner_size == world else None, _WHOLE if inner_size == 1 else None)
+    if key not in created:
         if world != dist.get_world_size():
             raise ValueError(
                 f"the ring groups of context-parallel group {list(ranks)} (inner_size {inner_size}) do not exist yet: "
@@ -169,5 +179,5 @@ def ring_groups(group: dist.ProcessGroup | None, inner_size: int | None = None) 
                 "group's global ranks...]) on every rank first (new_group is collective over all ranks)"
             )
         init_ring_groups(inner_size)
-    topo, inner, outer = _CACHE[key]
+    topo, inner, outer = created[key]
     return RingGroups(topo, group if inner is _WHOLE else inner, group if outer is _WHOLE else outer)

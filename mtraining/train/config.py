@@ -7,8 +7,10 @@ names the fix.
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
@@ -17,7 +19,39 @@ from ..parallel.layout import make_layout
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # every number must be finite: a NaN or infinite learning rate, scale or size never runs
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# HF config fields that must be positive integers / positive finite numbers when given
+_POSITIVE_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+_POSITIVE_FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")
+
+
+def _check_hf_fields(config: dict[str, Any], where: str) -> None:
+    """Impossible numbers in ``model.config`` or ``model.overrides`` (``where``) fail here, not deep inside
+    transformers."""
+    for key in _POSITIVE_INT_FIELDS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{where}.{key} must be a positive integer, got {value!r}")
+    for key in _POSITIVE_FLOAT_FIELDS:
+        value = config.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+        if value is not None and not ok:
+            raise ValueError(f"{where}.{key} must be a finite number > 0, got {value!r}")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ValueError(f"{where}.num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
 
 
 class ModelSection(_Section):
@@ -33,6 +67,10 @@ class ModelSection(_Section):
     """New RoPE base (context extension), e.g. 1e6 when training 8x longer than pre-training."""
     rope_parameters: dict[str, Any] | None = None
     """Extra RoPE fields merged into the HF config's ``rope_parameters`` (rope_type, factor, ...)."""
+    overrides: dict[str, Any] = {}
+    """HF config fields set when the config is built, over config.json or model.config: rope_theta,
+    rope_scaling (a dict, as in older config.json files), sliding_window, use_sliding_window,
+    attention_dropout, max_position_embeddings, ... Unknown field names are refused."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
@@ -40,7 +78,28 @@ class ModelSection(_Section):
             raise ValueError("set exactly one of model.path (a local HF directory) or model.config (random init)")
         if self.config is not None and "model_type" not in self.config:
             raise ValueError("model.config needs a model_type, e.g. model_type: qwen2")
+        if self.rope_theta is not None and "rope_theta" in self.overrides:
+            raise ValueError("model.rope_theta and model.overrides.rope_theta both set the RoPE base; keep one")
+        if self.config is not None:
+            _check_hf_fields(self.config, "model.config")
+        _check_hf_fields(self.overrides, "model.overrides")
         return self
+
+    def hf_kwargs(self) -> dict[str, Any]:
+        """Arguments of mtraining.models.build_model / build_config for this model."""
+        return dict(
+            path=self.path,
+            config=self.config,
+            rope_theta=self.rope_theta,
+            rope_parameters=self.rope_parameters,
+            overrides=self.overrides,
+        )
+
+    @property
+    def changes_rope(self) -> bool:
+        """Whether the config changes the model's RoPE (base, scaling or type)."""
+        rope_keys = {"rope_theta", "rope_scaling", "rope_parameters"}
+        return self.rope_theta is not None or bool(self.rope_parameters) or bool(rope_keys & set(self.overrides))
 
 
 class AttentionSection(_Section):
@@ -62,7 +121,7 @@ class AttentionSection(_Section):
     threshold: float | None = Field(None, gt=0, le=1)
     """Keep the fewest lines reaching this estimated attention mass instead of fixed budgets."""
     budgets: str | None = None
-    """Pattern file with per-layer/per-head budgets (mtraining.ops.budgets)."""
+    """Pattern file with per-layer/per-head budgets (mtraining.ops.pattern.budgets)."""
     dense_layers: list[int] = []
     """Layers that always run dense attention."""
     min_sparse_len: int = Field(0, ge=0)
@@ -78,11 +137,50 @@ class ParallelSection(_Section):
     """Data-parallel (FSDP2) degree."""
     context: PositiveInt = 1
     """Context-parallel degree: ranks that share one sequence."""
+    timeout_minutes: PositiveFloat = 10.0
+    """How long a rank waits in a collective for the others before the run stops with exit code 4
+    (a rank stopped responding). Covers the slowest step and the longest wait on rank 0 (saving the
+    export); a watchdog reports a step running 10x longer than usual before that (train/watchdog.py)."""
+    ring: Literal["flat", "hierarchical"] = "flat"
+    """flat: one ring of all context ranks; hierarchical: an inner ring of ``inner_size`` ranks per node
+    inside an outer ring across nodes (the slow link hidden behind a whole inner cycle)."""
+    inner_size: PositiveInt | None = None
+    """Ranks per inner ring (hierarchical); default: the ranks per node (torchrun's LOCAL_WORLD_SIZE)."""
+
+    @model_validator(mode="after")
+    def _check_ring(self) -> ParallelSection:
+        if self.inner_size is None:
+            return self
+        if self.ring != "hierarchical":
+            raise ValueError("parallel.inner_size sizes the inner rings of parallel.ring=hierarchical; set both")
+        if self.context % self.inner_size:
+            raise ValueError(
+                f"parallel.inner_size ({self.inner_size}) must divide parallel.context ({self.context}): "
+                f"use one of {_divisors(self.context)}"
+            )
+        return self
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class SourceSpec(_Section):
+    """One data.sources entry with options (a plain string is ``{path: STRING}``)."""
+
+    path: str
+    """A file, glob, folder or saved ``datasets`` folder."""
+    weight: PositiveFloat | None = None
+    """Share of the drawn samples (normalised over the sources); give every source a weight or none."""
+    text_field: str | None = None
+    """JSONL / parquet / Arrow field holding the text; default data.text_field."""
 
 
 class DataSection(_Section):
-    sources: list[str] = Field(min_length=1)
-    """Files or globs: .txt, .jsonl, .parquet (text) or .npy/.bin (pre-tokenised token ids)."""
+    sources: list[str | SourceSpec] = Field(min_length=1)
+    """Each entry one source: a path, glob or folder of text (.txt/.md, .jsonl(.gz), .parquet, .arrow,
+    saved ``datasets`` folders) or token files (.npy/.bin), or ``{path, weight, text_field}``. Without
+    weights sources are drawn in proportion to their size."""
     seq_len: PositiveInt
     tokenizer: str | None = None
     """tokenizer.json or a HF directory; default: model.path."""
@@ -92,8 +190,26 @@ class DataSection(_Section):
     separator: str | None = None
     """Token string placed between documents; default: the tokenizer's EOS."""
     batch_size: PositiveInt = 1
-    """Sequences per data-parallel rank per step."""
+    """Sequences per data-parallel rank per micro-batch."""
+    global_batch_tokens: PositiveInt | None = None
+    """Tokens per optimizer step over all ranks; sets the micro-batches per step (train.grad_accum) to
+    global_batch_tokens / (parallel.data x batch_size x seq_len), which must be a whole number."""
     shuffle: bool = True
+    cache_dir: str | None = None
+    """Token cache (text tokenised once, keyed by content and tokenizer); default $MTRAINING_CACHE or
+    ~/.cache/mtraining."""
+
+    @model_validator(mode="after")
+    def _check_weights(self) -> DataSection:
+        weighted = [s.weight is not None for s in self.source_specs]
+        if any(weighted) and not all(weighted):
+            missing = [s.path for s in self.source_specs if s.weight is None]
+            raise ValueError(f"data.sources: give every source a weight or none (no weight: {missing})")
+        return self
+
+    @property
+    def source_specs(self) -> list[SourceSpec]:
+        return [SourceSpec(path=s) if isinstance(s, str) else s for s in self.sources]
 
 
 class OptimSection(_Section):
@@ -102,16 +218,24 @@ class OptimSection(_Section):
     """Cosine decay ends at lr * min_lr_ratio."""
     warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
     eps: PositiveFloat = 1e-8
     grad_clip: float | None = Field(1.0, gt=0)
 
 
 class TrainSection(_Section):
     steps: PositiveInt
+    grad_accum: PositiveInt = 1
+    """Micro-batches per optimizer step (or set data.global_batch_tokens); the loss is normalised by the
+    tokens of all of them, so the gradients equal those of one large batch."""
+    defer_grad_sync: bool = False
+    """With grad_accum > 1: reduce gradients once per step instead of after every micro-batch (FSDP2
+    set_requires_gradient_sync). Saves grad_accum - 1 reduce-scatters per step but holds an unsharded
+    float32 copy of all gradients on every rank (12 GB for a 3B model): worth it for short sequences
+    with many micro-batches, not at long context where memory is short and compute hides the reduction."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """cuda: one GPU per rank (NCCL); cpu: gloo; auto: CUDA when available."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)
     activation_checkpointing: bool = True
     loss_chunk_tokens: PositiveInt = 4096
     """Rows of logits materialised at once by the chunked cross-entropy."""
@@ -151,6 +275,26 @@ class CheckpointSection(_Section):
     """Continue from the newest checkpoint in dir if there is one."""
     export_dir: str | None = None
     """Write the final weights as a HF directory here."""
+    allow_changed_schedule: bool = False
+    """Resume although train.steps or an optim setting differs from the checkpoint's run (the learning
+    rate of the next step then jumps); refused otherwise (train/resume.py)."""
+    allow_changed_model: bool = False
+    """Resume although the model config (same parameter shapes, e.g. another rope_theta) or the
+    tokenizer differs from the checkpoint's; refused otherwise. Another model is always refused."""
+    export_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """dtype of the exported weights; auto: the training dtype (model.dtype)."""
+
+
+class WandbSection(_Section):
+    """Weights & Biases logging beside metrics.jsonl and TensorBoard (pip install -e ".[wandb]")."""
+
+    project: str
+    entity: str | None = None
+    name: str | None = None
+    """Run name; default: the run id."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """offline: write to log.dir/wandb and sync later (wandb sync); disabled: no-op."""
+    tags: list[str] = []
 
 
 class LogSection(_Section):
@@ -161,7 +305,9 @@ class LogSection(_Section):
     """On logged steps, also measure each sparse layer's pattern recall (the attention mass its pattern
     keeps for the last queries): one more pass over the keys per layer, timed as part of the step."""
     tensorboard: bool = True
+    wandb: WandbSection | None = None
     progress: bool = True
+    """A progress bar, when the output is a terminal (never in log files)."""
     peak_tflops: PositiveFloat | None = None
     """Peak dense TFLOP/s of one device for MFU; default: known GPUs, none on CPU."""
     profile_step: PositiveInt | None = None
@@ -204,10 +350,75 @@ class Config(_Section):
             raise ValueError("checkpoint.every is set but checkpoint.dir is not; set checkpoint.dir")
         if any(layer < 0 for layer in att.dense_layers):
             raise ValueError(f"attention.dense_layers must be layer indices >= 0, got {att.dense_layers}")
+        layers = self.model.overrides.get("num_hidden_layers", (self.model.config or {}).get("num_hidden_layers"))
+        if layers is not None:
+            self.check_layers(layers)
+        self._check_global_batch()
         return self
 
+    def check_layers(self, num_layers: int) -> None:
+        """Fail unless every layer named in attention.dense_layers exists in a model of ``num_layers``."""
+        missing = [layer for layer in self.attention.dense_layers if layer >= num_layers]
+        if missing:
+            raise ValueError(
+                f"attention.dense_layers names layers {missing} but the model has {num_layers} "
+                f"(0 to {num_layers - 1}); drop them from attention.dense_layers"
+            )
+
+    def _check_global_batch(self) -> None:
+        d, accum = self.data, self.train.grad_accum
+        if d.global_batch_tokens is None:
+            return
+        micro = self.parallel.data * d.batch_size * d.seq_len
+        if d.global_batch_tokens % micro:
+            fit = max(1, round(d.global_batch_tokens / micro)) * micro
+            raise ValueError(
+                f"data.global_batch_tokens ({d.global_batch_tokens}) must be a multiple of the tokens of one "
+                f"micro-batch, parallel.data x data.batch_size x data.seq_len = {micro}; e.g. {fit}"
+            )
+        if accum != 1 and accum != d.global_batch_tokens // micro:
+            raise ValueError(
+                f"train.grad_accum ({accum}) contradicts data.global_batch_tokens ({d.global_batch_tokens} = "
+                f"{d.global_batch_tokens // micro} micro-batches of {micro} tokens); set only one of them"
+            )
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per optimizer step (train.grad_accum, or from data.global_batch_tokens)."""
+        d = self.data
+        if d.global_batch_tokens is not None:
+            return d.global_batch_tokens // (self.parallel.data * d.batch_size * d.seq_len)
+        return self.train.grad_accum
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step over all ranks."""
+        return self.parallel.data * self.data.batch_size * self.data.seq_len * self.micro_batches
+
+    def inner_size(self, local_world_size: int | None) -> int:
+        """Ranks per inner ring: parallel.inner_size, else the ranks per node capped at the ring; the flat
+        ring is one inner ring of all context ranks. Raises naming the values that work."""
+        p = self.parallel
+        if p.ring == "flat":
+            return p.context
+        if p.inner_size is not None:
+            return p.inner_size
+        if local_world_size is None:
+            raise ValueError(
+                "parallel.ring=hierarchical needs the ranks per node: launch with torchrun (it sets "
+                f"LOCAL_WORLD_SIZE) or set parallel.inner_size to one of {_divisors(p.context)}"
+            )
+        inner = min(local_world_size, p.context)
+        if p.context % inner:
+            raise ValueError(
+                f"parallel.ring=hierarchical: {local_world_size} ranks per node do not tile parallel.context "
+                f"({p.context}); set parallel.inner_size to one of {_divisors(p.context)}, or launch a number of "
+                "ranks per node that divides it"
+            )
+        return inner
+
     def _check_pattern(self) -> None:
-        from ..ops.estimate import PatternConfig
+        from ..ops.pattern.estimate import PatternConfig
 
         att, seq = self.attention, self.data.seq_len
         budgets = {"v_size": att.v_size, "s_size": att.s_size, "last_q": att.last_q}
@@ -264,8 +475,19 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
             node = child
-        node[leaf] = yaml.safe_load(value)
+        try:
+            node[leaf] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or err
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem}); fix or quote it") from None
     return out
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """What a YAML parser error says, with its line and column (1-based)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
 
 
 def _format(err: ValidationError) -> str:
@@ -287,12 +509,50 @@ def parse_config(raw: dict[str, Any], overrides: list[str] = ()) -> Config:
         raise ConfigError(_format(err)) from None
 
 
+_PATH_KEYS = (
+    ("model", "path"),
+    ("data", "tokenizer"),
+    ("data", "cache_dir"),
+    ("attention", "budgets"),
+    ("checkpoint", "dir"),
+    ("checkpoint", "export_dir"),
+    ("log", "dir"),
+)
+
+
+def resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """The config with its relative paths (and data.sources) joined to ``base``, the config file's folder.
+
+    Overrides given on the command line are applied afterwards and stay relative to the working directory.
+    """
+
+    def fix(value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        value = os.path.expanduser(value)
+        return value if os.path.isabs(value) else os.path.normpath(base / value)
+
+    out = yaml.safe_load(yaml.safe_dump(raw))
+    for section, key in _PATH_KEYS:
+        if isinstance(out.get(section), dict) and key in out[section]:
+            out[section][key] = fix(out[section][key])
+    sources = out.get("data", {}).get("sources") if isinstance(out.get("data"), dict) else None
+    if isinstance(sources, list):
+        out["data"]["sources"] = [
+            {**s, "path": fix(s["path"])} if isinstance(s, dict) and "path" in s else fix(s) for s in sources
+        ]
+    return out
+
+
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
-    """Read a YAML config file and apply ``key=value`` overrides."""
+    """Read a YAML config file (relative paths in it are relative to its folder) and apply ``key=value`` overrides."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(err)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections (model, data, train, ...)")
-    return parse_config(raw, overrides)
+    return parse_config(resolve_paths(raw, path.parent), overrides)

@@ -1,17 +1,55 @@
-"""Offline export: a distributed checkpoint's weights as a Hugging Face directory, in one process."""
+"""The final HF export of a run (trained length, RoPE and dtype recorded), and the offline export of a
+verified checkpoint."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
+from torch import nn
+
 from ..models import build_model, export_hf
-from .checkpoint import load_checkpoint
+from ..models.loader import trained_config
+from .checkpoint import load_checkpoint, pick_checkpoint, write_error
 from .config import Config
+from .data import tokenizer_path
 from .loss import CausalLMLoss
+from .resume import check_model, model_identity
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def export_checkpoint(cfg: Config, checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Load the model state of ``checkpoint`` (any number of ranks wrote it) and save it under ``out_dir``."""
-    hf = build_model(cfg.model.path, cfg.model.config, cfg.model.rope_theta, cfg.model.rope_parameters)
-    load_checkpoint(checkpoint, CausalLMLoss(hf))
-    return export_hf(hf.state_dict(), hf.config, out_dir, tokenizer=cfg.data.tokenizer or cfg.model.path)
+def export_model(cfg: Config, weights: dict[str, torch.Tensor], hf_config, out_dir: str | Path) -> Path:
+    """Write ``weights`` as a HF directory: the config records the trained length (max_position_embeddings at
+    least data.seq_len) and RoPE settings; weights in checkpoint.export_dtype (auto: the training dtype).
+    A full disk or a permission problem raises ``SaveFailed`` (checkpoint.write_error)."""
+    name = cfg.model.dtype if cfg.checkpoint.export_dtype == "auto" else cfg.checkpoint.export_dtype
+    config = trained_config(hf_config, cfg.data.seq_len)
+    try:
+        return export_hf(weights, config, out_dir, tokenizer=tokenizer_path(cfg), dtype=DTYPES[name])
+    except Exception as err:  # write_error hands back what is not a full disk or a permission problem
+        raise write_error(err, Path(out_dir), "exporting to") from None
+
+
+def load_trained_model(cfg: Config, checkpoint: str | Path, report: Callable[[str], None]) -> tuple[nn.Module, Path]:
+    """The config's HF model with the weights of ``checkpoint`` (a step_N folder, or a checkpoint
+    directory: its newest checkpoint that verifies), verified and checked to be of this model."""
+    hf = build_model(**cfg.model.hf_kwargs())
+    model = CausalLMLoss(hf)
+    path, manifest = pick_checkpoint(checkpoint, report)
+    current = model_identity(hf.config, model.state_dict())
+    for note in check_model(manifest["run"].get("model"), current, allow_changed=True, where=path.name):
+        report(note)
+    load_checkpoint(path, model)
+    return hf, path
+
+
+def export_checkpoint(
+    cfg: Config, checkpoint: str | Path, out_dir: str | Path, report: Callable[[str], None] = print
+) -> Path:
+    """Load the model state of ``checkpoint`` (any number of ranks wrote it) and save it under ``out_dir`` as
+    the run's own export would; returns the step folder used."""
+    hf, path = load_trained_model(cfg, checkpoint, report)
+    export_model(cfg, hf.state_dict(), hf.config, out_dir)
+    return path

@@ -2,10 +2,13 @@
 
 ``run_local(fn, world_size, *args)`` starts ``world_size`` processes that share one default
 process group (a FileStore, no ports), calls ``fn(*args)`` on each and returns the results in rank
-order. A failure on any rank raises here with that rank's traceback. The "fork" start method
+order. A failure on any rank raises here with that rank's traceback, as soon as it is known: a rank
+that dies without answering (killed, crashed in C++) is noticed within a fraction of a second, and
+once one rank has failed the others get ``grace_s`` to answer (a peer blocked in a collective with
+the failed rank would otherwise wait out the group's timeout) before they are killed. The "fork" start method
 reuses the parent's imports (torch, transformers), so start-up takes well under a second; ``fn``
 must then not rely on state the parent created after importing (open process groups, threads).
-For real jobs use torchrun (``mtraining train --nproc N``).
+For real jobs use torchrun (``mtraining train --nproc N``, on one node or several: train/torchrun.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import pickle
 import queue
 import shutil
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 
@@ -24,14 +28,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world_size: int, store_path: str, payload: bytes, results) -> None:
+def _entry(rank: int, world_size: int, store_path: str, payload: bytes, results, group_timeout_s: float) -> None:
     torch.set_num_threads(1)
     try:
         fn, args = pickle.loads(payload)
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
-        )
+        timeout = datetime.timedelta(seconds=group_timeout_s)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         reply = ("ok", fn(*args))
     except BaseException:
         reply = ("error", traceback.format_exc())
@@ -41,34 +44,74 @@ def _entry(rank: int, world_size: int, store_path: str, payload: bytes, results)
     results.put((rank, pickle.dumps(reply)))
 
 
-def run_local(fn: Callable, world_size: int, *args, timeout: float = 300.0, start_method: str = "fork") -> list:
-    """``fn(*args)`` on ``world_size`` gloo ranks; their return values (picklable) in rank order."""
+def run_local(
+    fn: Callable,
+    world_size: int,
+    *args,
+    timeout: float = 300.0,
+    start_method: str = "fork",
+    group_timeout_s: float = 120.0,
+    grace_s: float = 10.0,
+) -> list:
+    """``fn(*args)`` on ``world_size`` gloo ranks; their return values (picklable) in rank order.
+
+    ``group_timeout_s`` is the process group's collective timeout.
+    """
     ctx = mp.get_context(start_method)
     tmp = tempfile.mkdtemp(prefix="mtraining-ranks-")
     results = ctx.Queue()
     payload = pickle.dumps((fn, args))
+    store = os.path.join(tmp, "store")
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, os.path.join(tmp, "store"), payload, results), daemon=True)
+        ctx.Process(target=_entry, args=(r, world_size, store, payload, results, group_timeout_s), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
     replies: dict[int, tuple] = {}
     try:
-        while len(replies) < world_size:
-            rank, reply = results.get(timeout=timeout)
-            replies[rank] = pickle.loads(reply)
-    except queue.Empty:
-        missing = sorted(set(range(world_size)) - set(replies))
-        raise TimeoutError(f"ranks {missing} did not finish in {timeout} s") from None
+        replies = collect_replies(results, procs, list(range(world_size)), timeout, grace_s)
     finally:
-        for p in procs:
-            p.join(timeout=10)
+        for r, p in enumerate(procs):
+            p.join(timeout=10 if replies.get(r, ("lost",))[0] != "lost" else 0)
             if p.is_alive():
                 p.kill()
                 p.join()
         shutil.rmtree(tmp, ignore_errors=True)
-    errors = [f"rank {r}:\n{msg}" for r, (status, msg) in sorted(replies.items()) if status == "error"]
+    errors = [f"rank {r}:\n{msg}" for r, (status, msg) in sorted(replies.items()) if status != "ok"]
     if errors:
         raise RuntimeError("\n".join(errors))
     return [replies[r][1] for r in range(world_size)]
+
+
+def collect_replies(results, procs: list, ranks: list[int], timeout: float, grace_s: float) -> dict[int, tuple]:
+    """Gather ``(rank, pickled (status, value))`` replies of ``ranks`` (processes ``procs[rank]``) from
+    ``results``, noticing at once a rank that died without answering (a "lost" reply). Once a rank
+    has failed, ranks that do not answer within ``grace_s`` are "lost" too; without any failure,
+    TimeoutError after ``timeout`` seconds. Kills nothing: the caller cleans up."""
+    replies: dict[int, tuple] = {}
+    deadline = time.monotonic() + timeout
+    exited: set[int] = set()  # seen dead with nothing queued; dead for sure when seen so twice
+    while len(replies) < len(ranks):
+        try:
+            rank, reply = results.get(timeout=0.2)
+            replies[rank] = pickle.loads(reply)
+            if replies[rank][0] != "ok":
+                deadline = min(deadline, time.monotonic() + grace_s)
+            continue
+        except queue.Empty:
+            pass
+        for r in ranks:
+            if r in replies or procs[r].exitcode is None:
+                continue
+            if r in exited:
+                replies[r] = ("lost", f"rank {r} died without answering (exit code {procs[r].exitcode})")
+                deadline = min(deadline, time.monotonic() + grace_s)
+            exited.add(r)
+        if time.monotonic() > deadline:
+            missing = sorted(set(ranks) - set(replies))
+            if all(status == "ok" for status, _ in replies.values()):
+                raise TimeoutError(f"ranks {missing} did not answer in {timeout} s")
+            for r in missing:
+                replies[r] = ("lost", f"rank {r} did not answer within {grace_s} s of the failure above")
+    return replies

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..ops.matmul import acc_dtype, matmul_acc
+from ..ops.numerics import acc_dtype, matmul_acc
 from .ce_kernel import cross_entropy_rows
 
 IGNORE_INDEX = -100

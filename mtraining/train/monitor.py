@@ -1,19 +1,24 @@
-"""Per-step metrics: throughput, MFU, memory, pattern density/recall; console, JSONL and TensorBoard.
+"""Per-step metrics: throughput, MFU, memory, pattern density/recall; console, JSONL, TensorBoard, W&B.
 
 Only the main rank writes. TensorBoard is optional: without the ``tensorboard`` package the
-monitor says so once and writes metrics.jsonl and the console only.
+monitor says so once and writes metrics.jsonl and the console only. W&B logs when ``log.wandb`` is
+set (wandb_log.py). The progress bar shows only on a terminal.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import resource
 import sys
+import uuid
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from .config import WandbSection
 
 # Dense bf16 tensor-core peak per device (TFLOP/s), by substring of the CUDA device name.
 _PEAK_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
@@ -55,7 +60,13 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class Monitor:
-    """Progress bar, a log line every ``every`` steps, metrics.jsonl and TensorBoard (main rank only)."""
+    """Progress bar, a log line every ``every`` steps, metrics.jsonl, TensorBoard and W&B (main rank only).
+
+    metrics.jsonl holds one row per step (``step``, ``run_id`` and the metrics) and an event row each
+    time a run starts (``{"event": "start" | "resume", "run_id", "step", "checkpoint", "time"}``): rows
+    after a resume marker at step N replace any earlier rows past N. A resumed run keeps the run id
+    of the rows it continues, so TensorBoard, W&B and the JSONL all see one run.
+    """
 
     def __init__(
         self,
@@ -66,34 +77,51 @@ class Monitor:
         every: int = 1,
         tensorboard: bool = True,
         progress: bool = True,
+        resumed_from: str | None = None,
+        wandb: WandbSection | None = None,
+        run_config: dict | None = None,
     ) -> None:
         self.enabled = enabled
         self.every = every
         self.total_steps = total_steps
-        self._jsonl = self._writer = self._bar = None
+        self.run_id = None
+        self._jsonl = self._writer = self._bar = self._wandb = None
         if not enabled:
             return
-        if log_dir is not None:
-            Path(log_dir).mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(Path(log_dir) / "metrics.jsonl", "a")
+        jsonl = Path(log_dir) / "metrics.jsonl" if log_dir is not None else None
+        self.run_id = (_previous_run_id(jsonl) if start_step else None) or uuid.uuid4().hex[:12]
+        if jsonl is not None:
+            jsonl.parent.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(jsonl, "a")
+            event = "resume" if start_step else "start"
+            self._row({"event": event, "step": start_step, "checkpoint": resumed_from, "time": _now()})
             if tensorboard:
                 self._writer = _tensorboard_writer(log_dir)
-        if progress:
+        if wandb is not None:
+            from .wandb_log import WandbLogger
+
+            self._wandb = WandbLogger(wandb, self.run_id, log_dir, run_config or {})
+        if progress and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def _row(self, row: dict) -> None:
+        self._jsonl.write(json.dumps({**row, "run_id": self.run_id}) + "\n")
+        self._jsonl.flush()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record the metrics of ``step`` (1-based count of finished steps)."""
         if not self.enabled:
             return
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-            self._jsonl.flush()
+            self._row({"step": step, **metrics})
         if self._writer is not None:
             for key, value in metrics.items():
                 if value is not None and math.isfinite(value):
                     self._writer.add_scalar(f"train/{key}", value, step)
+        if self._wandb is not None:
+            self._wandb.log(step, metrics)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
             self._bar.update(1)
@@ -110,10 +138,29 @@ class Monitor:
             print(line, flush=True)
 
     def close(self) -> None:
-        for handle in (self._bar, self._writer, self._jsonl):
+        for handle in (self._bar, self._writer, self._jsonl, self._wandb):
             if handle is not None:
                 handle.close()
-        self._bar = self._writer = self._jsonl = None
+        self._bar = self._writer = self._jsonl = self._wandb = None
+
+
+def _previous_run_id(jsonl: Path | None) -> str | None:
+    """The run id of the last row of an existing metrics.jsonl (the run being resumed)."""
+    if jsonl is None or not jsonl.is_file():
+        return None
+    last = None
+    with open(jsonl) as f:
+        for line in f:
+            if line.strip():
+                last = line
+    try:
+        return json.loads(last).get("run_id") if last else None
+    except ValueError:
+        return None
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def _fmt(key: str, value: float) -> str:

@@ -18,8 +18,21 @@ def build_optimizer(
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay}], lr=lr)
+    set_hyperparameters(optimizer, weight_decay, betas, eps)
+    return optimizer
+
+
+def set_hyperparameters(
+    optimizer: torch.optim.Optimizer, weight_decay: float, betas: tuple[float, float], eps: float
+) -> None:
+    """Set AdamW's betas, eps and weight decay (first group: matrices; the second decays nothing).
+
+    Loading an optimizer state brings back the values it was saved with; a resume applies the
+    config's again.
+    """
+    for i, group in enumerate(optimizer.param_groups):
+        group.update(betas=tuple(betas), eps=eps, weight_decay=weight_decay if i == 0 else 0.0)
 
 
 def lr_at(step: int, base_lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

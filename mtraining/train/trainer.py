@@ -1,9 +1,10 @@
 """The training loop: model, FSDP2 x context-parallel sharding, data, optimizer, checkpoints, metrics.
 
-One ``Trainer`` per process (launched by torchrun, or alone as a world of one). Each step every
-data-parallel group draws its samples, each context-parallel rank takes its layout shard of them,
-the model runs with attention bound to the ring, and the summed token loss is normalised by the
-global token count, so gradients equal those of one process holding the whole batch.
+One ``Trainer`` per process (launched by torchrun, or alone as a world of one). Each step runs
+``micro_batches`` micro-batches: every data-parallel group draws its samples, each context-parallel
+rank takes its layout shard of them, the model runs with attention bound to the ring (flat or
+hierarchical), and the summed token loss is normalised by the global token count of the whole step,
+so gradients equal those of one process holding the whole batch.
 """
 
 from __future__ import annotations
@@ -14,27 +15,36 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from ..models import AttentionContext, bind, build_model, export_hf
+from ..models import AttentionContext, bind, build_model
 from ..models.fused import use_liger_kernels
-from ..ops.budgets import load_budgets
-from ..ops.estimate import PatternConfig
+from ..ops.pattern.budgets import load_budgets
+from ..ops.pattern.estimate import PatternConfig
 from ..parallel.layout import make_layout
-from .checkpoint import full_model_state, latest_checkpoint, load_checkpoint, save_checkpoint
+from ..parallel.topology import init_ring_groups
+from .agree import agree, from_rank0
+from .checkpoint import full_model_state, save_checkpoint
 from .config import AttentionSection, Config
-from .data import TOKEN_SUFFIXES, TextTokenizer, expand_sources, token_stream
+from .data import open_sources
 from .distributed import ParallelState, init_parallel
+from .divergence import check_finite
+from .errors import Preempted, RunStopped
+from .export import DTYPES, export_model
 from .loss import IGNORE_INDEX, CausalLMLoss
 from .monitor import Monitor, flops_per_token, matmul_params, peak_memory_gb, peak_tflops
 from .optim import build_optimizer, lr_at, set_lr
-from .packing import PackedSamples, shard_batch
+from .outputs import check_free_space, check_output_dirs
+from .packing import PackedSamples, first_draw, shard_batch
+from .preflight import check_model, check_sources, rope_warning
 from .profile import step_profiler, write_profile
+from .resume import describe_run, model_identity, resume
 from .saved_outputs import device_memory, plan_saved_outputs, saved_outputs_bytes
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from .signals import StopSignal
+from .summary import startup_summary
+from .watchdog import StepWatchdog, is_collective_failure
 
 
 def pattern_config(att: AttentionSection) -> PatternConfig | None:
@@ -83,15 +93,21 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         cfg.check_world_size(dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1)))
-        self.par = par = init_parallel(cfg.parallel.data, cfg.parallel.context, cfg.train.device)
+        timeout_s = cfg.parallel.timeout_minutes * 60
+        self.par = par = init_parallel(cfg.parallel.data, cfg.parallel.context, cfg.train.device, timeout_s)
+        if not par.is_main:
+            _quiet_transformers()
+        agree(lambda: check_output_dirs(cfg))
         att, data = cfg.attention, cfg.data
-        self.data = self._load_data()
+        self.inner_size = agree(lambda: cfg.inner_size(_local_world_size()))
+        if cfg.parallel.ring == "hierarchical" and par.dp_size > 1:
+            cp = par.cp_size  # the mesh is (data, context), context innermost: ring d holds ranks d*cp .. d*cp+cp-1
+            init_ring_groups(self.inner_size, [list(range(d * cp, (d + 1) * cp)) for d in range(par.dp_size)])
+        self.sources = open_sources(cfg, log=self._say)
+        self.data = agree(self._packed_samples)
         torch.manual_seed(cfg.train.seed)
-        hf = build_model(cfg.model.path, cfg.model.config, cfg.model.rope_theta, cfg.model.rope_parameters)
-        self._check_vocab(hf)
+        hf = agree(self._build_model)
         if cfg.train.fused_kernels == "liger":
-            if par.device.type != "cuda":
-                raise ValueError("train.fused_kernels=liger runs on CUDA only: set train.fused_kernels=none on the CPU")
             use_liger_kernels(hf)
         self.hf_config = hf.config
         self.layout = make_layout(att.layout, data.seq_len, par.cp_size, att.block_size)
@@ -105,6 +121,8 @@ class Trainer:
                 min_sparse_len=att.min_sparse_len,
                 max_density=att.max_density,
                 backend=att.backend,
+                ring=cfg.parallel.ring,
+                inner_size=self.inner_size,
                 replay_patterns={} if cfg.train.activation_checkpointing else None,
                 replay_outputs={} if cfg.train.save_attention_outputs is True else None,
             ),
@@ -112,39 +130,67 @@ class Trainer:
         self._flops_matmul = self._flops_per_token(hf, 0.0)
         self._flops_attention = self._flops_per_token(hf, 1.0) - self._flops_matmul
         loss_model = CausalLMLoss(hf, cfg.train.loss_chunk_tokens, cfg.train.loss_impl)
-        self.model = shard_model(loss_model, par, _DTYPES[cfg.model.dtype], cfg.train.activation_checkpointing)
+        # what a checkpoint of this run belongs to (train/resume.py), before sharding renames nothing
+        self.run_info = describe_run(cfg, model_identity(hf.config, loss_model.state_dict()), par.dp_size, par.cp_size)
+        # float32 weights and AdamW's two moments
+        params = sum(p.numel() for p in loss_model.parameters())
+        agree(lambda: check_free_space(cfg.checkpoint.dir, 12 * params, "checkpoint.dir"))
+        self.model = shard_model(loss_model, par, DTYPES[cfg.model.dtype], cfg.train.activation_checkpointing)
         o = cfg.optim
         self.optimizer = build_optimizer(self.model, o.lr, o.weight_decay, o.betas, o.eps)
-        self.step = 0
-        resume_from = latest_checkpoint(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
-        if resume_from is not None:
-            self.step = load_checkpoint(resume_from, self.model, self.optimizer)
-        self.monitor = Monitor(
-            par.is_main, cfg.log.dir, cfg.train.steps, self.step, cfg.log.every, cfg.log.tensorboard, cfg.log.progress
+        notes: list[str] = []
+        self.step, self.last_checkpoint = agree(
+            lambda: resume(cfg, self.run_info, self.model, self.optimizer, notes.append)
         )
-        if resume_from is not None:
-            self.monitor.write(f"resumed from {resume_from} at step {self.step}")
+        lg = cfg.log
+        self.monitor = Monitor(
+            par.is_main,
+            lg.dir,
+            cfg.train.steps,
+            self.step,
+            lg.every,
+            lg.tensorboard,
+            lg.progress,
+            resumed_from=str(self.last_checkpoint) if self.last_checkpoint is not None else None,
+            wandb=lg.wandb,
+            run_config=cfg.model_dump(mode="json"),
+        )
+        summary = startup_summary(
+            cfg, hf, par.world_size, self.inner_size, str(par.device), self.sources, self.data, self.step
+        )
+        self.monitor.write(f"run {self.monitor.run_id}")
+        for line in summary + [w for w in (rope_warning(cfg, hf.config),) if w] + notes:
+            self.monitor.write(line)
+        self.watchdog = StepWatchdog.for_default_group(timeout_s)
         self._peak = peak_tflops(par.device, cfg.log.peak_tflops)
         self._plan_outputs = cfg.train.save_attention_outputs == "auto" and cfg.train.activation_checkpointing
 
     # ------------------------------------------------------------------ setup helpers
-    def _load_data(self) -> PackedSamples:
-        d, m = self.cfg.data, self.cfg.model
-        # the model directory's tokenizer only matters for text sources (token files need none)
-        has_text = any(p.suffix not in TOKEN_SUFFIXES for p in expand_sources(d.sources))
-        tok_path = d.tokenizer or (m.path if has_text else None)
-        tokenizer = TextTokenizer(tok_path) if tok_path is not None else None
-        stream = token_stream(d.sources, tokenizer, d.text_field, d.separator, d.token_dtype)
-        self.vocab_needed = int(stream.max()) + 1
-        return PackedSamples(stream, d.seq_len, seed=self.cfg.train.seed, shuffle=d.shuffle)
+    def _say(self, line: str) -> None:
+        """Print from rank 0 before the monitor exists."""
+        if self.par.is_main:
+            print(line, flush=True)
 
-    def _check_vocab(self, hf: nn.Module) -> None:
-        vocab = hf.get_input_embeddings().weight.shape[0]
-        if self.vocab_needed > vocab:
-            raise ValueError(
-                f"the data holds token id {self.vocab_needed - 1} but the model's vocab_size is {vocab}; "
-                "use the model's own tokenizer or raise model.config.vocab_size"
-            )
+    def _packed_samples(self) -> PackedSamples:
+        check_sources(self.cfg, self.sources)
+        d = self.cfg.data
+        return PackedSamples(
+            [s.stream for s in self.sources],
+            d.seq_len,
+            seed=self.cfg.train.seed,
+            shuffle=d.shuffle,
+            weights=[s.weight for s in self.sources] if self.sources[0].weight is not None else None,
+            names=[s.name for s in self.sources],
+        )
+
+    def _build_model(self) -> nn.Module:
+        cfg = self.cfg
+        if cfg.train.fused_kernels == "liger" and self.par.device.type != "cuda":
+            raise ValueError("train.fused_kernels=liger runs on CUDA only: set train.fused_kernels=none on the CPU")
+        hf = build_model(**cfg.model.hf_kwargs())
+        check_model(cfg, hf.config, max(s.max_id for s in self.sources))
+        cfg.check_layers(hf.config.num_hidden_layers)
+        return hf
 
     def _flops_per_token(self, hf: nn.Module, density: float) -> float:
         c = hf.config
@@ -155,46 +201,60 @@ class Trainer:
     # ------------------------------------------------------------------ steps
     @property
     def tokens_per_step(self) -> int:
-        return self.par.dp_size * self.cfg.data.batch_size * self.cfg.data.seq_len
+        return self.cfg.tokens_per_step
 
-    def _local_batch(self, step: int):
-        samples = self.data.batch(step, self.par.dp_rank, self.par.dp_size, self.cfg.data.batch_size)
-        shard = shard_batch(samples, self.layout, self.par.cp_rank)
-        dev = self.par.device
+    def _local_batch(self, step: int, micro: int) -> tuple[Tensor, Tensor, Tensor]:
+        """This rank's shard of micro-batch ``micro`` of ``step``: input ids, labels, position ids."""
+        d, par = self.cfg.data, self.par
+        first = first_draw(step, micro, self.cfg.micro_batches, par.dp_rank, par.dp_size, d.batch_size)
+        shard = shard_batch(self.data.batch(first, d.batch_size), self.layout, par.cp_rank)
+        dev = par.device
         return shard.input_ids.to(dev), shard.labels.to(dev), shard.position_ids.to(dev)
 
     def train_step(self) -> dict[str, float]:
-        """One optimizer step on the next batch; returns its metrics (identical on every rank)."""
+        """One optimizer step over ``micro_batches`` micro-batches; returns its metrics (identical on every rank).
+
+        The summed token loss of every micro-batch is divided by the global token count of the whole
+        step before its backward, so the accumulated gradients equal those of one large batch.
+        """
         cfg, par, step = self.cfg, self.par, self.step
         start = time.perf_counter()
-        input_ids, labels, position_ids = self._local_batch(step)
-        counts = torch.zeros(2, dtype=torch.float64, device=par.device)
-        counts[0] = (labels != IGNORE_INDEX).sum()
-        self.attention.stats.clear()
-        logged = (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps
-        recall = logged and cfg.log.recall
-        self.attention.record, self.attention.replay = ("recall" if recall else "density"), False
-        loss_sum = self.model(input_ids, labels, position_ids)
-        # activation checkpointing re-runs the forward in the backward: with the forward's patterns
-        # (attention.replay_patterns), recording nothing
-        self.attention.record, self.attention.replay = "off", True
-        counts[1] = loss_sum.detach()
-        dist.all_reduce(counts)  # [global tokens, global loss sum]
-        tokens, total = counts.tolist()
+        micro = [self._local_batch(step, m) for m in range(cfg.micro_batches)]
+        tokens = torch.tensor(float(sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in micro)))
+        tokens = tokens.to(device=par.device, dtype=torch.float64)
+        dist.all_reduce(tokens)  # global tokens of the step, over every micro-batch and rank
         # FSDP averages gradients over all ranks: scale so they are d(global loss sum)/d(params) / tokens.
-        (loss_sum * (par.world_size / tokens)).backward()
-        for saved in (self.attention.replay_patterns, self.attention.replay_outputs):
-            if saved is not None:
-                saved.clear()
+        scale = par.world_size / tokens.item()
+        logged = (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps
+        total = torch.zeros((), dtype=torch.float64, device=par.device)
+        self.attention.stats.clear()
+        for m, (input_ids, labels, position_ids) in enumerate(micro):
+            last = m == len(micro) - 1
+            if cfg.train.defer_grad_sync:
+                self.model.set_requires_gradient_sync(last)
+            recall = logged and last and cfg.log.recall  # the pattern metrics are the last micro-batch's
+            self.attention.record, self.attention.replay = ("recall" if recall else "density"), False
+            loss_sum = self.model(input_ids, labels, position_ids)
+            # activation checkpointing re-runs the forward in the backward: with the forward's patterns
+            # (attention.replay_patterns), recording nothing
+            self.attention.record, self.attention.replay = "off", True
+            total += loss_sum.detach()
+            (loss_sum * scale).backward()
+            for saved in (self.attention.replay_patterns, self.attention.replay_outputs):
+                if saved is not None:
+                    saved.clear()
+        dist.all_reduce(total)
+        loss = total.item() / tokens.item()
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        grad_norm = _to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))  # waits for the device
+        # once per optimizer step, after every micro-batch: before a NaN reaches the weights
+        check_finite(step + 1, loss, grad_norm, self.last_checkpoint)
         lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.train.steps, cfg.optim.min_lr_ratio)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        grad_norm = _to_float(grad_norm)  # waits for the device
-        return self._metrics(total / tokens, grad_norm, lr, time.perf_counter() - start)
+        return self._metrics(loss, grad_norm, lr, time.perf_counter() - start)
 
     def _decide_saved_outputs(self) -> None:
         """train.save_attention_outputs=auto, after the first step: keep the outputs if they fit on every rank."""
@@ -204,8 +264,8 @@ class Trainer:
         peak = torch.tensor(float(memory[0]), device=self.par.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # one decision for all ranks
         c = self.hf_config
-        local_tokens = self.cfg.data.batch_size * self.cfg.data.seq_len // self.par.cp_size
-        act_bytes = _DTYPES[self.cfg.model.dtype].itemsize
+        local_tokens = self.cfg.data.batch_size * self.cfg.data.seq_len // self.par.cp_size  # one micro-batch
+        act_bytes = DTYPES[self.cfg.model.dtype].itemsize
         saved = saved_outputs_bytes(c.num_hidden_layers, local_tokens, c.num_attention_heads, _head_dim(c), act_bytes)
         keep, why = plan_saved_outputs(int(peak.item()), saved, memory[1])
         if keep:
@@ -240,25 +300,48 @@ class Trainer:
         """Collective: a distributed checkpoint of the current step."""
         if self.cfg.checkpoint.dir is None:
             raise ValueError("checkpoint.dir is not set; set it to save checkpoints")
-        path = save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer)
+        path = save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, self.run_info)
+        self.last_checkpoint = path
         self.monitor.write(f"saved checkpoint {path}")
         return path
 
     def export(self, out_dir: str | Path) -> Path:
         """Collective: write the current weights as a HF directory (rank 0 writes)."""
         state = full_model_state(self.model)
+        failure = None
         if self.par.is_main:
             prefix = "model."
             weights = {k.removeprefix(prefix): v for k, v in state.items()}
-            export_hf(weights, self.hf_config, out_dir, tokenizer=self.cfg.data.tokenizer or self.cfg.model.path)
-            self.monitor.write(f"exported HF model to {out_dir}")
-        dist.barrier()
+            try:
+                export_model(self.cfg, weights, self.hf_config, out_dir)
+                self.monitor.write(f"exported HF model to {out_dir}")
+            except Exception as err:  # SaveFailed for a full disk or a permission problem, else as raised
+                failure = err
+        failure = from_rank0(failure)  # every rank stops the same way
+        if failure is not None:
+            raise failure
         return Path(out_dir)
 
     def run(self) -> list[dict[str, float]]:
-        """Train to ``train.steps``, checkpointing and exporting as configured; returns every step's metrics."""
-        ck, history = self.cfg.checkpoint, []
+        """Train to ``train.steps``, checkpointing and exporting as configured; returns every step's metrics.
+
+        Raises ``RunStopped`` (errors.py) when the run must end early: divergence, a stalled rank,
+        SIGTERM (after saving a checkpoint), a failed save.
+        """
+        history: list[dict[str, float]] = []
+        try:
+            with StopSignal(self.par.device) as stop:
+                self._train(history, stop)
+        except RuntimeError as err:
+            if isinstance(err, RunStopped) or not is_collective_failure(err):
+                raise
+            raise self.watchdog.stalled(self.step + 1, err) from err
+        return history
+
+    def _train(self, history: list[dict[str, float]], stop: StopSignal) -> None:
+        ck = self.cfg.checkpoint
         while self.step < self.cfg.train.steps:
+            self.watchdog.step_started(self.step + 1)
             if self.step + 1 == self.cfg.log.profile_step:
                 with step_profiler(self.par.device) as prof:
                     metrics = self.train_step()
@@ -266,20 +349,43 @@ class Trainer:
                 self.monitor.write(f"profile of step {self.step}: {table} and its .json trace (one per rank)")
             else:
                 metrics = self.train_step()
+            self.watchdog.step_finished()
             if self._plan_outputs:
                 self._plan_outputs = False
                 self._decide_saved_outputs()
             history.append(metrics)
             self.monitor.log(self.step, metrics)
             last = self.step == self.cfg.train.steps
-            if ck.dir is not None and (last or (ck.every is not None and self.step % ck.every == 0)):
+            saved = ck.dir is not None and (last or (ck.every is not None and self.step % ck.every == 0))
+            if saved:
                 self.save()
+            if stop.agreed():
+                if ck.dir is not None and not saved:
+                    self.save()
+                where = (
+                    f"saved {self.last_checkpoint}" if ck.dir is not None else "nothing saved (checkpoint.dir unset)"
+                )
+                raise Preempted(f"SIGTERM: stopped after step {self.step}, {where}; run the same command to resume")
         if ck.export_dir is not None:
             self.export(ck.export_dir)
-        return history
 
     def close(self) -> None:
+        self.watchdog.close()
         self.monitor.close()
+
+
+def _local_world_size() -> int | None:
+    """Ranks on this node, as torchrun says (None when not launched by torchrun)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value is not None else None
+
+
+def _quiet_transformers() -> None:
+    """No loading bars or warnings from Hugging Face on ranks other than 0 (rank 0 shows them once)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 def _to_float(value) -> float:

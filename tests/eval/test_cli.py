@@ -14,7 +14,11 @@ import torch
 from typer.testing import CliRunner
 
 from mtraining.eval.cli import eval_app
+from mtraining.eval.infinitebench import MAX_NEW_TOKENS, METRICS
+from mtraining.eval.infinitebench import TASKS as INFINITEBENCH
+from mtraining.eval.scoring import score
 from mtraining.models import build_model
+from tests.eval.official_samples import infinitebench_files, ruler_files
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "data" / "tokenizer.json"
@@ -132,6 +136,19 @@ def results(tiny, tmp_path_factory) -> Path:
         "--label",
         "dense",
     )
+    ok(
+        "infinitebench",
+        tiny,
+        "--lengths",
+        "512",
+        "--samples",
+        "1",
+        *FAST,
+        "--out-dir",
+        out / "dense",
+        "--label",
+        "dense",
+    )
     return out
 
 
@@ -169,6 +186,18 @@ def test_ruler_json_and_table(results):
     assert all(t in table for t in tasks) and "average" in table
 
 
+def test_infinitebench_json_and_table(results):
+    data = json.loads((results / "dense" / "infinitebench.json").read_text())
+    res = data["result"]
+    assert data["kind"] == "infinitebench" and res["tasks"] == list(INFINITEBENCH) and res["lengths"] == [512]
+    assert res["counts"] == {t: [1] for t in INFINITEBENCH} and len(res["records"]) == 4
+    for r in res["records"]:
+        assert r["metric"] == METRICS[r["task"]] and r["prompt_tokens"] <= 512 - MAX_NEW_TOKENS[r["task"]]
+        assert r["score"] == score(r["metric"], r["prediction"], r["answers"])
+    table = (results / "dense" / "infinitebench.md").read_text()
+    assert all(t in table for t in INFINITEBENCH) and "average" in table
+
+
 def test_report(results, tmp_path):
     out = ok("report", results, "--out-dir", tmp_path)
     assert "report.md" in out
@@ -177,15 +206,54 @@ def test_report(results, tmp_path):
         "## Perplexity",
         "## Needle in a haystack",
         "## RULER-style tasks",
+        "## InfiniteBench",
         "dense (dense, 1 rank)",
         "sparse (sparse, 1 rank)",
     ):
         assert section in report
-    for png in ("ppl_by_position.png", "niah_heatmaps.png", "ruler_by_length.png"):
+    for png in ("ppl_by_position.png", "niah_heatmaps.png", "ruler_by_length.png", "infinitebench_by_length.png"):
         assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC and f"({png})" in report
     assert "does not exist" in fails("report", tmp_path / "nothing-here.json")
     (tmp_path / "empty").mkdir()
     assert "no evaluation results" in fails("report", tmp_path / "empty")
+
+
+def test_official_files_end_to_end(tiny, tmp_path):
+    """InfiniteBench and RULER JSONL and a PG-19 folder of books run through the same commands."""
+    ib = infinitebench_files(tmp_path / "ib", filler=5)
+    base = [*FAST, "--prefill-granule", "128"]
+    ok("infinitebench", tiny, "--data", ib, "--lengths", "256,512", *base, "--out-dir", tmp_path / "ib-out")
+    res = json.loads((tmp_path / "ib-out" / "infinitebench.json").read_text())["result"]
+    assert sorted(res["tasks"]) == sorted(INFINITEBENCH) and res["lengths"] == [256, 512]
+    assert sum(map(sum, res["counts"].values())) == 6 == len(res["records"])
+    for r in res["records"]:
+        assert Path(r["file"]).parent == ib and r["task"] in Path(r["file"]).stem
+        assert r["prompt_tokens"] == r["full_prompt_tokens"] <= r["length"] - MAX_NEW_TOKENS[r["task"]]
+        assert r["length"] == 512 or r["full_prompt_tokens"] + MAX_NEW_TOKENS[r["task"]] <= 256
+        assert r["metric"] == METRICS[r["task"]] and r["score"] == score(r["metric"], r["prediction"], r["answers"])
+    assert {r["length"] for r in res["records"]} == {256, 512}
+    msg = fails("infinitebench", tiny, "--data", ib, "--lengths", "256", *base, "--out-dir", tmp_path / "no")
+    assert "are longer than the longest length 256" in msg and "--truncate" in msg
+    ok("infinitebench", tiny, "--data", ib, "--lengths", "256", "--truncate", *base, "--out-dir", tmp_path / "cut")
+    cut = json.loads((tmp_path / "cut" / "infinitebench.json").read_text())
+    assert cut["settings"]["truncate"] and max(r["full_prompt_tokens"] for r in cut["result"]["records"]) > 256
+    assert all(r["prompt_tokens"] <= 256 - MAX_NEW_TOKENS[r["task"]] for r in cut["result"]["records"])
+    assert "--tasks does not apply with --data" in fails("infinitebench", tiny, "--data", ib, "--tasks", "passkey")
+    assert "--truncate does not apply without --data" in fails("ruler", tiny, "--truncate")
+
+    ruler = ruler_files(tmp_path / "ruler")
+    ok("ruler", tiny, "--data", ruler, "--lengths", "512", *base, "--out-dir", tmp_path / "r")
+    res = json.loads((tmp_path / "r" / "ruler.json").read_text())["result"]
+    assert res["tasks"] == ["niah_single_1", "qa_1"] and res["counts"] == {"niah_single_1": [2], "qa_1": [1]}
+    assert [r["metric"] for r in res["records"]] == ["substring_all", "substring_all", "substring_any"]
+    assert "cannot tell" in fails("infinitebench", tiny, "--data", ruler, "--lengths", "512", *base)
+
+    books = tmp_path / "pg19" / "test"  # PG-19's own layout: <id>.txt per book
+    books.mkdir(parents=True)
+    for i, line in enumerate(CORPUS.read_text().splitlines()[:6]):
+        (books / f"{1000 + i}.txt").write_text(json.loads(line)["text"] * 3)
+    ok("ppl", tiny, "--data", books, "--lengths", "256", *FAST, "--out-dir", tmp_path / "pg19-out")
+    assert json.loads((tmp_path / "pg19-out" / "ppl.json").read_text())["result"][0]["windows"] == 1
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -244,27 +312,35 @@ def test_bad_input_names_the_fix(tiny, tmp_path):
         "ppl", tiny, "--data", CORPUS, *base[2:], "--lengths", "4096", "--allow-extrapolation"
     )
     assert "dense or sparse" in fails("niah", tiny, *base, "--attention", "sparsest")
+    assert "flat or hierarchical" in fails("niah", tiny, *base, "--ring", "star")
+    assert "--inner-size sizes the inner rings" in fails("niah", tiny, *base, "--inner-size", "2")
     assert "unknown tasks" in fails("ruler", tiny, *base, "--tasks", "niah_single,sudoku")
     assert "use a longer length" in fails("ruler", tiny, *base[2:], "--lengths", "64", "--tasks", "cwe")
 
 
-def test_torchrun_two_ranks_matches_one(tiny, tmp_path):
-    """`--nproc 2` relaunches under torchrun (gloo): same perplexity as one process."""
+def test_torchrun_two_ranks_match_one_on_either_ring(tiny, tmp_path):
+    """`--nproc 2` relaunches under torchrun (gloo): same perplexity as one process, on the flat ring and on the
+    hierarchical ring (--ring hierarchical --inner-size 1: two one-rank "nodes" joined by the outer ring)."""
     args = ["ppl", str(tiny), "--data", str(CORPUS), "--pack", "--lengths", "256", *FAST]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for nproc, out in ((2, "two"), (1, "one")):
-        cmd = [
-            sys.executable,
-            "-m",
-            "mtraining.eval.cli",
-            *args,
-            "--nproc",
-            str(nproc),
-            "--out-dir",
-            str(tmp_path / out),
-        ]
+    runs = {"two": ["--nproc", "2"], "hier": ["--nproc", "2", "--ring", "hierarchical", "--inner-size", "1"], "one": []}
+    for out, extra in runs.items():
+        cmd = [sys.executable, "-m", "mtraining.eval.cli", *args, *extra, "--out-dir", str(tmp_path / out)]
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
-    two, one = (json.loads((tmp_path / d / "ppl.json").read_text()) for d in ("two", "one"))
-    assert two["world_size"] == 2 and one["world_size"] == 1
-    assert two["result"][0]["ppl"] == pytest.approx(one["result"][0]["ppl"], rel=1e-5)
+    two, hier, one = (json.loads((tmp_path / d / "ppl.json").read_text()) for d in runs)
+    assert two["world_size"] == hier["world_size"] == 2 and one["world_size"] == 1
+    assert (two["ring"], hier["ring"], hier["inner_size"]) == ("flat", "hierarchical", 1)
+    for other in (two, hier):
+        assert other["result"][0]["ppl"] == pytest.approx(one["result"][0]["ppl"], rel=1e-5)
+
+
+def test_default_labels_tell_checkpoints_apart(tmp_path, monkeypatch):
+    """Every `.../export` used to be labelled export-dense: labels now carry the checkpoint's path."""
+    from mtraining.eval.loading import checkpoint_name
+
+    monkeypatch.chdir(tmp_path)
+    assert checkpoint_name(Path("runs/a/export")) == "runs_a_export"
+    assert checkpoint_name(Path("runs/b/export")) == "runs_b_export"
+    assert checkpoint_name(tmp_path / "runs" / "b" / "export") == "runs_b_export"
+    assert checkpoint_name(Path("/models/Qwen2.5-3B")) == "models_Qwen2.5-3B"

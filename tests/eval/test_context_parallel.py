@@ -8,12 +8,19 @@ predictions and answers token for token.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from mtraining.eval.answers import Prompting
+from mtraining.eval.datafiles import infinitebench_samples, place, run_samples
 from mtraining.eval.engine import AttentionSpec, Engine
+from mtraining.eval.infinitebench import run_infinitebench
+from mtraining.eval.loading import load_tokenizer
 from mtraining.models import build_model
+from tests.eval.official_samples import infinitebench_files
 
 TINY = dict(
     model_type="qwen2",
@@ -28,6 +35,7 @@ TINY = dict(
     initializer_range=0.2,
 )
 G = 16
+TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizer.json"  # 512 tokens, as the model
 SEQ = 256  # a multiple of every layout's unit for 2 and 4 ranks (zigzag on 4: 2 * 4 * 16 = 128)
 PROMPTS = (40, 200, 301)  # shorter than the prefill granule (128), and prefill + dense tail
 NEW_TOKENS = 6
@@ -65,6 +73,30 @@ def evaluate(group, layout: str, sparse: bool):
     assert torch.equal(engine.token_nll(ids), nll)
     answers = [engine.generate(p, NEW_TOKENS) for p in prompts]
     return (nll, predicted), answers, engine.densities
+
+
+def benchmark_answers(group, samples):
+    """Worker (and reference with group=None): InfiniteBench answers, generated and from official files,
+    through sparse striped context parallelism; the predictions and the densities of the prefills."""
+    engine = Engine(tiny_model(), spec("striped", True), group)
+    tokenizer = load_tokenizer(TOKENIZER)
+    prompting = Prompting(samples=1, seed=3, show_progress=False)
+    generated = run_infinitebench(engine, tokenizer, ["passkey", "math_find"], [512], prompting)
+    files = run_samples(engine, tokenizer, samples, [256, 512], "files", show_progress=False)
+    return [r["prediction"] for r in generated["records"] + files["records"]], engine.densities
+
+
+def test_benchmarks_on_two_ranks_answer_as_one(pool, tmp_path):
+    """The paper's evaluation set (here InfiniteBench, generated and official records, one cut in the
+    middle) runs through the context-parallel prefill and gives one process's answers on 2 gloo ranks."""
+    samples = infinitebench_samples([infinitebench_files(tmp_path, filler=12)])
+    samples = place(samples, [256, 512], load_tokenizer(TOKENIZER).count, truncate=True)
+    assert any(s.prompt_tokens + s.max_new_tokens > 512 for s in samples)  # one prompt is cut
+    reference, densities = benchmark_answers(None, samples)
+    assert len(reference) == 2 + len(samples) and len(set(reference)) > len(reference) // 2
+    assert densities and max(densities) < 1 and min(densities) < 0.6  # the prefills really are sparse
+    for answers, _ in pool.run(benchmark_answers, 2, samples):
+        assert answers == reference
 
 
 def unsplittable(group):

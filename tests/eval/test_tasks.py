@@ -186,7 +186,7 @@ def test_load_documents_all_formats(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_documents([tmp_path / "missing.txt"])
     (tmp_path / "x.csv").write_text("a,b")
-    with pytest.raises(ValueError, match="unsupported suffix"):
+    with pytest.raises(ValueError, match="unsupported file type"):
         load_documents([tmp_path / "x.csv"])
     (tmp_path / "bad.jsonl").write_text("{not json\n")
     with pytest.raises(ValueError, match="bad.jsonl:1"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mtraining.models import AttentionContext, adapter, bind, build_config, build_model
-from mtraining.ops.estimate import PatternConfig
+from mtraining.ops.pattern.estimate import PatternConfig
 
 SMALL = dict(
     vocab_size=96,
@@ -152,7 +152,7 @@ def test_replay_reuses_the_forward_patterns(monkeypatch):
 
 def test_replay_reuses_the_forward_outputs(monkeypatch):
     """With replay_outputs, the replayed forward takes each layer's (out, lse) back: no attention runs."""
-    import mtraining.ops.attention as attention
+    import mtraining.ops.sparse.attention as attention
 
     ours, ids, ctx, first = _recorded_forward(replay_patterns={}, replay_outputs={})
     assert sorted(ctx.replay_outputs) == [0, 1]

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from mtraining.models import AttentionContext, bind, build_model
-from mtraining.ops.estimate import PatternConfig
+from mtraining.ops.pattern.estimate import PatternConfig
 from mtraining.parallel.layout import make_layout
 from mtraining.train.launch import run_local
 from mtraining.train.loss import CausalLMLoss

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtraining.ops.budgets import Budgets, load_budgets
-from mtraining.ops.estimate import PatternConfig, estimate_pattern
+from mtraining.ops.pattern.budgets import Budgets, load_budgets
+from mtraining.ops.pattern.estimate import PatternConfig, estimate_pattern
 
 YAML = """
 num_heads: 4

@@ -1,18 +1,30 @@
-"""Dense blocks (ops/dense_blocks.py): the decomposition covers exactly the causal pairs, and forward,
+"""Dense blocks (ops/dense/): the decomposition covers exactly the causal pairs, and forward,
 merge and backward through per-block attention equal the float64 oracle, alone and inside the rings."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from mtraining.ops import attention_oracle, dense_blocks
-from mtraining.ops.attention import sparse_attention
-from mtraining.ops.dense_blocks import MAX_BLOCKS, REFERENCE, decompose
-from mtraining.parallel import make_layout, ring_attention
-from mtraining.parallel.hierarchical import hierarchical_ring_attention
-from tests.parallel.test_ring import LAYOUTS, SEQ, G, assert_close, make_inputs, reference
+from mtraining.ops import attention_oracle, sparse_attention
+from mtraining.ops.dense import (
+    CUDNN,
+    ENV_VAR,
+    MAX_BLOCKS,
+    REFERENCE,
+    Block,
+    DenseBlocks,
+    cudnn,
+    decompose,
+    dense_backend,
+    dense_setting,
+    select_ops,
+)
+from mtraining.ops.numerics import merge_partial
+from mtraining.parallel import make_layout
+from tests.factories import make_qkv
+from tests.numerics import assert_close
+from tests.rings import LAYOUTS, SEQ, G, check_ring, reference
 
 
 def pair_count(blocks, sq: int, sk: int) -> torch.Tensor:
@@ -46,7 +58,7 @@ def test_decomposition_covers_causal_pairs_every_step(layout_name, world):
                 blocks = decompose(q_pos, k_pos, max_blocks=None)
                 assert_exact_cover(q_pos, k_pos, blocks)
                 if step == 0:  # the shard against itself: one causal block
-                    assert blocks == (dense_blocks.Block(0, len(q_pos), 0, len(k_pos), True),)
+                    assert blocks == (Block(0, len(q_pos), 0, len(k_pos), True),)
                 elif layout_name != "striped" or world == 1:
                     assert len(blocks) <= 1, blocks  # contiguous/zigzag: one call per step (or none)
                 limited = decompose(q_pos, k_pos)
@@ -71,8 +83,8 @@ def test_zigzag_steps_are_half_of_q_or_half_of_k():
 def test_decomposition_of_single_device_and_arbitrary_positions():
     # last Sq of Sk keys: a full block and a causal block
     assert decompose(torch.arange(10, 20), torch.arange(20)) == (
-        dense_blocks.Block(0, 10, 0, 10, False),
-        dense_blocks.Block(0, 10, 10, 20, True),
+        Block(0, 10, 0, 10, False),
+        Block(0, 10, 10, 20, True),
     )
     assert decompose(torch.arange(5), torch.arange(5, 9)) == ()  # no key visible
     assert decompose(torch.tensor([3, 2]), torch.arange(4)) is None  # not increasing
@@ -87,19 +99,13 @@ def test_decomposition_of_single_device_and_arbitrary_positions():
         assert_exact_cover(picks[0], picks[1], blocks)
 
 
-def _random_qkv(seed, b, sq, sk, hq, hkv, d, dtype=torch.float64):
-    gen = torch.Generator().manual_seed(seed)
-    shapes = [(b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, hq, d)]
-    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
-
-
 @pytest.mark.parametrize("layout_name", LAYOUTS)
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 1), (2, 2)])
 def test_ring_steps_through_blocks_equal_oracle(layout_name, hq, hkv):
     """One process plays a whole ring: every step through the blocks, merged by LSE; backward with the
     merged out/lse per step; out, lse, dq, dk, dv equal the oracle on the full sequence."""
     world, n, b, d = 3, 192, 2, 16
-    q, k, v, dout = _random_qkv(hq * 10 + hkv, b, n, n, hq, hkv, d)
+    q, k, v, dout = make_qkv(b, n, n, hq, hkv, d, torch.float64, hq * 10 + hkv)
     ref = reference([q, k, v, dout], None)
     layout = make_layout(layout_name, n, world, G)
     scale = d**-0.5
@@ -111,15 +117,18 @@ def test_ring_steps_through_blocks_equal_oracle(layout_name, hq, hkv):
         out = lse = None
         for src in range(world):
             blocks = decompose(layout.positions(rank), layout.positions(src), max_blocks=None)
-            o, part_lse = dense_blocks.forward(
-                ql, layout.shard(k, src), layout.shard(v, src), blocks, scale, torch.float64, REFERENCE
+            o, part_lse = DenseBlocks(REFERENCE, blocks).forward(
+                ql, layout.shard(k, src), layout.shard(v, src), scale, torch.float64
             )
-            out, lse = (o, part_lse) if out is None else attention_merge(out, lse, o, part_lse)
+            if out is None:
+                out, lse = o, part_lse
+            else:
+                merge_partial(out, lse, o, part_lse)
         dq = torch.zeros_like(ql)
         for src in range(world):
             blocks = decompose(layout.positions(rank), layout.positions(src), max_blocks=None)
-            gq, gk, gv = dense_blocks.backward(
-                dol, ql, layout.shard(k, src), layout.shard(v, src), out, lse, blocks, scale, REFERENCE
+            gq, gk, gv = DenseBlocks(REFERENCE, blocks).backward(
+                dol, ql, layout.shard(k, src), layout.shard(v, src), out, lse, scale
             )
             dq += gq
             dks[src] += gk
@@ -129,17 +138,11 @@ def test_ring_steps_through_blocks_equal_oracle(layout_name, hq, hkv):
         assert_close(name, layout.gather(got, dim=2 if name == "lse" else 1), ref[i], 1e-10)
 
 
-def attention_merge(out, lse, o, part_lse):
-    from mtraining.ops.oracle import merge_partials
-
-    return merge_partials(out, lse, o, part_lse)
-
-
 @pytest.mark.parametrize("sq,sk", [(48, 48), (32, 80), (16, 16)])
 def test_single_device_dense_through_blocks_equals_oracle(sq, sk):
-    q, k, v, dout = _random_qkv(sq + sk, 2, sq, sk, 6, 2, 16)
+    q, k, v, dout = make_qkv(2, sq, sk, 6, 2, 16, torch.float64, sq + sk)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    with dense_blocks.dense_backend("reference"):
+    with dense_backend("reference"):
         out, lse = sparse_attention(*leaves, return_lse=True, backend="torch")
     out.backward(dout)
     refs = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -152,18 +155,21 @@ def test_single_device_dense_through_blocks_equals_oracle(sq, sk):
 
 
 def test_dense_backend_setting(monkeypatch):
-    monkeypatch.delenv(dense_blocks.ENV_VAR, raising=False)
+    monkeypatch.delenv(ENV_VAR, raising=False)
     q = torch.zeros(1, 4, 2, 16)
-    assert dense_blocks.dense_setting() == "auto"
-    assert dense_blocks.select_ops(q, q, "torch") is None  # CPU: the backend's own dense path
-    monkeypatch.setenv(dense_blocks.ENV_VAR, "cudnn")
+    assert dense_setting() == "auto"
+    assert select_ops(q, q, "torch") is None  # CPU: the backend's own dense path
+    monkeypatch.setenv(ENV_VAR, "cudnn")
     with pytest.raises(ValueError, match="MTRAINING_DENSE_BACKEND=cudnn cannot run these inputs .*inputs on cpu"):
-        dense_blocks.select_ops(q, q, "torch")
-    with dense_blocks.dense_backend("triton"):
-        assert dense_blocks.select_ops(q, q, "torch") is None
-    monkeypatch.setenv(dense_blocks.ENV_VAR, "bogus")
+        select_ops(q, q, "torch")
+    with dense_backend("triton"):
+        assert select_ops(q, q, "torch") is None
+        with dense_backend("reference"):
+            assert select_ops(q, q, "torch") is REFERENCE
+        assert dense_setting() == "triton"
+    monkeypatch.setenv(ENV_VAR, "bogus")
     with pytest.raises(ValueError, match="dense backend must be one of"):
-        dense_blocks.dense_setting()
+        dense_setting()
 
 
 # ----------------------------------------------------------------------------- the cuDNN wrapper, on a fake op
@@ -195,17 +201,16 @@ def test_cudnn_wrapper_on_fake_op(monkeypatch, causal, hq, hkv):
         "_scaled_dot_product_cudnn_attention": _fake_cudnn_forward,
         "_scaled_dot_product_cudnn_attention_backward": _fake_cudnn_backward,
     }
-    monkeypatch.setattr(dense_blocks, "_aten", fakes.__getitem__)
-    monkeypatch.setattr(dense_blocks, "_LSE_DIMS", [])
+    monkeypatch.setattr(cudnn, "_aten", fakes.__getitem__)
     sq, sk = 32, 32 if causal else 48
-    q, k, v, do = _random_qkv(hq + causal, 2, sq, sk, hq, hkv, 16)
+    q, k, v, do = make_qkv(2, sq, sk, hq, hkv, 16, torch.float64, hq + causal)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)  # heads-major q, as Hugging Face gives
-    out, lse = dense_blocks.CUDNN.forward(q, k, v, causal, 0.25)
+    out, lse = CUDNN.forward(q, k, v, causal, 0.25)
     ref_out, ref_lse = REFERENCE.forward(q, k, v, causal, 0.25)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape and lse.dtype == torch.float32
     assert_close("out", out, ref_out, 1e-10)
     assert_close("lse", lse, ref_lse, 1e-6)
-    grads = dense_blocks.CUDNN.backward(do, q, k, v, ref_out, ref_lse, causal, 0.25)
+    grads = CUDNN.backward(do, q, k, v, ref_out, ref_lse, causal, 0.25)
     for name, got, ref in zip(
         ["dq", "dk", "dv"], grads, REFERENCE.backward(do, q, k, v, ref_out, ref_lse, causal, 0.25)
     ):
@@ -214,43 +219,14 @@ def test_cudnn_wrapper_on_fake_op(monkeypatch, causal, hq, hkv):
 
 
 # ----------------------------------------------------------------------------- rings on gloo
-def dense_ring_case(group, layout_name, inputs, ring, setting):
-    """Worker: the dense ring (pattern None) with dense steps through the blocks of ``setting``."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    q, k, v, dout = inputs
-    layout = make_layout(layout_name, q.shape[1], world, G)
-    ql, kl, vl = (layout.shard(t, rank).requires_grad_() for t in (q, k, v))
-    with dense_blocks.dense_backend(setting):
-        if ring == "flat":
-            out, lse = ring_attention(ql, kl, vl, group, layout, return_lse=True, backend="torch")
-        else:
-            out, lse = hierarchical_ring_attention(
-                ql, kl, vl, group, layout, return_lse=True, backend="torch", inner_size=2
-            )
-    out.backward(layout.shard(dout, rank))
-    return out.detach(), lse, ql.grad, kl.grad, vl.grad
-
-
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("layout_name", LAYOUTS)
 def test_dense_ring_through_blocks_matches_oracle(pool, world, layout_name):
     n = SEQ[world] if layout_name != "striped" else 2 * SEQ[world]  # striped: some steps exceed MAX_BLOCKS
-    inputs = make_inputs(world + 20, 1, n, 4, 2, torch.float64)
-    results = pool.run(dense_ring_case, world, layout_name, inputs, "flat", "reference")
-    ref = reference(inputs, None)
-    layout = make_layout(layout_name, n, world, G)
-    for i, name in enumerate(["out", "lse", "dq", "dk", "dv"]):
-        got = layout.gather([r[i] for r in results], dim=2 if name == "lse" else 1)
-        assert_close(name, got, ref[i], 1e-10)
+    check_ring(pool, world, layout_name, "causal", seed=world + 20, n=n, dense="reference")
 
 
 @pytest.mark.parametrize("layout_name", ["zigzag", "striped"])
 def test_hierarchical_dense_ring_through_blocks_matches_oracle(pool, layout_name):
-    n = SEQ[4]
-    inputs = make_inputs(31, 2, n, 4, 2, torch.float64)
-    results = pool.run(dense_ring_case, 4, layout_name, inputs, "hierarchical", "reference")
-    ref = reference(inputs, None)
-    layout = make_layout(layout_name, n, 4, G)
-    for i, name in enumerate(["out", "lse", "dq", "dk", "dv"]):
-        got = layout.gather([r[i] for r in results], dim=2 if name == "lse" else 1)
-        assert_close(name, got, ref[i], 1e-10)
+    ring = dict(ring="hierarchical", inner_size=2)
+    check_ring(pool, 4, layout_name, "causal", b=2, seed=31, ring=ring, dense="reference")

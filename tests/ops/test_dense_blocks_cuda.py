@@ -1,6 +1,6 @@
 """Dense blocks through cuDNN in bf16 on a GPU against the plain-PyTorch path in float32.
 
-Run on a lent GPU: ``python -m pytest -q -m cuda tests/test_dense_blocks_cuda.py`` (the 2-GPU ring
+Run on a lent GPU: ``python -m pytest -q -m cuda tests/ops/test_dense_blocks_cuda.py`` (the 2-GPU ring
 test needs 2 or more GPUs).
 """
 
@@ -10,9 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mtraining.ops import dense_blocks
-from mtraining.ops.attention import attention_backward, attention_forward, row_delta, sparse_attention
-from mtraining.ops.dense_blocks import CUDNN, REFERENCE, decompose
+from mtraining.ops.dense import CUDNN, REFERENCE, DenseBlocks, cudnn, decompose, dense_backend, select_ops
+from mtraining.ops.sparse import attention_backward, attention_delta, attention_forward, sparse_attention
 from mtraining.parallel import make_layout, ring_attention
 from tests.numerics import rel_err
 
@@ -58,7 +57,7 @@ def test_cudnn_block_matches_fp32(causal, head_dim, hq, hkv):
 
 def test_cudnn_native_gqa_probe(monkeypatch):
     """Does cuDNN's dense path take Hq != Hkv directly? (informs MTRAINING_CUDNN_NATIVE_GQA; skip if not)"""
-    monkeypatch.setattr(dense_blocks, "NATIVE_GQA", True)
+    monkeypatch.setattr(cudnn, "NATIVE_GQA", True)
     try:
         check_block(True, 8, 2, 128, 1024, 1024)
     except RuntimeError as exc:
@@ -78,7 +77,7 @@ def test_ring_steps_through_cudnn_blocks(layout_name, world):
     ref = (
         ref_out,
         ref_lse,
-        *attention_backward(do, q, k, v, ref_lse, row_delta(do, ref_out), None, pos, pos, scale, backend="torch"),
+        *attention_backward(do, q, k, v, ref_lse, attention_delta(do, ref_out), None, pos, pos, scale, backend="torch"),
     )
     layout = make_layout(layout_name, n, world, g)
     qb, kb, vb, dob = (t.bfloat16() for t in (q, k, v, do))
@@ -91,8 +90,8 @@ def test_ring_steps_through_cudnn_blocks(layout_name, world):
         for src in range(world):
             blocks = decompose(layout.positions(rank), layout.positions(src), max_blocks=None)
             parts.append(
-                dense_blocks.forward(
-                    ql, layout.shard(kb, src), layout.shard(vb, src), blocks, scale, torch.float32, CUDNN
+                DenseBlocks(CUDNN, blocks).forward(
+                    ql, layout.shard(kb, src), layout.shard(vb, src), scale, torch.float32
                 )
             )
         lse = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
@@ -101,8 +100,8 @@ def test_ring_steps_through_cudnn_blocks(layout_name, world):
         dq = torch.zeros(ql.shape, device="cuda")
         for src in range(world):
             blocks = decompose(layout.positions(rank), layout.positions(src), max_blocks=None)
-            gq, gk, gv = dense_blocks.backward(
-                dol, ql, layout.shard(kb, src), layout.shard(vb, src), out_b, lse, blocks, scale, CUDNN
+            gq, gk, gv = DenseBlocks(CUDNN, blocks).backward(
+                dol, ql, layout.shard(kb, src), layout.shard(vb, src), out_b, lse, scale
             )
             dq += gq
             dks[src] += gk
@@ -129,11 +128,11 @@ def test_sparse_attention_dense_goes_through_cudnn(sq, sk):
     scale = d**-0.5
     ref_out, ref_lse = attention_forward(q, k, v, None, q_pos, k_pos, scale, backend="torch")
     ref_grads = attention_backward(
-        do, q, k, v, ref_lse, row_delta(do, ref_out), None, q_pos, k_pos, scale, backend="torch"
+        do, q, k, v, ref_lse, attention_delta(do, ref_out), None, q_pos, k_pos, scale, backend="torch"
     )
     qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))
-    assert dense_blocks.select_ops(qb, kb, "triton") is CUDNN
-    with dense_blocks.dense_backend("cudnn"):
+    assert select_ops(qb, kb, "triton") is CUDNN
+    with dense_backend("cudnn"):
         out, lse = sparse_attention(qb, kb, vb, return_lse=True)
     grads = torch.autograd.grad(out, (qb, kb, vb), do.bfloat16())
     assert out.dtype == torch.bfloat16
@@ -141,7 +140,7 @@ def test_sparse_attention_dense_goes_through_cudnn(sq, sk):
     assert (lse - ref_lse).abs().max().item() < 5e-2
     for got, ref in zip(grads, ref_grads):
         assert rel_err(got, ref) < 2e-2
-    with dense_blocks.dense_backend("triton"):  # the old path still agrees
+    with dense_backend("triton"):  # the old path still agrees
         out_t = sparse_attention(qb.detach(), kb.detach(), vb.detach())
     assert rel_err(out_t, out) < 1e-2
 
@@ -157,13 +156,15 @@ def _nccl_dense_worker(rank: int, world: int, store_path: str) -> None:
     pos = torch.arange(n, device="cuda")
     scale = d**-0.5
     ref_out, ref_lse = attention_forward(q, k, v, None, pos, pos, scale, backend="torch")
-    ref_grads = attention_backward(do, q, k, v, ref_lse, row_delta(do, ref_out), None, pos, pos, scale, backend="torch")
+    ref_grads = attention_backward(
+        do, q, k, v, ref_lse, attention_delta(do, ref_out), None, pos, pos, scale, backend="torch"
+    )
     for name in ("zigzag", "contiguous", "striped"):
         layout = make_layout(name, n, world, g)
         mine = layout.positions(rank).cuda()
         for setting in ("cudnn", "triton"):
             ql, kl, vl = (layout.shard(t, rank).bfloat16().requires_grad_() for t in (q, k, v))
-            with dense_blocks.dense_backend(setting):
+            with dense_backend(setting):
                 out, lse = ring_attention(ql, kl, vl, None, layout, return_lse=True)
             out.backward(layout.shard(do, rank).bfloat16())
             tag = f"{name}/{setting}"

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from mtraining.ops import estimate
-from mtraining.ops.budgets import Budgets
-from mtraining.ops.estimate import (
+from mtraining.ops.pattern import VerticalSlashPattern, estimate
+from mtraining.ops.pattern.budgets import Budgets
+from mtraining.ops.pattern.estimate import (
     PatternConfig,
     PositionPlan,
     estimate_pattern,
@@ -17,7 +17,6 @@ from mtraining.ops.estimate import (
     line_scores,
     select_lines,
 )
-from mtraining.ops.pattern import VerticalSlashPattern
 
 
 # --------------------------------------------------------------------------- brute force

@@ -6,49 +6,11 @@ import pytest
 import torch
 
 from mtraining.ops import VerticalSlashPattern, attention_oracle
-from mtraining.ops.attention import attention_backward, attention_forward, row_delta, sparse_attention
-from tests.numerics import rel_err
+from mtraining.ops.sparse import attention_backward, attention_delta, attention_forward, sparse_attention
+from tests.factories import make_pattern, make_qkv, striped_positions
+from tests.numerics import assert_close, rel_err
 
 CPU_TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
-
-
-def assert_lse_close(got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
-    """Equal where finite, -inf at the same rows (rows that see no key)."""
-    ref_inf = torch.isneginf(ref)
-    assert torch.equal(torch.isneginf(got), ref_inf), "rows with no key must have lse = -inf"
-    assert not torch.isnan(got).any()
-    assert (got.double() - ref)[~ref_inf].abs().max().item() < tol
-
-
-def make_pattern(kind: str, b: int, h: int, n: int, g: int, gen: torch.Generator) -> VerticalSlashPattern | None:
-    nb = -(-n // g)
-    if kind == "none":
-        return None
-    if kind == "dense":
-        return VerticalSlashPattern.dense(b, h, n, g)
-    vert = torch.zeros(b, h, n, dtype=torch.bool)
-    diag = torch.zeros(b, h, nb, dtype=torch.bool)
-    if kind == "random":
-        diag = torch.rand(b, h, nb, generator=gen) < 0.35
-        vert = torch.rand(b, h, n, generator=gen) < 0.12
-    elif kind == "sinks_only":
-        vert[..., :4] = True
-    elif kind == "empty_rows":  # no diagonal 0 and few verticals: many rows see nothing
-        diag[..., 2:3] = True
-        vert[..., n // 2 : n // 2 + 3] = True
-    elif kind == "local_plus_verticals":
-        diag[..., :2] = True
-        vert[..., torch.randperm(n, generator=gen)[: max(n // 10, 1)]] = True
-    else:
-        raise AssertionError(kind)
-    return VerticalSlashPattern.from_masks(diag, vert, g)
-
-
-def random_qkv(b, sq, sk, hq, hkv, d, dtype, gen):
-    q = torch.randn(b, sq, hq, d, generator=gen).to(dtype)
-    k = torch.randn(b, sk, hkv, d, generator=gen).to(dtype)
-    v = torch.randn(b, sk, hkv, d, generator=gen).to(dtype)
-    return q, k, v
 
 
 def check_against_oracle(q, k, v, pattern, q_pos=None, k_pos=None, gen=None):
@@ -62,7 +24,7 @@ def check_against_oracle(q, k, v, pattern, q_pos=None, k_pos=None, gen=None):
     grads = torch.autograd.grad(out, (q, k, v), grad.to(q.dtype))
     assert not torch.isnan(out).any()
     assert rel_err(out, out_ref) < tol
-    assert_lse_close(lse, lse_ref, 50 * tol)
+    assert_close("lse", lse, lse_ref, 50 * tol)
     for name, got, ref in zip("qkv", grads, refs):
         assert not torch.isnan(got).any(), f"d{name} has unwritten (NaN) entries"
         assert rel_err(got, ref) < 2 * tol, f"d{name}"
@@ -76,23 +38,18 @@ def check_against_oracle(q, k, v, pattern, q_pos=None, k_pos=None, gen=None):
         (77, 16, (4, 2), 16, "random"),
         (100, 32, (2, 2), 32, "local_plus_verticals"),
         (96, 32, (4, 1), 16, "dense"),
-        (70, 16, (2, 1), 16, "sinks_only"),
+        (70, 16, (2, 1), 16, "sinks"),
         (64, 16, (2, 2), 16, "empty_rows"),
-        (83, 16, (2, 1), 16, "none"),
+        (83, 16, (2, 1), 16, "causal"),
         (64, 16, (2, 1), 64, "random"),
     ],
 )
 def test_kernel_matches_oracle(dtype, seq, block, heads, head_dim, kind):
     gen = torch.Generator().manual_seed(seq * 131 + block + head_dim)
     hq, hkv = heads
-    q, k, v = random_qkv(2, seq, seq, hq, hkv, head_dim, dtype, gen)
+    q, k, v, _ = make_qkv(2, seq, seq, hq, hkv, head_dim, dtype, gen)
     pattern = make_pattern(kind, 2, hq, seq, block, gen)
     check_against_oracle(q, k, v, pattern, gen=gen)
-
-
-def _striped_positions(n: int, g: int, world: int, rank: int) -> torch.Tensor:
-    stripes = torch.arange(n).view(-1, g)[rank::world]
-    return stripes.flatten()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -101,9 +58,9 @@ def test_ring_step_offsets(dtype, q_rank, k_rank):
     """A query chunk against a key chunk from another rank of a striped layout (a ring step)."""
     gen = torch.Generator().manual_seed(7 + q_rank * 10 + k_rank)
     n, g, world = 256, 16, 4
-    q_pos, k_pos = _striped_positions(n, g, world, q_rank), _striped_positions(n, g, world, k_rank)
+    q_pos, k_pos = striped_positions(n, g, world, q_rank), striped_positions(n, g, world, k_rank)
     pattern = make_pattern("random", 1, 4, n, g, gen)
-    q, k, v = random_qkv(1, q_pos.numel(), k_pos.numel(), 4, 2, 16, dtype, gen)
+    q, k, v, _ = make_qkv(1, q_pos.numel(), k_pos.numel(), 4, 2, 16, dtype, gen)
     check_against_oracle(q, k, v, pattern, q_pos, k_pos, gen)
 
 
@@ -112,11 +69,11 @@ def test_backward_primitive_with_external_lse():
     gen = torch.Generator().manual_seed(3)
     n, g = 128, 16
     pattern = make_pattern("random", 1, 2, n, g, gen)
-    q, k, v = random_qkv(1, n, n, 2, 1, 16, torch.float32, gen)
+    q, k, v, _ = make_qkv(1, n, n, 2, 1, 16, torch.float32, gen)
     pos = torch.arange(n)
     out, lse = attention_forward(q.double(), k.double(), v.double(), pattern, pos, pos, 0.25, backend="torch")
     do = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    delta = row_delta(do, out)
+    delta = attention_delta(do, out)
     k_pos = pos[32:96]
     args = (q, k[:, 32:96], v[:, 32:96], lse.float(), delta.float(), pattern, pos, k_pos, 0.25)
     got = attention_backward(do.float(), *args, backend="triton")
@@ -139,7 +96,7 @@ def test_backward_primitive_with_external_lse():
 
 def test_dense_pattern_equals_dense_attention():
     gen = torch.Generator().manual_seed(11)
-    q, k, v = random_qkv(1, 96, 96, 4, 2, 32, torch.float32, gen)
+    q, k, v, _ = make_qkv(1, 96, 96, 4, 2, 32, torch.float32, gen)
     dense = sparse_attention(q, k, v, VerticalSlashPattern.dense(1, 4, 96, 32), backend="triton")
     causal = sparse_attention(q, k, v, None, backend="triton")
     ref, _ = attention_oracle(q.double(), k.double(), v.double())
@@ -177,7 +134,7 @@ def test_pattern_for_other_heads_rejected():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_dq_backward_matches_oracle(monkeypatch, dtype):
     """The backward variant that adds dQ atomically inside the dK/dV kernels."""
-    from mtraining.ops import triton_backend as tb
+    from mtraining.ops.sparse import launch as tb
 
     def fused_config(block_size, head_dim, device, dtype):
         t = min(block_size, 32)
@@ -186,11 +143,11 @@ def test_fused_dq_backward_matches_oracle(monkeypatch, dtype):
 
     monkeypatch.setattr(tb, "tile_config", fused_config)
     gen = torch.Generator().manual_seed(5)
-    q, k, v = random_qkv(2, 77, 77, 4, 2, 16, dtype, gen)
+    q, k, v, _ = make_qkv(2, 77, 77, 4, 2, 16, dtype, gen)
     check_against_oracle(q, k, v, make_pattern("random", 2, 4, 77, 16, gen), gen=gen)
     n, g, world = 256, 16, 4
-    q_pos, k_pos = _striped_positions(n, g, world, 2), _striped_positions(n, g, world, 1)
-    q, k, v = random_qkv(1, q_pos.numel(), k_pos.numel(), 4, 2, 16, dtype, gen)
+    q_pos, k_pos = striped_positions(n, g, world, 2), striped_positions(n, g, world, 1)
+    q, k, v, _ = make_qkv(1, q_pos.numel(), k_pos.numel(), 4, 2, 16, dtype, gen)
     check_against_oracle(q, k, v, make_pattern("local_plus_verticals", 1, 4, n, g, gen), q_pos, k_pos, gen)
 
 
@@ -198,7 +155,7 @@ def test_fused_dq_backward_matches_oracle(monkeypatch, dtype):
 def test_tiles_smaller_than_the_block(monkeypatch, dtype):
     """Kernel tiles of 16 and 32 inside G = 64 blocks (each tile walks its block's list in steps),
     different per kernel, with a partial last block and a striped ring step."""
-    from mtraining.ops import triton_backend as tb
+    from mtraining.ops.sparse import launch as tb
 
     def small_tiles(block_size, head_dim, device, dtype):
         return tb.TileConfig(
@@ -207,11 +164,11 @@ def test_tiles_smaller_than_the_block(monkeypatch, dtype):
 
     monkeypatch.setattr(tb, "tile_config", small_tiles)
     gen = torch.Generator().manual_seed(23)
-    q, k, v = random_qkv(1, 230, 230, 4, 2, 16, dtype, gen)
+    q, k, v, _ = make_qkv(1, 230, 230, 4, 2, 16, dtype, gen)
     check_against_oracle(q, k, v, make_pattern("random", 1, 4, 230, 64, gen), gen=gen)
     n, g, world = 512, 64, 2
-    q_pos, k_pos = _striped_positions(n, g, world, 1), _striped_positions(n, g, world, 0)
-    q, k, v = random_qkv(1, q_pos.numel(), k_pos.numel(), 4, 2, 16, dtype, gen)
+    q_pos, k_pos = striped_positions(n, g, world, 1), striped_positions(n, g, world, 0)
+    q, k, v, _ = make_qkv(1, q_pos.numel(), k_pos.numel(), 4, 2, 16, dtype, gen)
     check_against_oracle(q, k, v, make_pattern("local_plus_verticals", 1, 4, n, g, gen), q_pos, k_pos, gen)
 
 
@@ -234,7 +191,7 @@ def test_strided_inputs_and_expanded_gradient():
 
 def test_row_delta_kernel_matches_torch():
     """The one-pass Triton delta (used on CUDA) against the float64 rowsum, with strided inputs."""
-    from mtraining.ops.triton_backend import row_delta as one_pass
+    from mtraining.ops.sparse.launch import row_delta as one_pass
 
     gen = torch.Generator().manual_seed(12)
     do = torch.randn(2, 37, 3, 16, generator=gen)
@@ -262,13 +219,13 @@ def test_keys_at_unaligned_addresses():
     assert (got.double() - want).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("pattern_kind", ["local_plus_verticals", "none"])
+@pytest.mark.parametrize("pattern_kind", ["local_plus_verticals", "causal"])
 def test_reuse_skips_the_forward_and_gives_the_same_gradients(monkeypatch, pattern_kind):
     """sparse_attention(reuse=(out, lse)) runs no forward kernel and backpropagates exactly as the call it reuses."""
-    import mtraining.ops.attention as attention
+    import mtraining.ops.sparse.attention as attention
 
     gen = torch.Generator().manual_seed(14)
-    q, k, v = random_qkv(1, 48, 48, 4, 2, 16, torch.float32, gen)
+    q, k, v, _ = make_qkv(1, 48, 48, 4, 2, 16, torch.float32, gen)
     pattern = make_pattern(pattern_kind, 1, 4, 48, 16, gen)
     grad = torch.randn(q.shape, generator=gen)
     first = [t.clone().requires_grad_() for t in (q, k, v)]

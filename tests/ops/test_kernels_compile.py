@@ -10,13 +10,15 @@ from pathlib import Path
 import pytest
 
 
-def test_kernels_compile_for_hopper():
+def test_kernels_compile_for_hopper(tmp_path):
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
     except ImportError:
         pytest.skip("this Triton has no ahead-of-time compile API")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).resolve().parents[1] / "compile_kernels_sm90.py"
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, str(script), "--ptx-dir", str(tmp_path)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count(": ok") == 11
+    assert result.stdout.count(": ok") == 12
+    assert len(list(tmp_path.glob("*.ptx"))) == 12

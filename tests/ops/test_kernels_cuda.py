@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from mtraining.ops import VerticalSlashPattern
-from mtraining.ops.attention import attention_backward, attention_forward, row_delta, sparse_attention
+from mtraining.ops.sparse import attention_backward, attention_delta, attention_forward, sparse_attention
+from tests.factories import make_pattern
 from tests.numerics import rel_err
 
 pytestmark = [
@@ -20,24 +21,12 @@ pytestmark = [
 ]
 
 
-def local_vertical_pattern(b, h, n, g, n_diags, n_verts, gen):
-    nb = -(-n // g)
-    diag = torch.zeros(b, h, nb, dtype=torch.bool)
-    diag[..., :n_diags] = True
-    far = torch.randint(n_diags, nb, (b, h, 4), generator=gen)
-    diag.scatter_(-1, far, True)
-    vert = torch.zeros(b, h, n, dtype=torch.bool)
-    vert.scatter_(-1, torch.randint(0, n, (b, h, n_verts), generator=gen), True)
-    vert[..., :4] = True
-    return VerticalSlashPattern.from_masks(diag, vert, g).to("cuda")
-
-
 @pytest.fixture(params=["kernel", "atomic"])
 def dq_mode(request, monkeypatch):
     """Run the test with each way of making dQ (its own kernel, or added by the dK/dV kernels)."""
     from dataclasses import replace
 
-    from mtraining.ops import triton_backend as tb
+    from mtraining.ops.sparse import launch as tb
 
     default = tb.tile_config
 
@@ -57,12 +46,12 @@ def test_bf16_matches_fp32_reference(seq, head_dim, dq_mode):
     q = torch.randn(b, seq, hq, head_dim, generator=gen).cuda()
     k = torch.randn(b, seq, hkv, head_dim, generator=gen).cuda()
     v = torch.randn(b, seq, hkv, head_dim, generator=gen).cuda()
-    pattern = local_vertical_pattern(b, hq, seq, g, 8, 256, gen)
+    pattern = make_pattern("local_far", b, hq, seq, g, gen, diags=8, verticals=256).to("cuda")
     pos = torch.arange(seq, device="cuda", dtype=torch.int32)
     scale = head_dim**-0.5
     out_ref, lse_ref = attention_forward(q, k, v, pattern, pos, pos, scale, backend="torch")
     do = torch.randn(out_ref.shape, generator=gen).cuda()
-    delta = row_delta(do, out_ref)
+    delta = attention_delta(do, out_ref)
     grads_ref = attention_backward(do, q, k, v, lse_ref, delta, pattern, pos, pos, scale, backend="torch")
 
     qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))
@@ -102,7 +91,7 @@ def test_float32_inputs_run_on_the_gpu(head_dim):
     q = torch.randn(b, seq, hq, head_dim, generator=gen).cuda()
     k = torch.randn(b, seq, hkv, head_dim, generator=gen).cuda()
     v = torch.randn(b, seq, hkv, head_dim, generator=gen).cuda()
-    pattern = local_vertical_pattern(b, hq, seq, g, 4, 64, gen)
+    pattern = make_pattern("local_far", b, hq, seq, g, gen, diags=4, verticals=64).to("cuda")
     do = torch.randn(b, seq, hq, head_dim, generator=gen).cuda()
     results = []
     for backend in ("triton", "torch"):

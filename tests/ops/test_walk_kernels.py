@@ -1,42 +1,28 @@
-"""The Triton index builders (ops/walk_kernels.py, the CUDA path) equal the torch builders exactly.
+"""The Triton walk builders (ops/sparse/index_kernels.py, the CUDA path) equal the torch builders exactly.
 
 On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py); the
-torch builders of ops/kernel_index.py are the oracle: every tensor of the chunk pair and of both
+torch builders of ops/sparse/index.py are the oracle: every tensor of the chunk pair and of both
 walks must match in dtype, shape and every entry (padding included), on random patterns, partial
 last blocks, empty and dense patterns, verticals only, and the chunk pairs of ring steps.
 """
 
 from __future__ import annotations
 
+import pickle
+import weakref
+
 import pytest
 import torch
 
 from mtraining.ops import VerticalSlashPattern
-from mtraining.ops import kernel_index as ki
-from mtraining.ops import walk_kernels as wk
+from mtraining.ops.sparse import index as ki
+from mtraining.ops.sparse import index_kernels as wk
+from mtraining.ops.sparse import launch
 from mtraining.parallel.layout import ContiguousLayout, StripedLayout, ZigzagLayout
+from tests.factories import make_pattern
 
 V_CHUNKS = (1, 3, 16)  # vertical chunk sizes of the key walk (the dK/dV kernels' block_v)
 SMALL_BLOCKS = dict(nb=16, verts=16, rows=4, diags=8)  # every loop of the builders runs several steps
-
-
-def make_pattern(kind: str, b: int, h: int, n: int, g: int, gen: torch.Generator) -> VerticalSlashPattern:
-    nb = -(-n // g)
-    diag = torch.zeros(b, h, nb, dtype=torch.bool)
-    vert = torch.zeros(b, h, n, dtype=torch.bool)
-    if kind == "random":  # a different density per head, some heads nearly empty or nearly full
-        diag = torch.rand(b, h, nb, generator=gen) < torch.rand(b, h, 1, generator=gen)
-        vert = torch.rand(b, h, n, generator=gen) < 0.3 * torch.rand(b, h, 1, generator=gen)
-    elif kind == "dense":
-        diag[:] = True
-    elif kind == "verticals":
-        vert = torch.rand(b, h, n, generator=gen) < 0.15
-    elif kind == "local":
-        diag[..., :2] = True
-        vert[..., :4] = True
-    elif kind != "empty":
-        raise AssertionError(kind)
-    return VerticalSlashPattern.from_masks(diag, vert, g)
 
 
 def assert_same(got, want, what: str) -> None:
@@ -49,11 +35,11 @@ def assert_same(got, want, what: str) -> None:
 
 def check_builders(pattern: VerticalSlashPattern, q_pos: torch.Tensor, k_pos: torch.Tensor) -> None:
     want = ki.chunk_pair_torch(pattern, q_pos, k_pos)
-    pair = wk.chunk_pair(pattern, q_pos, k_pos)
+    pair = wk.chunk_pair_triton(pattern, q_pos, k_pos)
     assert_same(pair, want, "chunk_pair")
-    assert_same(wk.query_walk(pattern, pair), ki.query_walk_torch(pattern, want), "query walk")
+    assert_same(wk.query_walk_triton(pattern, pair), ki.query_walk_torch(pattern, want), "query walk")
     for v_chunk in V_CHUNKS:
-        assert_same(wk.key_walk(pattern, pair, v_chunk), ki.key_walk_torch(pattern, want, v_chunk), "key walk")
+        assert_same(wk.key_walk_triton(pattern, pair, v_chunk), ki.key_walk_torch(pattern, want, v_chunk), "key walk")
 
 
 @pytest.fixture(params=["launch_blocks", "small_blocks"])
@@ -66,13 +52,13 @@ def blocks(request, monkeypatch):
 @pytest.mark.parametrize(
     "g,n,heads,kind",
     [
-        (16, 16 * 9 + 5, (2, 4), "random"),  # partial last block, 8 heads (a GQA model's query heads)
+        (16, 16 * 9 + 5, (2, 4), "random_heads"),  # partial last block, 8 heads (a GQA model's query heads)
         (16, 16 * 6, (1, 3), "dense"),
         (32, 32 * 4 + 31, (1, 2), "verticals"),
         (32, 32 * 5 - 7, (2, 1), "empty"),
-        (64, 64 * 3 + 1, (1, 4), "random"),  # last block of one row
-        (64, 64 * 2, (1, 2), "local"),
-        (16, 5, (1, 2), "random"),  # one partial block
+        (64, 64 * 3 + 1, (1, 4), "random_heads"),  # last block of one row
+        (64, 64 * 2, (1, 2), "local_sinks"),
+        (16, 5, (1, 2), "random_heads"),  # one partial block
     ],
 )
 def test_single_chunk(blocks, g, n, heads, kind):
@@ -82,7 +68,7 @@ def test_single_chunk(blocks, g, n, heads, kind):
     check_builders(pattern, pos, pos)
 
 
-@pytest.mark.parametrize("kind", ["random", "verticals", "empty", "dense"])
+@pytest.mark.parametrize("kind", ["random_heads", "verticals", "empty", "dense"])
 def test_key_chunk_is_a_prefix(kind):
     """Fewer keys than queries (the earlier part of the sequence), int64 positions."""
     gen = torch.Generator().manual_seed(5)
@@ -100,7 +86,7 @@ def test_ring_steps(layout, world, steps):
     g = 16
     lay = layout(2 * world * g * 3, world, g)
     gen = torch.Generator().manual_seed(world * 7 + len(layout.__name__))
-    pattern = make_pattern("random", 1, 3, lay.seq_len, g, gen)
+    pattern = make_pattern("random_heads", 1, 3, lay.seq_len, g, gen)
     for q_rank, k_rank in steps:
         check_builders(pattern, lay.positions(q_rank).to(torch.int32), lay.positions(k_rank).to(torch.int32))
 
@@ -110,7 +96,7 @@ def test_ring_step_small_blocks(monkeypatch):
     monkeypatch.setattr(wk, "BLOCKS", SMALL_BLOCKS)
     g, world = 16, 4
     lay = StripedLayout(2 * world * g * 3, world, g)
-    pattern = make_pattern("random", 2, 2, lay.seq_len, g, torch.Generator().manual_seed(3))
+    pattern = make_pattern("random_heads", 2, 2, lay.seq_len, g, torch.Generator().manual_seed(3))
     check_builders(pattern, lay.positions(1).to(torch.int32), lay.positions(3).to(torch.int32))
 
 
@@ -120,13 +106,13 @@ def test_dispatch_by_device(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a Triton builder ran for CPU tensors")
 
-    for name in ("chunk_pair", "query_walk", "key_walk"):
-        monkeypatch.setattr(wk, name, refuse)
-    pattern = make_pattern("random", 1, 2, 64, 16, torch.Generator().manual_seed(2))
+    for name in ("chunk_pair_triton", "query_walk_triton", "key_walk_triton"):
+        monkeypatch.setattr(launch, name, refuse)
+    pattern = make_pattern("random_heads", 1, 2, 64, 16, torch.Generator().manual_seed(2))
     pos = torch.arange(64, dtype=torch.int32)
-    pair = ki.chunk_pair(pattern, pos, pos)
-    assert_same(ki.build_query_walk(pattern, pair), ki.query_walk_torch(pattern, pair), "query walk")
-    assert_same(ki.build_key_walk(pattern, pair, 16), ki.key_walk_torch(pattern, pair, 16), "key walk")
+    pair = launch.chunk_pair(pattern, pos, pos)
+    assert_same(launch.query_walk(pattern, pos, pos), ki.query_walk_torch(pattern, pair), "query walk")
+    assert_same(launch.key_walk(pattern, pos, pos, 16), ki.key_walk_torch(pattern, pair, 16), "key walk")
 
 
 @pytest.mark.cuda
@@ -148,8 +134,34 @@ def test_builders_agree_on_gpu(layout):
         lay = layout(n, 4, g)
         q_pos, k_pos = (lay.positions(r).to("cuda", torch.int32) for r in (2, 1))
     want = ki.chunk_pair_torch(pattern, q_pos, k_pos)
-    pair = ki.chunk_pair(pattern, q_pos, k_pos)
+    pair = launch.chunk_pair(pattern, q_pos, k_pos)
     assert_same(pair, want, "chunk_pair")
-    assert_same(ki.build_query_walk(pattern, pair), ki.query_walk_torch(pattern, want), "query walk")
+    assert_same(launch.query_walk(pattern, q_pos, k_pos), ki.query_walk_torch(pattern, want), "query walk")
     for v_chunk in (64, 128):
-        assert_same(ki.build_key_walk(pattern, pair, v_chunk), ki.key_walk_torch(pattern, want, v_chunk), "key walk")
+        assert_same(
+            launch.key_walk(pattern, q_pos, k_pos, v_chunk), ki.key_walk_torch(pattern, want, v_chunk), "key walk"
+        )
+
+
+def test_walks_are_cached_per_chunk_pair(monkeypatch):
+    """A walk is built once per pattern and chunk pair: the very same position tensors, unmodified;
+    the cache holds them (no freed tensor's id can alias an entry) and pickles empty."""
+    builds = []
+
+    def counted(pattern, pair):
+        builds.append(1)
+        return ki.query_walk_torch(pattern, pair)
+
+    monkeypatch.setattr(launch, "query_walk_torch", counted)
+    pattern = make_pattern("random_heads", 1, 2, 64, 16, torch.Generator().manual_seed(4))
+    pos = torch.arange(64, dtype=torch.int32)
+    walk = launch.query_walk(pattern, pos, pos)
+    assert launch.query_walk(pattern, pos, pos) is walk and len(builds) == 1
+    other = pos.clone()  # equal positions, another chunk pair as far as the cache knows
+    assert launch.query_walk(pattern, other, other) is not walk and len(builds) == 2
+    held = weakref.ref(other)
+    del other
+    assert held() is not None  # its id stays taken while the entry lives
+    pos.add_(0)  # modified in place: built again
+    assert launch.query_walk(pattern, pos, pos) is not walk and len(builds) == 3
+    assert len(pickle.loads(pickle.dumps(pattern)).index_cache) == 0

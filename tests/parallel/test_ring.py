@@ -8,122 +8,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mtraining.ops import VerticalSlashPattern, attention_oracle
-from mtraining.ops.estimate import PatternConfig, estimate_pattern
-from mtraining.ops.synthetic import rope_structured_qkv
+from bench.links import Link, emulated
+from bench.synthetic import rope_structured_qkv
+from mtraining.ops import PatternConfig, VerticalSlashPattern, estimate_pattern
 from mtraining.parallel import make_layout, ring_attention
 from mtraining.parallel.estimate import estimate_pattern_cp
+from tests.factories import make_pattern
 from tests.numerics import rel_err
-
-LAYOUTS = ["contiguous", "zigzag", "striped"]
-G, D = 16, 16
-SEQ = {1: 256, 2: 256, 3: 192, 4: 256}  # multiples of 2 * W * G (zigzag)
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-ROPE_FLOAT32_TOL = 5e-5  # logits of ~10 on the structured inputs: single-device float32 already errs ~1e-5
-
-
-CONFIGS = {
-    "topk": PatternConfig(v_size=16, s_size=12, last_q=32, block_size=G, sink_tokens=4, local_window=8),
-    "threshold": PatternConfig(
-        v_size=64, s_size=24, last_q=40, block_size=G, sink_tokens=2, local_window=8, threshold=0.8
-    ),
-}
-
-
-def make_inputs(seed: int, b: int, n: int, hq: int, hkv: int, dtype: torch.dtype, rope: bool = False):
-    """q, k, v, dout on the full sequence (identical in every process for one seed).
-
-    ``rope``: q/k/v from the RoPE-structured model (slash band plus anchor verticals) instead of noise.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    shapes = [(b, n, hq, D), (b, n, hkv, D), (b, n, hkv, D), (b, n, hq, D)]
-    tensors = [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
-    if rope:
-        tensors[:3] = rope_structured_qkv(b, n, hq, hkv, D, dtype=torch.float64, seed=seed)
-    return [t.to(dtype) for t in tensors]
-
-
-def make_pattern(kind: str, b: int, h: int, n: int, seed: int) -> VerticalSlashPattern | None:
-    """Test patterns on the global grid; 'random' has rows that see no key at all."""
-    gen = torch.Generator().manual_seed(seed + 1)
-    nb = n // G
-    diag = torch.zeros(b, h, nb, dtype=torch.bool)
-    vert = torch.zeros(b, h, n, dtype=torch.bool)
-    if kind == "causal":
-        return None
-    if kind == "dense":
-        return VerticalSlashPattern.dense(b, h, n, G)
-    if kind == "random":
-        diag = torch.rand(b, h, nb, generator=gen) < 0.3
-        diag[:, 0, 0] = False  # head 0: no local block, verticals only late -> empty early rows
-        vert = torch.rand(b, h, n, generator=gen) < 0.05
-        vert[:, 0, : n // 2] = False
-    elif kind == "sinks":
-        vert[..., :4] = True
-    elif kind == "local_sinks":
-        diag[..., :2] = True
-        vert[..., :4] = True
-        vert[..., n // 3] = True
-    return VerticalSlashPattern.from_masks(diag, vert, G)
-
-
-def _heads_major(x: torch.Tensor) -> torch.Tensor:
-    """Same values with [B, H, S, D] memory order, as Hugging Face's q/k/v.transpose(1, 2) gives."""
-    return x.transpose(1, 2).contiguous().transpose(1, 2)
-
-
-def ring_case(group, layout_name, inputs, pattern, backend="torch", config=None, strided=False):
-    """Worker: shard the full inputs (q, k, v, dout), run the ring forward and backward, return this rank's results."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    q, k, v, dout = inputs
-    layout = make_layout(layout_name, q.shape[1], world, G)
-    shards = [layout.shard(t, rank) for t in (q, k, v)]
-    ql, kl, vl = ((_heads_major(t) if strided else t).requires_grad_() for t in shards)
-    out, lse = ring_attention(
-        ql, kl, vl, group, layout, pattern=pattern, pattern_config=config, return_lse=True, backend=backend
-    )
-    out.backward(layout.shard(dout, rank))
-    return out.detach(), lse, ql.grad, kl.grad, vl.grad
-
-
-def reference(inputs, pattern, config=None):
-    """Oracle (out, lse, dq, dk, dv) in float64 on the full sequence (pattern estimated there with a config)."""
-    if config is not None:
-        pattern = estimate_pattern(inputs[0], inputs[1], config)
-    q, k, v, dout = (t.double().requires_grad_() for t in inputs)
-    out, lse = attention_oracle(q, k, v, pattern)
-    out.backward(dout.detach())
-    return out.detach(), lse, q.grad, k.grad, v.grad
-
-
-def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
-    """Max error relative to the reference's scale; -inf (rows with no key) must match exactly."""
-    got, ref = got.double(), ref.double()
-    ref_inf = torch.isneginf(ref)
-    assert torch.equal(torch.isneginf(got), ref_inf), f"{name}: rows with no key must have lse -inf"
-    assert not torch.isnan(got).any(), f"{name}: NaN"
-    err = (got - ref)[~ref_inf].abs().max().item()
-    scale = max(ref[~ref_inf].abs().max().item(), 1.0)
-    assert err <= tol * scale, f"{name}: max error {err:.3e} > {tol:.0e} x {scale:.2f}"
-
-
-def check_ring(
-    pool, world, layout_name, kind, dtype, b=1, hq=4, hkv=2, seed=0, backend="torch", tol=None, strided=False, n=None
-):
-    """Ring results gathered over ranks equal the oracle; kind is a make_pattern kind or a CONFIGS key."""
-    n = n or SEQ[world]
-    config = CONFIGS.get(kind)
-    pattern = None if config else make_pattern(kind, b, hq, n, seed)
-    inputs = make_inputs(seed, b, n, hq, hkv, dtype, rope=config is not None)
-    results = pool.run(ring_case, world, layout_name, inputs, pattern, backend, config, strided)
-    layout = make_layout(layout_name, n, world, G)
-    ref = reference(inputs, pattern, config)
-    for i, name in enumerate(["out", "lse", "dq", "dk", "dv"]):
-        got = layout.gather([r[i] for r in results], dim=2 if name == "lse" else 1)
-        assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32 if name == "lse" else dtype)
-        default = ROPE_FLOAT32_TOL if config is not None and dtype == torch.float32 else TOL[dtype]
-        assert_close(name, got, ref[i], tol or default)
-    return ref
+from tests.rings import CONFIGS, LAYOUTS, SEQ, G, check_ring, make_inputs, ring_case
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -151,7 +43,7 @@ def test_ring_gqa_ratios_batch_and_strided_inputs(pool, hq, hkv):
 def test_dense_pattern_ring_equals_dense_attention(pool, layout_name):
     n, world, seed = SEQ[4], 4, 7
     inputs = make_inputs(seed, 1, n, 4, 2, torch.float64)
-    dense = pool.run(ring_case, world, layout_name, inputs, make_pattern("dense", 1, 4, n, 0))
+    dense = pool.run(ring_case, world, layout_name, inputs, make_pattern("dense", 1, 4, n, G, 0))
     causal = pool.run(ring_case, world, layout_name, inputs, None)
     for a, c in zip(dense, causal):
         for x, y in zip(a, c):
@@ -199,7 +91,7 @@ def error_case(group, case):
     world = dist.get_world_size(group)
     n, b, hq, hkv = 128, 1, 4, 2
     layout = make_layout("striped", n, world, G)
-    q, k, v = (torch.zeros(b, n // world, h, D, dtype=torch.float64) for h in (hq, hkv, hkv))
+    q, k, v = (torch.zeros(b, n // world, h, 16, dtype=torch.float64) for h in (hq, hkv, hkv))
     kwargs = {}
     if case == "world":
         layout = make_layout("striped", n, 2 * world, G)
@@ -208,13 +100,13 @@ def error_case(group, case):
     elif case == "kv_length":
         k, v = k[:, 1:], v[:, 1:]
     elif case == "seq_len":
-        kwargs["pattern"] = make_pattern("sinks", b, hq, 2 * n, 0)
+        kwargs["pattern"] = make_pattern("sinks", b, hq, 2 * n, G, 0)
     elif case == "block":
         kwargs["pattern"] = VerticalSlashPattern.dense(b, hq, n, 2 * G)
     elif case == "heads":
-        kwargs["pattern"] = make_pattern("sinks", b, 2 * hq, n, 0)
+        kwargs["pattern"] = make_pattern("sinks", b, 2 * hq, n, G, 0)
     elif case == "both":
-        kwargs.update(pattern=make_pattern("sinks", b, hq, n, 0), pattern_config=CONFIGS["topk"])
+        kwargs.update(pattern=make_pattern("sinks", b, hq, n, G, 0), pattern_config=CONFIGS["topk"])
     elif case == "config_type":
         kwargs["pattern_config"] = {"v_size": 16}
     elif case == "config_block":
@@ -251,9 +143,7 @@ def test_ring_errors_name_the_fix(pool, case, message):
 # ----------------------------------------------------------------------------- NCCL on GPUs
 def _nccl_worker(rank: int, world: int, store_path: str) -> None:
     """bf16 rings (flat, hierarchical) with the Triton kernels on NCCL vs the float32 torch backend."""
-    from mtraining.ops.attention import attention_backward, attention_forward, row_delta
-    from mtraining.parallel.emulation import LinkModel
-    from mtraining.parallel.hierarchical import hierarchical_ring_attention
+    from mtraining.ops.sparse import attention_backward, attention_delta, attention_forward
 
     torch.cuda.set_device(rank)
     store = dist.FileStore(store_path, world)
@@ -274,34 +164,20 @@ def _nccl_worker(rank: int, world: int, store_path: str) -> None:
                 assert torch.equal(pattern.vertical_pos, full.vertical_pos), name
             qf, kf, vf, df = (t.float() for t in (q, k, v, dout))
             ref_out, ref_lse = attention_forward(qf, kf, vf, pattern, pos, pos, d**-0.5, backend="torch")
-            delta = row_delta(df, ref_out)
+            delta = attention_delta(df, ref_out)
             grads = attention_backward(df, qf, kf, vf, ref_lse, delta, pattern, pos, pos, d**-0.5, backend="torch")
             mine = layout.positions(rank).cuda()
             # flat; hierarchical as world/2 "nodes" over a real link and over an emulated slow one
             rings = [dict(ring="flat")]
             if world % 2 == 0:
                 hier = dict(ring="hierarchical", inner_size=world // 2)
-                rings += [hier, dict(hier, outer_link=LinkModel(25e9, 5e-6))]
+                rings += [hier, dict(hier, outer_comm=emulated(Link(25e9, 5e-6)))]
             for ring in rings:
                 ql, kl, vl = (t.detach().clone().requires_grad_() for t in shards)
                 where = f"{name} {ring}"
-                if "outer_link" in ring:
-                    out, lse = hierarchical_ring_attention(
-                        ql,
-                        kl,
-                        vl,
-                        None,
-                        layout,
-                        pattern,
-                        return_lse=True,
-                        backend="triton",
-                        inner_size=ring["inner_size"],
-                        outer_link=ring["outer_link"],
-                    )
-                else:
-                    out, lse = ring_attention(
-                        ql, kl, vl, None, layout, pattern=pattern, return_lse=True, backend="triton", **ring
-                    )
+                out, lse = ring_attention(
+                    ql, kl, vl, None, layout, pattern=pattern, return_lse=True, backend="triton", **ring
+                )
                 out.backward(layout.shard(dout, rank))
                 assert rel_err(out, ref_out[:, mine]) < 1e-2, where
                 assert (lse - ref_lse[:, :, mine]).abs().max().item() < 5e-2, where

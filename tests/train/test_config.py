@@ -27,6 +27,42 @@ def test_shipped_configs_are_valid(path):
     assert cfg.world_size >= 1
 
 
+def test_the_papers_recipe_is_the_papers():
+    """configs/qwen2.5-3b_32k_to_512k.yaml: 4 nodes x 8 GPUs, hierarchical striped ring, the reference's budgets,
+    AdamW (0.9, 0.95) without weight decay, lr 2e-5, clip 1, a 512K RoPE base, accumulation to the global batch."""
+    cfg = load_config(ROOT / "configs" / "qwen2.5-3b_32k_to_512k.yaml")
+    cfg.check_world_size(32)
+    assert (cfg.parallel.ring, cfg.attention.layout, cfg.inner_size(8), cfg.data.seq_len) == (
+        "hierarchical",
+        "striped",
+        8,
+        524288,
+    )
+    att = cfg.attention
+    assert (att.v_size, att.s_size, att.sink_tokens, att.local_window, att.sparse) == (1000, 6096, 30, 100, True)
+    o = cfg.optim
+    assert (o.lr, o.betas, o.weight_decay, o.grad_clip) == (2e-5, (0.9, 0.95), 0.0, 1.0)
+    assert cfg.model.rope_theta == 1.28e8 and cfg.micro_batches == 16 and cfg.tokens_per_step == 8 << 20
+    assert not cfg.log.recall and [s.weight for s in cfg.data.source_specs] == [0.6, 0.4]
+
+
+def test_relative_paths_are_relative_to_the_config_file(tmp_path):
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    sources = [{"path": "corpus/*.jsonl", "weight": 2.0}, {"path": "../short", "weight": 1.0}]
+    raw = {
+        **BASE,
+        "data": {**BASE["data"], "sources": sources, "tokenizer": "/abs/tok.json"},
+        "checkpoint": {"dir": "ck"},
+        "log": {"dir": "~/logs"},
+    }
+    (folder / "c.yaml").write_text(yaml.safe_dump(raw))
+    cfg = load_config(folder / "c.yaml", ["checkpoint.export_dir=out"])  # command-line paths stay as given
+    assert [s.path for s in cfg.data.source_specs] == [str(folder / "corpus/*.jsonl"), str(tmp_path / "short")]
+    assert cfg.data.tokenizer == "/abs/tok.json" and cfg.checkpoint.dir == str(folder / "ck")
+    assert cfg.log.dir == str(Path.home() / "logs") and cfg.checkpoint.export_dir == "out"
+
+
 def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
     cfg = parse_config(
         BASE, ["train.steps=3", "attention.dense_layers=[0, 1]", "model.config.hidden_size=64", "checkpoint.dir=null"]
@@ -50,6 +86,13 @@ def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
         (["checkpoint.every=5"], "set checkpoint.dir"),
         (["attention.threshold=1.5"], "attention.threshold"),
         (["attention.dense_layers=[-1]"], "layer indices >= 0"),
+        (["data.sources=[{path: a, weight: 1}, b]"], "give every source a weight or none"),
+        (["data.sources=[{path: a, weight: -1}]"], "data.sources.0.SourceSpec.weight"),
+        (["data.global_batch_tokens=1000"], "must be a multiple of the tokens of one micro-batch"),
+        (["parallel.inner_size=2"], "set both"),
+        (["parallel.ring=hierarchical", "parallel.inner_size=3"], "use one of [1, 2, 4]"),
+        (["model.rope_theta=1e6", "model.overrides={rope_theta: 2e6}"], "keep one"),
+        (["log.wandb={entity: me}"], "log.wandb.project"),
         (["train.steps=0"], "train.steps"),
         (["attention.v_size=2048"], "attention.v_size (2048) exceeds data.seq_len (1024)"),
         (["attention.local_window=512", "attention.s_size=256"], "attention: local_window (512) exceeds"),
@@ -97,19 +140,22 @@ def test_cli_reports_config_errors_without_traceback(tmp_path):
     assert result.exit_code == 2 and "parallel.data x parallel.context" in result.output
 
 
-def test_cli_tokenize_writes_the_token_stream(tmp_path, monkeypatch):
+def test_cli_tokenize_fills_the_cache_and_writes_the_token_stream(tmp_path):
     import numpy as np
 
-    monkeypatch.chdir(ROOT)  # the config's paths are relative to the repository root
-    from mtraining.train.data import TextTokenizer, token_stream
+    from mtraining.train.data import load_sources
 
     out = tmp_path / "tokens.npy"
-    result = CliRunner().invoke(app, ["tokenize", str(ROOT / "configs" / "tiny_cpu.yaml"), str(out)])
+    args = ["tokenize", str(ROOT / "configs" / "tiny_cpu.yaml"), str(out), "--set", f"data.cache_dir={tmp_path}"]
+    result = CliRunner().invoke(app, args)  # from any folder: the config's paths are relative to it
     assert result.exit_code == 0, result.output
-    expected = token_stream([str(ROOT / "data" / "tiny_corpus.jsonl")], TextTokenizer(ROOT / "data" / "tokenizer.json"))
+    assert "tokenising" in result.output and "141,281 tokens" in result.output
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [f"data.cache_dir={tmp_path}"])
+    expected = load_sources(cfg, tokenize=False)[0].stream.read(0, 141281)  # from the cache, not tokenised again
     saved = np.load(out)
     assert saved.dtype == np.uint16 and np.array_equal(saved, expected)
-    assert np.array_equal(token_stream([str(out)], None), expected)
+    again = CliRunner().invoke(app, args[:2] + args[3:])  # cached: nothing tokenised
+    assert again.exit_code == 0 and "tokenising" not in again.output
 
 
 def test_budgets_file_gives_per_layer_per_head_budgets(tmp_path):

@@ -1,4 +1,4 @@
-"""Data: reading and tokenising local files, packing into samples, sharding into every CP layout."""
+"""Training data: sources from a config, packing, weighted deterministic order, sharding, memory at scale."""
 
 from __future__ import annotations
 
@@ -9,11 +9,24 @@ import numpy as np
 import pytest
 import torch
 
+from mtraining.data.tokenizer import TextTokenizer
 from mtraining.parallel.layout import make_layout
-from mtraining.train.data import TextTokenizer, token_stream
-from mtraining.train.packing import PackedSamples, shard_batch
+from mtraining.train.config import parse_config
+from mtraining.train.data import load_sources, open_sources
+from mtraining.train.launch import run_local
+from mtraining.train.packing import PackedSamples, SampleOrder, first_draw, shard_batch
 
 DATA = Path(__file__).resolve().parents[2] / "data"
+
+
+def _config(tmp_path: Path, sources: list, **data) -> object:
+    raw = {
+        "model": {"config": {"model_type": "qwen2", "vocab_size": 512}},
+        "data": {"sources": sources, "seq_len": 16, "cache_dir": str(tmp_path / "cache"), **data},
+        "train": {"steps": 1},
+        "attention": {"sparse": False, "block_size": 16},
+    }
+    return parse_config(raw)
 
 
 @pytest.fixture(scope="module")
@@ -21,66 +34,86 @@ def tokenizer() -> TextTokenizer:
     return TextTokenizer(DATA / "tokenizer.json")
 
 
-def test_text_files_are_tokenised_and_joined_with_the_separator(tmp_path, tokenizer):
+def test_sources_join_text_and_token_files_with_the_separator(tmp_path, tokenizer):
     (tmp_path / "a.jsonl").write_text(
         json.dumps({"body": "Ada keeps the red lamp."}) + "\n\n" + json.dumps({"body": "Who?"}) + "\n"
     )
     (tmp_path / "b.txt").write_text("In the old mill.")
     np.save(tmp_path / "c.npy", np.array([7, 8, 9], dtype=np.uint16))
     np.array([5, 6], dtype=np.uint32).tofile(tmp_path / "d.bin")
-    stream = token_stream(
-        [str(tmp_path / "*.jsonl"), str(tmp_path / "b.txt"), str(tmp_path / "[cd].*")], tokenizer, "body"
+    cfg = _config(
+        tmp_path,
+        [{"path": str(tmp_path / "*.jsonl"), "text_field": "body"}, str(tmp_path / "b.txt"), str(tmp_path / "[cd].*")],
+        tokenizer=str(DATA / "tokenizer.json"),
     )
+    sources = load_sources(cfg, tokenize=True, log=lambda _: None)
+    assert [s.files for s in sources] == [1, 1, 2]
     eos = tokenizer.separator_id(None)
-    assert eos == tokenizer.token_id("<|endoftext|>")
-    docs = np.split(stream[:-5], np.flatnonzero(stream[:-5] == eos) + 1)[:-1]
+    text = np.concatenate([s.stream.read(0, len(s.stream)) for s in sources[:2]])
+    docs = np.split(text, np.flatnonzero(text == eos) + 1)[:-1]
     assert [tokenizer.decode(d[:-1].tolist()) for d in docs] == ["Ada keeps the red lamp.", "Who?", "In the old mill."]
-    assert stream[-5:].tolist() == [7, 8, 9, 5, 6] and stream.dtype == np.int64
+    assert sources[2].stream.read(0, 5).tolist() == [7, 8, 9, 5, 6] and sources[2].max_id == 9
+    assert sources[0].max_id == max(text[: len(sources[0].stream)])
+    # the ranks load what the cache holds; a text file missing from it is an error, not a silent re-tokenisation
+    again = load_sources(cfg, tokenize=False)
+    assert [len(s.stream) for s in again] == [len(s.stream) for s in sources]
+    (tmp_path / "b.txt").write_text("Changed.")
+    with pytest.raises(ValueError, match="is not in the token cache"):
+        load_sources(cfg, tokenize=False)
 
 
-def test_data_errors_name_the_fix(tmp_path, tokenizer):
-    with pytest.raises(ValueError, match="matches no file"):
-        token_stream([str(tmp_path / "none*.jsonl")], tokenizer)
-    (tmp_path / "x.csv").write_text("a")
-    with pytest.raises(ValueError, match="unsupported file type"):
-        token_stream([str(tmp_path / "x.csv")], tokenizer)
+def test_data_errors_name_the_fix(tmp_path):
     (tmp_path / "y.jsonl").write_text(json.dumps({"content": "a"}) + "\n")
-    with pytest.raises(ValueError, match="set data.text_field"):
-        token_stream([str(tmp_path / "y.jsonl")], tokenizer)
     with pytest.raises(ValueError, match="set data.tokenizer"):
-        token_stream([str(tmp_path / "y.jsonl")], None)
+        load_sources(_config(tmp_path, [str(tmp_path / "y.jsonl")]), tokenize=True)
+    tok = str(DATA / "tokenizer.json")
+    with pytest.raises(ValueError, match=r"y\.jsonl:1 has no field 'text'"):
+        load_sources(_config(tmp_path, [str(tmp_path / "y.jsonl")], tokenizer=tok), tokenize=True, log=print)
     with pytest.raises(ValueError, match="not in the vocabulary"):
-        tokenizer.separator_id("<nope>")
+        load_sources(_config(tmp_path, [str(tmp_path / "y.jsonl")], tokenizer=tok, separator="<nope>"), tokenize=True)
+    with pytest.raises(ValueError, match="give every source a weight or none"):
+        _config(tmp_path, [{"path": "a", "weight": 1.0}, "b"])
     with pytest.raises(ValueError, match="lower data.seq_len"):
         PackedSamples(np.arange(10), seq_len=16)
-
-
-def test_parquet_documents(tmp_path, tokenizer):
-    pa = pytest.importorskip("pyarrow")
-    import pyarrow.parquet as pq
-
-    pq.write_table(pa.table({"text": ["one two", "three"]}), tmp_path / "t.parquet")
-    stream = token_stream([str(tmp_path / "t.parquet")], tokenizer)
-    assert (stream == tokenizer.separator_id(None)).sum() == 2
 
 
 def test_packing_predicts_every_token_once_and_orders_deterministically():
     stream = np.arange(1000)
     packed = PackedSamples(stream, seq_len=64, seed=3)
-    assert packed.num_samples == (1000 - 1) // 64
-    s = packed.sample(2)
-    assert s.tolist() == list(range(128, 193))  # inputs s[:-1], labels s[1:]
-    labels = np.concatenate([packed.sample(i)[1:] for i in range(packed.num_samples)])
-    assert labels.tolist() == list(range(1, packed.num_samples * 64 + 1))
-    # A step's dp ranks draw disjoint samples; every epoch visits each sample once, reshuffled.
-    n = packed.num_samples
-    epoch0 = [packed.global_sample(k) for k in range(n)]
-    epoch1 = [packed.global_sample(k) for k in range(n, 2 * n)]
+    n = packed.sources[0].num_samples
+    assert n == (1000 - 1) // 64
+    assert packed.sources[0].sample(2).tolist() == list(range(128, 193))  # inputs s[:-1], labels s[1:]
+    labels = np.concatenate([packed.sources[0].sample(i)[1:] for i in range(n)])
+    assert labels.tolist() == list(range(1, n * 64 + 1))
+    # every epoch visits each sample once, reshuffled; the draw is a pure function of its index and the seed
+    epoch0 = [packed.order.draw(k)[1] for k in range(n)]
+    epoch1 = [packed.order.draw(k)[1] for k in range(n, 2 * n)]
     assert sorted(epoch0) == sorted(epoch1) == list(range(n)) and epoch0 != epoch1
-    a, b = packed.batch(1, 0, 2, 2), packed.batch(1, 1, 2, 2)
+    fresh = PackedSamples(stream, seq_len=64, seed=3)
+    assert [fresh.order.draw(k) for k in (2 * n - 1, 5, 0)] == [packed.order.draw(k) for k in (2 * n - 1, 5, 0)]
+    assert [PackedSamples(stream, 64, shuffle=False).order.draw(k)[1] for k in range(3)] == [0, 1, 2]
+    # a step's data-parallel ranks draw disjoint samples; micro-batches follow the step's draws
+    a = packed.batch(first_draw(1, 0, 1, 0, 2, 2), 2)
+    b = packed.batch(first_draw(1, 0, 1, 1, 2, 2), 2)
     assert a.shape == (2, 65) and not set(a[:, 0].tolist()) & set(b[:, 0].tolist())
-    assert torch.equal(PackedSamples(stream, 64, seed=3).batch(1, 1, 2, 2), b)
-    assert [PackedSamples(stream, 64, shuffle=False).global_sample(k) for k in range(3)] == [0, 1, 2]
+    assert [first_draw(1, m, 4, 0, 1, 1) for m in range(4)] == [first_draw(1, 0, 1, 0, 1, 4) + m for m in range(4)]
+
+
+def test_weighted_sources_are_drawn_in_proportion_and_each_epoch_covers_a_source():
+    sizes = [50, 7, 1000]
+    order = SampleOrder(sizes, [0.5, 0.25, 0.25], seed=1)
+    draws = [order.draw(k) for k in range(3 * order.block)]
+    for source, share in enumerate((0.5, 0.25, 0.25)):
+        picked = [i for s, i in draws if s == source]
+        assert len(picked) == round(3 * order.block * share)  # exact per block
+        first_epoch = picked[: sizes[source]]
+        assert sorted(first_epoch) == list(range(sizes[source]))
+    # without weights, in proportion to the number of samples; a tiny source still gets drawn
+    natural = SampleOrder([1, 100_000], None, seed=0)
+    assert natural.block > 4096 and natural.counts[0] >= 1 and 0 < natural.shares[0] < 2e-5
+    # unshuffled mixing interleaves evenly
+    plain = SampleOrder([10, 10], [0.5, 0.5], seed=0, shuffle=False)
+    assert [plain.draw(k) for k in range(4)] == [(0, 0), (1, 0), (0, 1), (1, 1)]
 
 
 @pytest.mark.parametrize("name", ["contiguous", "zigzag", "striped"])
@@ -97,3 +130,42 @@ def test_shards_round_trip_in_every_layout(name, world_size):
         assert torch.equal(s.labels, samples[:, s.position_ids[0] + 1])
     with pytest.raises(ValueError, match="seq_len \\+ 1"):
         shard_batch(samples[:, :-1], layout, 0)
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def _read_batches(cfg, steps: int) -> dict:
+    """On a rank: open the sources (rank 0 scans the token file once, the other waits) and read batches."""
+    import torch.distributed as dist
+
+    before = _rss_mb()
+    sources = open_sources(cfg, log=lambda _: None)
+    data = PackedSamples([s.stream for s in sources], cfg.data.seq_len, seed=0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checksum = 0
+    for step in range(steps):
+        batch = data.batch(first_draw(step, 0, 1, rank, world, cfg.data.batch_size), cfg.data.batch_size)
+        checksum += int(batch.sum())
+    return {"growth_mb": _rss_mb() - before, "tokens": len(sources[0].stream), "checksum": checksum}
+
+
+def test_a_multi_gigabyte_token_file_stays_on_disk(tmp_path):
+    """1 G tokens (2 GiB of uint16, written sparse: only a few pages hold data): each of 2 ranks opens the
+    source (rank 0 scans it once for its largest id) and reads 20 batches of two 64K-token samples; its
+    resident memory grows by less than 200 MB (the int64 copy of the stream the trainer once made: 8 GiB)."""
+    tokens = 1 << 30
+    path = tmp_path / "big.npy"
+    big = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint16, shape=(tokens,))
+    big[:: 1 << 22] = np.arange(len(big[:: 1 << 22])) % 500  # touches one page in every 8 MB
+    del big
+    cfg = _config(tmp_path, [str(path)], seq_len=65536, batch_size=2)  # blocks of 16 divide it
+    results = run_local(_read_batches, 2, cfg, 20)
+    for r in results:
+        assert r["tokens"] == tokens
+        assert r["growth_mb"] < 200, r
+    print(f"RSS growth per rank (MB): {[round(r['growth_mb'], 1) for r in results]}")

@@ -95,10 +95,9 @@ def test_checkpoint_resume_is_bit_identical_and_export_loads(tmp_path):
     assert 0 < out["resumed"]["density"] < 1 and 0 < out["resumed"]["recall"] <= 1
 
     from mtraining.models import build_model
-    from mtraining.train.checkpoint import latest_checkpoint
     from mtraining.train.export import export_checkpoint
 
-    export_checkpoint(cfg, latest_checkpoint(tmp_path / "ck"), tmp_path / "offline")  # one process
+    export_checkpoint(cfg, tmp_path / "ck", tmp_path / "offline")  # one process, the newest checkpoint
     trained = {k.removeprefix("model."): v for k, v in out["state"].items()}
     for directory in ("hf", "offline"):
         exported = build_model(path=tmp_path / directory)
@@ -197,3 +196,73 @@ def test_profile_step_writes_a_trace_and_a_table_per_rank(tmp_path):
 def test_profile_step_needs_a_log_dir():
     with pytest.raises(ValueError, match="set log.dir"):
         _config("log.profile_step=1")
+
+
+def _train_and_weights(cfg: Config) -> tuple[list[dict], dict]:
+    from mtraining.train.checkpoint import full_model_state
+    from mtraining.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        return trainer.run(), full_model_state(trainer.model)
+    finally:
+        trainer.close()
+
+
+def test_accumulated_micro_batches_equal_one_large_batch():
+    """4 micro-batches of 1 sequence (train.grad_accum, or with gradients reduced once per step) give the losses,
+    gradient norms and weights of one batch of 4, to float32 rounding, on 2 context ranks."""
+    common = ("parallel.context=2", *SMALL_BUDGET, "train.steps=2")
+    big, big_state = run_local(_train_and_weights, 2, _config(*common, "data.batch_size=4"))[0]
+    variants = (("train.grad_accum=4",), ("train.grad_accum=4", "train.defer_grad_sync=true"))
+    for variant in variants:
+        runs, state = run_local(_train_and_weights, 2, _config(*common, *variant))[0]
+        for key in ("loss", "grad_norm"):
+            got, want = (torch.tensor([m[key] for m in r]) for r in (runs, big))
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=0, msg=f"{variant} {key}")
+        for name, tensor in big_state.items():
+            torch.testing.assert_close(state[name], tensor, rtol=1e-4, atol=1e-5, msg=f"{variant} {name}")
+    assert big[0]["tokens_per_s"] > 0 and _config(*common, "data.global_batch_tokens=512").micro_batches == 4
+    with pytest.raises(ValueError, match="contradicts data.global_batch_tokens"):
+        _config(*common, "data.global_batch_tokens=512", "train.grad_accum=2")
+    with pytest.raises(ValueError, match="must be a multiple of the tokens of one micro-batch"):
+        _config(*common, "data.global_batch_tokens=300")
+
+
+def test_hierarchical_ring_trains_like_the_flat_ring():
+    """parallel.ring=hierarchical in each of 2 data-parallel groups (inner rings of 1 rank, outer rings of 2:
+    the ring groups of every context group are made up front): the flat ring's losses, to float32 rounding."""
+    common = ("parallel.data=2", "parallel.context=2", *SMALL_BUDGET, "train.steps=3")
+    flat = run_local(_train, 4, _config(*common))
+    hierarchical = run_local(_train, 4, _config(*common, "parallel.ring=hierarchical", "parallel.inner_size=1"))
+    for rank in (0, 3):
+        torch.testing.assert_close(
+            torch.tensor([m["loss"] for m in hierarchical[rank]]),
+            torch.tensor([m["loss"] for m in flat[0]]),
+            rtol=2e-5,
+            atol=0,
+        )
+
+
+@pytest.mark.parametrize(
+    "overrides, local_world_size, expected",
+    [
+        (["parallel.ring=hierarchical", "parallel.inner_size=3"], None, r"use one of \[1, 2, 4\]"),
+        (["parallel.inner_size=2"], None, "set both"),
+        (["parallel.ring=hierarchical"], None, "launch with torchrun"),
+        (["parallel.ring=hierarchical"], 3, r"set parallel.inner_size to one of \[1, 2, 4\]"),
+        (["parallel.ring=hierarchical"], 2, 2),  # two nodes of 2 ranks
+        (["parallel.ring=hierarchical"], 8, 4),  # the whole ring fits in one node: one inner ring
+        (["parallel.ring=hierarchical", "parallel.inner_size=1"], 8, 1),
+        ([], 2, 4),  # flat: one ring of all context ranks
+    ],
+)
+def test_ring_shape_is_validated_against_the_world(overrides, local_world_size, expected):
+    def shape() -> int:
+        return _config("parallel.context=4", *SMALL_BUDGET, *overrides).inner_size(local_world_size)
+
+    if isinstance(expected, int):
+        assert shape() == expected
+    else:
+        with pytest.raises(ValueError, match=expected):
+            shape()

@@ -1,0 +1,112 @@
+"""Links between GPUs, for benchmarks: a model of one (``Link``) and its emulation in a real ring.
+
+``Link`` is what the ring cost model (ring_model.py) predicts with and what ``EmulatedComm`` makes the
+hierarchical ring's outer transfers take (``ring_attention(..., ring="hierarchical",
+outer_comm=emulated(link))``): a transfer of ``B`` bytes (what this rank sends; the link is full
+duplex, one NIC per GPU) is modelled to take ``latency + B / bandwidth``. The real transfer is posted as usual; its completion
+is then held back until that modelled time has passed since it was posted, so the transfer takes
+max(real, modelled) -- the real one on a fast local link is the smaller:
+
+- CPU (gloo): ``wait`` waits for the real transfer, then sleeps the thread until the deadline;
+- CUDA: at ``start`` a delay stream (after the compute queued so far, like the transfer's side
+  stream) spins for the modelled time (``torch.cuda._sleep``, calibrated once against CUDA events)
+  and records an event; ``wait`` makes the compute stream wait for the real transfer and for it.
+
+Results measured with it must say so: ``Link.label`` (e.g. "emulated 25 GB/s, 5 us") goes into the
+``outer_link`` field of a benchmark record.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mtraining.parallel.ring.comm import Comm
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link of ``bandwidth`` bytes/s per direction (per GPU) and ``latency`` seconds per transfer."""
+
+    bandwidth: float
+    latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise ValueError(f"a link needs bandwidth > 0 bytes/s (e.g. 25e9 for 25 GB/s), got {self.bandwidth!r}")
+        if not self.latency >= 0:
+            raise ValueError(f"a link needs latency >= 0 seconds (e.g. 5e-6), got {self.latency!r}")
+
+    def seconds(self, nbytes: float) -> float:
+        """Modelled time of one transfer of ``nbytes`` (none: 0)."""
+        return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
+
+    @property
+    def label(self) -> str:
+        return f"emulated {self.bandwidth / 1e9:g} GB/s, {self.latency * 1e6:g} us"
+
+
+def emulated(link: Link) -> Callable[[Comm], EmulatedComm]:
+    """``outer_comm`` for ``ring_attention``: the hierarchical ring's outer transfers as slow as ``link``."""
+    return functools.partial(EmulatedComm, link=link)
+
+
+@functools.lru_cache(maxsize=8)
+def _cycles_per_second(device_index: int) -> float:
+    """GPU clock as seen by ``torch.cuda._sleep`` on this device, measured with CUDA events."""
+    with torch.cuda.device(device_index):
+        cycles = 10_000_000
+        torch.cuda._sleep(cycles // 10)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return cycles / (start.elapsed_time(end) / 1e3)
+
+
+class _DelayedTransfer:
+    def __init__(self, real, deadline: float | None, event) -> None:
+        self._real = real
+        self._deadline = deadline
+        self._event = event
+
+    def wait(self) -> None:
+        self._real.wait()
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        elif self._deadline is not None:
+            remaining = self._deadline - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+
+
+class EmulatedComm:
+    """A ring communicator (``Comm``) whose transfers complete no earlier than ``link`` would deliver them."""
+
+    def __init__(self, comm: Comm, link: Link) -> None:
+        self.comm = comm
+        self.link = link
+        self._stream = None
+
+    def start(self, send: Sequence[Tensor], recv: Sequence[Tensor], tag: int = 0) -> _DelayedTransfer:
+        nbytes = sum(t.numel() * t.element_size() for t in send)
+        seconds = self.link.seconds(nbytes)
+        posted = time.perf_counter()
+        real = self.comm.start(send, recv, tag)
+        if send and send[0].is_cuda:
+            device = send[0].device
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self._stream):
+                torch.cuda._sleep(int(seconds * _cycles_per_second(device.index or 0)))
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            return _DelayedTransfer(real, None, event)
+        return _DelayedTransfer(real, posted + seconds, None)

@@ -1,0 +1,274 @@
+"""The vertical-slash sparsity pattern and its meaning on the global token grid.
+
+A pattern says, per (batch, query head), which (query, key) pairs attention computes. It is
+defined on *global* token positions so that one pattern means the same thing on one device and
+in every context-parallel layout:
+
+    pair (i, j) is kept  <=>  j <= i  and  ( j is a vertical of the head
+                                             or  i // G - j // G is a selected block diagonal )
+
+``G`` is the pattern's ``block_size`` (the kernel block). Slash lines (fixed offsets ``i - j = d``)
+are stored as the block diagonals they cross, so the block part is computed block by block on the
+global G-grid and verticals are computed column by column, each pair exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+
+def compact(values: Tensor, keep: Tensor, fill: int, width: int) -> tuple[Tensor, Tensor]:
+    """Move the kept entries of each row of ``values`` [..., L] to the front, in order.
+
+    Returns (packed [..., W] int32 padded with ``fill``, counts [...] int32); W = max(``width``, 1),
+    where ``width`` (a host-known bound, so no device sync) is at least every row's count.
+    """
+    counts = keep.sum(-1, dtype=torch.int32)
+    width = max(width, 1)
+    slot = torch.where(keep, keep.cumsum(-1) - 1, width)
+    packed = torch.full((*values.shape[:-1], width + 1), fill, dtype=torch.int32, device=values.device)
+    packed.scatter_(-1, slot.long(), values.to(torch.int32))
+    return packed[..., :width].contiguous(), counts
+
+
+def _mask_to_sorted(mask: Tensor, fill: int, width: int) -> tuple[Tensor, Tensor]:
+    """Boolean [..., L] with at most ``width`` set per row -> (ascending indices padded with ``fill``, counts)."""
+    positions = torch.arange(mask.shape[-1], device=mask.device, dtype=torch.int32).expand_as(mask)
+    return compact(positions, mask, fill, width=width)
+
+
+class LineLists(NamedTuple):
+    """A pattern's index lists before they are cut to their widths (``line_lists``).
+
+    block_diags int32 [B, H, num_blocks] ascending, padded with num_blocks; num_diags int32 [B, H];
+    vertical_pos int32 [B, H, V] ascending, padded with seq_len; num_verticals int32 [B, H].
+    """
+
+    block_diags: Tensor
+    num_diags: Tensor
+    vertical_pos: Tensor
+    num_verticals: Tensor
+
+    def widths(self) -> tuple[Tensor, Tensor]:
+        """Longest diagonal list and longest vertical list (0-d device tensors), what ``pattern`` needs."""
+        return self.num_diags.amax(), self.num_verticals.amax()
+
+    def pattern(self, seq_len: int, block_size: int, diag_width: int, vertical_width: int) -> VerticalSlashPattern:
+        """The pattern, each list cut to its width (host ints, e.g. ``widths()`` fetched in one sync)."""
+        return VerticalSlashPattern(
+            seq_len,
+            block_size,
+            _cut(self.block_diags, diag_width),
+            self.num_diags,
+            _cut(self.vertical_pos, vertical_width),
+            self.num_verticals,
+        )
+
+
+def line_lists(vertical_pos: Tensor, slash_offsets: Tensor, seq_len: int, block_size: int) -> LineLists:
+    """Index lists of the pattern with verticals ``vertical_pos`` [B, H, V] and slashes ``slash_offsets``
+    [B, H, S] (negative = padding), without a device sync. Entries must be < seq_len and a row's
+    vertical positions distinct.
+
+    Verticals: the row's positions sorted. Slashes: offset d crosses block diagonals d // G and
+    ceil(d / G) (the same one when G divides d), marked on a [num_blocks] mask whose set entries,
+    sorted, are the list.
+    """
+    num_blocks = -(-seq_len // block_size)
+    verts = vertical_pos.masked_fill(vertical_pos < 0, seq_len).sort(-1).values.int()
+    num_verticals = (verts < seq_len).sum(-1, dtype=torch.int32)
+    beyond = num_blocks * block_size  # crosses only slot num_blocks, which is dropped: padding goes there
+    offsets = slash_offsets.masked_fill(slash_offsets < 0, beyond).clamp_(max=beyond)
+    mask = torch.zeros(*offsets.shape[:-1], num_blocks + 1, dtype=torch.bool, device=offsets.device)
+    mask.scatter_(-1, offsets // block_size, True)
+    mask.scatter_(-1, (offsets + (block_size - 1)) // block_size, True)
+    mask = mask[..., :num_blocks]
+    blocks = torch.arange(num_blocks, dtype=torch.int32, device=mask.device)
+    diags = torch.where(mask, blocks, num_blocks).sort(-1).values
+    return LineLists(diags, mask.sum(-1, dtype=torch.int32), verts, num_verticals)
+
+
+def _cut(lists: Tensor, width: int) -> Tensor:
+    """The first max(width, 1) entries of each row, contiguous."""
+    width = max(width, 1)
+    return lists if lists.shape[-1] == width else lists[..., :width].contiguous()
+
+
+class ChunkPairCache:
+    """What the kernels derive from one pattern per chunk pair (the walks of ops/sparse/launch.py),
+    built once and reused by the forward, the backward and every ring step that meets the pair again.
+
+    A chunk pair is its two position tensors themselves: an entry is found only for the very same
+    (q_pos, k_pos) objects, not modified in place since it was built (torch's version counter). Each
+    entry holds its position tensors, so their ids cannot be taken by other tensors while the cache
+    lives; the cache lives as long as its pattern. Copies and pickles of a pattern start empty.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[Tensor, Tensor, Any]] = {}
+
+    def get(self, kind: tuple, q_pos: Tensor, k_pos: Tensor, build: Callable[[], Any]) -> Any:
+        """The entry ``kind`` of the chunk pair (q_pos, k_pos), from ``build()`` the first time."""
+        key = (*kind, id(q_pos), q_pos._version, id(k_pos), k_pos._version)
+        hit = self._entries.get(key)
+        if hit is None:
+            hit = self._entries[key] = (q_pos, k_pos, build())
+        return hit[2]
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __reduce__(self):
+        return ChunkPairCache, ()
+
+
+@dataclass(frozen=True)
+class VerticalSlashPattern:
+    """Per-(batch, query-head) vertical-slash pattern on the global grid (see module docstring).
+
+    Attributes:
+        seq_len: global sequence length N the pattern is defined on.
+        block_size: G, the block grid of the slash part (must equal the kernel block size).
+        block_diags: int32 [B, H, Dmax], selected block diagonals ascending, padded with num_blocks.
+        num_diags: int32 [B, H], how many entries of ``block_diags`` are real.
+        vertical_pos: int32 [B, H, Vmax], vertical key positions ascending, padded with seq_len.
+        num_verticals: int32 [B, H], how many entries of ``vertical_pos`` are real.
+    """
+
+    seq_len: int
+    block_size: int
+    block_diags: Tensor
+    num_diags: Tensor
+    vertical_pos: Tensor
+    num_verticals: Tensor
+    index_cache: ChunkPairCache = field(default_factory=ChunkPairCache, compare=False, repr=False)
+    """The kernels' walks of each chunk pair this pattern met (ops/sparse/launch.py); lives with the pattern."""
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.seq_len // self.block_size)
+
+    @property
+    def batch(self) -> int:
+        return self.block_diags.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.block_diags.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.block_diags.device
+
+    def diag_mask(self) -> Tensor:
+        """Boolean [B, H, num_blocks]: is block diagonal delta selected."""
+        mask = torch.zeros(self.batch, self.heads, self.num_blocks + 1, dtype=torch.bool, device=self.device)
+        mask.scatter_(-1, self.block_diags.long().clamp(max=self.num_blocks), True)
+        return mask[..., : self.num_blocks]
+
+    def vertical_mask(self) -> Tensor:
+        """Boolean [B, H, seq_len]: is key position j a vertical."""
+        mask = torch.zeros(self.batch, self.heads, self.seq_len + 1, dtype=torch.bool, device=self.device)
+        mask.scatter_(-1, self.vertical_pos.long().clamp(max=self.seq_len), True)
+        return mask[..., : self.seq_len]
+
+    def to(self, device: torch.device | str) -> VerticalSlashPattern:
+        return VerticalSlashPattern(
+            self.seq_len,
+            self.block_size,
+            self.block_diags.to(device),
+            self.num_diags.to(device),
+            self.vertical_pos.to(device),
+            self.num_verticals.to(device),
+        )
+
+    # ----------------------------------------------------------------- constructors
+    @classmethod
+    def from_masks(cls, diag_mask: Tensor, vertical_mask: Tensor, block_size: int) -> VerticalSlashPattern:
+        """Build from boolean [B, H, num_blocks] diagonal and [B, H, N] vertical masks."""
+        seq_len = vertical_mask.shape[-1]
+        num_blocks = -(-seq_len // block_size)
+        if diag_mask.shape[-1] != num_blocks or diag_mask.shape[:2] != vertical_mask.shape[:2]:
+            raise ValueError(
+                f"diag_mask {tuple(diag_mask.shape)} must be [B, H, ceil(N/G)={num_blocks}] with the "
+                f"same [B, H] as vertical_mask {tuple(vertical_mask.shape)}"
+            )
+        widths = torch.stack([diag_mask.sum(-1).amax(), vertical_mask.sum(-1).amax()]).tolist()  # one device sync
+        diags, n_diags = _mask_to_sorted(diag_mask, num_blocks, widths[0])
+        verts, n_verts = _mask_to_sorted(vertical_mask, seq_len, widths[1])
+        return cls(seq_len, block_size, diags, n_diags, verts, n_verts)
+
+    @classmethod
+    def from_lines(
+        cls, vertical_pos: Tensor, slash_offsets: Tensor, seq_len: int, block_size: int
+    ) -> VerticalSlashPattern:
+        """Build from vertical positions [B, H, V] and slash offsets [B, H, S] (negative = padding).
+
+        Entries must be < seq_len and a row's vertical positions distinct (top-k indices are). One device sync.
+        """
+        lists = line_lists(vertical_pos, slash_offsets, seq_len, block_size)
+        verts = lists.vertical_pos  # sorted: a repeat sits next to itself
+        repeated = ((verts[..., 1:] == verts[..., :-1]) & (verts[..., 1:] < seq_len)).any()
+        outside = (vertical_pos >= seq_len).any() | (slash_offsets >= seq_len).any()
+        *widths, repeats, out = torch.stack([*lists.widths(), repeated, outside]).tolist()  # one device sync
+        if out:
+            raise ValueError(f"vertical_pos and slash_offsets must be < seq_len ({seq_len}); use -1 for padding")
+        if repeats:
+            raise ValueError("vertical_pos repeats a position within a row; pass each vertical once per row")
+        return lists.pattern(seq_len, block_size, *widths)
+
+    @classmethod
+    def dense(cls, batch: int, heads: int, seq_len: int, block_size: int, device=None) -> VerticalSlashPattern:
+        """Every block diagonal selected: equal to dense causal attention."""
+        num_blocks = -(-seq_len // block_size)
+        diag_mask = torch.ones(batch, heads, num_blocks, dtype=torch.bool, device=device)
+        vmask = torch.zeros(batch, heads, seq_len, dtype=torch.bool, device=device)
+        return cls.from_masks(diag_mask, vmask, block_size)
+
+    # ----------------------------------------------------------------- accounting
+    def pair_mask(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """Boolean [B, H, Sq, Sk]: which (q_pos[a], k_pos[b]) pairs the pattern keeps (small sizes only)."""
+        q_pos = q_pos.to(self.device).long()
+        k_pos = k_pos.to(self.device).long()
+        causal = k_pos[None, :] <= q_pos[:, None]
+        delta = (q_pos[:, None] // self.block_size - k_pos[None, :] // self.block_size).clamp(0, self.num_blocks - 1)
+        in_block = self.diag_mask()[:, :, delta]  # [B, H, Sq, Sk]
+        is_vertical = self.vertical_mask()[:, :, k_pos.clamp(0, self.seq_len - 1)][:, :, None, :]
+        return causal & (in_block | is_vertical)
+
+    def kept_pairs(self) -> Tensor:
+        """Float64 [B, H]: number of causal (i, j) pairs the pattern keeps on the full sequence."""
+        n, g, nb = self.seq_len, self.block_size, self.num_blocks
+        last = n - g * (nb - 1)  # rows (and columns) of the last, possibly partial, block
+        dev = self.device
+        delta = torch.arange(nb, device=dev, dtype=torch.float64)
+        # causal pairs on block diagonal delta: triangles on delta=0, full blocks elsewhere.
+        per_diag = (nb - 1 - delta) * g * g + last * g
+        per_diag[0] = (nb - 1) * g * (g + 1) / 2 + last * (last + 1) / 2
+        selected = self.diag_mask()
+        block_pairs = (selected.double() * per_diag).sum(-1)
+        # a vertical j in key block kb adds the rows i >= j whose diagonal is not selected.
+        unselected = (~selected).double()  # [B, H, nb]
+        prefix = unselected.clone()
+        prefix[..., 0] = 0
+        prefix = prefix.cumsum(-1)  # prefix[m] = sum_{1 <= delta <= m} unselected[delta]
+        cols = self.vertical_pos.long().clamp(max=n - 1)
+        real = torch.arange(cols.shape[-1], device=dev)[None, None, :] < self.num_verticals[..., None]
+        kb = cols // g
+        top = nb - 1 - kb  # largest delta with a row block
+        far_rows = g * prefix.gather(-1, top) - torch.where(top >= 1, unselected.gather(-1, top) * (g - last), 0.0)
+        own_rows = unselected[..., :1] * ((kb + 1) * g).clamp(max=n).sub(cols).double()
+        vertical_pairs = ((far_rows + own_rows) * real).sum(-1)
+        return block_pairs + vertical_pairs
+
+    def density(self) -> Tensor:
+        """Float64 [B, H]: kept causal pairs / all causal pairs of the full sequence."""
+        return self.kept_pairs() / (self.seq_len * (self.seq_len + 1) / 2)

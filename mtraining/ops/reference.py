@@ -1,0 +1,106 @@
+"""The torch backend (``backend="torch"``): forward/backward primitives in plain PyTorch, the CPU path of
+the rings and the trainer, and the per-block attention of ``MTRAINING_DENSE_BACKEND=reference``.
+
+Same contract as the Triton kernels (``ops/sparse/launch.py``): positions are global, the pattern is
+global, the forward returns (out, lse) and the backward takes the *final* LSE and delta = rowsum(dO * O),
+so partial results from ring steps combine exactly. Works in query-row chunks to bound memory. Masked
+pairs contribute nothing, not even a NaN or an infinity of a key the row may not see
+(``numerics.finite_keys``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .numerics import acc_dtype, finite_keys, mask_scores, merge_partial
+from .oracle import attention_mask
+from .pattern import VerticalSlashPattern
+
+_ROW_CHUNK = 1024
+
+
+def _expand_kv(t: Tensor, group: int, dtype: torch.dtype) -> Tensor:
+    """[B, S, Hkv, D] -> [B, Hq, S, D] in dtype (a view-free copy; small sizes only)."""
+    return t.transpose(1, 2).to(dtype).repeat_interleave(group, dim=1)
+
+
+def forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: VerticalSlashPattern | None,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    scale: float,
+    out_dtype: torch.dtype,
+    merge_into: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(out [B, Sq, Hq, D] in out_dtype, lse [B, Hq, Sq] in the accumulation dtype; 0 and -inf for rows
+    seeing nothing); with ``merge_into`` (out, lse) of earlier keys, merged into those and returned."""
+    b, sq, hq, d = q.shape
+    acc = acc_dtype(q)
+    group = hq // k.shape[2]
+    kh, vh, bad = finite_keys(_expand_kv(k, group, acc), _expand_kv(v, group, acc))
+    qh = q.transpose(1, 2).to(acc)
+    out = torch.empty(b, hq, sq, d, dtype=acc, device=q.device)
+    lse = torch.empty(b, hq, sq, dtype=acc, device=q.device)
+    for start in range(0, sq, _ROW_CHUNK):
+        rows = slice(start, min(start + _ROW_CHUNK, sq))
+        allowed = attention_mask(q_pos[rows], k_pos, pattern, b, hq)
+        s = mask_scores(torch.matmul(qh[:, :, rows], kh.transpose(-1, -2)) * scale, allowed, bad)
+        row_lse = torch.logsumexp(s, dim=-1)
+        safe = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))
+        out[:, :, rows] = torch.matmul(torch.exp(s - safe[..., None]), vh)
+        lse[:, :, rows] = row_lse
+    out = out.transpose(1, 2).to(out_dtype)
+    if merge_into is None:
+        return out, lse
+    merge_partial(*merge_into, out, lse)
+    return merge_into
+
+
+def backward(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    pattern: VerticalSlashPattern | None,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    scale: float,
+    dq_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in float32 (float64 for float64 inputs; dq in ``dq_dtype`` if given) for the
+    pairs of this (q, k) block.
+
+    lse [B, Hq, Sq] and delta [B, Hq, Sq] are those of the *whole* attention row, so the
+    contribution of these keys is exact even when other keys live elsewhere (ring steps).
+    """
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
+    group = hq // hkv
+    acc = acc_dtype(q)
+    kh, vh, bad = finite_keys(_expand_kv(k, group, acc), _expand_kv(v, group, acc))
+    qh, doh = q.transpose(1, 2).to(acc), do.transpose(1, 2).to(acc)
+    dq = torch.zeros(b, hq, sq, d, dtype=acc, device=q.device)
+    dkh = torch.zeros_like(kh)
+    dvh = torch.zeros_like(vh)
+    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).to(acc)
+    for start in range(0, sq, _ROW_CHUNK):
+        rows = slice(start, min(start + _ROW_CHUNK, sq))
+        allowed = attention_mask(q_pos[rows], k_pos, pattern, b, hq)
+        s = mask_scores(torch.matmul(qh[:, :, rows], kh.transpose(-1, -2)) * scale, allowed, bad)
+        p = torch.exp(s - safe_lse[:, :, rows, None])
+        dp = torch.matmul(doh[:, :, rows], vh.transpose(-1, -2))
+        # masked pairs give exactly 0 even in a row whose delta is not finite (it sees a non-finite key)
+        ds = torch.where(allowed, p * (dp - delta[:, :, rows, None].to(acc)), 0.0)
+        dq[:, :, rows] = torch.matmul(ds, kh) * scale
+        dkh += torch.matmul(ds.transpose(-1, -2), qh[:, :, rows]) * scale
+        dvh += torch.matmul(p.transpose(-1, -2), doh[:, :, rows])
+    dk = dkh.view(b, hkv, group, -1, d).sum(2).transpose(1, 2)
+    dv = dvh.view(b, hkv, group, -1, d).sum(2).transpose(1, 2)
+    dq = dq.transpose(1, 2)
+    return (dq if dq_dtype is None else dq.to(dq_dtype)), dk, dv

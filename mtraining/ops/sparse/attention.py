@@ -1,0 +1,305 @@
+"""Sparse attention: backend dispatch, the dense-or-sparse decision of a chunk pair, the autograd op.
+
+``attention_forward`` / ``attention_backward`` / ``attention_delta`` are the per-chunk primitives of
+the two backends ("torch": ops/reference.py, "triton": launch.py). ``plan_chunk`` decides, in one
+place, how a chunk pair (the rows of one single-device call, or one ring step) is computed: as dense
+blocks (no pattern, on cuDNN where it applies: ops/dense) or by the backend; the ring engines and
+``sparse_attention`` (the single-device autograd op users call) both follow its ``ChunkPlan``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .. import dense, reference
+from ..checks import (
+    SUPPORTED_HEAD_DIMS,
+    check_pattern,
+    check_qkv,
+    check_reuse,
+    default_positions,
+    position_span,
+    resolve_scale,
+)
+from ..numerics import merge_partial, row_delta
+from ..pattern import VerticalSlashPattern
+from .index import DENSE_BLOCK, check_aligned_positions
+
+Backend = Literal["auto", "triton", "torch"]
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def resolve_backend(backend: Backend, device: torch.device) -> Literal["triton", "torch"]:
+    """'auto' picks the Triton kernels on CUDA and plain PyTorch elsewhere (ask for 'triton' explicitly
+    to run the kernels in Triton's interpreter on the CPU, with TRITON_INTERPRET=1)."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    return backend
+
+
+def _backend_module(name: str):
+    """The backend's module; the Triton one is imported on first use (Triton reads TRITON_INTERPRET when
+    the kernels are defined, and CPU-only callers never need it)."""
+    if name == "triton":
+        from . import launch
+
+        return launch
+    return reference
+
+
+def check_backend_inputs(q: Tensor, k: Tensor, v: Tensor, backend: str) -> None:
+    """q/k/v shapes, dtypes and devices, and what the resolved ``backend`` supports (the kernels' dtypes and head dims)."""
+    check_qkv(q, k, v, float_dtypes=KERNEL_DTYPES if backend == "triton" else None)
+    if backend == "triton" and q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {q.shape[-1]} is not supported by the kernels; use one of {SUPPORTED_HEAD_DIMS}")
+
+
+def attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: VerticalSlashPattern | None,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    scale: float,
+    *,
+    backend: str = "auto",
+    out_dtype: torch.dtype | None = None,
+    merge_into: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """One block of attention: (out [B, Sq, Hq, D], lse [B, Hq, Sq] float32). No validation (hot path).
+
+    ``merge_into``: (out, lse) over other keys (an earlier ring step, out in ``out_dtype``), into
+    which this block's result is merged in place (by the kernel itself on the Triton backend).
+    """
+    name = resolve_backend(backend, q.device)
+    return _backend_module(name).forward(q, k, v, pattern, q_pos, k_pos, scale, out_dtype or q.dtype, merge_into)
+
+
+def attention_backward(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    pattern: VerticalSlashPattern | None,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    scale: float,
+    *,
+    backend: str = "auto",
+    dq_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv, float32; dq in ``dq_dtype`` if given) of one block given the full-row
+    lse and delta (``attention_delta``)."""
+    name = resolve_backend(backend, q.device)
+    return _backend_module(name).backward(do, q, k, v, lse, delta, pattern, q_pos, k_pos, scale, dq_dtype)
+
+
+def attention_delta(do: Tensor, out: Tensor) -> Tensor:
+    """delta [B, H, S] = rowsum(dO * O) of the whole rows, for ``attention_backward``: one Triton pass on
+    CUDA (no float32 copies of dO and O), ``numerics.row_delta`` elsewhere."""
+    if out.is_cuda and out.dtype != torch.float64 and out.shape[-1] in SUPPORTED_HEAD_DIMS:
+        return _backend_module("triton").row_delta(do, out)
+    return row_delta(do, out)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How one chunk pair (query rows against key rows, at global positions) is attended: one
+    single-device call, or one ring step. Built by ``plan_chunk``; forward and backward follow it.
+
+    Attributes:
+        pattern: the global pattern (None: dense causal).
+        q_pos, k_pos: global positions of the rows and the keys.
+        scale: softmax scale.
+        backend: the resolved backend, "torch" or "triton".
+        dense: the pair as dense blocks (ops/dense), or None: the backend computes it.
+    """
+
+    pattern: VerticalSlashPattern | None
+    q_pos: Tensor
+    k_pos: Tensor
+    scale: float
+    backend: str
+    dense: dense.DenseBlocks | None
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dtype, merge_into: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(out in ``out_dtype``, lse) of the pair; with ``merge_into`` (out, lse) over other keys, merged into those."""
+        if self.dense is None:
+            return attention_forward(
+                q,
+                k,
+                v,
+                self.pattern,
+                self.q_pos,
+                self.k_pos,
+                self.scale,
+                backend=self.backend,
+                out_dtype=out_dtype,
+                merge_into=merge_into,
+            )
+        part = self.dense.forward(q, k, v, self.scale, out_dtype)
+        if merge_into is None:
+            return part
+        merge_partial(*merge_into, *part)
+        return merge_into
+
+    def backward(
+        self,
+        do: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        delta: Tensor | None,
+        dq_dtype: torch.dtype | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(dq, dk, dv) of the pair's pairs given the whole rows' out, lse and delta (``attention_delta``;
+        dense blocks compute their own: None is enough when ``dense`` is set)."""
+        if self.dense is not None:
+            return self.dense.backward(do, q, k, v, out, lse, self.scale)
+        return attention_backward(
+            do,
+            q,
+            k,
+            v,
+            lse,
+            delta,
+            self.pattern,
+            self.q_pos,
+            self.k_pos,
+            self.scale,
+            backend=self.backend,
+            dq_dtype=dq_dtype,
+        )
+
+
+def plan_chunk(
+    q: Tensor,
+    k: Tensor,
+    pattern: VerticalSlashPattern | None,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    scale: float,
+    backend: str,
+    blocks: Callable[[], tuple[dense.Block, ...] | None],
+    dense_pattern: Callable[[], VerticalSlashPattern] | None = None,
+) -> ChunkPlan:
+    """The one decision of how a chunk pair runs: without a pattern, as dense blocks wherever
+    ``dense.dense_blocks`` takes it (cuDNN on CUDA, or the reference setting), else by ``backend``.
+
+    ``blocks`` returns the pair's dense decomposition (called only when dense blocks may apply).
+    ``dense_pattern``: for a pattern-free pair the backend runs, the dense pattern it runs with (the
+    rings pass one on the layout's grid, whose kernel indices then live across calls); None: the
+    backend's own dense path.
+    """
+    if pattern is not None:
+        return ChunkPlan(pattern, q_pos, k_pos, scale, backend, None)
+    blocks_path = dense.dense_blocks(q, k, backend, blocks)
+    if blocks_path is None and dense_pattern is not None:
+        pattern = dense_pattern()
+    return ChunkPlan(pattern, q_pos, k_pos, scale, backend, blocks_path)
+
+
+def _plan_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: VerticalSlashPattern | None,
+    q_pos: Tensor | None,
+    k_pos: Tensor | None,
+    softmax_scale: float | None,
+    backend: Backend,
+) -> ChunkPlan:
+    """Validate a single-device call once and plan it."""
+    name = resolve_backend(backend, q.device)
+    check_backend_inputs(q, k, v, name)
+    q_given, k_given = q_pos is not None, k_pos is not None
+    q_pos, k_pos = default_positions(q, k, q_pos, k_pos)
+    if name == "triton":
+        grid = pattern.block_size if pattern is not None else DENSE_BLOCK
+        # default positions are checked on the host: the device check would wait for the GPU
+        if q_given or (k.shape[1] - q.shape[1]) % grid:
+            check_aligned_positions(q_pos, grid, "q_pos")
+        if k_given:
+            check_aligned_positions(k_pos, grid, "k_pos")
+    if pattern is not None:
+        # default positions span 0..Sk-1: known on the host, no device sync
+        check_pattern(pattern, q, position_span(q_pos, k_pos) if q_given or k_given else (0, k.shape[1] - 1))
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    if q_given or k_given:
+        blocks = functools.partial(dense.decompose, q_pos, k_pos)
+    else:
+        blocks = functools.partial(dense.default_blocks, q.shape[1], k.shape[1])
+    return plan_chunk(q, k, pattern, q_pos, k_pos, scale, name, blocks)
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: ChunkPlan, reuse):
+        out, lse = reuse if reuse is not None else plan.forward(q, k, v, q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan: ChunkPlan = ctx.plan
+        delta = attention_delta(dout, out) if plan.dense is None else None
+        dq, dk, dv = plan.backward(dout, q, k, v, out, lse, delta, dq_dtype=q.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: VerticalSlashPattern | None = None,
+    q_pos: Tensor | None = None,
+    k_pos: Tensor | None = None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    backend: Backend = "auto",
+    reuse: tuple[Tensor, Tensor] | None = None,
+):
+    """Causal vertical-slash sparse attention on one device (dense causal without a pattern).
+
+    Args:
+        q: [B, Sq, Hq, D] queries; k, v: [B, Sk, Hkv, D] keys and values (Hq a multiple of Hkv: GQA
+            without copying K/V heads).
+        pattern: the global ``VerticalSlashPattern`` (``estimate_pattern``); None: dense causal, on CUDA
+            in fp16/bf16 through cuDNN as a few dense blocks (ops/dense, ``MTRAINING_DENSE_BACKEND``).
+        q_pos, k_pos: global positions of the rows and keys (default: keys 0..Sk-1, queries the last Sq).
+        softmax_scale: default 1/sqrt(D).
+        return_lse: also return the LSE.
+        backend: "auto" (Triton on CUDA, plain PyTorch elsewhere), "triton" or "torch".
+        reuse: (out, lse) that an earlier call with the same inputs returned: the forward is skipped and
+            the backward uses them (for the forward that activation checkpointing recomputes).
+
+    Returns:
+        out [B, Sq, Hq, D] in q's dtype, differentiable in q, k, v (the pattern carries no gradient);
+        with ``return_lse`` also lse [B, Hq, Sq] float32 (natural log; -inf for rows that see no key).
+
+    Raises:
+        ValueError naming the fix for inputs that do not fit (shapes, dtypes, positions, a pattern of
+        another sequence, batch or heads).
+    """
+    plan = _plan_call(q, k, v, pattern, q_pos, k_pos, softmax_scale, backend)
+    check_reuse(reuse, q)
+    out, lse = _SparseAttention.apply(q, k, v, plan, reuse)
+    return (out, lse) if return_lse else out

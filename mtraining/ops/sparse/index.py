@@ -1,0 +1,180 @@
+"""The walks of the sparse kernels and their builders in torch ops (the CPU path and the oracle of the Triton ones).
+
+A walk is the global pattern restricted to one (query chunk, key chunk) pair.
+
+The Triton kernels never search: for every block of G query rows they get the list of key blocks
+to visit (forward and dQ), for every block of G keys the list of query blocks (dK/dV), plus the
+start of the one causal-diagonal block that needs a mask, and the vertical columns of this key
+chunk. The lists are per G-block, not per kernel tile, so one query walk and one key walk (from one
+``ChunkPair``) serve all three kernels whatever their tile sizes; a tile of B rows or keys (B
+divides G) walks its block's list and steps through each listed block in G / B tiles.
+Everything is derived on the device from the global pattern and the global positions of the rows
+(on CUDA by three Triton launches, index_kernels.py; elsewhere, and as their oracle, by the
+vectorised torch ops here; launch.py picks one and caches the result per pattern and chunk pair),
+so one kernel serves any layout and any ring step, and the kernel loops are plain
+`for j in range(n)` loops that Triton can software-pipeline. Building a walk never waits for the
+device (list widths are host-known upper bounds), so ring steps queue without host syncs.
+
+Positions must come in *aligned runs*, ascending: every G rows of a chunk (from local row 0) hold G
+consecutive global positions starting at a multiple of G (the last run may be shorter), and the
+runs rise with the local row (both builders search the positions). All layouts in
+``mtraining.parallel`` produce such chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..pattern import VerticalSlashPattern, compact
+
+DENSE_BLOCK = 64  # block grid the Triton backend uses for dense causal attention (pattern=None)
+ABSENT = torch.iinfo(torch.int32).max  # padding of the walks' lists
+
+
+@dataclass(frozen=True)
+class QueryWalk:
+    """What each query block visits (forward and dQ kernels); int32 on the device.
+
+    Lists are per block of G local query rows, so one walk serves every query tile size that
+    divides G (a tile reads the row of its block).
+
+    q_gblock [nQB]: global block of each local query block (to test vertical columns against diagonals).
+    starts [B, H, nQB, W]: local key rows of the unmasked key blocks (off-diagonal blocks, G keys each).
+    count, diag [B, H, nQB]: how many; local key row of the causal-diagonal block, or -1.
+    diag_mask [B, H, nb] (int8): is block diagonal delta selected.
+    vcols [B, H, Vk]: local key rows of the verticals present in this key chunk, ascending.
+    vcount [B, H, nQB]: how many of them the block may see (position <= its last query).
+    """
+
+    q_gblock: Tensor
+    starts: Tensor
+    count: Tensor
+    diag: Tensor
+    diag_mask: Tensor
+    vcols: Tensor
+    vcount: Tensor
+
+
+@dataclass(frozen=True)
+class KeyWalk:
+    """What each key block is seen by (dK/dV kernels); int32 on the device, per block of G local keys.
+
+    starts [B, H, nKB, W]: local query rows of the unmasked query blocks (off-diagonal blocks).
+    count, diag [B, H, nKB]: how many; local query row of the causal-diagonal block, or -1.
+    vstart [B, H, nVC]: per chunk of ``v_chunk`` verticals (QueryWalk.vcols), the first local query
+    row that may see it.
+    """
+
+    starts: Tensor
+    count: Tensor
+    diag: Tensor
+    vstart: Tensor
+
+
+def check_aligned_positions(pos: Tensor, block_size: int, name: str) -> None:
+    """ValueError unless ``pos`` ascends in runs of ``block_size`` consecutive, block-aligned positions."""
+    n = pos.shape[0]
+    local = torch.arange(n, device=pos.device)
+    run_start = pos[(local // block_size) * block_size].long()
+    aligned = (run_start % block_size == 0) & (pos.long() == run_start + local % block_size)
+    ok = bool(aligned.all() & (pos[1:] > pos[:-1]).all())
+    if not ok:
+        raise ValueError(
+            f"{name} must hold ascending runs of {block_size} consecutive global positions starting at "
+            f"multiples of {block_size} (the pattern's block size); shard the sequence with a layout from "
+            "mtraining.parallel, or use dense attention for unaligned queries"
+        )
+
+
+def _block_starts(pos: Tensor, block_size: int, num_blocks: int) -> Tensor:
+    """int32 [num_blocks]: local row where each global block starts, -1 where absent."""
+    starts = torch.full((num_blocks,), -1, dtype=torch.int32, device=pos.device)
+    local_starts = torch.arange(0, pos.shape[0], block_size, device=pos.device, dtype=torch.int32)
+    starts[(pos[local_starts.long()] // block_size).long()] = local_starts
+    return starts
+
+
+def _block_lists(
+    pattern: VerticalSlashPattern, gblock: Tensor, sign: int, other_block_start: Tensor, other_len: int
+) -> tuple[Tensor, Tensor]:
+    """For each local block of one side, the local starts of the other side's blocks it meets
+    off the diagonal: global block ``gblock - delta`` (sign=-1, query side) or ``+ delta`` (sign=+1).
+
+    Only blocks present on both sides are listed (``start >= 0``), so a diagonal that connects no
+    block of this chunk pair drops out here without a separate test."""
+    nb = other_block_start.shape[0]
+    diags = pattern.block_diags
+    real = torch.arange(diags.shape[-1], device=diags.device) < pattern.num_diags[..., None]
+    other = gblock[None, None, :, None] + sign * diags[:, :, None, :]  # [B, H, nBlocks, D]
+    ok = real[:, :, None, :] & (diags[:, :, None, :] > 0) & (other >= 0) & (other < nb)
+    start = other_block_start[other.clamp(0, nb - 1).long()]
+    return compact(start, ok & (start >= 0), ABSENT, width=list_width(pattern, other_len))
+
+
+def list_width(pattern: VerticalSlashPattern, other_len: int) -> int:
+    """Width of a walk's block lists: a block meets each block of the other chunk (``other_len``
+    rows) at most once, through at most every diagonal of the pattern. Host-known: no device sync."""
+    return max(min(pattern.block_diags.shape[-1], -(-other_len // pattern.block_size)), 1)
+
+
+@dataclass(frozen=True)
+class ChunkPair:
+    """What both walks need: positions, block starts, the diagonal mask, vertical columns of the key chunk."""
+
+    q_pos: Tensor
+    k_pos: Tensor
+    q_block_start: Tensor
+    k_block_start: Tensor
+    diag_mask: Tensor
+    vcols: Tensor
+    vcol_pos: Tensor
+
+
+def chunk_pair_torch(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ChunkPair:
+    """The part of the global pattern that a query chunk and a key chunk (global positions) share."""
+    g, nb = pattern.block_size, pattern.num_blocks
+    dev = q_pos.device
+    q_pos, k_pos = q_pos.to(torch.int32), k_pos.to(torch.int32)
+    sk = k_pos.shape[0]
+    q_block_start = _block_starts(q_pos, g, nb)
+    k_block_start = _block_starts(k_pos, g, nb)
+    # column part: verticals whose key lives in this chunk, as local rows (padding: sk).
+    vpos = pattern.vertical_pos
+    real_v = torch.arange(vpos.shape[-1], device=dev) < pattern.num_verticals[..., None]
+    local = torch.searchsorted(k_pos, vpos.contiguous()).clamp(max=sk - 1)
+    vcols, _ = compact(local, real_v & (k_pos[local.long()] == vpos), sk, width=local.shape[-1])
+    vcol_pos = torch.where(vcols < sk, k_pos[vcols.clamp(max=sk - 1).long()], ABSENT).contiguous()
+    diag_mask = pattern.diag_mask()
+    return ChunkPair(q_pos, k_pos, q_block_start, k_block_start, diag_mask.to(torch.int8).contiguous(), vcols, vcol_pos)
+
+
+def _local_gblock(pos: Tensor, block_size: int) -> Tensor:
+    """int32 [ceil(len / G)]: global block of each run of G local rows."""
+    return (pos[::block_size] // block_size).to(torch.int32)
+
+
+def query_walk_torch(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWalk:
+    """The global pattern restricted to a chunk pair, seen from the query blocks."""
+    g = pattern.block_size
+    sq, sk = pair.q_pos.shape[0], pair.k_pos.shape[0]
+    q_gblock = _local_gblock(pair.q_pos, g)
+    starts, count = _block_lists(pattern, q_gblock, -1, pair.k_block_start, sk)
+    diag = torch.where(pair.diag_mask[..., :1] > 0, pair.k_block_start[q_gblock.long()], -1).to(torch.int32)
+    q_last = pair.q_pos[torch.arange(g - 1, sq + g - 1, g, device=pair.q_pos.device).clamp(max=sq - 1)]
+    vcount = torch.searchsorted(pair.vcol_pos, q_last.expand(*pair.vcols.shape[:2], -1).contiguous(), right=True)
+    return QueryWalk(
+        q_gblock, starts, count, diag.contiguous(), pair.diag_mask, pair.vcols, vcount.to(torch.int32).contiguous()
+    )
+
+
+def key_walk_torch(pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int) -> KeyWalk:
+    """The global pattern restricted to a chunk pair, seen from the key blocks (verticals in chunks of ``v_chunk``)."""
+    g = pattern.block_size
+    k_gblock = _local_gblock(pair.k_pos, g)
+    starts, count = _block_lists(pattern, k_gblock, +1, pair.q_block_start, pair.q_pos.shape[0])
+    diag = torch.where(pair.diag_mask[..., :1] > 0, pair.q_block_start[k_gblock.long()], -1).to(torch.int32)
+    first_row = torch.searchsorted(pair.q_pos, pair.vcol_pos[..., ::v_chunk].contiguous())
+    return KeyWalk(starts, count, diag.contiguous(), first_row.to(torch.int32).contiguous())

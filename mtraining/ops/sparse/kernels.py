@@ -1,0 +1,526 @@
+"""Triton kernels of vertical-slash sparse attention: forward, dQ, dK/dV (block part, vertical columns), row delta.
+
+Q, K, V, O and their gradients are [B, S, H, D] (K and V with Hkv = H / GROUP heads), LSE and delta
+[B, H, S] float32, positions int32 [S]. The kernels never search: each tile reads its G-block's entry
+of a walk built by index.py (a ``QueryWalk`` for the forward and dQ, a ``KeyWalk`` for dK/dV),
+whatever the tile size (a tile of BLOCK_M rows is one of the G // BLOCK_M tiles of its block).
+
+- ``_fwd_kernel``, program (query tile, b * H + h): out [BLOCK_M, D] and lse [BLOCK_M] of one query
+  tile by online softmax over its walk; with MERGE it folds them by LSE into the partial (out, lse)
+  of earlier keys (an earlier ring step), in place.
+- ``_bwd_dq_kernel``, same grid and walk: dQ = sum of dS K over the walk, P recomputed from Q, K and
+  the saved LSE (FlashAttention-2 style), dS = P * (dO V^T - delta).
+- ``_bwd_dkdv_block_kernel``, program (key tile, b * Hkv + hk): dK, dV [BLOCK_N, D] of the block part
+  (off-diagonal blocks, then the causal-diagonal block) over the query heads of the tile's GQA group.
+- ``_bwd_dkdv_vertical_kernel``, program (chunk of BLOCK_V vertical columns, b * H + h, split of the
+  query tiles): dK, dV of the vertical columns, added atomically (a GQA group's query heads share
+  the keys, and long columns are split over programs).
+- ``_row_delta_kernel``: delta = rowsum(dO * O), the softmax backward's row term.
+
+A query tile walks its keys in three stages (``_query_tile_walk``, shared by the forward and dQ):
+1. off-diagonal: the key blocks of the selected block diagonals, listed per query block, G // BLOCK_N
+   key tiles each, read through tensor descriptors (TMA on Hopper); every pair is causal: no mask;
+2. diagonal: the causal-diagonal block, G // BLOCK_N key tiles masked by position;
+3. vertical: the vertical columns of this key chunk, BLOCK_V at a time, except those whose block
+   diagonal is selected (stages 1 and 2 saw them: no pair counts twice), masked by position.
+The dK/dV block kernel walks stages 1 and 2 from the keys' side. A masked pair counts where
+``_visible`` holds (written out in ``_dkdv_step``, see there). Scores are kept in base 2
+(``qk_scale`` includes log2(e), ``exp2``); the LSE written out is natural-log.
+
+Argument lists group one tensor (or one tensor's strides) per line; ``# fmt: skip`` keeps them so.
+The widths and strides of the index lists are plain ints (``do_not_specialize``): the lists change
+size with every pattern and ring step, and specialising on them would recompile.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # log2(e): the launcher folds it into qk_scale
+_LOG2E = tl.constexpr(LOG2E)
+INT_MAX = tl.constexpr(2147483647)  # position of a key no query sees
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared pieces: the pair test, the vertical columns, the rows of a query tile.
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _visible(q_pos, k_pos):
+    """[M, N]: may the query at position q_pos [M] see the key at k_pos [N] (causal; INT_MAX: never)."""
+    return k_pos[None, :] <= q_pos[:, None]
+
+
+@triton.jit
+def _uncovered(mask_row, q_block, k_block, valid):
+    """Which ``valid`` vertical columns (in global blocks k_block) query block q_block sees off its
+    selected block diagonals (``mask_row``: the head's DiagMask); the block stages cover the rest."""
+    covered = tl.load(mask_row + (q_block - k_block), mask=valid & (k_block <= q_block), other=0)
+    return valid & (covered == 0)
+
+
+@triton.jit
+def _vertical_tile(idx, n_vert, vcols_row, KPos, mask_row, q_block, G: tl.constexpr):
+    """Entries idx [BLOCK_V] of the head's vertical columns (the first n_vert of ``vcols_row`` are those
+    query block q_block may see): (local key rows, positions with INT_MAX where unused, used)."""
+    valid = idx < n_vert
+    cols = tl.load(vcols_row + idx, mask=valid, other=0)
+    k_pos = tl.load(KPos + cols, mask=valid, other=INT_MAX)
+    k_block = k_pos // G
+    use = _uncovered(mask_row, q_block, k_block, valid)
+    return cols, tl.where(use, k_pos, INT_MAX), use
+
+
+@triton.jit
+def _query_tile(Sq, H, GROUP, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Program (tile, b * H + h) of the forward and dQ kernels: (tile, b, h, its KV head hk, the
+    tile's rows [M], which of them are < Sq, head-dim offsets d [D])."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < Sq
+    d = tl.arange(0, HEAD_DIM)
+    return tile, b, h, hk, rows, row_ok, d
+
+
+@triton.jit
+def _load_do_lse_delta(
+    DO, Lse, Delta, b, h, rows, row_ok, d,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_lh,  # Lse and Delta
+):  # fmt: skip
+    """(dO [M, D], base-2 LSE [M], delta [M]) of the rows ``rows`` of head h, as the backward needs
+    them: rows past Sq and rows that saw no key (LSE = -inf) get LSE = +inf, so P = 0 there."""
+    do = tl.load(
+        DO + b * stride_dob + rows[:, None] * stride_dos + h * stride_doh + d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    lse = tl.load(Lse + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    delta = tl.load(Delta + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=0.0)
+    return do, lse2, delta
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward and dQ: one query tile [BLOCK_M, D] walks its key tiles.
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _online_softmax(acc, m_i, l_i, s, v):
+    """One online-softmax step on base-2 scores s [M, N] (-inf = masked) and values v [N, D]."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse2, delta, k_t, v_t, s):
+    """dQ += dS K for base-2 scores s [M, N] (-inf = masked), keys and values given transposed [D, N]."""
+    p = tl.exp2(s - lse2[:, None])
+    ds = p * (tl.dot(do, v_t) - delta[:, None])
+    return dq + tl.dot(ds.to(k_t.dtype), tl.trans(k_t))
+
+
+@triton.jit
+def _query_tile_update(acc, m_i, l_i, q, do, k_t, v, s, DQ: tl.constexpr):
+    """Fold one key tile into a query tile: s [M, N] base-2 scores, k_t [D, N]. Forward: v [N, D],
+    online softmax into (acc, m_i, l_i). DQ: v [D, N]; acc is dQ, (m_i, l_i) the rows' base-2 LSE
+    and delta, read only."""
+    if DQ:
+        acc = _dq_step(acc, q, do, m_i, l_i, k_t, v, s)
+    else:
+        acc, m_i, l_i = _online_softmax(acc, m_i, l_i, s, v)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _load_v(v_base, cols, ok, stride_vs, d, DQ: tl.constexpr):
+    """Values of the local key rows cols [N]: [N, D] for the forward's P V, [D, N] for dQ's dO V^T."""
+    if DQ:
+        v = tl.load(v_base + cols[None, :] * stride_vs + d[:, None], mask=ok[None, :], other=0.0)
+    else:
+        v = tl.load(v_base + cols[:, None] * stride_vs + d[None, :], mask=ok[:, None], other=0.0)
+    return v
+
+
+@triton.jit
+def _query_tile_walk(
+    acc, m_i, l_i,  # forward: output [M, D], running row max and sum [M]; dQ: dq [M, D], the rows' LSE and delta
+    q, q_pos, do,  # the query tile [M, D], its positions [M]; dQ: dO [M, D] (forward: None)
+    KDesc, VDesc, k_base, v_base, KPos,  # the KV head's keys and values (k_base, v_base: its row 0)
+    QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,  # the QueryWalk
+    stride_ks, stride_vs,
+    stride_sb, stride_sh, stride_st,  # Starts
+    stride_mb, stride_mh,  # DiagMask
+    stride_wb, stride_wh,  # VCols
+    qk_scale, Sk, b, h, hk, d,
+    blk, tile_off,  # the query block of the tile, its entry of the [B, H, nQB] walk tables
+    STAGE: tl.constexpr, DQ: tl.constexpr,
+    G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Stage STAGE of a query tile's walk (module docstring): 1 off-diagonal blocks, 2 the diagonal
+    block, 3 vertical columns; returns the updated (acc, m_i, l_i)."""
+    if STAGE == 1:
+        # off-diagonal: step j visits tile j % (G // BLOCK_N) of the (j // (G // BLOCK_N))-th listed block
+        starts = Starts + b * stride_sb + h * stride_sh + blk * stride_st
+        for j in range(0, tl.load(Count + tile_off) * (G // BLOCK_N)):
+            col0 = tl.load(starts + j // (G // BLOCK_N)) + (j % (G // BLOCK_N)) * BLOCK_N
+            k = KDesc.load([b, col0, hk, 0]).reshape(BLOCK_N, HEAD_DIM)  # [N, D]
+            v = VDesc.load([b, col0, hk, 0]).reshape(BLOCK_N, HEAD_DIM)  # [N, D]
+            k_t = tl.trans(k)
+            if DQ:
+                v = tl.trans(v)
+            acc, m_i, l_i = _query_tile_update(acc, m_i, l_i, q, do, k_t, v, tl.dot(q, k_t) * qk_scale, DQ)
+    elif STAGE == 2:
+        # diagonal: G // BLOCK_N key tiles from local key row diag (-1: the diagonal is not selected)
+        diag = tl.load(DiagStart + tile_off)
+        if diag >= 0:
+            for sub in tl.static_range(G // BLOCK_N):
+                cols = diag + sub * BLOCK_N + tl.arange(0, BLOCK_N)
+                col_ok = cols < Sk
+                k_pos = tl.load(KPos + cols, mask=col_ok, other=INT_MAX)
+                k_t = tl.load(k_base + cols[None, :] * stride_ks + d[:, None], mask=col_ok[None, :], other=0.0)
+                v = _load_v(v_base, cols, col_ok, stride_vs, d, DQ)
+                s = tl.where(_visible(q_pos, k_pos), tl.dot(q, k_t) * qk_scale, float("-inf"))  # [M, N]
+                acc, m_i, l_i = _query_tile_update(acc, m_i, l_i, q, do, k_t, v, s, DQ)
+    else:
+        # vertical: BLOCK_V at a time of the n columns (ascending) the block may see
+        q_block = tl.load(QGBlock + blk)
+        n = tl.load(VCountQ + tile_off)
+        vcols_row = VCols + b * stride_wb + h * stride_wh
+        mask_row = DiagMask + b * stride_mb + h * stride_mh
+        for c in range(0, n, BLOCK_V):
+            cols, k_pos, use = _vertical_tile(c + tl.arange(0, BLOCK_V), n, vcols_row, KPos, mask_row, q_block, G)
+            k_t = tl.load(k_base + cols[None, :] * stride_ks + d[:, None], mask=use[None, :], other=0.0)  # [D, V]
+            v = _load_v(v_base, cols, use, stride_vs, d, DQ)
+            s = tl.where(_visible(q_pos, k_pos), tl.dot(q, k_t) * qk_scale, float("-inf"))  # [M, V]
+            acc, m_i, l_i = _query_tile_update(acc, m_i, l_i, q, do, k_t, v, s, DQ)
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["stride_sb", "stride_sh", "stride_st", "stride_wb", "stride_wh"])
+def _fwd_kernel(
+    Q, K, V,  # [B, Sq, H, D], [B, Sk, Hkv, D], [B, Sk, Hkv, D]
+    KDesc, VDesc,  # K and V as tensor descriptors of [1, BLOCK_N, 1, D] tiles
+    Out, Lse,  # [B, Sq, H, D], [B, H, Sq] f32 (read too with MERGE)
+    QPos, KPos,  # global positions [Sq], [Sk]
+    QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,  # the QueryWalk (index.py)
+    qk_scale, Sq, Sk, H, GROUP,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh,
+    stride_sb, stride_sh, stride_st,  # Starts [B, H, nQB, W]
+    stride_cb, stride_ch,  # Count, DiagStart, VCountQ [B, H, nQB]
+    stride_mb, stride_mh,  # DiagMask [B, H, nb]
+    stride_wb, stride_wh,  # VCols [B, H, Vk]
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MERGE: tl.constexpr,
+):  # fmt: skip
+    """(out, lse) of one query tile; MERGE: Out/Lse already hold a partial result over other keys
+    (an earlier ring step) and this tile's result is merged into them by LSE, in place."""
+    tile, b, h, hk, rows, row_ok, d = _query_tile(Sq, H, GROUP, BLOCK_M, HEAD_DIM)
+    q = tl.load(
+        Q + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    q_pos = tl.load(QPos + rows, mask=row_ok, other=-1)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    blk = tile // (G // BLOCK_M)
+    tile_off = b * stride_cb + h * stride_ch + blk
+    for stage in tl.static_range(1, 4):  # off-diagonal blocks, the diagonal block, vertical columns
+        acc, m_i, l_i = _query_tile_walk(
+            acc, m_i, l_i, q, q_pos, None,
+            KDesc, VDesc, k_base, v_base, KPos,
+            QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,
+            stride_ks, stride_vs, stride_sb, stride_sh, stride_st, stride_mb, stride_mh, stride_wb, stride_wh,
+            qk_scale, Sk, b, h, hk, d, blk, tile_off,
+            stage, False, G, BLOCK_N, BLOCK_V, HEAD_DIM,
+        )  # fmt: skip
+
+    # epilogue: normalise; with MERGE, fold into the earlier (out, lse) by LSE weights
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / _LOG2E)
+    out_ptr = Out + b * stride_ob + rows[:, None] * stride_os + h * stride_oh + d[None, :]
+    lse_ptr = Lse + b * stride_lb + h * stride_lh + rows
+    if MERGE:
+        prev_lse = tl.load(lse_ptr, mask=row_ok, other=float("-inf"))
+        prev_out = tl.load(out_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        top = tl.maximum(prev_lse, lse)
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        w_prev = tl.exp(prev_lse - top_safe)
+        w_new = tl.exp(lse - top_safe)
+        total = w_prev + w_new
+        out = (prev_out * w_prev[:, None] + out * w_new[:, None]) / tl.where(total == 0.0, 1.0, total)[:, None]
+        lse = tl.where(top == float("-inf"), float("-inf"), top_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
+    tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_ptr, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["stride_sb", "stride_sh", "stride_st", "stride_wb", "stride_wh"])
+def _bwd_dq_kernel(
+    Q, K, V,  # [B, Sq, H, D], [B, Sk, Hkv, D], [B, Sk, Hkv, D]
+    KDesc, VDesc,  # K and V as tensor descriptors of [1, BLOCK_N, 1, D] tiles
+    DO, Lse, Delta,  # [B, Sq, H, D]; [B, H, Sq] f32 both
+    DQ,  # [B, Sq, H, D] with Q's strides
+    QPos, KPos,  # global positions [Sq], [Sk]
+    QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,  # the QueryWalk (index.py)
+    qk_scale, sm_scale, Sq, Sk, H, GROUP,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_lh,  # Lse and Delta
+    stride_sb, stride_sh, stride_st,  # Starts [B, H, nQB, W]
+    stride_cb, stride_ch,  # Count, DiagStart, VCountQ [B, H, nQB]
+    stride_mb, stride_mh,  # DiagMask [B, H, nb]
+    stride_wb, stride_wh,  # VCols [B, H, Vk]
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """dQ of one query tile over the same walk as the forward."""
+    tile, b, h, hk, rows, row_ok, d = _query_tile(Sq, H, GROUP, BLOCK_M, HEAD_DIM)
+    q_off = b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + d[None, :]
+    q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)
+    do, lse2, delta = _load_do_lse_delta(
+        DO, Lse, Delta, b, h, rows, row_ok, d, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh
+    )
+    q_pos = tl.load(QPos + rows, mask=row_ok, other=-1)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    blk = tile // (G // BLOCK_M)
+    tile_off = b * stride_cb + h * stride_ch + blk
+    for stage in tl.static_range(1, 4):  # off-diagonal blocks, the diagonal block, vertical columns
+        dq, lse2, delta = _query_tile_walk(
+            dq, lse2, delta, q, q_pos, do,
+            KDesc, VDesc, k_base, v_base, KPos,
+            QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,
+            stride_ks, stride_vs, stride_sb, stride_sh, stride_st, stride_mb, stride_mh, stride_wb, stride_wh,
+            qk_scale, Sk, b, h, hk, d, blk, tile_off,
+            stage, True, G, BLOCK_N, BLOCK_V, HEAD_DIM,
+        )  # fmt: skip
+    tl.store(DQ + q_off, dq * sm_scale, mask=row_ok[:, None])
+
+
+# ---------------------------------------------------------------------------------------------------
+# dK/dV: one key tile [BLOCK_N or BLOCK_V, D] walks its query tiles.
+# ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dkdv_step(
+    dk, dv, k, v, k_pos,  # the key tile: dK, dV [N, D] f32, keys and values [N, D], positions [N]
+    Q, DO, Lse, Delta, QPos, DQ, row0, b, h,  # the query tile: rows row0 .. row0 + BLOCK_M - 1 of head h
+    qk_scale, sm_scale, Sq,
+    stride_qb, stride_qs, stride_qh,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_lh,  # Lse and Delta
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, DQ_MODE: tl.constexpr,
+):  # fmt: skip
+    """Accumulate dK/dV of one key tile against one query tile of head h.
+
+    Rows past Sq load lse = +inf, so they add nothing (and their dQ is exactly 0); MASK applies
+    the test of ``_visible``. DQ_MODE 1 also adds this tile's dQ = dS K into the float32 DQ (Q's strides)
+    atomically; 0 leaves dQ to its own kernel. Scores are formed query-major (S = Q K^T, dP = dO V^T,
+    K and V as the shared-memory operand) and transposed for dV += P^T dO and dK += dS^T Q
+    (BENCHMARKS.md, kernel variants: the key-major S^T = K Q^T is slower).
+
+    The row loads of ``_load_do_lse_delta`` and the test of ``_visible`` are written out here: as
+    calls they change the dK/dV kernels' SASS (ptxas schedules around the debug scopes of inlined
+    calls, DEVELOPERS.md), which would have to be timed on a GPU first.
+    """
+    d = tl.arange(0, HEAD_DIM)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < Sq
+    q_off = b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + d[None, :]
+    q = tl.load(Q + q_off, mask=row_ok[:, None], other=0.0)  # [M, D]
+    do = tl.load(
+        DO + b * stride_dob + rows[:, None] * stride_dos + h * stride_doh + d[None, :], mask=row_ok[:, None], other=0.0
+    )
+    lse = tl.load(Lse + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    delta = tl.load(Delta + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N]
+    if MASK:
+        q_pos = tl.load(QPos + rows, mask=row_ok, other=-1)
+        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+    p = tl.exp2(s - lse2[:, None])
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+    ds = (p * (tl.dot(do, tl.trans(v)) - delta[:, None])).to(q.dtype)  # [M, N]
+    dk += tl.dot(tl.trans(ds), q)
+    if DQ_MODE == 1:
+        dq = tl.dot(ds, k) * sm_scale
+        tl.atomic_add(DQ + q_off, dq, mask=row_ok[:, None], sem="relaxed")
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["stride_sb", "stride_sh", "stride_st"])
+def _bwd_dkdv_block_kernel(
+    Q, K, V,  # [B, Sq, H, D], [B, Sk, Hkv, D], [B, Sk, Hkv, D]
+    DO, Lse, Delta,  # [B, Sq, H, D]; [B, H, Sq] f32 both
+    DK, DV, DQ,  # [B, Sk, Hkv, D] f32 both; DQ (DQ_MODE 1) [B, Sq, H, D] f32 with Q's strides
+    QPos, KPos,  # global positions [Sq], [Sk]
+    Starts, Count, DiagStart,  # the KeyWalk (index.py)
+    qk_scale, sm_scale, Sq, Sk, H, GROUP,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_lh,  # Lse and Delta
+    stride_dkb, stride_dks, stride_dkh,  # DK and DV
+    stride_sb, stride_sh, stride_st,  # Starts [B, H, nKB, W]
+    stride_cb, stride_ch,  # Count, DiagStart [B, H, nKB]
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DQ_MODE: tl.constexpr,
+):  # fmt: skip
+    """dK/dV (float32) of one key tile's block part, over the query heads of its GQA group."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    hkv_count = H // GROUP
+    b = bh // hkv_count
+    hk = bh % hkv_count
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < Sk
+    d = tl.arange(0, HEAD_DIM)
+    # the key tile [BLOCK_N, D], its values and positions
+    k = tl.load(
+        K + b * stride_kb + cols[:, None] * stride_ks + hk * stride_kh + d[None, :], mask=col_ok[:, None], other=0.0
+    )
+    v = tl.load(
+        V + b * stride_vb + cols[:, None] * stride_vs + hk * stride_vh + d[None, :], mask=col_ok[:, None], other=0.0
+    )
+    k_pos = tl.load(KPos + cols, mask=col_ok, other=INT_MAX)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    blk = tile // (G // BLOCK_N)
+    for g in range(0, GROUP):  # the query heads that share this KV head
+        h = hk * GROUP + g
+        tile_off = b * stride_cb + h * stride_ch + blk
+        starts = Starts + b * stride_sb + h * stride_sh + blk * stride_st
+        # off-diagonal: step j visits query tile j % (G // BLOCK_M) of the (j // (G // BLOCK_M))-th listed
+        # block (rows past Sq of a last, partial block add nothing)
+        for j in range(0, tl.load(Count + tile_off) * (G // BLOCK_M)):
+            row0 = tl.load(starts + j // (G // BLOCK_M)) + (j % (G // BLOCK_M)) * BLOCK_M
+            dk, dv = _dkdv_step(
+                dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, row0, b, h, qk_scale, sm_scale, Sq,
+                stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
+                BLOCK_M, HEAD_DIM, False, DQ_MODE,
+            )  # fmt: skip
+        # diagonal: G // BLOCK_M query tiles from local query row diag (-1: the diagonal is not selected)
+        diag = tl.load(DiagStart + tile_off)
+        if diag >= 0:
+            for sub in tl.static_range(G // BLOCK_M):
+                dk, dv = _dkdv_step(
+                    dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, diag + sub * BLOCK_M, b, h, qk_scale, sm_scale, Sq,
+                    stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
+                    BLOCK_M, HEAD_DIM, True, DQ_MODE,
+                )  # fmt: skip
+    out_off = b * stride_dkb + cols[:, None] * stride_dks + hk * stride_dkh + d[None, :]
+    tl.store(DK + out_off, dk * sm_scale, mask=col_ok[:, None])
+    tl.store(DV + out_off, dv, mask=col_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["stride_wb", "stride_wh", "stride_tb", "stride_th", "VWIDTH"])
+def _bwd_dkdv_vertical_kernel(
+    Q, K, V,  # [B, Sq, H, D], [B, Sk, Hkv, D], [B, Sk, Hkv, D]
+    DO, Lse, Delta,  # [B, Sq, H, D]; [B, H, Sq] f32 both
+    DK, DV, DQ,  # [B, Sk, Hkv, D] f32 both (added to); DQ (DQ_MODE 1) [B, Sq, H, D] f32 with Q's strides
+    QPos, KPos,  # global positions [Sq], [Sk]
+    DiagMask, VCols,  # of the ChunkPair (index.py): [B, H, nb] int8, [B, H, VWIDTH] (padding: Sk)
+    VStartRow,  # KeyWalk.vstart [B, H, nVC]: first query row that may see each chunk of BLOCK_V columns
+    qk_scale, sm_scale, Sq, Sk, H, GROUP,
+    NQT, VWIDTH, SPLIT,  # query tiles, width of VCols, query tiles per program
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_lh,  # Lse and Delta
+    stride_dkb, stride_dks, stride_dkh,  # DK and DV
+    stride_mb, stride_mh,  # DiagMask
+    stride_wb, stride_wh,  # VCols
+    stride_tb, stride_th,  # VStartRow
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DQ_MODE: tl.constexpr,
+):  # fmt: skip
+    """dK/dV of one chunk of a head's vertical columns (those not covered by a selected diagonal),
+    against the query tiles [split * SPLIT, (split + 1) * SPLIT): the rows are split over programs
+    (grid axis 2) so that a few long columns keep the whole GPU busy; partial sums add atomically."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    idx = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+    cols = tl.load(VCols + b * stride_wb + h * stride_wh + idx, mask=idx < VWIDTH, other=Sk)
+    valid = cols < Sk
+    cols = tl.where(valid, cols, 0)
+    d = tl.arange(0, HEAD_DIM)
+    # the chunk's columns as a key tile [BLOCK_V, D], its values and positions
+    k = tl.load(
+        K + b * stride_kb + cols[:, None] * stride_ks + hk * stride_kh + d[None, :], mask=valid[:, None], other=0.0
+    )
+    v = tl.load(
+        V + b * stride_vb + cols[:, None] * stride_vs + hk * stride_vh + d[None, :], mask=valid[:, None], other=0.0
+    )
+    k_pos = tl.load(KPos + cols, mask=valid, other=INT_MAX)
+    k_block = k_pos // G
+    mask_row = DiagMask + b * stride_mb + h * stride_mh
+    dk = tl.zeros([BLOCK_V, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_V, HEAD_DIM], dtype=tl.float32)
+    t_lo = tl.maximum(tl.load(VStartRow + b * stride_tb + h * stride_th + chunk) // BLOCK_M, split * SPLIT)
+    t_hi = tl.minimum(NQT, (split + 1) * SPLIT)
+    if t_lo < t_hi:
+        for t in range(t_lo, t_hi):  # query tile t: rows t * BLOCK_M .. + BLOCK_M - 1
+            q_block = tl.load(QPos + t * BLOCK_M) // G  # runs of G aligned positions: one block per tile
+            k_pos_use = tl.where(_uncovered(mask_row, q_block, k_block, valid), k_pos, INT_MAX)
+            dk, dv = _dkdv_step(
+                dk, dv, k, v, k_pos_use, Q, DO, Lse, Delta, QPos, DQ, t * BLOCK_M, b, h, qk_scale, sm_scale, Sq,
+                stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
+                BLOCK_M, HEAD_DIM, True, DQ_MODE,
+            )  # fmt: skip
+        out_off = b * stride_dkb + cols[:, None] * stride_dks + hk * stride_dkh + d[None, :]
+        tl.atomic_add(DK + out_off, dk * sm_scale, mask=valid[:, None])
+        tl.atomic_add(DV + out_off, dv, mask=valid[:, None])
+
+
+@triton.jit
+def _row_delta_kernel(
+    DO, Out, Delta,  # [B, S, H, D], [B, S, H, D], [B, H, S] f32
+    R, H, S,  # R = B * S * H rows, row = (b, s, h)
+    stride_dob, stride_dos, stride_doh,
+    stride_deltab, stride_deltah,
+    stride_ob, stride_os, stride_oh,
+    BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Delta[b, h, s] = sum_d dO * O in float32 for BLOCK_R rows."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < R
+    b = rows // (S * H)
+    s = (rows // H) % S
+    h = rows % H
+    d = tl.arange(0, HEAD_DIM)
+    do = tl.load(
+        DO + (b * stride_dob + s * stride_dos + h * stride_doh)[:, None] + d[None, :], mask=ok[:, None], other=0.0
+    )
+    o = tl.load(
+        Out + (b * stride_ob + s * stride_os + h * stride_oh)[:, None] + d[None, :], mask=ok[:, None], other=0.0
+    )
+    tl.store(
+        Delta + b * stride_deltab + h * stride_deltah + s, tl.sum(do.to(tl.float32) * o.to(tl.float32), 1), mask=ok
+    )

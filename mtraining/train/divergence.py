@@ -1,0 +1,26 @@
+"""Stop a diverged run before its NaN reaches the weights, a checkpoint or the export."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .errors import Diverged
+
+
+def check_finite(step: int, loss: float, grad_norm: float, last_checkpoint: Path | None) -> None:
+    """Raise ``Diverged`` unless the loss and gradient norm of (1-based) ``step`` are finite.
+
+    Call it at the optimizer step, before the update: the weights then stay those of the last good
+    step, and every rank raises (both values are reduced over all ranks).
+    """
+    values = (("loss", loss), ("gradient norm", grad_norm))
+    bad = [f"the {name} is {value}" for name, value in values if not math.isfinite(value)]
+    if not bad:
+        return
+    where = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved yet"
+    raise Diverged(
+        f"step {step} diverged: {' and '.join(bad)}. The step was not applied, so no weight, checkpoint or export "
+        f"holds it; {where}. Lower optim.lr, lengthen optim.warmup_steps or set optim.grad_clip and run again "
+        "(resuming with changed optim settings needs checkpoint.allow_changed_schedule=true)"
+    )

@@ -1,0 +1,94 @@
+"""Token streams read window by window, the token cache (once per content and tokenizer), token-file scans."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mtraining.data import cache as cache_module
+from mtraining.data.cache import TokenCache
+from mtraining.data.documents import DataError
+from mtraining.data.tokenizer import TextTokenizer
+from mtraining.data.tokens import TokenStream, open_token_file, scan_max
+
+DATA = Path(__file__).resolve().parents[2] / "data"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TextTokenizer:
+    return TextTokenizer(DATA / "tokenizer.json")
+
+
+def test_stream_windows_cross_file_boundaries():
+    rng = np.random.default_rng(0)
+    parts = [rng.integers(0, 500, n).astype(dtype) for n, dtype in ((5, np.uint16), (1, np.uint32), (9, np.int32))]
+    stream, whole = TokenStream(parts + [np.empty(0, np.uint16)]), np.concatenate(parts).astype(np.int64)
+    assert len(stream) == 15
+    for start in range(16):
+        for stop in range(start, 16):
+            window = stream.read(start, stop)
+            assert window.dtype == np.int64 and np.array_equal(window, whole[start:stop])
+    with pytest.raises(IndexError):
+        stream.read(10, 16)
+
+
+def test_token_files_are_memory_mapped_and_scanned_in_chunks(tmp_path, monkeypatch):
+    ids = np.arange(1000, dtype=np.uint32)[::-1].copy()
+    ids[500] = 70000
+    np.save(tmp_path / "a.npy", ids)
+    ids.astype(np.int64).tofile(tmp_path / "b.bin")
+    assert isinstance(open_token_file(tmp_path / "a.npy"), np.memmap)
+    monkeypatch.setattr("mtraining.data.tokens._SCAN_TOKENS", 64)  # many chunks, and a short last one
+    assert scan_max(tmp_path / "a.npy") == 70000
+    assert scan_max(tmp_path / "b.bin", "int64") == 70000
+    np.save(tmp_path / "neg.npy", np.array([3, -1], dtype=np.int32))
+    with pytest.raises(DataError, match="negative token id"):
+        scan_max(tmp_path / "neg.npy")
+    np.save(tmp_path / "f.npy", np.zeros(3, dtype=np.float32))
+    with pytest.raises(DataError, match="1-D integer array"):
+        open_token_file(tmp_path / "f.npy")
+
+
+def test_text_is_tokenised_once_per_content_and_tokenizer(tmp_path, tokenizer, monkeypatch):
+    source = tmp_path / "docs.jsonl"
+    source.write_text(json.dumps({"text": "Ada keeps the red lamp."}) + "\n" + json.dumps({"text": "Who?"}) + "\n")
+    cache = TokenCache(tmp_path / "cache")
+    eos = tokenizer.separator_id(None)
+    said: list[str] = []
+    entry = cache.tokenize(source, tokenizer, "text", eos, log=said.append)
+    expected = [i for doc in tokenizer.encode(["Ada keeps the red lamp.", "Who?"]) for i in (*doc, eos)]
+    assert entry.open().tolist() == expected and entry.documents == 2 and entry.max_id == max(expected)
+    assert entry.dtype == "uint16" and len(said) == 1
+
+    # a second call (another rank, another run) is a cache hit: no file is read in full again
+    monkeypatch.setattr(cache_module, "read_documents", lambda *a: pytest.fail("tokenised twice"))
+    opened = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda p, *a, **k: opened.append(str(p)) or real_open(p, *a, **k))
+    assert cache.tokenize(source, tokenizer, "text", eos, log=said.append) == entry and len(said) == 1
+    assert str(source) not in opened  # the content digest is remembered by path, size and mtime
+    monkeypatch.undo()
+
+    # the key covers the content, the text field, the separator and the tokenizer's bytes
+    assert cache.lookup(source, tokenizer, "body", eos) is None
+    assert cache.lookup(source, tokenizer, "text", eos + 1) is None
+    (tmp_path / "tok.json").write_text((DATA / "tokenizer.json").read_text() + "\n")  # other bytes
+    assert cache.lookup(source, TextTokenizer(tmp_path / "tok.json"), "text", eos) is None
+    source.write_text(json.dumps({"text": "Changed."}) + "\n")
+    assert cache.lookup(source, tokenizer, "text", eos) is None
+
+
+def test_a_failed_tokenisation_leaves_no_entry(tmp_path, tokenizer):
+    source = tmp_path / "docs.jsonl"
+    source.write_text(json.dumps({"text": "fine"}) + "\n" + "{broken\n")
+    cache = TokenCache(tmp_path / "cache")
+    with pytest.raises(DataError, match="docs.jsonl:2"):
+        cache.tokenize(source, tokenizer, "text", 0, log=lambda _: None)
+    assert not list((tmp_path / "cache" / "tokens").iterdir())
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "cache").write_text("a file, not a folder")
+    with pytest.raises(DataError, match="set data.cache_dir to a writable folder"):
+        TokenCache(tmp_path / "ro" / "cache").tokenize(source, tokenizer, "text", 0)
