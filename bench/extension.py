@@ -16,11 +16,14 @@ dynamic sparse attention, then compare retrieval and perplexity), in five resuma
    and the log, flat in ``--out`` (bench/extension_report.py).
 
 A stage whose output exists in ``--work`` is skipped, so a run that stops continues where it was
-(an interrupted training resumes from its last checkpoint); ``--max-minutes`` stops before starting
-a stage past that time, to fit a time-limited call (run the same command again to continue).
+(an interrupted training resumes from its last checkpoint). ``--max-minutes`` fits a time-limited
+call: at that time a training gets SIGTERM (it saves a checkpoint and stops), and no stage starts
+that would end later (an evaluation is expected to take as long as the longest one of this call);
+the run exits with status 3, and the same command continues it. Every stage logs its wall time.
 
-    python bench/extension.py --scale cpu                    # ~1 hour on 2 CPU cores; writes bench/results/
-    python bench/extension.py --scale gpu --out $OUT         # one H200 (see configs/README.md)
+    python bench/extension.py --scale cpu                    # ~1.5 hours on 2 CPU cores; writes bench/results/
+    python bench/extension.py --scale gpu-smoke --out $OUT   # the GPU path in miniature, ~2 minutes
+    python bench/extension.py --scale gpu --max-minutes 8.5 --out $OUT   # one H200, two calls (BENCHMARKS.md)
     python bench/extension.py --scale toy --work /tmp/w --out /tmp/o   # the pipeline in miniature
 """
 
@@ -32,6 +35,7 @@ import math
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -49,10 +53,11 @@ import extension_report  # noqa: E402
 import extension_text  # noqa: E402
 from common import RESULTS_DIR, command_line, commit, device_name  # noqa: E402
 from extension_corpus import Shape  # noqa: E402
-from extension_settings import SCALES, Budget, Scale, Stage  # noqa: E402
+from extension_settings import SCALES, SWEEP, Budget, Scale, Stage  # noqa: E402
 
 LOG: list[Path] = []
 T0 = time.time()
+EVAL_S: list[float] = []  # wall time of each evaluation of this call
 
 
 class OutOfTime(Exception):
@@ -84,12 +89,16 @@ def cpu_seconds() -> float:
 
 
 class Clock:
-    """CPU time (``cpu_seconds``) and wall time of one stage; refuses to start one past --max-minutes."""
+    """CPU time (``cpu_seconds``) and wall time of one stage; refuses to start one that would end past
+    --max-minutes (``expected``: how long the stage is expected to take; trainings stop at the deadline)."""
 
     deadline: float | None = None
 
+    def __init__(self, expected: float = 0.0) -> None:
+        self.expected = expected
+
     def __enter__(self) -> Clock:
-        if Clock.deadline is not None and time.time() > Clock.deadline:
+        if Clock.deadline is not None and time.time() + self.expected > Clock.deadline:
             raise OutOfTime
         self.started, self.before = time.time(), cpu_seconds()
         return self
@@ -166,7 +175,10 @@ def train_config(
             lr=stage.lr, warmup_steps=min(stage.warmup, stage.steps), min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0
         ),
         train=dict(
-            steps=stage.steps, device=scale.device, seed=seed, activation_checkpointing=scale.activation_checkpointing
+            steps=stage.steps,
+            device=scale.device,
+            seed=seed,
+            activation_checkpointing=extension and scale.activation_checkpointing,
         ),
         checkpoint=dict(
             dir=str(run / "checkpoints"), every=scale.checkpoint_every, resume=True, export_dir=str(run / "export")
@@ -176,19 +188,24 @@ def train_config(
 
 
 def read_metrics(run: Path) -> list[dict]:
-    """The run's metrics.jsonl, one record per step (a resumed run's repeated steps: the last one)."""
+    """The run's metrics.jsonl, one record per step (a resumed run's repeated steps: the last one; no event rows)."""
     path = run / "log" / "metrics.jsonl"
     by_step = {}
     if path.exists():
         for line in path.read_text().splitlines():
             if line.strip().endswith("}"):
                 record = json.loads(line)
-                by_step[record["step"]] = record
+                if "event" not in record:  # start / resume markers
+                    by_step[record["step"]] = record
     return [by_step[s] for s in sorted(by_step)]
 
 
 def train(run: Path, config: dict) -> dict:
-    """``mtraining train`` (under torchrun for several ranks) unless ``run/summary.json`` exists."""
+    """``mtraining train`` (under torchrun for several ranks) unless ``run/summary.json`` exists.
+
+    Past the --max-minutes deadline the run gets SIGTERM (it saves a checkpoint and exits 143) and
+    ``OutOfTime`` is raised; the next call resumes it from that checkpoint. Wall and CPU time add up
+    over the calls (``segments.jsonl``: one line per call)."""
     summary_path = run / "summary.json"
     if summary_path.exists():
         return json.loads(summary_path.read_text())
@@ -201,18 +218,26 @@ def train(run: Path, config: dict) -> dict:
     say(f"train {run.parent.name}/{run.name}: {steps} steps at {seq} tokens on {nproc} rank(s)")
     with Clock() as clock, open(run / "train.log", "a") as log:
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        status = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-    if status != 0:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        stopped = _wait(proc)
+    with open(run / "segments.jsonl", "a") as f:
+        f.write(json.dumps({"wall_s": clock.wall_s, "cpu_s": clock.cpu_s, "stopped": stopped}) + "\n")
+    if stopped:
+        say(f"  stopped at the deadline after {clock.wall_s:.0f}s wall (exit {proc.returncode}); resumes next call")
+        raise OutOfTime
+    if proc.returncode != 0:
         tail = "\n".join((run / "train.log").read_text().splitlines()[-15:])
-        raise RuntimeError(f"training {run} failed (exit {status}); the end of its train.log:\n{tail}")
+        raise RuntimeError(f"training {run} failed (exit {proc.returncode}); the end of its train.log:\n{tail}")
     metrics = read_metrics(run)
     last = metrics[-10:]
+    segments = [json.loads(line) for line in (run / "segments.jsonl").read_text().splitlines()]
     summary = dict(
         run=f"{run.parent.name}/{run.name}",
         commit=commit(),
         config=config,
-        wall_s=clock.wall_s,
-        cpu_s=clock.cpu_s,
+        wall_s=round(sum(seg["wall_s"] for seg in segments), 1),
+        cpu_s=round(sum(seg["cpu_s"] for seg in segments), 1),
+        calls=len(segments),
         steps=len(metrics),
         curve=[{k: m[k] for k in ("step", "loss", "density", "recall") if k in m} for m in metrics],
         final_loss=sum(m["loss"] for m in last) / len(last),
@@ -226,8 +251,20 @@ def train(run: Path, config: dict) -> dict:
     shutil.rmtree(run / "checkpoints", ignore_errors=True)  # the export is what later stages read
     write_json(summary_path, summary)
     extra = f", density {summary['density']:.3f}, recall {summary['recall']:.3f}" if densities else ""
-    say(f"  loss {summary['final_loss']:.3f}, {clock.wall_s:.0f}s wall, {clock.cpu_s:.0f}s cpu{extra}")
+    say(f"  loss {summary['final_loss']:.3f}, {summary['wall_s']:.0f}s wall, {summary['cpu_s']:.0f}s cpu{extra}")
     return summary
+
+
+def _wait(proc: subprocess.Popen) -> bool:
+    """Wait for ``proc``; past ``Clock.deadline`` send it SIGTERM and wait for its exit. True if stopped so."""
+    timeout = None if Clock.deadline is None else max(0.0, Clock.deadline - time.time())
+    try:
+        proc.wait(timeout=timeout)
+        return False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait()
+        return True
 
 
 def base_model(scale: Scale, work: Path, data: dict, seed: int) -> tuple[Path, list[dict]]:
@@ -256,11 +293,11 @@ def extensions(scale: Scale, work: Path, data: dict, base: Path, seed: int) -> d
 def eval_plan(scale: Scale) -> list[tuple[str, str, Budget | None]]:
     """(label, model, sparse budget or None): the base dense; the dense extension dense and at every sparse
     budget (sparse inference on a dense-trained model); each sparse extension at its own budget and dense.
-    Without ``scale.every_inference`` the cross evaluations are those of the default budget only."""
+    ``scale.cross`` says which cross evaluations run: all, the default budget's only, or none."""
     plan = [("base/dense", "base", None), ("dense/dense", "dense", None)]
     for b in scale.budgets:
         name = f"sparse-{b.name}"
-        cross = scale.every_inference or b.name == scale.default_budget
+        cross = scale.cross == "all" or (scale.cross == "default" and b.name == scale.default_budget)
         plan += [(f"dense/{name}", "dense", b)] if cross else []
         plan += [(f"{name}/{name}", name, b)] + ([(f"{name}/dense", name, None)] if cross else [])
     return plan
@@ -271,7 +308,7 @@ def evaluate(scale: Scale, work: Path, data: dict, label: str, export: Path, bud
     path = work / "eval" / (label.replace("/", "__") + ".json")
     if path.exists():
         return json.loads(path.read_text())
-    with Clock() as clock:
+    with Clock(expected=max(EVAL_S, default=0.0)) as clock:  # an evaluation cannot stop midway
         if scale.task == "text":
             result = extension_eval.evaluate_text(str(export), scale, budget, Path(data["heldout"]["path"]), seed)
         elif scale.ranks > 1:  # gloo ranks: the sequences go through the striped ring, as in training
@@ -285,6 +322,7 @@ def evaluate(scale: Scale, work: Path, data: dict, label: str, export: Path, bud
             result = extension_eval.evaluate_recall(
                 str(export), scale, budget, extension_eval.recall_documents(scale, seed)
             )
+    EVAL_S.append(clock.wall_s)
     result.update(
         commit=commit(),
         label=label,
@@ -353,13 +391,21 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=None, help="stage outputs (default: runs/extension_<scale>)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="flat folder for the results (default: bench/results)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budgets", default=None, help="sparse budgets to run, e.g. v10,t90 (default: all of the scale)")
+    p.add_argument(
+        "--budgets",
+        default=None,
+        help="sparse budgets to run, e.g. v10,t90 (default: the scale's); the first is the default unless the scale's default is among them",
+    )
     p.add_argument("--max-minutes", type=float, default=None, help="start no stage after this many minutes")
     args = p.parse_args()
     scale = SCALES[args.scale]
     if args.budgets:
         names = [b.strip() for b in args.budgets.split(",") if b.strip()]
-        scale = replace(scale, budgets=tuple(scale.budget(n) for n in names))
+        known = {b.name: b for b in (*SWEEP, *scale.budgets)}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            p.error(f"unknown budgets {unknown}; use some of {sorted(known)}")
+        scale = replace(scale, budgets=tuple(known[n] for n in names))
         if scale.default_budget not in names:
             scale = replace(scale, default_budget=names[0])
     work = args.work or ROOT / "runs" / f"extension_{scale.name}"

@@ -15,6 +15,7 @@ in a fixed order (the same documents for every model), so the report can pair tw
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from extension_corpus import eval_set
@@ -84,16 +85,18 @@ def evaluate_text(export: str, scale: Scale, budget: Budget | None, heldout: Pat
     tok = loaded.tokenizer
     docs = load_documents([heldout])
     depths = [100 * d for d in scale.depths]
+    # every model of the experiment has the corpus' tokenizer: its prompts are built once per process
+    cache = _PROMPTS.setdefault(hashlib.sha256((Path(export) / "tokenizer.json").read_bytes()).hexdigest(), {})
     out = {"tasks": {"niah": {}, "ruler": {}}, "ppl": {}, "density": {}}
     for n in scale.lengths:
         engine = Engine(loaded.model, spec(scale, budget, n), None)
-        prompting = Prompting(samples=scale.niah_samples, seed=seed, show_progress=False)
+        prompting = Prompting(samples=scale.niah_samples, seed=seed, show_progress=False, cache=cache)
         niah = run_niah(engine, tok, [n], depths, prompting)
         out["tasks"]["niah"][str(n)] = {
             "documents": [{"hits": r["score"], "answers": 1} for r in niah["records"]],
             "grid": {"depths": scale.depths, "scores": [row[0] for row in niah["scores"]]},
         }
-        prompting = Prompting(samples=scale.ruler_samples, seed=seed, show_progress=False)
+        prompting = Prompting(samples=scale.ruler_samples, seed=seed, show_progress=False, cache=cache)
         ruler = run_ruler(engine, tok, scale.ruler_tasks, [n], prompting)
         out["tasks"]["ruler"][str(n)] = {
             "documents": [{"hits": r["score"], "answers": 1} for r in ruler["records"]],
@@ -110,6 +113,9 @@ def evaluate_text(export: str, scale: Scale, budget: Budget | None, heldout: Pat
             )
         out["density"][str(n)] = _mean(engine.densities)
     return out
+
+
+_PROMPTS: dict[str, dict] = {}  # tokenizer.json's SHA-256 -> Prompting.cache
 
 
 def _device(scale: Scale) -> str:

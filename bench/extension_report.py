@@ -161,6 +161,7 @@ def plots(scale: Scale, evaluations: dict[str, dict], summary: dict, out: Path) 
     curves = [
         (label, [{"length": scale.long, "buckets": ppl_curve(evaluations[label]["ppl"][long])}])
         for label in ("base/dense", "dense/dense", f"dense/{default}", f"{default}/{default}")
+        if label in evaluations
     ]
     paths["ppl"] = ppl_by_position(curves, out / f"{prefix}_ppl.png")
     paths["budget"] = _budget_plot(scale, summary, out / f"{prefix}_budget.png")

@@ -1,14 +1,15 @@
 """Settings of the context-extension experiment (bench/extension.py): model, curriculum, extension, budgets, evaluation.
 
-``SCALES`` holds the three scales: ``cpu`` (run and committed: 2 gloo ranks, the torch backend),
-``gpu`` (one H200: L0 = 4K, 8 L0 = 32K, a ~100M model, NIAH and RULER), and ``toy`` / ``toy-text``
-(the CPU and the GPU pipelines in miniature, for the tests).
+``SCALES`` holds the scales: ``cpu`` (run and committed: 2 gloo ranks, the torch backend),
+``gpu`` (one H200: L0 = 4K, 8 L0 = 32K, a ~105M model, NIAH and RULER), ``gpu-smoke`` (the GPU
+path in miniature on a GPU, to catch GPU-only errors before the real run), and ``toy`` /
+``toy-text`` (the CPU and the GPU pipelines in miniature on the CPU, for the tests).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from extension_corpus import Shape, Vocab
 
@@ -97,8 +98,12 @@ class Scale:
     ruler_samples: int = 8  # text: prompts per (task, length)
     ruler_tasks: tuple[str, ...] = TASKS
     checkpoint_every: int = 50
-    every_inference: bool = True  # also evaluate the dense extension at every budget and each sparse one dense
-    activation_checkpointing: bool = False
+    cross: str = "all"  # cross evaluations (dense extension sparse, sparse extensions dense): all, default, none
+    activation_checkpointing: bool = False  # in the extensions (the base trains at L0 without)
+
+    def __post_init__(self) -> None:
+        if self.cross not in ("all", "default", "none"):
+            raise ValueError(f"cross must be 'all', 'default' or 'none', got {self.cross!r}")
 
     @property
     def lengths(self) -> list[int]:
@@ -153,6 +158,29 @@ SWEEP = (
 _CPU_VOCAB = Vocab()
 _TOY_VOCAB = Vocab(keys=32, values=32, words=32)
 _GPU_VOCAB = 2048
+_TOY_TEXT = Scale(  # the GPU scale's path (text corpus, NIAH/RULER, one process) in miniature on the CPU
+    name="toy-text",
+    task="text",
+    model=qwen2(128, 2, 2, 1, 384, 4096),  # head dim 64, as the Triton kernels take
+    text_vocab=384,
+    l0=512,
+    curriculum=(Stage(512, 3, 2, 1e-3, repeat=True),),
+    extension=Stage(1024, 2, 1, 1e-3),
+    base_theta=10_000.0,
+    theta_factor=2.0,
+    factor=2,
+    budgets=(Budget("v10", v=1 / 16, s=1 / 16),),
+    default_budget="v10",
+    base_ranks=1,
+    ranks=1,
+    eval_docs=2,
+    depths=(0.0, 1.0),
+    niah_samples=1,
+    ruler_samples=1,
+    ruler_tasks=("niah_multikey", "vt"),
+    checkpoint_every=2,
+    activation_checkpointing=True,
+)
 SCALES = {
     "cpu": Scale(
         name="cpu",
@@ -170,21 +198,23 @@ SCALES = {
         base_theta=10_000.0,
         theta_factor=16.0,
         budgets=SWEEP,
-        default_budget="v10",
+        default_budget="v30",  # the sparsest at parity (density 0.25 in training; bench/results/extension_cpu.md)
     ),
     "gpu": Scale(
         name="gpu",
         task="text",
-        # ~100M parameters: 12 x (attention 1.38M + MLP 7.08M) + 1.6M tied embedding
+        # 105M parameters: 12 x (attention 1.57M + MLP 7.08M) + 1.6M tied embedding
         model=qwen2(768, 12, 12, 4, _GPU_VOCAB, 65536),
         text_vocab=_GPU_VOCAB,
         l0=4096,
-        curriculum=(Stage(1024, 200, 64, 1e-3, repeat=True), Stage(1024, 600, 64, 1e-3), Stage(4096, 300, 16, 6e-4)),
-        extension=Stage(32768, 150, 2, 3e-4),
+        # ~42.6M base tokens and 6.6M extension tokens per run: sized for two 10-minute calls on one H200
+        # (estimate in BENCHMARKS.md, "Context extension")
+        curriculum=(Stage(1024, 150, 64, 1e-3, repeat=True), Stage(1024, 300, 64, 1e-3), Stage(4096, 200, 16, 6e-4)),
+        extension=Stage(32768, 100, 2, 3e-4),
         base_theta=10_000.0,
         theta_factor=16.0,
-        budgets=tuple(b for b in SWEEP if b.name != "v50"),
-        default_budget="v10",
+        budgets=(SWEEP[2],),  # the default only (the sweep is the CPU scale's)
+        default_budget="v30",
         block_size=128,
         local_window=128,
         base_ranks=1,
@@ -192,10 +222,13 @@ SCALES = {
         device="cuda",
         dtype="bfloat16",
         backend="auto",
-        eval_docs=16,
-        ruler_samples=4,
-        every_inference=False,  # generation dominates the GPU time: the default budget's cross evaluations only
-        checkpoint_every=100,
+        eval_docs=8,
+        niah_samples=10,  # x 5 depths: 50 prompts per length
+        ruler_samples=3,
+        # the needle variants and variable tracking: the formats the corpus trains (not cwe, fwe)
+        ruler_tasks=("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt"),
+        cross="none",  # generation dominates the GPU time: base, dense and sparse extension, each in its own attention
+        checkpoint_every=50,
         activation_checkpointing=True,
     ),
     "toy": Scale(
@@ -217,26 +250,19 @@ SCALES = {
         depths=(0.0, 1.0),
         checkpoint_every=2,
     ),
-    "toy-text": Scale(  # the GPU scale's path (text corpus, NIAH/RULER, one process) in miniature on the CPU
-        name="toy-text",
-        task="text",
-        model=qwen2(32, 2, 2, 1, 384, 2048),
-        text_vocab=384,
-        l0=512,
-        curriculum=(Stage(512, 3, 2, 1e-3, repeat=True),),
-        extension=Stage(1024, 2, 1, 1e-3),
-        base_theta=10_000.0,
-        theta_factor=2.0,
-        factor=2,
-        budgets=(Budget("v10", v=1 / 16, s=1 / 16),),
-        default_budget="v10",
-        base_ranks=1,
-        ranks=1,
-        eval_docs=2,
-        depths=(0.0, 1.0),
-        niah_samples=1,
-        ruler_samples=1,
-        ruler_tasks=("niah_multikey", "vt"),
-        checkpoint_every=2,
+    "toy-text": _TOY_TEXT,
+    # the same on a GPU, as the gpu scale runs it: bf16, Triton kernels (block 128), about two minutes
+    "gpu-smoke": replace(
+        _TOY_TEXT,
+        name="gpu-smoke",
+        l0=1024,
+        extension=Stage(2048, 2, 1, 1e-3),
+        curriculum=(Stage(1024, 3, 2, 1e-3, repeat=True),),
+        block_size=128,
+        local_window=128,
+        device="cuda",
+        dtype="bfloat16",
+        backend="auto",
+        cross="default",
     ),
 }

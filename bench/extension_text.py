@@ -18,9 +18,13 @@ token, so a needle costs about ten tokens and a number is copied digit by digit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import multiprocessing
+import os
 import random
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -111,32 +115,53 @@ def train_stream(
     path: Path, tokenizer: Path, tokens: int, seq_len: int, seed: int, stage: int, repeat: bool = False
 ) -> dict:
     """At least ``tokens`` tokens of training documents (EOS-separated) sized for ``seq_len``, as .npy: the
-    mixture, or repeated sentences (``repeat_document``) when ``repeat``."""
-    from mtraining.train.data import TextTokenizer
+    mixture, or repeated sentences (``repeat_document``) when ``repeat``.
 
-    tok = TextTokenizer(tokenizer)
-    eos = tok.separator_id(None)
+    Documents are generated and tokenised in chunks of ``_CHUNK`` seeds on every CPU core; the file is
+    the same whatever the number of cores (chunks are kept in seed order up to the first that reaches
+    ``tokens``)."""
     max_sentences = max(16, seq_len // 10)  # ~12 tokens per filler sentence: documents up to about one sample
     first = _SEED_BASE + 10_000_000 * stage + 100_000 * seed
-    parts, total = [], 0
-    while total < tokens:
-        seeds = range(first + len(parts), first + len(parts) + 256)
-        batch = (
-            [repeat_document(s, max_sentences) for s in seeds] if repeat else documents(seeds[0], 256, max_sentences)
-        )
-        for ids in tok.encode(batch):
-            parts.append(np.asarray(ids + [eos], dtype=np.uint16))
-            total += len(ids) + 1
+    # a chunk holds roughly _CHUNK x seq_len / 2 tokens; a pool pays only for several chunks per core
+    workers = min(os.cpu_count() or 1, math.ceil(tokens / (_CHUNK * seq_len / 2)) // 4)
+    parts: list[np.ndarray] = []
+    total, start = 0, first
+    with contextlib.ExitStack() as stack:
+        if workers > 1:
+            pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")))
+        while total < tokens:
+            jobs = [(str(tokenizer), start + i * _CHUNK, max_sentences, repeat) for i in range(max(workers, 1))]
+            start += len(jobs) * _CHUNK
+            for chunk in pool.map(_chunk, jobs) if workers > 1 else map(_chunk, jobs):
+                if total < tokens:
+                    parts.append(chunk)
+                    total += chunk.size
     stream = np.concatenate(parts)
     path.parent.mkdir(parents=True, exist_ok=True)
     np.save(path, stream)
     kind = "repeat" if repeat else "mixture"
-    return {"path": str(path), "tokens": int(stream.size), "seq_len": seq_len, "documents": len(parts), "kind": kind}
+    documents = len(parts) * _CHUNK
+    return {"path": str(path), "tokens": int(stream.size), "seq_len": seq_len, "documents": documents, "kind": kind}
+
+
+_CHUNK = 256  # documents per task of the corpus' process pool
+
+
+def _chunk(job: tuple[str, int, int, bool]) -> np.ndarray:
+    """``_CHUNK`` documents from seed ``first`` on, tokenised, each followed by EOS (one pool task)."""
+    tokenizer, first, max_sentences, repeat = job
+    from mtraining.data.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(tokenizer)
+    eos = tok.separator_id(None)
+    seeds = range(first, first + _CHUNK)
+    texts = [repeat_document(s, max_sentences) for s in seeds] if repeat else documents(first, _CHUNK, max_sentences)
+    return np.concatenate([np.asarray(ids + [eos], dtype=np.uint16) for ids in tok.encode(texts)])
 
 
 def heldout(path: Path, tokenizer: Path, min_tokens: int, count: int, seed: int) -> dict:
     """JSONL of ``count`` held-out recall logs of at least ``min_tokens`` tokens (perplexity by position)."""
-    from mtraining.train.data import TextTokenizer
+    from mtraining.data.tokenizer import TextTokenizer
 
     tok = TextTokenizer(tokenizer)
     docs, s, sentences = [], 0, min_tokens // 10

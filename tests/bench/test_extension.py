@@ -13,6 +13,8 @@ import math
 import os
 import subprocess
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +30,9 @@ import extension_text  # noqa: E402
 from extension_corpus import Shape, Vocab, eval_set, make_document, train_stream, write_tokenizer  # noqa: E402
 from extension_settings import SCALES, Budget  # noqa: E402
 
+from mtraining.data.tokenizer import TextTokenizer  # noqa: E402
 from mtraining.eval.ppl import position_buckets  # noqa: E402
-from mtraining.ops.estimate import PatternConfig  # noqa: E402
-from mtraining.train.data import TextTokenizer  # noqa: E402
+from mtraining.ops import PatternConfig  # noqa: E402
 
 V = Vocab(keys=64, values=64, words=64)
 
@@ -110,6 +112,46 @@ def test_budgets_scale_with_the_length_and_make_valid_patterns(scale):
     assert Budget("t", 0.1, 0.1, threshold=0.9).pattern(s.long, s)["threshold"] == 0.9
 
 
+def test_gpu_scales():
+    """The GPU scale meets the issue's sizes; its smoke test is the CPU-tested toy-text path on the GPU."""
+    gpu = SCALES["gpu"]
+    m = gpu.model
+    head = m["hidden_size"] // m["num_attention_heads"]
+    attention = m["hidden_size"] * head * (2 * m["num_attention_heads"] + 2 * m["num_key_value_heads"])
+    mlp = 3 * m["hidden_size"] * m["intermediate_size"]
+    assert m["num_hidden_layers"] * (attention + mlp) + m["vocab_size"] * m["hidden_size"] >= 100e6
+    assert (gpu.l0, gpu.long, gpu.device, gpu.backend) == (4096, 32768, "cuda", "auto")
+    assert gpu.niah_samples * len(gpu.depths) >= 50  # NIAH prompts per length
+    smoke, toy = SCALES["gpu-smoke"], SCALES["toy-text"]
+    assert (smoke.device, smoke.dtype, smoke.backend, smoke.block_size) == ("cuda", "bfloat16", "auto", 128)
+    same = {"task", "model", "budgets", "ranks", "niah_samples", "ruler_tasks", "activation_checkpointing"}
+    assert all(getattr(smoke, f) == getattr(toy, f) for f in same) and toy.activation_checkpointing
+    assert toy.model["hidden_size"] // toy.model["num_attention_heads"] == head  # the kernels' head dim
+    with pytest.raises(ValueError, match="cross"):
+        replace(toy, cross="some")
+
+
+def test_a_training_past_the_deadline_stops_and_resumes(tmp_path):
+    """SIGTERM at the deadline, OutOfTime, then the same call again finishes and counts both calls' time."""
+    scale = SCALES["toy"]
+    data = extension.corpus(scale, tmp_path, seed=0)
+    run = tmp_path / "stage0"
+    source = {"config": scale.model, "rope_theta": scale.base_theta}
+    config = extension.train_config(scale, scale.curriculum[0], run, data, "stage0", source, None, 0)
+    extension.Clock.deadline = time.time() + 1.0  # the trainer is still starting
+    try:
+        with pytest.raises(extension.OutOfTime):
+            extension.train(run, config)
+    finally:
+        extension.Clock.deadline = None
+    assert not (run / "summary.json").exists()
+    summary = extension.train(run, config)
+    assert summary["calls"] == 2 and summary["steps"] == scale.curriculum[0].steps
+    segments = [json.loads(line) for line in (run / "segments.jsonl").read_text().splitlines()]
+    assert [seg["stopped"] for seg in segments] == [True, False]
+    assert summary["wall_s"] == pytest.approx(sum(seg["wall_s"] for seg in segments), abs=0.2)
+
+
 def test_accuracy_difference_and_perplexity_statistics():
     a = [{"hits": 5, "answers": 5}] * 40 + [{"hits": 0, "answers": 5}] * 10
     b = [{"hits": 5, "answers": 5}] * 50
@@ -146,6 +188,12 @@ def _run(scale: str, work: Path, out: Path) -> subprocess.CompletedProcess:
     return proc
 
 
+def _steps(run: Path) -> list[dict]:
+    """The step rows of a run's metrics.jsonl (not its start / resume markers)."""
+    rows = [json.loads(line) for line in (run / "log" / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "event" not in r]
+
+
 def _check_outputs(scale_name: str, work: Path, out: Path) -> dict:
     scale = SCALES[scale_name]
     prefix = f"extension_{scale_name}"
@@ -178,14 +226,10 @@ def _check_outputs(scale_name: str, work: Path, out: Path) -> dict:
                 assert cell["percent"] == pytest.approx(
                     100 * sum(d["hits"] for d in docs) / sum(d["answers"] for d in docs)
                 )
-    metrics = [
-        json.loads(line) for line in (work / "extend" / "dense" / "log" / "metrics.jsonl").read_text().splitlines()
-    ]
-    losses = [m["loss"] for m in metrics][-10:]
+    losses = [m["loss"] for m in _steps(work / "extend" / "dense")][-10:]
     assert result["training"]["extend/dense"]["final_loss"] == pytest.approx(sum(losses) / len(losses))
     entry = result["summary"]["sweep"][0]
-    sparse_metrics = (work / "extend" / f"sparse-{entry['budget']['name']}" / "log" / "metrics.jsonl").read_text()
-    densities = [json.loads(line)["density"] for line in sparse_metrics.splitlines()]
+    densities = [m["density"] for m in _steps(work / "extend" / f"sparse-{entry['budget']['name']}")]
     assert entry["train_density"] == pytest.approx(sum(densities) / len(densities))
     assert 0 < entry["train_density"] < 1
     md = (out / f"{prefix}.md").read_text()
@@ -213,3 +257,8 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
     result = _check_outputs("toy-text", work, out)
     evaluation = result["evaluations"]["dense/sparse-v10"]
     assert set(evaluation["tasks"]) == {"niah", "ruler"} and evaluation["density"]["1024"] < 1
+    checkpointing = {
+        run: yaml.safe_load((work / run / "train.yaml").read_text())["train"]["activation_checkpointing"]
+        for run in ("base/stage0", "extend/dense", "extend/sparse-v10")
+    }
+    assert checkpointing == {"base/stage0": False, "extend/dense": True, "extend/sparse-v10": True}
