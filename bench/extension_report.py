@@ -311,6 +311,12 @@ def markdown(scale: Scale, result: dict, paths: dict[str, Path]) -> str:
         )
     lines += _table(head, rows) + ["", f"![accuracy against budget]({paths['budget'].name})", ""]
     lines += [f"Accuracy in the plot: {TASK_TITLES[task]}.", "", "## Training runs", ""]
+    lines += [
+        "The loss is the mean cross-entropy over every token of the training documents (filler, needles, "
+        "queries), each run under its own attention; `bench/extension_losses.py` splits it by token kind "
+        "(retrieval answers against the rest).",
+        "",
+    ]
     rows = [
         [name, str(t["steps"]), f"{t['final_loss']:.3f}", f"{t['wall_s']:.0f}", f"{t['cpu_s']:.0f}"]
         for name, t in result["training"].items()

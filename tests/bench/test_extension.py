@@ -250,6 +250,21 @@ def test_pipeline_at_toy_size_recall_task_resumes(tmp_path):
     second = json.loads((out / "extension_toy.json").read_text())
     assert second["summary"] == first["summary"]
 
+    # the training loss split by token kind, from the same exports
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(ROOT / "bench" / "extension_losses.py"), "--scale", "toy", "--work", str(work)]
+    proc = subprocess.run(cmd + ["--docs", "2", "--out", str(out / "losses.json")], capture_output=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = json.loads((out / "losses.json").read_text())["losses"]
+    assert set(losses) == {"dense/dense", "sparse-v10/dense", "sparse-v10/sparse-v10"}
+    scale = SCALES["toy"]
+    for parts in losses.values():
+        assert parts["answer"]["tokens"] == parts["queried key"]["tokens"] == 2 * scale.extension.pairs
+        assert parts["all"]["tokens"] == 2 * (scale.long - 1)
+        mean = sum(parts[k]["nll"] * parts[k]["tokens"] for k in ("answer", "queried key", "rest"))
+        assert parts["all"]["nll"] == pytest.approx(mean / parts["all"]["tokens"])
+    assert losses["sparse-v10/dense"] != losses["sparse-v10/sparse-v10"]
+
 
 def test_pipeline_at_toy_size_text_task(tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
