@@ -192,7 +192,11 @@ def _budget_plot(scale: Scale, summary: dict, path: Path) -> Path:
         cells = [e["accuracy"][task][str(n)] for e in summary["sweep"]]
         xs = [e["train_density"] for e in summary["sweep"]]
         ys = [c["percent"] for c in cells]
-        errs = [[c["percent"] - c["interval"][0] for c in cells], [c["interval"][1] - c["percent"] for c in cells]]
+        # a bootstrap interval (partial credit) need not contain its estimate: no negative bar
+        errs = [
+            [max(0.0, c["percent"] - c["interval"][0]) for c in cells],
+            [max(0.0, c["interval"][1] - c["percent"]) for c in cells],
+        ]
         line = ax.errorbar(xs, ys, yerr=errs, marker="o", linestyle="", capsize=3, label=f"sparse, {n} tokens")
         ax.axhline(dense[str(n)]["percent"], color=line[0].get_color(), linestyle="--", linewidth=1)
     for e in summary["sweep"]:

@@ -31,6 +31,10 @@ def wilson_interval(hits: int, total: int, z: float = 1.96) -> tuple[float, floa
     p = hits / total
     centre = (p + z * z / (2 * total)) / (1 + z * z / total)
     half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
+    if hits == total:  # centre + half is 1 in exact arithmetic; keep the bound from rounding below the estimate
+        return (100 * (centre - half), 100.0)
+    if hits == 0:
+        return (0.0, 100 * (centre + half))
     return (100 * max(0.0, centre - half), 100 * min(1.0, centre + half))
 
 

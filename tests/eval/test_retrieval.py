@@ -26,7 +26,8 @@ class Oracle:
 def test_wilson_interval_known_values():
     lo, hi = wilson_interval(45, 50)
     assert lo == pytest.approx(78.64, abs=0.01) and hi == pytest.approx(95.65, abs=0.01)
-    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 100.0
+    for n in (10, 100, 500):  # exact at the ends (rounding put 100 of 100 at 99.99999999999999)
+        assert wilson_interval(0, n)[0] == 0.0 and wilson_interval(n, n)[1] == 100.0
     assert all(math.isnan(x) for x in wilson_interval(0, 0))
 
 
