@@ -451,6 +451,9 @@ def extension_tables() -> str:
     """Context extension, dense vs sparse (bench/extension.py): accuracy by length and the budget sweep, per scale."""
     lines = []
     for path in sorted(RESULTS.glob("extension_*.json")):
+        if path.stem.endswith("_losses"):
+            lines += [_extension_losses(path), ""]
+            continue
         r = json.loads(path.read_text())
         s, tasks, lengths = r["summary"], r["tasks"], [str(n) for n in r["lengths"]]
         long = lengths[-1]
@@ -481,6 +484,17 @@ def extension_tables() -> str:
                 )
             )
         lines.append("")
+    return "\n".join(lines)
+
+
+def _extension_losses(path: Path) -> str:
+    """Mean NLL by token kind per extended model and attention (bench/extension_losses.py)."""
+    r = json.loads(path.read_text())
+    lines = [f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}`", ""]
+    kinds = ("answer", "queried key", "rest", "all")
+    lines += [_row(["model / attention"] + [f"NLL {k}" for k in kinds]), _row(["---"] * (len(kinds) + 1))]
+    for label, parts in r["losses"].items():
+        lines.append(_row([label] + [f"{parts[k]['nll']:.3f}" for k in kinds]))
     return "\n".join(lines)
 
 
