@@ -4,6 +4,9 @@ On a machine without a GPU the Triton kernels run in Triton's interpreter: TRITO
 set before any kernel module is imported (it is read when kernels are decorated), so it is set here,
 before test modules are collected. backend="auto" never picks the interpreter: tests that exercise
 the kernels on the CPU ask for backend="triton".
+
+GPU tests carry one marker, ``@pytest.mark.cuda`` (``cuda(gpus=2)`` for several GPUs): they are skipped
+here on a machine with fewer GPUs, and ``pytest -m cuda`` selects them. A ``skipif`` about GPUs is refused.
 """
 
 import os
@@ -29,3 +32,18 @@ def pool():
     p = ProcessPool()
     yield p
     p.close()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse GPU skipif's (one convention: the cuda marker) and skip cuda tests without enough GPUs."""
+    for item in items:
+        for mark in item.iter_markers("skipif"):
+            reason = mark.kwargs.get("reason", "")
+            if "cuda" in reason.lower() or "gpu" in reason.lower():
+                raise pytest.UsageError(
+                    f"{item.nodeid}: skipif({reason!r}); mark GPU tests @pytest.mark.cuda (gpus=N for N GPUs) instead"
+                )
+        marker = item.get_closest_marker("cuda")
+        gpus = marker.kwargs.get("gpus", 1) if marker is not None else 0
+        if torch.cuda.device_count() < gpus:
+            item.add_marker(pytest.mark.skip(reason=f"needs {gpus} CUDA GPU{'s' if gpus > 1 else ''}"))

@@ -11,44 +11,37 @@ results in group-rank order. ``fn`` must be importable (module level). Tasks and
 plain pickles (tensors copied, no shared-memory handles). A failure on any rank raises in the
 caller with that rank's traceback; a worker that dies is noticed at once, and workers that do not
 answer within ``grace_s`` of another's failure (blocked in a collective with it) or within
-``timeout`` (a hang, e.g. an unmatched send) are killed and the pool restarts on the next run
-(mtraining.train.launch.collect_replies).
+``timeout`` (a hang, e.g. an unmatched send) are killed and the pool restarts on the next run.
+The workers are ``mtraining.train.launch.LocalRanks`` (start, dead-rank detection, stop), as in ``run_local``.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
-import shutil
-import tempfile
-import traceback
 from collections.abc import Callable
 
 import torch.multiprocessing as mp
 
-from mtraining.train.launch import collect_replies
+from mtraining.train.launch import LocalRanks, answer, join_gloo, results_in_order
 
 GROUP_RANKS: dict[int, list[int] | None] = {1: [0], 2: [1, 3], 3: [0, 1, 2], 4: None}
 NPROCS = 4
 
 
-def _worker(rank: int, store_path: str, tasks, results) -> None:
+def _call(task: bytes, groups: dict) -> object:
+    fn, size, args = pickle.loads(task)
+    return fn(groups[size], *args)
+
+
+def _worker(rank: int, store_path: str, results, tasks: list) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, NPROCS)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=NPROCS, timeout=datetime.timedelta(seconds=60))
+    join_gloo(rank, NPROCS, store_path, group_timeout_s=60)
     groups = {size: (dist.new_group(ranks) if ranks is not None else None) for size, ranks in GROUP_RANKS.items()}
-    while (task := tasks.get()) is not None:
-        try:
-            fn, size, args = pickle.loads(task)
-            reply = ("ok", fn(groups[size], *args))
-        except BaseException:
-            reply = ("error", traceback.format_exc())
-        results.put((rank, pickle.dumps(reply)))
+    while (task := tasks[rank].get()) is not None:
+        results.put((rank, answer(_call, task, groups)))
     dist.destroy_process_group()
 
 
@@ -57,50 +50,31 @@ class ProcessPool:
 
     def __init__(self, timeout: float = 120.0, grace_s: float = 10.0) -> None:
         self.timeout, self.grace_s = timeout, grace_s
-        self._procs: list = []
-
-    def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self._dir = tempfile.mkdtemp(prefix="mtraining-gloo-")
-        self._results = ctx.Queue()
-        self._tasks = [ctx.Queue() for _ in range(NPROCS)]
-        store = os.path.join(self._dir, "store")
-        self._procs = [
-            ctx.Process(target=_worker, args=(r, store, self._tasks[r], self._results), daemon=True)
-            for r in range(NPROCS)
-        ]
-        for p in self._procs:
-            p.start()
+        self._ranks: LocalRanks | None = None
 
     def run(self, fn: Callable, world_size: int, *args) -> list:
         """fn(group, *args) on each rank of the world_size group; results in group-rank order."""
-        if not self._procs:
-            self._start()
+        if self._ranks is None:
+            self._tasks = [mp.get_context("spawn").Queue() for _ in range(NPROCS)]
+            self._ranks = LocalRanks.start(_worker, NPROCS, self._tasks, start_method="spawn")
         ranks = GROUP_RANKS[world_size] or list(range(NPROCS))
         task = pickle.dumps((fn, world_size, args))
         for r in ranks:
             self._tasks[r].put(task)
         try:
-            replies = collect_replies(self._results, self._procs, ranks, self.timeout, self.grace_s)
+            replies = self._ranks.collect(ranks, self.timeout, self.grace_s)
         except TimeoutError:
             self.close(polite=False)
             raise
         if any(status == "lost" for status, _ in replies.values()):
             self.close(polite=False)  # a dead or stuck worker: the next run starts a fresh pool
-        errors = [f"rank {r}:\n{msg}" for r, (status, msg) in sorted(replies.items()) if status != "ok"]
-        if errors:
-            raise AssertionError("\n".join(errors))
-        return [replies[r][1] for r in ranks]
+        return results_in_order(replies, ranks, AssertionError)
 
     def close(self, polite: bool = True) -> None:
         """Stop the workers (asked to finish, else by handle) and remove the store."""
-        for t in self._tasks if self._procs and polite else []:
+        if self._ranks is None:
+            return
+        for t in self._tasks if polite else []:
             t.put(None)
-        for p in self._procs:
-            p.join(timeout=10 if polite else 0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        if self._procs:
-            shutil.rmtree(self._dir, ignore_errors=True)
-        self._procs = []
+        self._ranks.stop(wait_s=10 if polite else 0)
+        self._ranks = None

@@ -6,10 +6,12 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from bench.synthetic import rope_structured_qkv
 from mtraining.ops import PatternConfig, attention_oracle, estimate_pattern
-from mtraining.ops.dense import dense_backend
+from mtraining.ops.dense import DenseBlocks, decompose, dense_backend
+from mtraining.ops.numerics import merge_partial
 from mtraining.parallel import make_layout, ring_attention
 from tests.factories import make_pattern, make_qkv
 from tests.numerics import assert_close
@@ -125,3 +127,36 @@ def _case_args(case: dict) -> tuple:
     unknown = set(case) - {"ring", "backend", "strided", "dense"}
     assert not unknown, unknown
     return case.get("ring"), case.get("backend", "torch"), case.get("strided", False), case.get("dense")
+
+
+def dense_ring_in_one_process(ops, layout, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, scale: float, acc) -> list:
+    """One process plays every rank of a dense ring through ``DenseBlocks(ops)``: each step's blocks, merged by
+    LSE, then each step's backward with the merged out (in q's dtype) and lse. [out, lse, dq, dk, dv] of the
+    full sequence, accumulated in ``acc``."""
+    world = layout.world_size
+    outs, lses, dqs = [], [], []
+    dks = [torch.zeros(layout.shard(k, 0).shape, dtype=acc, device=k.device) for _ in range(world)]
+    dvs = [torch.zeros_like(x) for x in dks]
+    for rank in range(world):
+        ql, dol = layout.shard(q, rank), layout.shard(dout, rank)
+        steps = [
+            DenseBlocks(ops, decompose(layout.positions(rank), layout.positions(src), max_blocks=None))
+            for src in range(world)
+        ]
+        out = lse = None
+        for src, blocks in enumerate(steps):
+            o, part_lse = blocks.forward(ql, layout.shard(k, src), layout.shard(v, src), scale, acc)
+            if out is None:
+                out, lse = o, part_lse
+            else:
+                merge_partial(out, lse, o, part_lse)
+        dq = torch.zeros(ql.shape, dtype=acc, device=q.device)
+        for src, blocks in enumerate(steps):
+            gq, gk, gv = blocks.backward(
+                dol, ql, layout.shard(k, src), layout.shard(v, src), out.to(q.dtype), lse, scale
+            )
+            dq += gq
+            dks[src] += gk
+            dvs[src] += gv
+        outs.append(out), lses.append(lse), dqs.append(dq)
+    return [layout.gather(got, dim=2 if i == 1 else 1) for i, got in enumerate([outs, lses, dqs, dks, dvs])]

@@ -112,7 +112,6 @@ class _Session:
             ring=opts.ring,
             inner_size=inner_size,
         )
-        self.spec.pattern_config()  # validate the sparse options before any work
         self.engine = Engine(self.loaded.model, self.spec, self.group)
         self.checkpoint = str(checkpoint)
         self.started = time.time()
@@ -165,7 +164,7 @@ class _Session:
             "label": self.opts.label or f"{self.loaded.name}-{self.spec.name}",
             "checkpoint": self.checkpoint,
             "attention": self.spec.name,
-            "pattern": _jsonable(self.spec.pattern) if self.spec.sparse else None,
+            "pattern": self.spec.pattern if self.spec.sparse else None,
             "dense_layers": list(self.spec.dense_layers) if self.spec.sparse else None,
             "sparse_density": sum(self.engine.densities) / len(self.engine.densities)
             if self.engine.densities
@@ -192,10 +191,6 @@ def _layers(text: str | None) -> tuple[int, ...]:
     if any(layer < 0 for layer in layers):
         raise ValueError(f"--dense-layers takes layer indices >= 0, got {text!r}")
     return layers
-
-
-def _jsonable(pattern: dict) -> dict:
-    return {k: (getattr(v, "source", str(v)) if k == "budgets" else v) for k, v in pattern.items()}
 
 
 def _run(command: str, nproc: int, body) -> None:
@@ -349,13 +344,7 @@ def ruler(
                 checkpoint, opts, prefill_granule, grid, haystack, text_field, seed, samples, max_new_tokens
             )
             result = run_ruler(s.engine, s.loaded.tokenizer, task_list, grid, prompting)
-            settings = {
-                "lengths": grid,
-                "tasks": task_list,
-                "samples": samples,
-                "seed": seed,
-                "max_new_tokens": max_new_tokens,
-            }
+            settings = _generated(grid, task_list, prompting)
         _save_table(s, "ruler", "RULER-style tasks", settings, result)
 
     _run("ruler", nproc, body)
@@ -402,13 +391,7 @@ def infinitebench(
             s.check(grid, generate=True)
             prompting = Prompting(samples, seed, max_new_tokens=max_new_tokens, show_progress=s.root)
             result = run_infinitebench(s.engine, s.loaded.tokenizer, task_list, grid, prompting)
-            settings = {
-                "lengths": grid,
-                "tasks": task_list,
-                "samples": samples,
-                "seed": seed,
-                "max_new_tokens": max_new_tokens,
-            }
+            settings = _generated(grid, task_list, prompting)
         _save_table(s, "infinitebench", "InfiniteBench", settings, result)
 
     _run("infinitebench", nproc, body)
@@ -455,6 +438,17 @@ class _Files:
             "truncate": self.truncate,
             "max_new_tokens": self.max_new_tokens,
         }
+
+
+def _generated(lengths: list[int], tasks: list[str], prompting: Prompting) -> dict:
+    """The settings of a ruler or infinitebench command whose prompts are generated from a seed."""
+    return {
+        "lengths": lengths,
+        "tasks": tasks,
+        "samples": prompting.samples,
+        "seed": prompting.seed,
+        "max_new_tokens": prompting.max_new_tokens,
+    }
 
 
 def _from_files(

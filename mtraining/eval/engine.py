@@ -1,9 +1,9 @@
 """Forward passes for evaluation: per-token loss of a long sequence, and prefill + greedy answer.
 
 Attention runs through the trainer's adapter (``mtraining.models``: ``attn_implementation=
-"mtraining"`` with an ``AttentionContext``), so a long prompt sees exactly the attention of
-training: dense or dynamic sparse, on one device or as a ring over a context-parallel group in a
-layout. ``attention_context`` is the one place that decides it.
+"mtraining"`` with an ``Attention``), so a long prompt sees exactly the attention of training:
+dense or dynamic sparse, on one device or as a ring over a context-parallel group in a layout.
+``Engine._attention`` is the one place that decides it.
 
 Context parallelism (``group`` with W > 1 ranks, e.g. under torchrun):
 
@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..models import ATTN_IMPLEMENTATION, AttentionContext, bind
-from ..parallel.layout import make_layout
+from ..models import ATTN_IMPLEMENTATION, Attention, bind
+from ..ops.pattern.estimate import PatternConfig
+from ..parallel.layout import Layout, make_layout
+from ..train.loss import IGNORE_INDEX, token_scores
 
-IGNORE = -100
 DECODE_ATTENTION = "sdpa"
 _LOGIT_ELEMENTS = 1 << 26  # lm-head chunk: at most this many logits at once (256 MB in float32)
 _TAIL_CHUNK = 256  # prompt tokens per dense step after the prefill (bounds the SDPA mask)
@@ -51,7 +51,8 @@ class AttentionSpec:
         layout: context-parallel layout name ("contiguous", "zigzag", "striped").
         block_size: kernel block G (also the layout's stripe).
         backend: "auto", "torch" or "triton".
-        pattern: ``PatternConfig`` fields (v_size, s_size, last_q, threshold, ...) for sparse runs.
+        pattern: ``PatternConfig.from_settings`` fields given (v_size, s_size, last_q, threshold, budgets: a
+            file's path, ...) for sparse runs.
         min_sparse_len: sequences shorter than this run dense even when ``sparse``.
         dense_layers: layers that run dense even when ``sparse`` (as ``attention.dense_layers`` in training).
         ring: "flat" or "hierarchical" context-parallel ring (``parallel.ring`` in training).
@@ -75,13 +76,9 @@ class AttentionSpec:
     def name(self) -> str:
         return "sparse" if self.sparse else "dense"
 
-    def pattern_config(self):
-        """The ``PatternConfig`` of sparse runs (None when dense)."""
-        if not self.sparse:
-            return None
-        from ..ops.pattern.estimate import PatternConfig
-
-        return PatternConfig(block_size=self.block_size, **self.pattern)
+    def pattern_config(self) -> PatternConfig | None:
+        """The ``PatternConfig`` of sparse runs (None when dense); ValueError for options that cannot run."""
+        return PatternConfig.from_settings(block_size=self.block_size, **self.pattern) if self.sparse else None
 
 
 def layout_unit(layout: str, world_size: int, block_size: int) -> int:
@@ -89,22 +86,6 @@ def layout_unit(layout: str, world_size: int, block_size: int) -> int:
     if world_size == 1:
         return block_size
     return (2 if layout == "zigzag" else 1) * world_size * block_size
-
-
-def attention_context(spec: AttentionSpec, group: dist.ProcessGroup | None, seq_len: int) -> AttentionContext:
-    """The attention a prefill of ``seq_len`` tokens runs (the one switch between paths)."""
-    world_size = 1 if group is None else dist.get_world_size(group)
-    layout = make_layout(spec.layout, seq_len, world_size, spec.block_size) if world_size > 1 else None
-    return AttentionContext(
-        group=group if world_size > 1 else None,
-        layout=layout,
-        pattern_config=spec.pattern_config(),
-        dense_layers=frozenset(spec.dense_layers),
-        min_sparse_len=spec.min_sparse_len,
-        backend=spec.backend,
-        ring=spec.ring,
-        inner_size=spec.inner_size,
-    )
 
 
 @contextlib.contextmanager
@@ -139,49 +120,59 @@ class Engine:
         if spec.prefill_granule < 1:
             raise ValueError(f"prefill_granule must be a positive number of tokens, got {spec.prefill_granule}")
         self.granule = math.lcm(self.unit, spec.prefill_granule)
+        self.pattern_config = spec.pattern_config()  # ValueError for sparse options that cannot run
         self.densities: list[float] = []  # mean kept fraction of causal pairs, per sparse prefill
 
     @property
     def is_root(self) -> bool:
         return self.rank == 0
 
+    def _attention(self, seq_len: int) -> Attention:
+        """The attention a prefill of ``seq_len`` tokens runs (the one switch between paths)."""
+        return Attention(
+            group=self.group,
+            layout=self._layout(seq_len) if self.group is not None else None,
+            pattern_config=self.pattern_config,
+            dense_layers=frozenset(self.spec.dense_layers),
+            min_sparse_len=self.spec.min_sparse_len,
+            backend=self.spec.backend,
+            ring=self.spec.ring,
+            inner_size=self.spec.inner_size,
+        )
+
     # ------------------------------------------------------------------ sharding
+    def _layout(self, seq_len: int) -> Layout:
+        return make_layout(self.spec.layout, seq_len, self.world_size, self.spec.block_size)
+
     def _local(self, full: Tensor, seq_len: int) -> Tensor:
         """This rank's part of a [1, seq_len] tensor (all of it on one process)."""
         if self.group is None:
             return full
-        return make_layout(self.spec.layout, seq_len, self.world_size, self.spec.block_size).shard(full, self.rank)
+        return self._layout(seq_len).shard(full, self.rank)
 
     def _prefill(self, ids: Tensor, cache=None) -> Tensor:
         """Run the base model on ``ids`` [seq] through the configured attention; local hidden states."""
         seq_len = ids.shape[0]
-        ctx = bind(self.model, attention_context(self.spec, self.group, seq_len))
+        attention = bind(self.model, self._attention(seq_len))
         positions = torch.arange(seq_len, device=self.device)
-        out = self.model.base_model(
-            input_ids=self._local(ids[None].to(self.device), seq_len),
-            position_ids=self._local(positions[None], seq_len),
-            past_key_values=cache,
-            use_cache=cache is not None,
-        )
-        if ctx.stats:
-            self.densities.append(sum(s.density for s in ctx.stats.values()) / len(ctx.stats))
+        with attention.forward(record="density"):
+            out = self.model.base_model(
+                input_ids=self._local(ids[None].to(self.device), seq_len),
+                position_ids=self._local(positions[None], seq_len),
+                past_key_values=cache,
+                use_cache=cache is not None,
+            )
+        density = attention.end_step().density
+        if density is not None:
+            self.densities.append(density)
         return out.last_hidden_state
 
     # ------------------------------------------------------------------ loss
     def _token_scores(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-        """float32 [S] loss of each position (0 where the label is ignored) and int64 [S] greedy next token,
-        lm head in chunks."""
-        head = self.model.get_output_embeddings()
-        softcap = getattr(self.model.config, "final_logit_softcapping", None)
-        chunk = max(1, _LOGIT_ELEMENTS // head.weight.shape[0])
-        nll, greedy = [], []
-        for start in range(0, hidden.shape[0], chunk):
-            logits = head(hidden[start : start + chunk]).float()
-            if softcap:
-                logits = torch.tanh(logits / softcap) * softcap
-            nll.append(F.cross_entropy(logits, labels[start : start + chunk], ignore_index=IGNORE, reduction="none"))
-            greedy.append(logits.argmax(-1))
-        return torch.cat(nll), torch.cat(greedy)
+        """float32 [S] loss of each position (0 where the label is ignored: training's loss, per token) and
+        int64 [S] the greedy next token."""
+        weight = self.model.get_output_embeddings().weight
+        return token_scores(hidden, weight, labels, chunk_tokens=max(1, _LOGIT_ELEMENTS // weight.shape[0]))
 
     @torch.no_grad()
     def token_scores(self, ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -196,11 +187,11 @@ class Engine:
                 f"length {seq_len} cannot be split by the {self.spec.layout} layout over {self.world_size} ranks; "
                 f"use lengths that are multiples of {self.unit}"
             )
-        labels = torch.cat([ids[1:], ids.new_full((1,), IGNORE)])  # shift on the full sequence, then shard
+        labels = torch.cat([ids[1:], ids.new_full((1,), IGNORE_INDEX)])  # shift on the full sequence, then shard
         hidden = self._prefill(ids)[0]
         scores = self._token_scores(hidden, self._local(labels[None].to(self.device), seq_len)[0])
         if self.group is not None:  # gathered on the device (NCCL needs device tensors)
-            layout = make_layout(self.spec.layout, seq_len, self.world_size, self.spec.block_size)
+            layout = self._layout(seq_len)
             gathered = []
             for local in scores:
                 shards = [torch.empty_like(local) for _ in range(self.world_size)]
@@ -220,7 +211,7 @@ class Engine:
 
         if self.group is None:
             return cache
-        layout = make_layout(self.spec.layout, prefix_len, self.world_size, self.spec.block_size)
+        layout = self._layout(prefix_len)
         full = DynamicCache(config=self.model.config) if self.is_root else None
         for idx, layer in enumerate(cache.layers):
             tensors = []

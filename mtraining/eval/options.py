@@ -63,13 +63,11 @@ class SessionOptions:
     ] = None
 
     def pattern(self) -> dict:
-        """The sparse pattern options given (budgets loaded from their YAML)."""
+        """The sparse pattern options given (``PatternConfig.from_settings`` fields; the budgets file as a path)."""
         names = ("v_size", "s_size", "last_q", "local_window", "threshold")
         pattern = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.budgets is not None:
-            from ..ops.pattern.budgets import load_budgets
-
-            pattern["budgets"] = load_budgets(self.budgets)
+            pattern["budgets"] = str(self.budgets)
         return pattern
 
     def ring_inner_size(self, world_size: int) -> int | None:

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
 
+from ..ops.pattern.estimate import PatternConfig
 from ..parallel.layout import make_layout
 
 
@@ -130,6 +131,21 @@ class AttentionSection(_Section):
     """A layer whose estimated pattern keeps more than this fraction of the causal pairs runs dense
     for that step: the sparse kernels are slower than dense attention (cuDNN on GPUs) there. The
     metrics count such layers (dense_fallback). null: always sparse."""
+
+    def pattern_config(self) -> PatternConfig | None:
+        """The estimation config of this section (None when attention is dense), for the trainer and the checks."""
+        if not self.sparse:
+            return None
+        sizes = {"v_size": self.v_size, "s_size": self.s_size} if self.budgets is None else {}
+        return PatternConfig.from_settings(
+            budgets=self.budgets,
+            **sizes,
+            last_q=self.last_q,
+            block_size=self.block_size,
+            sink_tokens=self.sink_tokens,
+            local_window=self.local_window,
+            threshold=self.threshold,
+        )
 
 
 class ParallelSection(_Section):
@@ -418,22 +434,21 @@ class Config(_Section):
         return inner
 
     def _check_pattern(self) -> None:
-        from ..ops.pattern.estimate import PatternConfig
-
         att, seq = self.attention, self.data.seq_len
-        budgets = {"v_size": att.v_size, "s_size": att.s_size, "last_q": att.last_q}
-        for name, value in budgets.items():
-            if att.budgets is None and value > seq:
+        given = [name for name in ("v_size", "s_size") if name in att.model_fields_set]
+        if att.budgets is not None and given:
+            raise ValueError(
+                f"attention: set either budgets or {' and '.join(given)}, not both: the budgets file replaces "
+                f"v_size and s_size; remove attention.{given[0]}"
+            )
+        sizes = {"v_size": att.v_size, "s_size": att.s_size} if att.budgets is None else {}
+        # a budgets file's sizes are checked against the sequence per layer when the pattern is estimated
+        sizes["last_q"] = att.last_q
+        for name, value in sizes.items():
+            if value > seq:
                 raise ValueError(f"attention.{name} ({value}) exceeds data.seq_len ({seq}); lower it to at most {seq}")
         try:
-            PatternConfig(
-                **({} if att.budgets is not None else {"v_size": att.v_size, "s_size": att.s_size}),
-                last_q=att.last_q,
-                block_size=att.block_size,
-                sink_tokens=att.sink_tokens,
-                local_window=att.local_window,
-                threshold=att.threshold,
-            )
+            att.pattern_config()
         except ValueError as err:
             raise ValueError(f"attention: {err}") from None
 

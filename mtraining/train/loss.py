@@ -1,10 +1,11 @@
 """Next-token cross-entropy that never holds the full-vocabulary logits of the whole sequence.
 
-``linear_cross_entropy`` multiplies hidden states by the LM head ``chunk_tokens`` rows at a time,
-takes the log-softmax in float32 and computes the gradients of hidden states and head weight in
+``linear_cross_entropy`` (training) multiplies hidden states by the LM head ``chunk_tokens`` rows at a
+time, takes the log-softmax in float32 and computes the gradients of hidden states and head weight in
 the same pass (so nothing of size tokens x vocab is kept for backward). On CUDA the per-chunk
 softmax-minus-onehot is one Triton kernel (ce_kernel.py); liger-kernel's fused loss can be used
-instead when it is installed (train.loss_impl=liger).
+instead when it is installed (train.loss_impl=liger). ``token_scores`` (evaluation) is the same
+loss per token, without gradients, with each token's greedy prediction.
 """
 
 from __future__ import annotations
@@ -73,13 +74,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden * grad_out.to(grad_hidden.dtype), (grad_weight * grad_out).to(ctx.weight_dtype), None, None
 
 
-def linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int = 4096, impl: str = "chunked"
-) -> Tensor:
-    """Summed next-token CE (float32 scalar; float64 for float64 inputs) of hidden [T, H] through head weight [V, H] against labels [T].
-
-    Labels equal to -100 are ignored. ``impl``: "chunked" (any device) or "liger" (CUDA, liger-kernel).
-    """
+def _check_labels(hidden: Tensor, weight: Tensor, labels: Tensor) -> None:
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(
             f"hidden must be [tokens, hidden] with labels [tokens], got {tuple(hidden.shape)} and {tuple(labels.shape)}"
@@ -90,6 +85,16 @@ def linear_cross_entropy(
             f"labels must lie in [0, vocab={weight.shape[0]}) or be {IGNORE_INDEX} (ignored): "
             "check that the tokenizer matches the model's vocabulary"
         )
+
+
+def linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int = 4096, impl: str = "chunked"
+) -> Tensor:
+    """Summed next-token CE (float32 scalar; float64 for float64 inputs) of hidden [T, H] through head weight [V, H] against labels [T].
+
+    Labels equal to -100 are ignored. ``impl``: "chunked" (any device) or "liger" (CUDA, liger-kernel).
+    """
+    _check_labels(hidden, weight, labels)
     if impl == "liger":
         try:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -101,6 +106,20 @@ def linear_cross_entropy(
     if impl != "chunked":
         raise ValueError(f"loss implementation must be 'chunked' or 'liger', got {impl!r}")
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens)
+
+
+@torch.no_grad()
+def token_scores(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int = 4096) -> tuple[Tensor, Tensor]:
+    """Next-token CE of each row (float32 [T]; float64 for float64 inputs; 0 where the label is -100) of
+    hidden [T, H] through head weight [V, H] against labels [T], and each row's greedy next token (int64
+    [T], the argmax of its logits), ``chunk_tokens`` rows of logits at a time."""
+    _check_labels(hidden, weight, labels)
+    losses, greedy = [], []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        logits = matmul_acc(hidden[start : start + chunk_tokens], weight.T)
+        greedy.append(logits.argmax(-1))  # before the row loss, whose kernel may reuse the chunk
+        losses.append(_rows_loss_and_grad(logits, labels[start : start + chunk_tokens], None)[0])
+    return torch.cat(losses), torch.cat(greedy)
 
 
 class CausalLMLoss(nn.Module):

@@ -19,15 +19,13 @@ from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from ..models import AttentionContext, bind, build_model
+from ..models import Attention, StepStats, bind, build_model
 from ..models.fused import use_liger_kernels
-from ..ops.pattern.budgets import load_budgets
-from ..ops.pattern.estimate import PatternConfig
 from ..parallel.layout import make_layout
 from ..parallel.topology import init_ring_groups
 from .agree import agree, from_rank0
 from .checkpoint import full_model_state, save_checkpoint
-from .config import AttentionSection, Config
+from .config import Config
 from .data import open_sources
 from .distributed import ParallelState, init_parallel
 from .divergence import check_finite
@@ -45,22 +43,6 @@ from .saved_outputs import device_memory, plan_saved_outputs, saved_outputs_byte
 from .signals import StopSignal
 from .summary import startup_summary
 from .watchdog import StepWatchdog, is_collective_failure
-
-
-def pattern_config(att: AttentionSection) -> PatternConfig | None:
-    """The estimation config of the attention section (None when attention is dense)."""
-    if not att.sparse:
-        return None
-    common = dict(
-        last_q=att.last_q,
-        block_size=att.block_size,
-        sink_tokens=att.sink_tokens,
-        local_window=att.local_window,
-        threshold=att.threshold,
-    )
-    if att.budgets is not None:
-        return PatternConfig(budgets=load_budgets(att.budgets), **common)
-    return PatternConfig(v_size=att.v_size, s_size=att.s_size, **common)
 
 
 def _head_dim(config) -> int:
@@ -113,20 +95,21 @@ class Trainer:
         self.layout = make_layout(att.layout, data.seq_len, par.cp_size, att.block_size)
         self.attention = bind(
             hf,
-            AttentionContext(
+            Attention(
                 group=par.cp_group,
                 layout=self.layout if par.cp_size > 1 else None,
-                pattern_config=pattern_config(att),
+                pattern_config=att.pattern_config(),
                 dense_layers=frozenset(att.dense_layers),
                 min_sparse_len=att.min_sparse_len,
                 max_density=att.max_density,
                 backend=att.backend,
                 ring=cfg.parallel.ring,
                 inner_size=self.inner_size,
-                replay_patterns={} if cfg.train.activation_checkpointing else None,
-                replay_outputs={} if cfg.train.save_attention_outputs is True else None,
+                checkpointed=cfg.train.activation_checkpointing,
             ),
         )
+        # each layer's attention (out, lse) kept for the checkpoint recompute (train/saved_outputs.py)
+        self.save_outputs = cfg.train.save_attention_outputs is True
         self._flops_matmul = self._flops_per_token(hf, 0.0)
         self._flops_attention = self._flops_per_token(hf, 1.0) - self._flops_matmul
         loss_model = CausalLMLoss(hf, cfg.train.loss_chunk_tokens, cfg.train.loss_impl)
@@ -227,22 +210,17 @@ class Trainer:
         scale = par.world_size / tokens.item()
         logged = (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps
         total = torch.zeros((), dtype=torch.float64, device=par.device)
-        self.attention.stats.clear()
         for m, (input_ids, labels, position_ids) in enumerate(micro):
             last = m == len(micro) - 1
             if cfg.train.defer_grad_sync:
                 self.model.set_requires_gradient_sync(last)
             recall = logged and last and cfg.log.recall  # the pattern metrics are the last micro-batch's
-            self.attention.record, self.attention.replay = ("recall" if recall else "density"), False
-            loss_sum = self.model(input_ids, labels, position_ids)
-            # activation checkpointing re-runs the forward in the backward: with the forward's patterns
-            # (attention.replay_patterns), recording nothing
-            self.attention.record, self.attention.replay = "off", True
+            with self.attention.forward(record="recall" if recall else "density", save_outputs=self.save_outputs):
+                loss_sum = self.model(input_ids, labels, position_ids)
             total += loss_sum.detach()
-            (loss_sum * scale).backward()
-            for saved in (self.attention.replay_patterns, self.attention.replay_outputs):
-                if saved is not None:
-                    saved.clear()
+            with self.attention.recompute():  # activation checkpointing re-runs each layer's forward in here
+                (loss_sum * scale).backward()
+        pattern = self.attention.end_step()
         dist.all_reduce(total)
         loss = total.item() / tokens.item()
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else float("inf")
@@ -254,7 +232,7 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return self._metrics(loss, grad_norm, lr, time.perf_counter() - start)
+        return self._metrics(loss, grad_norm, lr, time.perf_counter() - start, pattern)
 
     def _decide_saved_outputs(self) -> None:
         """train.save_attention_outputs=auto, after the first step: keep the outputs if they fit on every rank."""
@@ -268,18 +246,17 @@ class Trainer:
         act_bytes = DTYPES[self.cfg.model.dtype].itemsize
         saved = saved_outputs_bytes(c.num_hidden_layers, local_tokens, c.num_attention_heads, _head_dim(c), act_bytes)
         keep, why = plan_saved_outputs(int(peak.item()), saved, memory[1])
-        if keep:
-            self.attention.replay_outputs = {}
+        self.save_outputs = keep
         self.monitor.write(why)
 
-    def _metrics(self, loss: float, grad_norm: float, lr: float, elapsed: float) -> dict[str, float]:
-        stats = list(self.attention.stats.values())
-        density = sum(s.density for s in stats) / len(stats) if stats else None
-        recalls = [s.recall for s in stats if s.recall is not None]
+    def _metrics(
+        self, loss: float, grad_norm: float, lr: float, elapsed: float, pattern: StepStats
+    ) -> dict[str, float]:
+        stats = list(pattern.layers.values())
         tokens_per_s = self.tokens_per_step / elapsed
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens_per_s}
         if stats:
-            metrics["dense_fallback"] = sum(s.ran_dense for s in stats)
+            metrics["dense_fallback"] = pattern.dense_fallback
         if self._peak is not None:
             # Attention FLOPs actually computed: sparse layers at their density, the others dense.
             layers = self.hf_config.num_hidden_layers
@@ -289,10 +266,10 @@ class Trainer:
             metrics["mfu"] = executed * tokens_per_s / (self.par.world_size * self._peak * 1e12)
         metrics["peak_mem_gb"] = peak_memory_gb(self.par.device)
         metrics["step_s"] = elapsed
-        if density is not None:
-            metrics["density"] = density
-        if recalls:
-            metrics["recall"] = sum(recalls) / len(recalls)
+        if pattern.density is not None:
+            metrics["density"] = pattern.density
+        if pattern.recall is not None:
+            metrics["recall"] = pattern.recall
         return metrics
 
     # ------------------------------------------------------------------ persistence

@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.bench.scripts import load_script
 from tests.factories import make_pattern
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _peers():
-    spec = importlib.util.spec_from_file_location("block_sparse_peers", ROOT / "bench" / "block_sparse_peers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _pairs_per_block(pairs: torch.Tensor, block: int) -> torch.Tensor:
@@ -31,7 +20,7 @@ def _pairs_per_block(pairs: torch.Tensor, block: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("seq_len,seed", [(96, 0), (100, 1), (128, 2), (77, 3)])
 def test_a_block_is_kept_iff_the_pattern_has_a_pair_in_it(seq_len, seed):
-    peers = _peers()
+    peers = load_script("block_sparse_peers")
     pattern = make_pattern("random", 1, 3, seq_len, 16, seed)
     pos = torch.arange(seq_len)
     expected = _pairs_per_block(pattern.pair_mask(pos, pos), 16)
@@ -41,7 +30,7 @@ def test_a_block_is_kept_iff_the_pattern_has_a_pair_in_it(seq_len, seed):
 
 @pytest.mark.parametrize("seq_len,seed", [(96, 0), (100, 1), (77, 3)])
 def test_rounded_pattern_keeps_exactly_the_causal_pairs_of_the_kept_blocks(seq_len, seed):
-    peers = _peers()
+    peers = load_script("block_sparse_peers")
     pattern = make_pattern("random", 1, 3, seq_len, 16, seed)
     rounded = peers.rounded_pattern(pattern)
     pos = torch.arange(seq_len)
@@ -54,7 +43,7 @@ def test_rounded_pattern_keeps_exactly_the_causal_pairs_of_the_kept_blocks(seq_l
 
 
 def test_flex_block_mask_lists_the_kept_blocks_both_ways():
-    peers = _peers()
+    peers = load_script("block_sparse_peers")
     pattern = make_pattern("random", 1, 3, 100, 16, 4)
     kept = peers.block_mask(pattern)
     mask = peers.flex_block_mask(kept, 100, 16)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.bench.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,14 +39,6 @@ $L__tmp{tmp}:
 """
 
 
-def _tool():
-    sys.path.insert(0, str(ROOT / "bench"))  # ptx_compare imports bench/common.py as a script does
-    spec = importlib.util.spec_from_file_location("ptx_compare", ROOT / "bench" / "ptx_compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _ptx(**kw) -> str:
     args = dict(
         name="_fwd_kernel", line=53, line2=60, tmp=0, file="triton_kernels.py", instruction="add.s32 %r1, %r2, 1;"
@@ -62,7 +55,7 @@ def _dumps(tmp_path: Path, old: str, new: str) -> tuple[Path, Path]:
 
 
 def test_debug_lines_comments_and_names_do_not_count(tmp_path):
-    tool = _tool()
+    tool = load_script("ptx_compare")
     moved = _ptx(name="_attn_fwd", line=90, line2=12, tmp=7, file="kernels.py")
     assert tool.normalise_ptx(_ptx()) == tool.normalise_ptx(moved)
     assert "ld.param.b64 %rd1, [KERNEL_param_0];" in tool.normalise_ptx(moved)
@@ -71,7 +64,7 @@ def test_debug_lines_comments_and_names_do_not_count(tmp_path):
 
 
 def test_a_changed_instruction_is_reported_and_fails(tmp_path):
-    tool = _tool()
+    tool = load_script("ptx_compare")
     old, new = _dumps(tmp_path, _ptx(), _ptx(instruction="add.s32 %r1, %r2, 2;"))
     [record] = tool.compare(old, new)
     assert not record["identical"] and record["lines_changed"] == 2
@@ -105,7 +98,7 @@ SMALL_KERNEL = """.version 8.7
 
 
 def test_ptxas_compares_registers_and_sass(tmp_path):
-    tool = _tool()
+    tool = load_script("ptx_compare")
     if not tool._nvidia_bin("ptxas").exists():
         pytest.skip("this Triton has no bundled ptxas")
     old, new = _dumps(tmp_path, SMALL_KERNEL.format(name="a", value=7), SMALL_KERNEL.format(name="b", value=7))

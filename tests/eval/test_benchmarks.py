@@ -9,7 +9,6 @@ import json
 import re
 import shutil
 import statistics
-from pathlib import Path
 
 import pytest
 
@@ -18,27 +17,13 @@ from mtraining.eval.answers import middle_cut
 from mtraining.eval.documents import load_documents
 from mtraining.eval.infinitebench import FILLER, MAX_NEW_TOKENS, TASKS, generate, render
 from mtraining.eval.scoring import score
+from tests.eval.counting import bpe_count, words
 from tests.eval.official_samples import KEY, OTHER, infinitebench_files, needle_context, ruler_files, write_jsonl
-
-DATA = Path(__file__).resolve().parents[2] / "data"
-
-
-def words(text: str) -> int:
-    """A stand-in tokenizer: whitespace words."""
-    return len(text.split())
-
-
-@pytest.fixture(scope="module")
-def bpe_count():
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(DATA / "tokenizer.json"))
-    return lambda text: len(tok.encode(text).ids)
 
 
 # ---------------------------------------------------------------------------- generated tasks
 @pytest.mark.parametrize("task", TASKS)
-def test_generators_are_deterministic_and_fit(task, bpe_count):
+def test_generators_are_deterministic_and_fit(task):
     a = generate(task, 3000, 5, words)
     assert (a.prompt, a.answers) == (generate(task, 3000, 5, words).prompt, generate(task, 3000, 5, words).answers)
     assert a.prompt != generate(task, 3000, 6, words).prompt

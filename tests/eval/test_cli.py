@@ -18,22 +18,13 @@ from mtraining.eval.infinitebench import MAX_NEW_TOKENS, METRICS
 from mtraining.eval.infinitebench import TASKS as INFINITEBENCH
 from mtraining.eval.scoring import score
 from mtraining.models import build_model
+from tests.configs import TINY
 from tests.eval.official_samples import infinitebench_files, ruler_files
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "data" / "tokenizer.json"
 CORPUS = ROOT / "data" / "tiny_corpus.jsonl"
-TINY = dict(
-    model_type="qwen2",
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    tie_word_embeddings=True,
-)
+
 FAST = ["--block-size", "16", "--backend", "torch"]
 SPARSE = ["--attention", "sparse", "--v-size", "8", "--s-size", "32", "--last-q", "16", "--local-window", "16"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

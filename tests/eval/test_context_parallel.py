@@ -20,20 +20,10 @@ from mtraining.eval.engine import AttentionSpec, Engine
 from mtraining.eval.infinitebench import run_infinitebench
 from mtraining.eval.loading import load_tokenizer
 from mtraining.models import build_model
+from tests.configs import TINY as TINY_BASE
 from tests.eval.official_samples import infinitebench_files
 
-TINY = dict(
-    model_type="qwen2",
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-    initializer_range=0.2,
-)
+TINY = TINY_BASE | dict(max_position_embeddings=4096, initializer_range=0.2)
 G = 16
 TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizer.json"  # 512 tokens, as the model
 SEQ = 256  # a multiple of every layout's unit for 2 and 4 ranks (zigzag on 4: 2 * 4 * 16 = 128)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -15,21 +14,7 @@ from mtraining.eval.ppl import position_buckets
 from mtraining.eval.runtime import parse_lengths
 from mtraining.eval.scoring import match_all, match_any, mean_percent
 from mtraining.eval.tasks import MAX_NEW_TOKENS, TASKS, fit_knob, generate, top_words
-
-DATA = Path(__file__).resolve().parents[2] / "data"
-
-
-def words(text: str) -> int:
-    """A stand-in tokenizer: whitespace words."""
-    return len(text.split())
-
-
-@pytest.fixture(scope="module")
-def bpe_count():
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(DATA / "tokenizer.json"))
-    return lambda text: len(tok.encode(text).ids)
+from tests.eval.counting import bpe_count, words
 
 
 def context_of(prompt: str) -> str:
@@ -52,7 +37,7 @@ def test_generators_are_deterministic_and_fit(task):
 
 
 @pytest.mark.parametrize("length", [600, 4096])
-def test_generators_fit_a_real_tokenizer(length, bpe_count):
+def test_generators_fit_a_real_tokenizer(length):
     for task in TASKS:
         s = generate(task, length, seed=0, count_tokens=bpe_count)
         assert bpe_count(s.prompt) == s.prompt_tokens <= length - s.max_new_tokens

@@ -5,18 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtraining.models import AttentionContext, adapter, bind, build_config, build_model
+from mtraining.models import Attention, attention, bind, build_config, build_model
 from mtraining.ops.pattern.estimate import PatternConfig
+from tests.configs import SMALL
 
-SMALL = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
 ARCHS = {
     "qwen2": {},
     "qwen3": {"head_dim": 8},
@@ -50,13 +42,13 @@ def test_matches_eager_attention(model_type):
 
 def test_gqa_heads_are_passed_as_views_without_copies(monkeypatch):
     seen = []
-    real = adapter.sparse_attention
+    real = attention.sparse_attention
 
     def spy(q, k, v, *args, **kwargs):
         seen.append((q.shape[2], k.shape[2], k._base is not None))
         return real(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(adapter, "sparse_attention", spy)
+    monkeypatch.setattr(attention, "sparse_attention", spy)
     model, _ = _pair("qwen2")
     model(input_ids=torch.randint(0, 96, (1, 16)), use_cache=False)
     assert seen == [(4, 2, True)] * 2
@@ -74,7 +66,7 @@ def test_unsupported_features_fail_clearly():
         mistral(input_ids=ids, use_cache=False)
     sdpa = build_model(config=dict(model_type="llama", **SMALL), attn_implementation="sdpa")
     with pytest.raises(ValueError, match='attn_implementation="mtraining"'):
-        bind(sdpa, AttentionContext())
+        bind(sdpa, Attention())
     with pytest.raises(ValueError, match="not supported"):
         build_config(config=dict(model_type="gpt2"))
 
@@ -83,7 +75,7 @@ def test_sparse_needs_the_right_pattern_block_and_budget():
     model, _ = _pair("llama")
     bind(
         model,
-        AttentionContext(pattern_config=PatternConfig(v_size=64, s_size=64, last_q=8, block_size=16, local_window=16)),
+        Attention(pattern_config=PatternConfig(v_size=64, s_size=64, last_q=8, block_size=16, local_window=16)),
     )
     with pytest.raises(ValueError, match="lower v_size"):
         model(input_ids=torch.randint(0, 96, (1, 32)), use_cache=False)
@@ -118,49 +110,13 @@ def test_dense_fallback_above_max_density():
     ids = torch.randint(0, 96, (1, 64))
     sparse = PatternConfig(v_size=8, s_size=16, last_q=8, block_size=16, sink_tokens=2, local_window=16)
     ref = eager(input_ids=ids, use_cache=False).logits
-    ctx = bind(ours, AttentionContext(pattern_config=sparse, max_density=0.01))
-    torch.testing.assert_close(ours(input_ids=ids, use_cache=False).logits, ref, rtol=1e-6, atol=1e-6)
-    assert all(s.ran_dense and s.density > 0.01 for s in ctx.stats.values()) and len(ctx.stats) == 2
-    ctx = bind(ours, AttentionContext(pattern_config=sparse, max_density=None))
-    out = ours(input_ids=ids, use_cache=False).logits
-    assert not any(s.ran_dense for s in ctx.stats.values())
+    fallback = bind(ours, Attention(pattern_config=sparse, max_density=0.01))
+    with fallback.forward():
+        torch.testing.assert_close(ours(input_ids=ids, use_cache=False).logits, ref, rtol=1e-6, atol=1e-6)
+    stats = fallback.end_step()
+    assert all(s.ran_dense and s.density > 0.01 for s in stats.layers.values()) and stats.dense_fallback == 2
+    never = bind(ours, Attention(pattern_config=sparse, max_density=None))
+    with never.forward():
+        out = ours(input_ids=ids, use_cache=False).logits
+    assert never.end_step().dense_fallback == 0
     assert (out - ref).abs().max() > 1e-4  # the sparse pattern drops pairs: a different result
-
-
-def _recorded_forward(**replay):
-    """A sparse qwen2 bound with the given replay dicts, run once (replay off): (model, ids, ctx, logits)."""
-    ours, _ = _pair("qwen2")
-    ids = torch.randint(0, 96, (1, 64))
-    sparse = PatternConfig(v_size=8, s_size=16, last_q=8, block_size=16, sink_tokens=2, local_window=16)
-    ctx = bind(ours, AttentionContext(pattern_config=sparse, **replay))
-    return ours, ids, ctx, ours(input_ids=ids, use_cache=False).logits
-
-
-def test_replay_reuses_the_forward_patterns(monkeypatch):
-    """Under replay the forward's patterns come back (no second estimate) and the output is the forward's."""
-    ours, ids, ctx, first = _recorded_forward(replay_patterns={})
-    assert sorted(ctx.replay_patterns) == [0, 1]
-
-    def no_estimate(*args, **kwargs):
-        raise AssertionError("replay must not estimate again")
-
-    monkeypatch.setattr(adapter, "estimate_pattern", no_estimate)
-    ctx.replay = True
-    assert torch.equal(ours(input_ids=ids, use_cache=False).logits, first)
-    assert ctx.replay_patterns == {}  # each pattern is taken back once
-
-
-def test_replay_reuses_the_forward_outputs(monkeypatch):
-    """With replay_outputs, the replayed forward takes each layer's (out, lse) back: no attention runs."""
-    import mtraining.ops.sparse.attention as attention
-
-    ours, ids, ctx, first = _recorded_forward(replay_patterns={}, replay_outputs={})
-    assert sorted(ctx.replay_outputs) == [0, 1]
-
-    def no_attention(*args, **kwargs):
-        raise AssertionError("replay must not run attention again")
-
-    monkeypatch.setattr(attention, "attention_forward", no_attention)
-    ctx.replay = True
-    assert torch.equal(ours(input_ids=ids, use_cache=False).logits, first)
-    assert ctx.replay_outputs == {}

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mtraining.models import AttentionContext, bind, build_model
+from mtraining.models import Attention, bind, build_model
 from mtraining.ops.pattern.estimate import PatternConfig
 from mtraining.parallel.layout import make_layout
 from mtraining.train.launch import run_local
@@ -45,15 +45,14 @@ def _samples() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
 
 
-def _run(model, ctx: AttentionContext, ids, labels, pos) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
-    bind(model, ctx)
-    ctx.record = "recall"
-    loss = CausalLMLoss(model, chunk_tokens=100)(ids, labels, pos)
-    ctx.record = "off"
+def _run(model, attention: Attention, ids, labels, pos) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
+    bind(model, attention)
+    with attention.forward(record="recall"):
+        loss = CausalLMLoss(model, chunk_tokens=100)(ids, labels, pos)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    return loss.detach(), grads, dict(ctx.stats)
+    return loss.detach(), grads, attention.end_step().layers
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -67,7 +66,7 @@ def _compare_on_ranks() -> dict:
     model, samples = _model(), _samples()
     ids, labels, pos = samples[:, :-1], samples[:, 1:], torch.arange(SEQ)[None]
     references = {
-        name: _run(model, AttentionContext(pattern_config=cfg), ids, labels, pos)
+        name: _run(model, Attention(pattern_config=cfg), ids, labels, pos)
         for name, cfg in (("dense", None), ("small", SMALL))
     }
     report = {}
@@ -75,8 +74,8 @@ def _compare_on_ranks() -> dict:
         layout = make_layout(layout_name, SEQ, world, BLOCK)
         shard = shard_batch(samples, layout, rank)
         for case, cfg, ref in (("dense", None, "dense"), ("full", FULL, "dense"), ("small", SMALL, "small")):
-            ctx = AttentionContext(group=dist.group.WORLD, layout=layout, pattern_config=cfg, backend="torch")
-            loss, grads, stats = _run(model, ctx, shard.input_ids, shard.labels, shard.position_ids)
+            attention = Attention(group=dist.group.WORLD, layout=layout, pattern_config=cfg, backend="torch")
+            loss, grads, stats = _run(model, attention, shard.input_ids, shard.labels, shard.position_ids)
             dist.all_reduce(loss)
             for g in grads.values():
                 dist.all_reduce(g)
@@ -110,9 +109,9 @@ def test_context_parallel_equals_single_process(world_size):
 def test_single_device_sparse_small_budget_is_sparse_and_full_budget_is_dense():
     model, samples = _model(), _samples()
     ids, labels, pos = samples[:, :-1], samples[:, 1:], torch.arange(SEQ)[None]
-    dense = _run(model, AttentionContext(), ids, labels, pos)
-    full = _run(model, AttentionContext(pattern_config=FULL), ids, labels, pos)
-    small = _run(model, AttentionContext(pattern_config=SMALL), ids, labels, pos)
+    dense = _run(model, Attention(), ids, labels, pos)
+    full = _run(model, Attention(pattern_config=FULL), ids, labels, pos)
+    small = _run(model, Attention(pattern_config=SMALL), ids, labels, pos)
     assert float((full[0] - dense[0]).abs()) < 1e-10 and _max_diff(full[1], dense[1]) < 1e-10
     assert all(abs(s.recall - 1.0) < 1e-9 and s.density == 1.0 for s in full[2].values())
     assert all(0 < s.density < 1 and 0 < s.recall < 1 for s in small[2].values())
@@ -122,10 +121,10 @@ def test_single_device_sparse_small_budget_is_sparse_and_full_budget_is_dense():
 def test_dense_layers_and_min_sparse_len_fall_back_to_dense():
     model, samples = _model(), _samples()
     ids, labels, pos = samples[:, :-1], samples[:, 1:], torch.arange(SEQ)[None]
-    dense = _run(model, AttentionContext(), ids, labels, pos)
-    by_layer = _run(model, AttentionContext(pattern_config=SMALL, dense_layers=frozenset({0, 1})), ids, labels, pos)
-    by_len = _run(model, AttentionContext(pattern_config=SMALL, min_sparse_len=SEQ + 1), ids, labels, pos)
-    one = _run(model, AttentionContext(pattern_config=SMALL, dense_layers=frozenset({0})), ids, labels, pos)
+    dense = _run(model, Attention(), ids, labels, pos)
+    by_layer = _run(model, Attention(pattern_config=SMALL, dense_layers=frozenset({0, 1})), ids, labels, pos)
+    by_len = _run(model, Attention(pattern_config=SMALL, min_sparse_len=SEQ + 1), ids, labels, pos)
+    one = _run(model, Attention(pattern_config=SMALL, dense_layers=frozenset({0})), ids, labels, pos)
     for run in (by_layer, by_len):
         assert torch.equal(run[0], dense[0]) and not run[2]
     assert set(one[2]) == {1}

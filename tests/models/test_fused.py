@@ -11,18 +11,7 @@ import torch
 from mtraining.models import build_model
 from mtraining.models.fused import use_liger_kernels
 from mtraining.train.config import parse_config
-
-TINY = dict(
-    model_type="qwen2",
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    tie_word_embeddings=True,
-)
+from tests.configs import TINY
 
 
 def test_liger_needs_cuda_and_names_the_fix():
@@ -49,7 +38,6 @@ def test_liger_unknown_model_type():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_liger_kernels_match_the_model_on_gpu(monkeypatch):
     """bf16 logits and gradients of a tiny Qwen2 with and without the fused kernels."""
     pytest.importorskip("liger_kernel")

@@ -7,16 +7,9 @@ import torch
 
 from mtraining.models import build_config, build_model
 from mtraining.models.loader import sliding_window_layers, trained_config
+from tests.configs import SMALL as SMALL_BASE
 
-SMALL = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-)
+SMALL = SMALL_BASE | dict(intermediate_size=64, num_hidden_layers=4, max_position_embeddings=1024)
 
 
 def test_overrides_reach_the_config_of_a_model_folder(tmp_path):

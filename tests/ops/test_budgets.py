@@ -51,8 +51,12 @@ def test_minimal_file_and_yml_suffix(tmp_path):
 
 def test_pattern_config_uses_per_head_budgets(tmp_path):
     path = _write(tmp_path, "b.yaml", YAML)
-    config = PatternConfig.from_file(path, last_q=16, block_size=16, sink_tokens=2, local_window=16)
+    config = PatternConfig.from_settings(path, last_q=16, block_size=16, sink_tokens=2, local_window=16)
     assert config.budgets == load_budgets(path)
+    assert (
+        PatternConfig.from_settings(load_budgets(path), last_q=16, block_size=16, sink_tokens=2, local_window=16)
+        == config
+    )
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 128, 4, 16, generator=g)
     k = torch.randn(1, 128, 2, 16, generator=g)
@@ -108,7 +112,7 @@ def test_missing_file(tmp_path):
         load_budgets(tmp_path / "nope.yaml")
     assert "nope.yaml" in str(err.value)
     with pytest.raises(ValueError, match="does not exist"):
-        PatternConfig.from_file(tmp_path / "nope.yaml")
+        PatternConfig.from_settings(tmp_path / "nope.yaml")
 
 
 def test_head_count_mismatch_at_lookup(tmp_path):
@@ -125,11 +129,11 @@ def test_head_count_mismatch_at_lookup(tmp_path):
 def test_config_checks_forced_lines_against_file(tmp_path):
     path = _write(tmp_path, "b.yaml", YAML)
     with pytest.raises(ValueError, match=r"sink_tokens \(9\) exceeds the smallest vertical budget \(8 in .*b.yaml\)"):
-        PatternConfig.from_file(path, sink_tokens=9, local_window=16)
+        PatternConfig.from_settings(path, sink_tokens=9, local_window=16)
     with pytest.raises(ValueError, match=r"local_window \(33\) exceeds the smallest slash budget \(32 in"):
-        PatternConfig.from_file(path, local_window=33)
+        PatternConfig.from_settings(path, local_window=33)
     with pytest.raises(ValueError, match="either v_size/s_size or budgets"):
-        PatternConfig.from_file(path, v_size=4, local_window=16)
+        PatternConfig.from_settings(path, v_size=4, local_window=16)
 
 
 def test_from_dict_is_hashable_and_comparable():

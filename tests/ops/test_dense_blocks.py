@@ -13,18 +13,16 @@ from mtraining.ops.dense import (
     MAX_BLOCKS,
     REFERENCE,
     Block,
-    DenseBlocks,
     cudnn,
     decompose,
     dense_backend,
     dense_setting,
     select_ops,
 )
-from mtraining.ops.numerics import merge_partial
 from mtraining.parallel import make_layout
 from tests.factories import make_qkv
 from tests.numerics import assert_close
-from tests.rings import LAYOUTS, SEQ, G, check_ring, reference
+from tests.rings import LAYOUTS, OUTPUTS, SEQ, G, check_ring, dense_ring_in_one_process, reference
 
 
 def pair_count(blocks, sq: int, sk: int) -> torch.Tensor:
@@ -108,34 +106,9 @@ def test_ring_steps_through_blocks_equal_oracle(layout_name, hq, hkv):
     q, k, v, dout = make_qkv(b, n, n, hq, hkv, d, torch.float64, hq * 10 + hkv)
     ref = reference([q, k, v, dout], None)
     layout = make_layout(layout_name, n, world, G)
-    scale = d**-0.5
-    outs, lses, dqs = [], [], []
-    dks = [torch.zeros(b, n // world, hkv, d, dtype=torch.float64) for _ in range(world)]
-    dvs = [torch.zeros_like(x) for x in dks]
-    for rank in range(world):
-        ql, dol = layout.shard(q, rank), layout.shard(dout, rank)
-        out = lse = None
-        for src in range(world):
-            blocks = decompose(layout.positions(rank), layout.positions(src), max_blocks=None)
-            o, part_lse = DenseBlocks(REFERENCE, blocks).forward(
-                ql, layout.shard(k, src), layout.shard(v, src), scale, torch.float64
-            )
-            if out is None:
-                out, lse = o, part_lse
-            else:
-                merge_partial(out, lse, o, part_lse)
-        dq = torch.zeros_like(ql)
-        for src in range(world):
-            blocks = decompose(layout.positions(rank), layout.positions(src), max_blocks=None)
-            gq, gk, gv = DenseBlocks(REFERENCE, blocks).backward(
-                dol, ql, layout.shard(k, src), layout.shard(v, src), out, lse, scale
-            )
-            dq += gq
-            dks[src] += gk
-            dvs[src] += gv
-        outs.append(out), lses.append(lse), dqs.append(dq)
-    for name, got, i in [("out", outs, 0), ("lse", lses, 1), ("dq", dqs, 2), ("dk", dks, 3), ("dv", dvs, 4)]:
-        assert_close(name, layout.gather(got, dim=2 if name == "lse" else 1), ref[i], 1e-10)
+    got = dense_ring_in_one_process(REFERENCE, layout, q, k, v, dout, d**-0.5, torch.float64)
+    for i, name in enumerate(OUTPUTS):
+        assert_close(name, got[i], ref[i], 1e-10)
 
 
 @pytest.mark.parametrize("sq,sk", [(48, 48), (32, 80), (16, 16)])

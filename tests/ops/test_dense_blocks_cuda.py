@@ -10,15 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mtraining.ops.dense import CUDNN, REFERENCE, DenseBlocks, cudnn, decompose, dense_backend, select_ops
+from mtraining.ops.dense import CUDNN, REFERENCE, cudnn, dense_backend, select_ops
 from mtraining.ops.sparse import attention_backward, attention_delta, attention_forward, sparse_attention
 from mtraining.parallel import make_layout, ring_attention
 from tests.numerics import rel_err
+from tests.rings import dense_ring_in_one_process
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.cuda
 
 
 def randn(gen, *shape):
@@ -81,33 +79,7 @@ def test_ring_steps_through_cudnn_blocks(layout_name, world):
     )
     layout = make_layout(layout_name, n, world, g)
     qb, kb, vb, dob = (t.bfloat16() for t in (q, k, v, do))
-    outs, lses, dqs = [], [], []
-    dks = [torch.zeros(1, n // world, hkv, d, device="cuda") for _ in range(world)]
-    dvs = [torch.zeros_like(x) for x in dks]
-    for rank in range(world):
-        ql, dol = layout.shard(qb, rank), layout.shard(dob, rank)
-        parts = []
-        for src in range(world):
-            blocks = decompose(layout.positions(rank), layout.positions(src), max_blocks=None)
-            parts.append(
-                DenseBlocks(CUDNN, blocks).forward(
-                    ql, layout.shard(kb, src), layout.shard(vb, src), scale, torch.float32
-                )
-            )
-        lse = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)
-        out = sum(p[0] * torch.exp(p[1] - lse).transpose(1, 2)[..., None] for p in parts)
-        out_b = out.bfloat16()
-        dq = torch.zeros(ql.shape, device="cuda")
-        for src in range(world):
-            blocks = decompose(layout.positions(rank), layout.positions(src), max_blocks=None)
-            gq, gk, gv = DenseBlocks(CUDNN, blocks).backward(
-                dol, ql, layout.shard(kb, src), layout.shard(vb, src), out_b, lse, scale
-            )
-            dq += gq
-            dks[src] += gk
-            dvs[src] += gv
-        outs.append(out), lses.append(lse), dqs.append(dq)
-    got = [layout.gather(outs), layout.gather(lses, dim=2), layout.gather(dqs), layout.gather(dks), layout.gather(dvs)]
+    got = dense_ring_in_one_process(CUDNN, layout, qb, kb, vb, dob, scale, torch.float32)
     assert rel_err(got[0], ref[0]) < 1e-2
     assert (got[1] - ref[1]).abs().max().item() < 5e-2
     for g_, r_ in zip(got[2:], ref[2:]):
@@ -175,7 +147,7 @@ def _nccl_dense_worker(rank: int, world: int, store_path: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA GPUs")
+@pytest.mark.cuda(gpus=2)
 def test_dense_ring_nccl_cudnn_and_triton_match_reference(tmp_path):
     world = min(torch.cuda.device_count(), 4)
     torch.multiprocessing.spawn(_nccl_dense_worker, args=(world, str(tmp_path / "store")), nprocs=world)

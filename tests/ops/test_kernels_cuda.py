@@ -15,10 +15,7 @@ from mtraining.ops.sparse import attention_backward, attention_delta, attention_
 from tests.factories import make_pattern
 from tests.numerics import rel_err
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.cuda
 
 
 @pytest.fixture(params=["kernel", "atomic"])

@@ -116,7 +116,6 @@ def test_dispatch_by_device(monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("layout", [None, StripedLayout])
 def test_builders_agree_on_gpu(layout):
     """Compiled on the GPU at a realistic size (128-blocks, 32K tokens, 16 heads), against the torch

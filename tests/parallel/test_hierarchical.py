@@ -149,30 +149,10 @@ def test_hierarchical_six_ranks_three_nodes_and_two_nodes(tmp_path):
 
 def reuse_case(group, inputs, pattern, ring):
     """Worker: a ring call, then the same call with reuse=(out, lse): no forward pass, the same gradients."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    q, k, v, dout = inputs
-    layout = make_layout("striped", q.shape[1], world, G)
-    grads = []
-    reuse = None
-    for _ in range(2):
-        ql, kl, vl = (layout.shard(t, rank).requires_grad_() for t in (q, k, v))
-        out, lse = ring_attention(
-            ql,
-            kl,
-            vl,
-            group,
-            layout,
-            pattern=pattern,
-            return_lse=True,
-            backend="torch",
-            ring=ring,
-            inner_size=2 if ring == "hierarchical" else None,
-            reuse=reuse,
-        )
-        out.backward(layout.shard(dout, rank))
-        grads.append((ql.grad, kl.grad, vl.grad))
-        reuse = (out.detach(), lse)
-    return all(torch.equal(a, b) for a, b in zip(*grads))
+    args = dict(ring=ring, inner_size=2 if ring == "hierarchical" else None)
+    first = ring_case(group, "striped", inputs, pattern, ring=args)
+    again = ring_case(group, "striped", inputs, pattern, ring=args | {"reuse": first[:2]})
+    return all(torch.equal(a, b) for a, b in zip(first[2:], again[2:]))
 
 
 @pytest.mark.parametrize("ring", ["flat", "hierarchical"])

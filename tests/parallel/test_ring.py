@@ -187,8 +187,7 @@ def _nccl_worker(rank: int, world: int, store_path: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA GPUs")
+@pytest.mark.cuda(gpus=2)
 def test_ring_nccl_bf16_matches_reference(tmp_path):
     world = min(torch.cuda.device_count(), 4)
     torch.multiprocessing.spawn(_nccl_worker, args=(world, str(tmp_path / "store")), nprocs=world)

@@ -159,14 +159,22 @@ def test_cli_tokenize_fills_the_cache_and_writes_the_token_stream(tmp_path):
 
 
 def test_budgets_file_gives_per_layer_per_head_budgets(tmp_path):
-    from mtraining.train.trainer import pattern_config
-
     budgets = tmp_path / "budgets.yaml"
     budgets.write_text(
         yaml.safe_dump({"default": {"v_size": 128, "s_size": 256}, "layers": {1: {"v_size": [64, 96, 128, 160]}}})
     )
-    cfg = parse_config(BASE, [f"attention.budgets={budgets}"])
-    v0, s0 = pattern_config(cfg.attention).head_budgets(0, 4, 1024)
-    v1, s1 = pattern_config(cfg.attention).head_budgets(1, 4, 1024)
+    with_file = BASE | {"attention": {"block_size": 128, "budgets": str(budgets)}}
+    cfg = parse_config(with_file)
+    v0, s0 = cfg.attention.pattern_config().head_budgets(0, 4, 1024)
+    v1, s1 = cfg.attention.pattern_config().head_budgets(1, 4, 1024)
     assert v0.tolist() == [128] * 4 and s0.tolist() == s1.tolist() == [256] * 4 and v1.tolist() == [64, 96, 128, 160]
-    assert pattern_config(parse_config(BASE, ["attention.sparse=false"]).attention) is None
+    assert parse_config(BASE, ["attention.sparse=false"]).attention.pattern_config() is None
+    # the config is checked with the budgets it will run: a missing file, or budgets beside v_size, fail at load
+    with pytest.raises(ConfigError, match="attention: budgets file .*nope.yaml does not exist"):
+        parse_config(with_file, [f"attention.budgets={tmp_path / 'nope.yaml'}"])
+    with pytest.raises(
+        ConfigError, match="set either budgets or v_size and s_size, not both: .* remove attention.v_size"
+    ):
+        parse_config(BASE, [f"attention.budgets={budgets}"])
+    with pytest.raises(ConfigError, match=r"attention.last_q \(2048\) exceeds data.seq_len"):
+        parse_config(with_file, ["attention.last_q=2048"])

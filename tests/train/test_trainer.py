@@ -134,7 +134,7 @@ def _train_reporting_saved_outputs(cfg: Config) -> tuple[list[dict], bool]:
 
     trainer = Trainer(cfg)
     try:
-        return trainer.run(), trainer.attention.replay_outputs is not None
+        return trainer.run(), trainer.save_outputs
     finally:
         trainer.close()
 

@@ -95,9 +95,14 @@ class PatternConfig:
             )
 
     @classmethod
-    def from_file(cls, path: str | Path, **kwargs) -> PatternConfig:
-        """Config whose budgets come from a budgets file (see budgets.py); other fields from kwargs."""
-        return cls(budgets=load_budgets(path), **kwargs)
+    def from_settings(cls, budgets: str | Path | Budgets | None = None, **fields: float | None) -> PatternConfig:
+        """The config of attention settings (the training config's attention section, eval's options): the
+        one place either builds it. Fields left None take their defaults; ``budgets``, a budgets file
+        (budgets.py) or loaded ``Budgets``, replaces v_size and s_size."""
+        given = {name: value for name, value in fields.items() if value is not None}
+        if budgets is not None and not isinstance(budgets, Budgets):
+            budgets = load_budgets(budgets)
+        return cls(budgets=budgets, **given)
 
     def head_budgets(self, layer_idx: int, num_heads: int, seq_len: int) -> tuple[Tensor, Tensor]:
         """(v_size, s_size) int64 CPU tensors [num_heads] for a layer, checked against seq_len."""

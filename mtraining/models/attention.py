@@ -1,0 +1,271 @@
+"""The model's attention as the trainer and the evaluation drive it: one ``Attention`` object per model.
+
+``bind(model, attention)`` (adapter.py) makes every attention layer of a Hugging Face model call
+``attention.attend``; the caller runs the model inside the object's context managers, which say
+what the layers do on that pass. A training step reads:
+
+    for micro_batch in step:
+        with attention.forward(record="density"):
+            loss = model(micro_batch)
+        with attention.recompute():
+            loss.backward()  # activation checkpointing re-runs each layer's forward in here
+    stats = attention.end_step()  # the pattern stats of the step's last recorded forward
+
+- ``forward(record=..., save_outputs=...)``: each sparse layer estimates its pattern from the current
+  q/k (runs dense where the pattern is denser than ``max_density``) and records its density, and
+  its recall when asked, for ``end_step``. When the layers are activation-checkpointed
+  (``checkpointed``) and gradients are on, each layer keeps the pattern it ran with, and with
+  ``save_outputs`` its attention (out, lse), for the recompute.
+- ``recompute()``: layers re-run inside it take back what the last forward kept instead of
+  estimating again, so the recomputed forward is exactly the forward, at one estimation per layer
+  (and with saved outputs no attention kernel runs). Leaving it drops what that forward kept, so
+  each forward that keeps is paired with its own recompute (one pair per micro-batch).
+- outside both, layers run as a forward that records and keeps nothing.
+
+Per-call inputs of a forward (such as document boundaries) belong in ``forward``'s arguments and in
+what it keeps, so that its recompute sees the same ones. The state is plain attributes, not thread-
+or context-local: on CUDA the autograd engine runs the backward, and so the recompute, on its own thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..ops.pattern import VerticalSlashPattern
+from ..ops.pattern.estimate import PatternConfig, estimate_pattern
+from ..ops.sparse.attention import sparse_attention
+from ..parallel.estimate import estimate_pattern_cp
+from ..parallel.layout import Layout
+from ..parallel.ring import ring_attention
+from .recall import pattern_recall
+
+Record = Literal["off", "density", "recall"]
+
+
+@dataclass
+class PatternStats:
+    """One layer's sparse pattern on a recorded forward: kept fraction of causal pairs, estimated recall
+    (None when not measured), and whether the layer ran dense instead (density above ``max_density``)."""
+
+    density: float
+    recall: float | None
+    ran_dense: bool = False
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """The pattern stats of a step (its last recorded forward), per sparse layer."""
+
+    layers: dict[int, PatternStats]
+
+    @property
+    def density(self) -> float | None:
+        """Mean kept fraction of causal pairs over the sparse layers (None without any)."""
+        stats = self.layers.values()
+        return sum(s.density for s in stats) / len(stats) if stats else None
+
+    @property
+    def recall(self) -> float | None:
+        """Mean recall over the layers that measured it (None when none did)."""
+        recalls = [s.recall for s in self.layers.values() if s.recall is not None]
+        return sum(recalls) / len(recalls) if recalls else None
+
+    @property
+    def dense_fallback(self) -> int:
+        """Sparse layers that ran dense (their pattern was denser than ``max_density``)."""
+        return sum(s.ran_dense for s in self.layers.values())
+
+
+@dataclass
+class _Kept:
+    """What one forward kept for its recompute, per layer: the pattern of each sparse layer (None: it
+    ran dense) and, when saved, every layer's (out, lse)."""
+
+    patterns: dict[int, VerticalSlashPattern | None] = field(default_factory=dict)
+    outputs: dict[int, tuple[Tensor, Tensor]] | None = None
+
+    def put(self, layer: int, sparse: bool, pattern: VerticalSlashPattern | None, out: Tensor, lse: Tensor) -> None:
+        if sparse:
+            self.patterns[layer] = pattern
+        if self.outputs is not None:
+            self.outputs[layer] = (out.detach(), lse)
+
+    def take(self, layer: int, sparse: bool) -> tuple[VerticalSlashPattern | None, tuple[Tensor, Tensor] | None]:
+        """(pattern, saved outputs) of ``layer``, each taken back once; RuntimeError where the forward kept none."""
+        if (sparse and layer not in self.patterns) or (self.outputs is not None and layer not in self.outputs):
+            raise RuntimeError(
+                f"layer {layer} is recomputed but the last forward kept nothing for it (already recomputed, or it "
+                "did not run in that forward): run each backward inside attention.recompute() right after its forward"
+            )
+        pattern = self.patterns.pop(layer) if sparse else None
+        return pattern, (self.outputs.pop(layer) if self.outputs is not None else None)
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """What the layers do inside one ``forward()`` or ``recompute()`` block."""
+
+    record: Record = "off"
+    keep: _Kept | None = None  # a forward: where each layer keeps what its recompute needs
+    replay: _Kept | None = None  # a recompute: what the forward kept
+
+
+@dataclass(eq=False)
+class Attention:
+    """How a model's attention runs (the settings below, fixed), and the passes it runs in (module docstring).
+
+    Attributes:
+        group: context-parallel process group (None: single device).
+        layout: how the global sequence is split over ``group`` (required when it has > 1 rank).
+        pattern_config: a ``PatternConfig`` (mtraining.ops.pattern) for dynamic sparse attention;
+            None: dense everywhere.
+        dense_layers: layers that always run dense.
+        min_sparse_len: global sequence lengths below this run dense (sparse does not pay).
+        max_density: a layer whose estimated pattern keeps more than this fraction of the causal
+            pairs runs dense for that call (sparse kernels are slower than dense there); None: never.
+        backend: "auto", "torch" or "triton".
+        ring: "flat" or "hierarchical" (``ring_attention``'s ring); ``inner_size``: ranks per inner ring
+            of the hierarchical ring (default there: LOCAL_WORLD_SIZE).
+        checkpointed: the model's layers are activation-checkpointed, so a forward keeps what the
+            backward's recompute replays.
+    """
+
+    group: dist.ProcessGroup | None = None
+    layout: Layout | None = None
+    pattern_config: PatternConfig | None = None
+    dense_layers: frozenset[int] = frozenset()
+    min_sparse_len: int = 0
+    max_density: float | None = None
+    backend: str = "auto"
+    ring: Literal["flat", "hierarchical"] = "flat"
+    inner_size: int | None = None
+    checkpointed: bool = False
+    _pass: _Pass | None = field(default=None, init=False, repr=False)
+    _kept: _Kept | None = field(default=None, init=False, repr=False)  # the last forward's, until its recompute
+    _stats: dict[int, PatternStats] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.cp_size > 1 and self.layout is None:
+            raise ValueError("a context-parallel group needs a layout: pass layout=make_layout(...)")
+        if self.layout is not None and self.layout.world_size != self.cp_size:
+            raise ValueError(
+                f"layout is for {self.layout.world_size} ranks but the context-parallel group has {self.cp_size}; "
+                "build the layout with the group's size"
+            )
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    def sparse_for(self, layer_idx: int, seq_len: int) -> PatternConfig | None:
+        """The pattern config for this layer and global length, or None where attention runs dense."""
+        if self.pattern_config is None or layer_idx in self.dense_layers or seq_len < self.min_sparse_len:
+            return None
+        return self.pattern_config
+
+    # ------------------------------------------------------------------ the protocol
+    @contextlib.contextmanager
+    def forward(self, record: Record = "density", save_outputs: bool = False) -> Iterator[None]:
+        """Run the model's forward inside: layers estimate, record ``record`` ("off", "density" or
+        "recall": about one more estimation pass per layer) and, when checkpointed, keep their
+        patterns (and with ``save_outputs`` their (out, lse)) for the next ``recompute()``."""
+        if save_outputs and not self.checkpointed:
+            raise ValueError("save_outputs needs checkpointed layers: only a recomputed forward reuses saved outputs")
+        if self._kept is not None:
+            raise RuntimeError(
+                "attention.forward() entered again before the last forward's backward ran inside attention.recompute()"
+            )
+        keep = _Kept(outputs={} if save_outputs else None) if self.checkpointed and torch.is_grad_enabled() else None
+        with self._running(_Pass(record=record, keep=keep)):
+            yield
+        self._kept = keep
+
+    @contextlib.contextmanager
+    def recompute(self) -> Iterator[None]:
+        """Run the backward inside: checkpointed layers re-run their forward with what the last forward kept
+        (without anything kept they estimate again, recording nothing); leaving drops what is left of it."""
+        kept, self._kept = self._kept, None
+        with self._running(_Pass(replay=kept)):
+            yield
+
+    def end_step(self) -> StepStats:
+        """The pattern stats recorded since the last ``end_step`` (each layer's latest), and forget them."""
+        if self._pass is not None:
+            raise RuntimeError("attention.end_step() inside a forward() or recompute() block; call it after the step")
+        stats, self._stats = StepStats(self._stats), {}
+        return stats
+
+    @contextlib.contextmanager
+    def _running(self, now: _Pass) -> Iterator[None]:
+        if self._pass is not None:
+            raise RuntimeError("attention.forward() and attention.recompute() blocks do not nest; close one first")
+        self._pass = now
+        try:
+            yield
+        finally:
+            self._pass = None
+
+    # ------------------------------------------------------------------ one layer
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Layer ``layer``'s causal attention [B, S, Hq, D] of q [B, S, Hq, D], k/v [B, S, Hkv, D] (this
+        rank's shard in the layout), as the current pass says."""
+        now = self._pass or _Pass()
+        cp = self.cp_size > 1
+        config = self.sparse_for(layer, self.layout.seq_len if cp else k.shape[1])
+        if now.replay is not None:
+            pattern, reuse = now.replay.take(layer, config is not None)
+        else:
+            pattern = None if config is None else self._decide(config, layer, q, k, scale, now.record)
+            reuse = None
+        if cp:
+            out, lse = ring_attention(
+                q,
+                k,
+                v,
+                self.group,
+                self.layout,
+                pattern=pattern,
+                softmax_scale=scale,
+                return_lse=True,
+                backend=self.backend,
+                layer_idx=layer,
+                ring=self.ring,
+                inner_size=self.inner_size if self.ring == "hierarchical" else None,
+                reuse=reuse,
+            )
+        else:
+            out, lse = sparse_attention(
+                q, k, v, pattern, softmax_scale=scale, return_lse=True, backend=self.backend, reuse=reuse
+            )
+        if now.keep is not None:
+            now.keep.put(layer, config is not None, pattern, out, lse)
+        return out
+
+    def _decide(
+        self, config: PatternConfig, layer: int, q: Tensor, k: Tensor, scale: float, record: Record
+    ) -> VerticalSlashPattern | None:
+        """This layer's pattern for this call (None: run dense), with its stats recorded as asked."""
+        q, k = q.detach(), k.detach()
+        cp = self.cp_size > 1
+        if cp:
+            pattern = estimate_pattern_cp(q, k, config, self.group, self.layout, layer_idx=layer, softmax_scale=scale)
+        else:
+            pattern = estimate_pattern(q, k, config, layer_idx=layer, softmax_scale=scale)
+        measured = record != "off" or self.max_density is not None
+        density = float(pattern.density().mean()) if measured else None
+        # the same decision on every rank: the pattern, so its density, is global
+        ran_dense = self.max_density is not None and density > self.max_density
+        if record != "off":
+            recall = None
+            if record == "recall":
+                group, layout = (self.group, self.layout) if cp else (None, None)
+                recall = pattern_recall(q, k, pattern, config.last_q, scale, group, layout)
+            self._stats[layer] = PatternStats(density=density, recall=recall, ran_dense=ran_dense)
+        return None if ran_dense else pattern

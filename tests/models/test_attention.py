@@ -1,0 +1,147 @@
+"""The trainer <-> attention protocol (mtraining.models.Attention): forward, recompute, end_step.
+
+A tiny float64 Qwen2 with sparse attention on both layers. The forward keeps each layer's pattern
+(and with save_outputs its (out, lse)) for the recompute of activation checkpointing, which takes
+them back instead of estimating or attending again; with several micro-batches per step each
+forward is paired with its own recompute, so the gradients equal those of the same model without
+checkpointing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+import mtraining.ops.sparse.attention as sparse_ops
+from mtraining.models import Attention, attention, bind, build_model
+from mtraining.ops.pattern.estimate import PatternConfig
+from mtraining.train.loss import CausalLMLoss
+from tests.configs import SMALL
+
+MODEL = dict(model_type="qwen2", **SMALL)
+SPARSE = PatternConfig(v_size=8, s_size=16, last_q=8, block_size=16, sink_tokens=2, local_window=16)
+
+
+def _model(checkpointed: bool, **settings) -> tuple[torch.nn.Module, Attention]:
+    """The seeded model (its decoder layers wrapped as the trainer wraps them when ``checkpointed``), bound."""
+    torch.manual_seed(0)
+    model = build_model(config=MODEL).double()
+    if checkpointed:
+        layers = model.model.layers
+        for i, layer in enumerate(layers):
+            layers[i] = checkpoint_wrapper(layer)
+    settings = dict(pattern_config=SPARSE, max_density=None) | settings
+    return model, bind(model, Attention(checkpointed=checkpointed, **settings))
+
+
+def _ids(seed: int) -> torch.Tensor:
+    return torch.randint(0, 96, (1, 64), generator=torch.Generator().manual_seed(seed))
+
+
+def _counting(monkeypatch, name: str) -> list[int]:
+    """Count the calls of ``name`` in models/attention.py (one list entry per call)."""
+    calls, real = [], getattr(attention, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, name, counted)
+    return calls
+
+
+def test_recompute_takes_back_the_forward_patterns(monkeypatch):
+    """The forward keeps one pattern per sparse layer; a forward run inside recompute() takes them back
+    (no estimation) and gives the forward's output; each pattern is taken back once."""
+    model, att = _model(checkpointed=True)
+    ids = _ids(0)
+    with att.forward():
+        first = model(input_ids=ids, use_cache=False).logits
+    estimates = _counting(monkeypatch, "estimate_pattern")
+    with att.recompute():
+        assert torch.equal(model(input_ids=ids, use_cache=False).logits, first)
+        with pytest.raises(RuntimeError, match="layer 0 is recomputed but the last forward kept nothing"):
+            model(input_ids=ids, use_cache=False)
+    assert estimates == []
+
+
+def test_recompute_takes_back_saved_outputs(monkeypatch):
+    """With save_outputs the recomputed forward runs no attention kernel: the saved (out, lse) come back."""
+    model, att = _model(checkpointed=True)
+    ids = _ids(0)
+    with att.forward(save_outputs=True):
+        first = model(input_ids=ids, use_cache=False).logits
+
+    def no_attention(*args, **kwargs):
+        raise AssertionError("the recompute must not run attention again")
+
+    monkeypatch.setattr(sparse_ops, "attention_forward", no_attention)
+    with att.recompute():
+        assert torch.equal(model(input_ids=ids, use_cache=False).logits, first)
+
+
+@pytest.mark.parametrize("save_outputs", [False, True])
+def test_checkpointed_micro_batches_equal_the_plain_model(monkeypatch, save_outputs):
+    """Three micro-batches of different tokens accumulated as the trainer does (forward, then the backward
+    inside recompute): the checkpointed model's gradients are bit-identical to the plain model's, every
+    layer estimates once per micro-batch, and end_step reports the last micro-batch's stats."""
+    batches = [_ids(seed) for seed in (1, 2, 3)]
+    results = {}
+    for checkpointed in (False, True):
+        model, att = _model(checkpointed=checkpointed)
+        loss_model = CausalLMLoss(model, chunk_tokens=50)
+        estimates = _counting(monkeypatch, "estimate_pattern")
+        for m, ids in enumerate(batches):
+            last = m == len(batches) - 1
+            with att.forward(record="recall" if last else "density", save_outputs=save_outputs and checkpointed):
+                loss = loss_model(ids[:, :-1], ids[:, 1:], torch.arange(63)[None])
+            with att.recompute():
+                loss.backward()
+        grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+        results[checkpointed] = (grads, att.end_step(), len(estimates))
+        monkeypatch.undo()
+    (plain, plain_stats, plain_estimates), (ckpt, ckpt_stats, ckpt_estimates) = results[False], results[True]
+    assert plain_estimates == ckpt_estimates == 2 * len(batches)
+    assert ckpt.keys() == plain.keys() and all(torch.equal(ckpt[name], grad) for name, grad in plain.items())
+    assert ckpt_stats == plain_stats and sorted(ckpt_stats.layers) == [0, 1]
+    assert all(0 < s.density < 1 and 0 < s.recall < 1 for s in ckpt_stats.layers.values())  # the last: recall
+    assert att.end_step().layers == {}  # forgotten
+
+
+def test_stats_are_recorded_as_asked():
+    """record="off" records nothing, "density" no recall; a model run outside any block records nothing."""
+    model, att = _model(checkpointed=False)
+    ids = _ids(0)
+    with att.forward(record="off"):
+        model(input_ids=ids, use_cache=False)
+    model(input_ids=ids, use_cache=False)
+    assert att.end_step().layers == {}
+    with att.forward(record="density"):
+        model(input_ids=ids, use_cache=False)
+    stats = att.end_step()
+    assert stats.recall is None and 0 < stats.density < 1 and stats.dense_fallback == 0
+
+
+def test_misuse_fails_clearly():
+    model, att = _model(checkpointed=True)
+    ids = _ids(0)
+    with pytest.raises(ValueError, match="save_outputs needs checkpointed layers"):
+        with _model(checkpointed=False)[1].forward(save_outputs=True):
+            pass
+    with att.forward():
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with att.recompute():
+                pass
+        with pytest.raises(RuntimeError, match="after the step"):
+            att.end_step()
+        model(input_ids=ids, use_cache=False)
+    with pytest.raises(RuntimeError, match="before the last forward's backward ran inside attention.recompute"):
+        with att.forward():
+            pass
+    with att.recompute():
+        pass
+    with torch.no_grad(), att.forward():  # no backward will follow: nothing is kept
+        model(input_ids=ids, use_cache=False)
+    with att.forward():  # so a forward may follow
+        model(input_ids=ids, use_cache=False)
