@@ -127,7 +127,7 @@ def test_predictions_are_the_argmax_of_the_model(reference):
     nll, predicted = reference[False][0]
     assert torch.equal(predicted, logits.argmax(-1))
     expected = torch.nn.functional.cross_entropy(logits, ids[1:], reduction="none")
-    torch.testing.assert_close(nll, expected.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(nll, expected)  # float64 model: float64 losses (train.loss.token_scores)
     assert len(set(predicted.tolist())) > 10  # the predictions depend on the position
 
 
