@@ -31,7 +31,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
-from common import bench_ms, command_line, commit, device_name, write_results  # noqa: E402
+from common import bench_ms, provenance, write_results  # noqa: E402
 from sparse_attention import dense_times, sparse_times, training_step_ms  # noqa: E402
 
 from bench.synthetic import random_qkv, rope_structured_qkv  # noqa: E402
@@ -276,14 +276,12 @@ def timing(args, n: int, with_fa4: bool) -> dict:
     return rec
 
 
-def provenance(args) -> dict:
+def base_fields(args) -> dict:
     """Fields every record carries: machine, commit, command, versions, shape and budgets."""
     on_gpu = args.device == "cuda"
     return dict(
-        device=device_name() if on_gpu else "cpu",
+        **provenance(on_gpu),
         gpus=torch.cuda.device_count() if on_gpu else 0,
-        commit=commit(),
-        command=command_line(),
         torch=torch.__version__,
         **dict(zip(("fa4_version", "fa4_import_error"), fa4_status())),
         heads_q=args.heads_q,
@@ -316,7 +314,7 @@ def main() -> None:
         raise SystemExit("no CUDA GPU: run with --check-only --device cpu for the parts a CPU can run")
     if args.device == "cpu" and not args.check_only:
         raise SystemExit("timing needs a CUDA GPU; on a CPU pass --check-only")
-    base = provenance(args)
+    base = base_fields(args)
     with_fa4 = base["fa4_version"] is not None
     print(f"flash-attn-4: {base['fa4_version'] or base['fa4_import_error']}; torch {base['torch']}", flush=True)
     records = [dict(base, **correctness(args, args.device, with_fa4))]

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import command_line, commit, device_name, write_results  # noqa: E402
+from bench.common import provenance, write_results  # noqa: E402
 from mtraining.models import build_model  # noqa: E402
 from mtraining.train.checkpoint import file_digest, load_checkpoint, save_checkpoint, verify_checkpoint  # noqa: E402
 from mtraining.train.loss import CausalLMLoss  # noqa: E402
@@ -80,7 +80,7 @@ def main() -> None:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(1)}, checkpoint_id=root / "plain")
 
-        record: dict = {"device": device_name(), "commit": commit(), "command": command_line(), "model": config}
+        record: dict = {**provenance(), "model": config}
         record["parameters"] = params
         step = root / "step_00000001"
         runs: dict[str, list[tuple[float, float]]] = {}

@@ -36,6 +36,12 @@ def command_line() -> str:
     return " ".join([Path(sys.executable).name, *sys.argv])
 
 
+def provenance(on_gpu: bool = True) -> dict[str, str]:
+    """The fields every result record starts with: the device (this GPU's name, or 'cpu' for a CPU run), the
+    commit and the command line, so a number can be traced to what produced it."""
+    return {"device": device_name() if on_gpu else "cpu", "commit": commit(), "command": command_line()}
+
+
 def bench_ms(fn: Callable[[], object], warmup_ms: float = 100, rep_ms: float = 500) -> float:
     """Median milliseconds of fn on the GPU (CUDA events through triton.testing.do_bench)."""
     from triton.testing import do_bench

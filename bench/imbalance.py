@@ -10,6 +10,11 @@ Counting is exact and vectorised over the pattern's G-blocks: a selected block d
 contributes G*G pairs per (query block, key block) pair at distance delta > 0 and G(G+1)/2 at
 delta = 0; a vertical j adds, per query block at distance delta of an unselected diagonal, the
 rows i >= j of that block (G, or (kb+1)G - j on its own block). Sums are over batch and heads.
+
+With packed documents (``ops.Documents``) only pairs within one document count: per query row i and
+key block the keys in [max(block start, start of i's document), min(block end, i)], summed over the
+rows of each query block; a vertical adds only the rows of its own document. The ring's skipped
+steps (no key of the rows' documents) then count zero.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mtraining.ops.documents import Documents, resolve_documents
 from mtraining.ops.pattern import VerticalSlashPattern
 from mtraining.parallel.layout import Layout
 
@@ -84,14 +90,19 @@ class ImbalanceReport:
         )
 
 
-def imbalance_report(pattern: VerticalSlashPattern, layout: Layout) -> ImbalanceReport:
-    """Exact pairs per (rank, step) of ``pattern`` in the flat ring over ``layout``."""
+def imbalance_report(
+    pattern: VerticalSlashPattern, layout: Layout, documents: Documents | None = None
+) -> ImbalanceReport:
+    """Exact pairs per (rank, step) of ``pattern`` in the flat ring over ``layout`` (within ``documents``)."""
     if pattern.seq_len != layout.seq_len:
         raise ValueError(
             f"pattern is for seq_len {pattern.seq_len} but the layout for {layout.seq_len}; use the layout "
             "of the sequence the pattern was estimated on"
         )
     layout.check_pattern_block(pattern.block_size)
+    documents = resolve_documents(documents, pattern.batch, layout.seq_len)
+    if documents is not None:
+        return _document_report(pattern, layout, documents)
     g, w = pattern.block_size, layout.world_size
     nb = layout.seq_len // g
     blocks = torch.arange(nb)
@@ -119,9 +130,16 @@ def imbalance_report(pattern: VerticalSlashPattern, layout: Layout) -> Imbalance
 
 
 def _vertical_work(
-    unselected: Tensor, col_block: Tensor, own_rows: Tensor, real: Tensor, q_blocks: Tensor, g: int
+    unselected: Tensor,
+    col_block: Tensor,
+    own_rows: Tensor,
+    real: Tensor,
+    q_blocks: Tensor,
+    g: int,
+    ends: Tensor | None = None,
 ) -> Tensor:
-    """float64 [BH, V]: pairs each vertical adds on the query blocks ``q_blocks`` (outside selected diagonals)."""
+    """float64 [BH, V]: pairs each vertical adds on the query blocks ``q_blocks`` (outside selected diagonals);
+    ``ends`` [BH, V]: where each vertical's document ends (its rows stop there; own_rows then counts to it)."""
     bh, v = col_block.shape
     out = torch.zeros(bh, v, dtype=torch.float64)
     chunk = max(1, _CHUNK_ELEMENTS // max(v * q_blocks.numel(), 1))
@@ -130,6 +148,44 @@ def _vertical_work(
         heads = slice(start, start + chunk)
         delta = q_blocks[None, None, :] - col_block[heads, :, None]  # [h, V, Lb]
         open_diag = unselected[heads].gather(-1, delta.clamp(0, nb - 1).flatten(1)).view(delta.shape)
-        rows = torch.where(delta > 0, float(g), torch.where(delta == 0, own_rows[heads, :, None], 0.0))
+        far = float(g) if ends is None else (ends[heads, :, None] - q_blocks * g).clamp(0, g).double()
+        rows = torch.where(delta > 0, far, torch.where(delta == 0, own_rows[heads, :, None], 0.0))
         out[heads] = (rows * open_diag).sum(-1) * real[heads]
     return out
+
+
+def _document_report(pattern: VerticalSlashPattern, layout: Layout, documents: Documents) -> ImbalanceReport:
+    """``imbalance_report`` within packed documents (module docstring), batch row by batch row."""
+    g, w, n = pattern.block_size, layout.world_size, layout.seq_len
+    nb = n // g
+    key_start = torch.arange(nb) * g
+    key_owner = layout.owner(key_start)[0]
+    selected = pattern.diag_mask().cpu()
+    pairs = torch.zeros(w, w, dtype=torch.float64)
+    for b in range(pattern.batch):
+        row = min(b, documents.batch - 1)
+        chosen = selected[b].sum(0).double()  # [nb]: heads selecting each block diagonal
+        unselected = ~selected[b]  # [H, nb]
+        cols = pattern.vertical_pos[b].cpu().long().clamp(max=n - 1)  # [H, V]
+        real = torch.arange(cols.shape[-1])[None, :] < pattern.num_verticals[b].cpu()[:, None]
+        ends = documents.ends(cols.flatten())[row].view(cols.shape)
+        col_block = cols // g
+        own_rows = (torch.minimum((col_block + 1) * g, ends) - cols).double()
+        for r in range(w):
+            pos = layout.positions(r)
+            steps = (r - key_owner) % w
+            bound = documents.left_bounds(pos)[row].long()
+            q_blocks = pos[::g] // g
+            # per query block and key block: pairs with max(key start, bound) <= j <= min(key end, i)
+            per_block = torch.zeros(q_blocks.numel(), nb, dtype=torch.float64)
+            step_rows = max(g, _CHUNK_ELEMENTS // max(nb, 1) // g * g)
+            for lo in range(0, pos.numel(), step_rows):
+                p, lb = pos[lo : lo + step_rows, None], bound[lo : lo + step_rows, None]
+                span = torch.minimum(key_start + g - 1, p) - torch.maximum(key_start, lb) + 1
+                per_block[lo // g : (lo + p.shape[0]) // g] = span.clamp(min=0).double().view(-1, g, nb).sum(1)
+            delta = q_blocks[:, None] - torch.arange(nb)[None, :]
+            block_work = (torch.where(delta >= 0, chosen[delta.clamp(min=0)], 0.0) * per_block).sum(0)
+            pairs[r].index_add_(0, steps, block_work)
+            vertical_work = _vertical_work(unselected, col_block, own_rows, real, q_blocks, g, ends)
+            pairs[r].index_add_(0, steps[col_block].flatten(), vertical_work.flatten())
+    return ImbalanceReport(layout.name, pairs)

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
-from common import RESULTS_DIR, command_line, commit, device_name  # noqa: E402
+from common import RESULTS_DIR, provenance  # noqa: E402
 from sparse_attention import sparse_times, sweep_pattern, training_step_ms  # noqa: E402
 from tune_kernels import kernel_ms  # noqa: E402
 
@@ -75,10 +75,8 @@ def main() -> None:
 
     tb.tile_config = tile_config
     base = dict(
-        device=device_name(),
+        **provenance(),
         variant=args.variant,
-        commit=commit(),
-        command=command_line(),
         description=args.description,
         seq_len=n,
         tiles={k: v.__dict__ for k, v in tb.tile_config(g, d, torch.device("cuda")).__dict__.items()},

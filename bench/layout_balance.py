@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
-from common import command_line, commit, device_name, write_results  # noqa: E402
+from common import provenance, write_results  # noqa: E402
 
 from bench.imbalance import imbalance_report  # noqa: E402
 from bench.synthetic import rope_structured_qkv  # noqa: E402
@@ -49,9 +49,7 @@ def main() -> None:
         for name in args.layouts:
             report = imbalance_report(pattern, make_layout(name, args.seq_len, world, g))
             rec = dict(
-                device=device_name(),
-                commit=commit(),
-                command=command_line(),
+                **provenance(),
                 seq_len=args.seq_len,
                 inputs="structured",
                 v_size=args.v_size,

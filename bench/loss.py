@@ -18,7 +18,7 @@ import functools
 from pathlib import Path
 
 import torch
-from common import bench_ms, command_line, commit, device_name, write_results
+from common import bench_ms, provenance, write_results
 
 from mtraining.train import loss as loss_module
 
@@ -73,9 +73,7 @@ def main() -> None:
     logits = torch.randn(args.chunk, args.vocab, device="cuda", generator=gen)
     rows = loss_module._rows_loss_and_grad
     record = dict(
-        device=device_name(),
-        commit=commit(),
-        command=command_line(),
+        **provenance(),
         tokens=args.tokens,
         hidden=args.hidden,
         vocab=args.vocab,

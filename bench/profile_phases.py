@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
-from common import bench_ms, command_line, commit, device_name, write_results  # noqa: E402
+from common import bench_ms, provenance, write_results  # noqa: E402
 
 from bench.synthetic import rope_structured_qkv  # noqa: E402
 from mtraining.ops.pattern.estimate import PatternConfig, estimate_pattern  # noqa: E402
@@ -78,9 +78,7 @@ def main() -> None:
             kernels = top_kernels(fn, args.top)
             records.append(
                 dict(
-                    device=device_name(),
-                    commit=commit(),
-                    command=command_line(),
+                    **provenance(),
                     seq_len=n,
                     density=float(pattern.density().mean()),
                     phase=name,

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import command_line, commit, write_results
+from common import provenance, write_results
 
 ENTRY = re.compile(r"^\.visible \.entry (\w+)\(", re.MULTILINE)
 DEBUG_LABEL = re.compile(r"^\$L__(tmp|func_begin|func_end)\d+:$")
@@ -152,8 +152,7 @@ def main() -> int:
         print(f"{r['kernel']}: {status}{extra}")
     if args.out:
         header = dict(
-            command=command_line(),
-            commit=commit(),
+            provenance(on_gpu=False),
             device="cpu (no GPU): PTX for sm_90 from tests/compile_kernels_sm90.py",
             old=_source(args.old),
             new=_source(args.new),

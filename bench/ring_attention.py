@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
-from common import command_line, commit, device_name, write_results  # noqa: E402
+from common import provenance, write_results  # noqa: E402
 
 from bench.synthetic import random_qkv, rope_structured_qkv  # noqa: E402
 from mtraining.ops import dense  # noqa: E402
@@ -149,10 +149,8 @@ def main() -> None:
     hq, hkv, d, g = 16, 2, 128, 128
     config = PatternConfig(v_size=args.v_size, s_size=args.s_size, block_size=g)
     base = dict(
-        device=device_name(),
+        **provenance(),
         gpus=world,
-        commit=commit(),
-        command=command_line(),
         heads_q=hq,
         heads_kv=hkv,
         head_dim=d,

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
-from common import bench_ms, command_line, commit, device_name, write_results  # noqa: E402
+from common import bench_ms, provenance, write_results  # noqa: E402
 
 from mtraining.ops import VerticalSlashPattern  # noqa: E402
 from mtraining.ops.sparse.attention import sparse_attention  # noqa: E402
@@ -97,9 +97,7 @@ def run(args) -> list[dict]:
     generators = {"structured": rope_structured_qkv, "random": random_qkv}
     hq, hkv, d, g = args.heads_q, args.heads_kv, args.head_dim, args.block_size
     base = dict(
-        device=device_name(),
-        commit=commit(),
-        command=command_line(),
+        **provenance(),
         heads_q=hq,
         heads_kv=hkv,
         head_dim=d,

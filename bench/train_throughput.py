@@ -27,7 +27,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
-from common import command_line, commit, device_name, write_results  # noqa: E402
+from common import provenance, write_results  # noqa: E402
 
 ARCHS = {
     "qwen2.5-3b": dict(
@@ -226,10 +226,8 @@ def main() -> None:
                     table = folder / "log" / f"profile_step{args.steps}_rank0.txt"
                     shutil.copy(table, args.profile_dir / f"profile_{mode}_{seq_len}_{args.fused_kernels}.txt")
                 rec = dict(
-                    device=device_name() if args.device == "cuda" else "cpu",
+                    **provenance(on_gpu=args.device == "cuda"),
                     gpus=args.gpus,
-                    commit=commit(),
-                    command=command_line(),
                     model=args.arch,
                     seq_len=seq_len,
                     attention="mtraining sparse" if mode == "sparse" else "dense (cuDNN; zigzag ring if CP)",

@@ -20,7 +20,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, commit, device_name, write_results  # noqa: E402
+from common import provenance, write_results  # noqa: E402
 from sparse_attention import sweep_pattern  # noqa: E402
 
 from mtraining.ops import VerticalSlashPattern  # noqa: E402
@@ -105,9 +105,7 @@ def main() -> None:
                     print(f"{stage:5s} {str(tuple(tiles.__dict__.values())):32s} {name:9s} skipped: {err}", flush=True)
                     continue
                 rec = dict(
-                    device=device_name(),
-                    commit=commit(),
-                    command=command_line(),
+                    **provenance(),
                     seq_len=n,
                     pattern=name,
                     density=float(pattern.density().mean()),

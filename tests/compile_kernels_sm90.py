@@ -3,7 +3,10 @@
 Run as a script in a process without TRITON_INTERPRET (tests/ops/test_kernels_compile.py does).
 ``--ptx-dir DIR`` also writes each kernel's PTX to DIR/<label>.ptx, one file per compiled
 configuration, for bench/ptx_compare.py (the PTX of two commits, compared without a GPU).
-The attention kernels compile with the bf16 tiles of ``launch.tile_config`` at G = 128, D = 128.
+The attention kernels compile with the bf16 tiles of ``launch.tile_config`` at G = 128, D = 128, each
+without packed documents (their arguments constexpr None, as launched without documents) and the
+forward, dQ, dK/dV and walk kernels also with them (labels ``*_docs``); a kernel without a DOCS
+argument (an older commit's) compiles without documents only.
 """
 
 from __future__ import annotations
@@ -41,7 +44,15 @@ INT_POINTERS = {
     "GBlock",
     "Diag",
     "Extra",
+    # packed documents
+    "QBound",
+    "Unmasked",
+    "VFirst",
+    "VEndRow",
+    "DocExtra",
 }
+# The arguments of the document path: constexpr None when a kernel runs without documents.
+DOCUMENT_ARGS = ("QBound", "Unmasked", "VFirst", "VEndRow", "DocExtra", "stride_bb")
 FP32_POINTERS = {"Lse", "Delta", "DQ", "DK", "DV"}
 DATA_POINTERS = {"Q", "K", "V", "Out", "DO"}
 FLOAT_SCALARS = {"qk_scale", "sm_scale"}
@@ -56,6 +67,7 @@ ATTENTION = [
     ("dkdv_vertical", "_bwd_dkdv_vertical_kernel", dict(BLOCK_M=64, BLOCK_V=64, DQ_MODE=0), 4, 2),
     ("dkdv_vertical_dq", "_bwd_dkdv_vertical_kernel", dict(BLOCK_M=64, BLOCK_V=64, DQ_MODE=1), 4, 2),
 ]
+DOCUMENTS = ("fwd", "dq", "dkdv_block", "dkdv_vertical")  # also compiled with packed documents
 # The row-delta kernel and the index builders launch with Triton's defaults (4 warps, 3 stages).
 ROW_DELTA = ("row_delta", "_row_delta_kernel", dict(BLOCK_R=64, HEAD_DIM=128))
 BUILDERS = [
@@ -122,21 +134,20 @@ def main() -> None:
     kernels, builders = _modules()
     for label, name, extra, warps, stages in ATTENTION:
         fn = getattr(kernels, name)
-        compile_one(
-            label,
-            fn,
-            dict(G=128, HEAD_DIM=128, **extra),
-            target,
-            dict(num_warps=warps, num_stages=stages),
-            args.ptx_dir,
-        )
+        for docs in (False, True) if label in DOCUMENTS else (False,):
+            constexprs = documents(fn, dict(G=128, HEAD_DIM=128, **extra), docs)
+            if constexprs is not None:
+                options = dict(num_warps=warps, num_stages=stages)
+                compile_one(label + "_docs" * docs, fn, constexprs, target, options, args.ptx_dir)
     label, name, constexprs = ROW_DELTA
     compile_one(label, getattr(kernels, name), constexprs, target, dict(num_warps=4, num_stages=3), args.ptx_dir)
     for label, name, extra in BUILDERS:
         fn = getattr(builders, name)
-        compile_one(
-            label, fn, dict(G=128, **extra(builders.BLOCKS)), target, dict(num_warps=4, num_stages=3), args.ptx_dir
-        )
+        for docs in (False, True) if label != "pair" else (False,):
+            constexprs = documents(fn, dict(G=128, **extra(builders.BLOCKS)), docs)
+            if constexprs is not None:
+                options = dict(num_warps=4, num_stages=3)
+                compile_one(label + "_docs" * docs, fn, constexprs, target, options, args.ptx_dir)
     # the loss's rows kernel: float32 logits, bf16 gradient
     ce_signature = {
         "logits_ptr": "*fp32",
@@ -155,6 +166,16 @@ def main() -> None:
     )
     compiled = triton.compile(src, target=target, options=dict(num_warps=8))
     _report("cross_entropy_rows", compiled, args.ptx_dir)
+
+
+def documents(fn, constexprs: dict, docs: bool) -> dict | None:
+    """The constexprs of ``fn`` with packed documents or without (the document arguments None); None
+    where the kernel has no document path (an older commit's) and ``docs`` asks for one."""
+    if "DOCS" not in fn.arg_names:
+        return None if docs else constexprs
+    if docs:
+        return dict(constexprs, DOCS=True)
+    return dict(constexprs, DOCS=False, **{name: None for name in DOCUMENT_ARGS if name in fn.arg_names})
 
 
 def compile_one(label: str, fn, constexprs: dict, target, options: dict, ptx_dir: Path | None) -> None:

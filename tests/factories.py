@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mtraining.ops import VerticalSlashPattern
+from mtraining.ops import Documents, VerticalSlashPattern
 
 PATTERN_KINDS = (
     "causal",  # None: dense causal
@@ -99,3 +99,39 @@ def make_qkv(
 def striped_positions(n: int, g: int, world: int, rank: int) -> torch.Tensor:
     """Global positions of ``rank``'s shard in the striped layout (stripes of g tokens dealt round-robin)."""
     return torch.arange(n).view(-1, g)[rank::world].flatten()
+
+
+DOCUMENT_KINDS = (
+    "mixed",  # random lengths from 1 token to half the sequence, some shorter than a block
+    "short",  # many documents shorter than a block, boundaries anywhere
+    "spanning",  # a few short documents, then one that spans the rest (every rank of a ring)
+    "quarters",  # four equal documents: in a contiguous layout whole ring steps see no key
+)
+
+
+def make_documents(kind: str, n: int, g: int, gen: torch.Generator | int, batch: int = 1) -> Documents:
+    """Packed ``Documents`` of ``kind`` (``DOCUMENT_KINDS``) for sequences of n tokens on the G = g grid,
+    one row of boundaries per batch row (drawn independently)."""
+    gen = _generator(gen)
+    rows = []
+    for _ in range(batch):
+        if kind == "mixed":
+            lengths, left = [], n
+            while left > 0:
+                size = int(torch.exp(torch.rand(1, generator=gen) * torch.log(torch.tensor(n / 2.0))).item())
+                lengths.append(max(1, min(size, left)))
+                left -= lengths[-1]
+        elif kind == "short":
+            lengths, left = [], n
+            while left > 0:
+                lengths.append(min(int(torch.randint(1, g, (1,), generator=gen)), left))
+                left -= lengths[-1]
+        elif kind == "spanning":
+            head = [int(x) for x in torch.randint(1, g, (3,), generator=gen)]
+            lengths = [*head, n - sum(head)]
+        elif kind == "quarters":
+            lengths = [n // 4] * 3 + [n - 3 * (n // 4)]
+        else:
+            raise ValueError(f"unknown document kind {kind!r}; use one of {DOCUMENT_KINDS}")
+        rows.append(lengths)
+    return Documents.from_lengths(rows)

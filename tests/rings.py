@@ -47,10 +47,21 @@ def _heads_major(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def ring_case(group, layout_name, inputs, pattern, config=None, ring=None, backend="torch", strided=False, dense=None):
+def ring_case(
+    group,
+    layout_name,
+    inputs,
+    pattern,
+    config=None,
+    ring=None,
+    backend="torch",
+    strided=False,
+    dense=None,
+    documents=None,
+):
     """Worker: shard the full inputs (q, k, v, dout), run the ring forward and backward, return this rank's
     (out, lse, dq, dk, dv). ``ring``: more ring_attention arguments (ring=, inner_size=, outer_comm=);
-    ``dense``: the dense backend setting to run under."""
+    ``dense``: the dense backend setting to run under; ``documents``: packed documents."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     q, k, v, dout = inputs
     layout = make_layout(layout_name, q.shape[1], world, G)
@@ -68,18 +79,19 @@ def ring_case(group, layout_name, inputs, pattern, config=None, ring=None, backe
             pattern_config=config,
             return_lse=True,
             backend=backend,
+            documents=documents,
             **(ring or {}),
         )
     out.backward(layout.shard(dout, rank))
     return out.detach(), lse, ql.grad, kl.grad, vl.grad
 
 
-def reference(inputs, pattern, config=None):
+def reference(inputs, pattern, config=None, documents=None):
     """Oracle (out, lse, dq, dk, dv) in float64 on the full sequence (pattern estimated there with a config)."""
     if config is not None:
-        pattern = estimate_pattern(inputs[0], inputs[1], config)
+        pattern = estimate_pattern(inputs[0], inputs[1], config, documents=documents)
     q, k, v, dout = (t.detach().double().clone().requires_grad_() for t in inputs)
-    out, lse = attention_oracle(q, k, v, pattern)
+    out, lse = attention_oracle(q, k, v, pattern, documents=documents)
     out.backward(dout)
     return out.detach(), lse, q.grad, k.grad, v.grad
 
@@ -113,7 +125,7 @@ def check_ring(
     pattern = None if config else make_pattern(kind, b, hq, n, G, seed + 1)
     inputs = make_inputs(seed, b, n, hq, hkv, dtype, rope=config is not None)
     results = pool.run(ring_case, world, layout_name, inputs, pattern, config, *_case_args(case))
-    ref = reference(inputs, pattern, config)
+    ref = reference(inputs, pattern, config, case.get("documents"))
     for r in results:
         assert r[1].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
         assert r[0].dtype == dtype
@@ -124,9 +136,10 @@ def check_ring(
 
 def _case_args(case: dict) -> tuple:
     """``ring_case``'s positional arguments after (inputs, pattern, config), from keywords."""
-    unknown = set(case) - {"ring", "backend", "strided", "dense"}
+    unknown = set(case) - {"ring", "backend", "strided", "dense", "documents"}
     assert not unknown, unknown
-    return case.get("ring"), case.get("backend", "torch"), case.get("strided", False), case.get("dense")
+    keys = ("ring", "backend", "strided", "dense", "documents")
+    return tuple(case.get(key, "torch" if key == "backend" else False if key == "strided" else None) for key in keys)
 
 
 def dense_ring_in_one_process(ops, layout, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, scale: float, acc) -> list:

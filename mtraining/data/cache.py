@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .documents import DataError, read_documents
-from .tokenizer import TextTokenizer
+from .tokenizer import Tokenizer
 from .tokens import scan_max
 
 FORMAT = "mtraining-tokens-1"
@@ -113,11 +113,13 @@ class TokenCache:
         return known[key]
 
     # ------------------------------------------------------------------ tokenised text
-    def _entry(self, path: Path, tokenizer: TextTokenizer, text_field: str, separator_id: int) -> Path:
+    def _entry(self, path: Path, tokenizer: Tokenizer, text_field: str, separator_id: int) -> Path:
+        if tokenizer.fingerprint is None:
+            raise DataError(f"{tokenizer.path} is not one tokenizer.json; token caches need one (data.tokenizer)")
         parts = (FORMAT, self.digest(path), tokenizer.fingerprint, text_field, str(separator_id))
         return self._folder("tokens") / hashlib.sha256("|".join(parts).encode()).hexdigest()
 
-    def lookup(self, path: Path, tokenizer: TextTokenizer, text_field: str, separator_id: int) -> CachedTokens | None:
+    def lookup(self, path: Path, tokenizer: Tokenizer, text_field: str, separator_id: int) -> CachedTokens | None:
         """The cached tokens of a text file, or None when it was not tokenised yet."""
         entry = self._entry(path, tokenizer, text_field, separator_id)
         meta = entry.with_suffix(".json")
@@ -128,7 +130,7 @@ class TokenCache:
     def tokenize(
         self,
         path: Path,
-        tokenizer: TextTokenizer,
+        tokenizer: Tokenizer,
         text_field: str,
         separator_id: int,
         log: Callable[[str], None] = print,

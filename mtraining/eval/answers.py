@@ -11,9 +11,9 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ..data.tokenizer import Tokenizer
 from .documents import Haystack
 from .engine import Engine
-from .loading import Tokenizer
 from .runtime import track
 from .scoring import mean_percent, score
 from .tasks import Sample

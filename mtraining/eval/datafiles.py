@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from ..data.documents import KINDS, find_files, read_records
+from ..data.tokenizer import Tokenizer
 from . import infinitebench
 from .answers import score_samples, task_grid
 from .engine import Engine
-from .loading import Tokenizer
 from .tasks import Sample
 
 # RULER task family (name prefix): (answer tokens, metric), from its constants.py files

@@ -30,9 +30,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..data.tokenizer import Tokenizer
 from .answers import Prompting, score_samples, task_grid
 from .engine import Engine
-from .loading import Tokenizer
 from .tasks import Sample, fit_prompt
 
 TASKS = ("passkey", "number_string", "kv_retrieval", "math_find")

@@ -16,40 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+from ..data.tokenizer import FOLDER_FILES, Tokenizer
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class Tokenizer:
-    """Text <-> ids with the model's special tokens (BOS where the tokenizer adds one)."""
-
-    def __init__(self, hf_tokenizer, source: str) -> None:
-        self.hf = hf_tokenizer
-        self.source = source
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf(text, add_special_tokens=True)["input_ids"])
-
-    def encode_plain(self, text: str) -> list[int]:
-        """Ids without special tokens (for continuing documents)."""
-        return list(self.hf(text, add_special_tokens=False)["input_ids"])
-
-    def count(self, text: str) -> int:
-        return len(self.encode(text))
-
-    def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=True)
-
-    @property
-    def stop_ids(self) -> list[int]:
-        """Token ids that end an answer (EOS)."""
-        eos = self.hf.eos_token_id
-        return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-
-    @property
-    def eos_id(self) -> int | None:
-        ids = self.stop_ids
-        return ids[0] if ids else None
 
 
 @dataclass
@@ -63,19 +32,18 @@ class Loaded:
 def load_tokenizer(
     checkpoint: str | Path, tokenizer: str | Path | None = None, fallback: str | Path | None = None
 ) -> Tokenizer:
-    """The tokenizer at ``tokenizer`` (a tokenizer.json or a directory), else in the checkpoint, else ``fallback``."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
+    """The tokenizer at ``tokenizer`` (a tokenizer.json or a directory), else in the checkpoint, else ``fallback``;
+    prompts get the tokenizer's special tokens (BOS where it adds one)."""
     candidates = [Path(p) for p in (tokenizer, checkpoint, fallback) if p is not None]
     if tokenizer is not None and not Path(tokenizer).exists():
         raise ValueError(f"tokenizer {tokenizer} does not exist; pass a tokenizer.json file or a directory holding one")
     for path in candidates if tokenizer is None else candidates[:1]:
         if path.is_file():
-            return Tokenizer(PreTrainedTokenizerFast(tokenizer_file=str(path)), str(path))
-        if path.is_dir() and any((path / f).is_file() for f in TOKENIZER_FILES):
-            return Tokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True), str(path))
+            return Tokenizer.from_file(path, add_special_tokens=True)
+        if path.is_dir() and any((path / f).is_file() for f in FOLDER_FILES):
+            return Tokenizer.from_folder(path, add_special_tokens=True)
     raise ValueError(
-        f"{checkpoint} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); pass --tokenizer PATH with a tokenizer.json "
+        f"{checkpoint} has no tokenizer ({' / '.join(FOLDER_FILES)}); pass --tokenizer PATH with a tokenizer.json "
         "or the directory of the base model it was trained from (e.g. data/tokenizer.json for the demo models)"
     )
 

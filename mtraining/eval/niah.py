@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..data.tokenizer import Tokenizer
 from .answers import Prompting, score_cells
 from .engine import Engine
-from .loading import Tokenizer
 from .tasks import Sample, generate
 
 TASK = "niah_single"

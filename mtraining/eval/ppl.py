@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..data.tokenizer import Tokenizer
 from .engine import Engine
-from .loading import Tokenizer
 from .runtime import track
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+from ..data.tokenizer import Tokenizer
 from .answers import Prompting, score_samples, task_grid
 from .engine import Engine
-from .loading import Tokenizer
 from .tasks import TASKS, generate
 
 

@@ -8,7 +8,8 @@ sparse, single device or a ring over a context-parallel group in a layout, and w
 runs in. Unbound modules run dense causal attention on one device.
 
 HF hands over query [B, Hq, S, D] and key/value [B, Hkv, S, D]; we pass transposed *views* in our
-[B, S, H, D] convention, so K/V heads are never repeated for GQA.
+[B, S, H, D] convention, so K/V heads are never repeated for GQA. The model's ``position_ids`` go
+along: packed ones (restarting at 0) mark documents on one device (attention.py).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def mtraining_attention(
     layer = int(getattr(module, "layer_idx", 0) or 0)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    return attention.attend(layer, q, k, v, scale), None
+    return attention.attend(layer, q, k, v, scale, kwargs.get("position_ids")), None
 
 
 def no_mask(attention_mask: Tensor | None = None, **kwargs) -> None:

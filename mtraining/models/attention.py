@@ -22,8 +22,11 @@ what the layers do on that pass. A training step reads:
   each forward that keeps is paired with its own recompute (one pair per micro-batch).
 - outside both, layers run as a forward that records and keeps nothing.
 
-Per-call inputs of a forward (such as document boundaries) belong in ``forward``'s arguments and in
-what it keeps, so that its recompute sees the same ones. The state is plain attributes, not thread-
+Per-call inputs of a forward belong in ``forward``'s arguments and in what it keeps, so that its
+recompute sees the same ones: the packed documents of the micro-batch (``documents``, global
+boundaries; each query attends only within its document). Outside a forward carrying documents, a
+single-device call whose ``position_ids`` restart at 0 inside a row (Hugging Face's packed convention,
+as flash-attention's varlen path reads it) gets the documents those restarts mark. The state is plain attributes, not thread-
 or context-local: on CUDA the autograd engine runs the backward, and so the recompute, on its own thread.
 """
 
@@ -38,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..ops.documents import Documents
 from ..ops.pattern import VerticalSlashPattern
 from ..ops.pattern.estimate import PatternConfig, estimate_pattern
 from ..ops.sparse.attention import sparse_attention
@@ -90,6 +94,7 @@ class _Kept:
 
     patterns: dict[int, VerticalSlashPattern | None] = field(default_factory=dict)
     outputs: dict[int, tuple[Tensor, Tensor]] | None = None
+    documents: Documents | None = None
 
     def put(self, layer: int, sparse: bool, pattern: VerticalSlashPattern | None, out: Tensor, lse: Tensor) -> None:
         if sparse:
@@ -115,6 +120,7 @@ class _Pass:
     record: Record = "off"
     keep: _Kept | None = None  # a forward: where each layer keeps what its recompute needs
     replay: _Kept | None = None  # a recompute: what the forward kept
+    documents: Documents | None = None  # packed documents of the pass (a recompute: its forward's)
 
 
 @dataclass(eq=False)
@@ -150,6 +156,7 @@ class Attention:
     _pass: _Pass | None = field(default=None, init=False, repr=False)
     _kept: _Kept | None = field(default=None, init=False, repr=False)  # the last forward's, until its recompute
     _stats: dict[int, PatternStats] = field(default_factory=dict, init=False, repr=False)
+    _position_documents: tuple[Tensor, int, Documents] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.cp_size > 1 and self.layout is None:
@@ -172,18 +179,22 @@ class Attention:
 
     # ------------------------------------------------------------------ the protocol
     @contextlib.contextmanager
-    def forward(self, record: Record = "density", save_outputs: bool = False) -> Iterator[None]:
+    def forward(
+        self, record: Record = "density", save_outputs: bool = False, documents: Documents | None = None
+    ) -> Iterator[None]:
         """Run the model's forward inside: layers estimate, record ``record`` ("off", "density" or
         "recall": about one more estimation pass per layer) and, when checkpointed, keep their
-        patterns (and with ``save_outputs`` their (out, lse)) for the next ``recompute()``."""
+        patterns (and with ``save_outputs`` their (out, lse)) for the next ``recompute()``.
+        ``documents``: the packed documents of this forward (global boundaries), kept for its recompute."""
         if save_outputs and not self.checkpointed:
             raise ValueError("save_outputs needs checkpointed layers: only a recomputed forward reuses saved outputs")
         if self._kept is not None:
             raise RuntimeError(
                 "attention.forward() entered again before the last forward's backward ran inside attention.recompute()"
             )
-        keep = _Kept(outputs={} if save_outputs else None) if self.checkpointed and torch.is_grad_enabled() else None
-        with self._running(_Pass(record=record, keep=keep)):
+        grad = self.checkpointed and torch.is_grad_enabled()
+        keep = _Kept(outputs={} if save_outputs else None, documents=documents) if grad else None
+        with self._running(_Pass(record=record, keep=keep, documents=documents)):
             yield
         self._kept = keep
 
@@ -192,7 +203,7 @@ class Attention:
         """Run the backward inside: checkpointed layers re-run their forward with what the last forward kept
         (without anything kept they estimate again, recording nothing); leaving drops what is left of it."""
         kept, self._kept = self._kept, None
-        with self._running(_Pass(replay=kept)):
+        with self._running(_Pass(replay=kept, documents=None if kept is None else kept.documents)):
             yield
 
     def end_step(self) -> StepStats:
@@ -213,16 +224,22 @@ class Attention:
             self._pass = None
 
     # ------------------------------------------------------------------ one layer
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    def attend(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, position_ids: Tensor | None = None
+    ) -> Tensor:
         """Layer ``layer``'s causal attention [B, S, Hq, D] of q [B, S, Hq, D], k/v [B, S, Hkv, D] (this
-        rank's shard in the layout), as the current pass says."""
+        rank's shard in the layout), as the current pass says (``position_ids``: the model's, read for
+        packed documents on one device, module docstring)."""
         now = self._pass or _Pass()
         cp = self.cp_size > 1
+        documents = now.documents
+        if documents is None and not cp and q.shape[1] == k.shape[1]:
+            documents = self._position_documents_of(position_ids, k.shape[1])
         config = self.sparse_for(layer, self.layout.seq_len if cp else k.shape[1])
         if now.replay is not None:
             pattern, reuse = now.replay.take(layer, config is not None)
         else:
-            pattern = None if config is None else self._decide(config, layer, q, k, scale, now.record)
+            pattern = None if config is None else self._decide(config, layer, q, k, scale, now.record, documents)
             reuse = None
         if cp:
             out, lse = ring_attention(
@@ -239,33 +256,63 @@ class Attention:
                 ring=self.ring,
                 inner_size=self.inner_size if self.ring == "hierarchical" else None,
                 reuse=reuse,
+                documents=documents,
             )
         else:
             out, lse = sparse_attention(
-                q, k, v, pattern, softmax_scale=scale, return_lse=True, backend=self.backend, reuse=reuse
+                q,
+                k,
+                v,
+                pattern,
+                softmax_scale=scale,
+                return_lse=True,
+                backend=self.backend,
+                reuse=reuse,
+                documents=documents,
             )
         if now.keep is not None:
             now.keep.put(layer, config is not None, pattern, out, lse)
         return out
 
+    def _position_documents_of(self, position_ids: Tensor | None, seq_len: int) -> Documents | None:
+        """The documents that packed ``position_ids`` [B, S] mark by restarting at 0 (None without them or
+        with one document per row), read once per position-id tensor (one device sync)."""
+        if position_ids is None or position_ids.shape[-1] != seq_len:
+            return None
+        held = self._position_documents
+        if held is None or held[0] is not position_ids or held[1] != position_ids._version:
+            held = (position_ids, position_ids._version, Documents.from_position_ids(position_ids))
+            self._position_documents = held
+        return held[2]
+
     def _decide(
-        self, config: PatternConfig, layer: int, q: Tensor, k: Tensor, scale: float, record: Record
+        self,
+        config: PatternConfig,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        scale: float,
+        record: Record,
+        documents: Documents | None,
     ) -> VerticalSlashPattern | None:
-        """This layer's pattern for this call (None: run dense), with its stats recorded as asked."""
+        """This layer's pattern for this call (None: run dense), with its stats recorded as asked (density:
+        of the pairs within ``documents``, what dense attention computes)."""
         q, k = q.detach(), k.detach()
         cp = self.cp_size > 1
         if cp:
-            pattern = estimate_pattern_cp(q, k, config, self.group, self.layout, layer_idx=layer, softmax_scale=scale)
+            pattern = estimate_pattern_cp(
+                q, k, config, self.group, self.layout, layer_idx=layer, softmax_scale=scale, documents=documents
+            )
         else:
-            pattern = estimate_pattern(q, k, config, layer_idx=layer, softmax_scale=scale)
+            pattern = estimate_pattern(q, k, config, layer_idx=layer, softmax_scale=scale, documents=documents)
         measured = record != "off" or self.max_density is not None
-        density = float(pattern.density().mean()) if measured else None
+        density = float(pattern.density(documents).mean()) if measured else None
         # the same decision on every rank: the pattern, so its density, is global
         ran_dense = self.max_density is not None and density > self.max_density
         if record != "off":
             recall = None
             if record == "recall":
                 group, layout = (self.group, self.layout) if cp else (None, None)
-                recall = pattern_recall(q, k, pattern, config.last_q, scale, group, layout)
+                recall = pattern_recall(q, k, pattern, config.last_q, scale, group, layout, documents)
             self._stats[layer] = PatternStats(density=density, recall=recall, ran_dense=ran_dense)
         return None if ran_dense else pattern

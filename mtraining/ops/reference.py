@@ -2,7 +2,8 @@
 the rings and the trainer, and the per-block attention of ``MTRAINING_DENSE_BACKEND=reference``.
 
 Same contract as the Triton kernels (``ops/sparse/launch.py``): positions are global, the pattern is
-global, the forward returns (out, lse) and the backward takes the *final* LSE and delta = rowsum(dO * O),
+global, ``q_bound`` [B or 1, Sq] (packed documents, ``Documents.left_bounds``) is the smallest key position
+each row may see, the forward returns (out, lse) and the backward takes the *final* LSE and delta = rowsum(dO * O),
 so partial results from ring steps combine exactly. Works in query-row chunks to bound memory. Masked
 pairs contribute nothing, not even a NaN or an infinity of a key the row may not see
 (``numerics.finite_keys``).
@@ -35,6 +36,7 @@ def forward(
     scale: float,
     out_dtype: torch.dtype,
     merge_into: tuple[Tensor, Tensor] | None = None,
+    q_bound: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out [B, Sq, Hq, D] in out_dtype, lse [B, Hq, Sq] in the accumulation dtype; 0 and -inf for rows
     seeing nothing); with ``merge_into`` (out, lse) of earlier keys, merged into those and returned."""
@@ -47,7 +49,7 @@ def forward(
     lse = torch.empty(b, hq, sq, dtype=acc, device=q.device)
     for start in range(0, sq, _ROW_CHUNK):
         rows = slice(start, min(start + _ROW_CHUNK, sq))
-        allowed = attention_mask(q_pos[rows], k_pos, pattern, b, hq)
+        allowed = attention_mask(q_pos[rows], k_pos, pattern, None if q_bound is None else q_bound[:, rows])
         s = mask_scores(torch.matmul(qh[:, :, rows], kh.transpose(-1, -2)) * scale, allowed, bad)
         row_lse = torch.logsumexp(s, dim=-1)
         safe = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))
@@ -72,6 +74,7 @@ def backward(
     k_pos: Tensor,
     scale: float,
     dq_dtype: torch.dtype | None = None,
+    q_bound: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in float32 (float64 for float64 inputs; dq in ``dq_dtype`` if given) for the
     pairs of this (q, k) block.
@@ -91,7 +94,7 @@ def backward(
     safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).to(acc)
     for start in range(0, sq, _ROW_CHUNK):
         rows = slice(start, min(start + _ROW_CHUNK, sq))
-        allowed = attention_mask(q_pos[rows], k_pos, pattern, b, hq)
+        allowed = attention_mask(q_pos[rows], k_pos, pattern, None if q_bound is None else q_bound[:, rows])
         s = mask_scores(torch.matmul(qh[:, :, rows], kh.transpose(-1, -2)) * scale, allowed, bad)
         p = torch.exp(s - safe_lse[:, :, rows, None])
         dp = torch.matmul(doh[:, :, rows], vh.transpose(-1, -2))

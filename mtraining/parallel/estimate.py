@@ -10,6 +10,10 @@ The single-device estimate (``mtraining.ops.pattern.estimate``) is composed acro
    summed by an all-reduce, vertical scores are all-gathered and placed by global key position;
 4. ``select_lines`` runs on identical inputs on every rank, so the patterns are identical.
 
+With packed documents the scoring rows are the last ``last_q`` of every document (``scoring_rows``), found
+on the host from the boundaries, gathered the same way, and scored against their own document's keys
+(per batch row when the rows' boundaries differ); every document's first sinks are forced.
+
 The positions a rank needs (its keys, the last queries, their owners) and their PositionPlan depend
 only on the layout: they are built once per layout, rank and device, so an estimate pays one
 device sync (``select_lines``) and copies no positions to the device.
@@ -24,8 +28,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..ops.checks import resolve_scale
+from ..ops.documents import Documents, resolve_documents
 from ..ops.pattern import VerticalSlashPattern
-from ..ops.pattern.estimate import PatternConfig, PositionPlan, last_query_partial_lse, line_scores, select_lines
+from ..ops.pattern.estimate import (
+    PatternConfig,
+    PositionPlan,
+    document_scores,
+    last_query_partial_lse,
+    line_scores,
+    select_lines,
+)
 from .agreement import check_ranks_agree
 from .layout import Layout
 
@@ -65,11 +77,13 @@ def estimate_pattern_cp(
     layout: Layout,
     layer_idx: int = 0,
     softmax_scale: float | None = None,
+    documents: Documents | None = None,
 ) -> VerticalSlashPattern:
     """The pattern ``estimate_pattern`` gives on the full sequence, from this rank's shards.
 
     q [B, S/W, Hq, D], k [B, S/W, Hkv, D] in ``layout`` order. Collective: every rank of ``group``
     must call it with its own shards; all get the same pattern. One device sync (``select_lines``).
+    ``documents``: packed documents of the global sequence (the same on every rank).
     """
     fields = {
         "q shape": tuple(q.shape),
@@ -90,6 +104,10 @@ def estimate_pattern_cp(
     config.head_budgets(layer_idx, q.shape[2], n)  # fail on budgets before any communication
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     scale = resolve_scale(softmax_scale, q.shape[-1])
+    documents = resolve_documents(documents, q.shape[0], n)
+    if documents is not None:
+        check_ranks_agree(group, q.device, "estimate_pattern_cp", {"documents": documents.digest()})
+        return _estimate_documents(q, k, config, group, layout, layer_idx, scale, documents)
     k_pos, last_pos, mine, local, every, plan = _rank_positions(layout, rank, config.last_q, q.device)
     # the globally last queries on every rank: each row is non-zero on its owner only, so the sum is exact
     q_last = torch.where(mine, q.index_select(1, local), 0.0)
@@ -102,3 +120,40 @@ def estimate_pattern_cp(
     dist.all_gather(gathered, vertical_local, group=group)
     vertical = torch.empty_like(slash).index_copy_(-1, every, torch.cat(gathered, dim=-1))
     return select_lines(vertical, slash, config, n, layer_idx)
+
+
+def _estimate_documents(
+    q: Tensor,
+    k: Tensor,
+    config: PatternConfig,
+    group,
+    layout: Layout,
+    layer_idx: int,
+    scale: float,
+    documents: Documents,
+) -> VerticalSlashPattern:
+    """``estimate_pattern_cp`` with packed documents (see the module docstring)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    pos = layout.positions(rank)
+    every = torch.cat([layout.positions(r) for r in range(world)]).to(q.device)
+
+    def share_rows(q_last: Tensor) -> Tensor:  # each scoring row is non-zero on its owner only: exact
+        dist.all_reduce(q_last, group=group)
+        return q_last
+
+    rows = documents.batch if documents.batch > 1 else 1
+    parts = []
+    for b in range(rows):
+        qb, kb = (q, k) if rows == 1 else (q[b : b + 1], k[b : b + 1])
+        parts.append(
+            document_scores(
+                qb, pos, kb, pos, scale, documents, b, config.last_q, share_rows, lambda x: ranks_logsumexp(x, group)
+            )
+        )
+    vertical_local, slash = (torch.cat(p) for p in zip(*parts))
+    slash = slash.contiguous()
+    dist.all_reduce(slash, group=group)
+    gathered = [torch.empty_like(vertical_local) for _ in range(world)]
+    dist.all_gather(gathered, vertical_local.contiguous(), group=group)
+    vertical = torch.empty_like(slash).index_copy_(-1, every, torch.cat(gathered, dim=-1))
+    return select_lines(vertical, slash, config, layout.seq_len, layer_idx, documents)

@@ -214,6 +214,12 @@ class DataSection(_Section):
     cache_dir: str | None = None
     """Token cache (text tokenised once, keyed by content and tokenizer); default $MTRAINING_CACHE or
     ~/.cache/mtraining."""
+    document_masking: bool = False
+    """Attend only within each packed document: a document ends after every separator token (data.separator,
+    default the tokenizer's EOS; token files need data.tokenizer to name it). A document cut by a sample
+    boundary continues as its own document in the next sample."""
+    reset_position_ids: bool = False
+    """With document_masking: position ids (RoPE) restart at 0 in every document."""
 
     @model_validator(mode="after")
     def _check_weights(self) -> DataSection:
@@ -221,6 +227,11 @@ class DataSection(_Section):
         if any(weighted) and not all(weighted):
             missing = [s.path for s in self.source_specs if s.weight is None]
             raise ValueError(f"data.sources: give every source a weight or none (no weight: {missing})")
+        if self.reset_position_ids and not self.document_masking:
+            raise ValueError(
+                "data.reset_position_ids restarts positions at document boundaries, which only exist with "
+                "data.document_masking: true; set both or neither"
+            )
         return self
 
     @property

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..data.cache import TokenCache
 from ..data.documents import DataError, file_kind, find_files
-from ..data.tokenizer import TextTokenizer
+from ..data.tokenizer import TextTokenizer, Tokenizer
 from ..data.tokens import TokenStream, open_token_file
 from .agree import agree
 from .config import Config
@@ -43,7 +43,21 @@ def tokenizer_path(cfg: Config) -> str | None:
     return cfg.data.tokenizer or cfg.model.path
 
 
-def _tokenizer(cfg: Config, text_files: list) -> TextTokenizer | None:
+def document_separator(cfg: Config) -> int | None:
+    """The token id that ends a document (data.separator, default the tokenizer's EOS) when
+    data.document_masking is on; None when it is off."""
+    if not cfg.data.document_masking:
+        return None
+    path = tokenizer_path(cfg)
+    if path is None:
+        raise DataError(
+            "data.document_masking finds documents by their separator token: set data.tokenizer (a tokenizer.json "
+            "or a model folder) so its id is known"
+        )
+    return TextTokenizer(path).separator_id(cfg.data.separator)
+
+
+def _tokenizer(cfg: Config, text_files: list) -> Tokenizer | None:
     if not text_files:
         return None
     path = tokenizer_path(cfg)

@@ -12,8 +12,12 @@ with the seed; within a source, samples follow a seeded permutation that is redr
 of that source. Each context-parallel rank then takes its layout positions of inputs, labels and
 position ids.
 
-A sample is a window of its stream, so anything recorded per stream position (document
-boundaries, for masks between packed documents) maps onto a sample by the same window.
+A sample is a window of its stream, so anything recorded per stream position maps onto a sample by
+the same window. Document boundaries (``data.document_masking``) are read off the sample itself: a
+document ends after every separator token, and a sample starts a document at position 0 (one cut by
+the previous sample continues as its own document). They are global positions (``ops.Documents``),
+the same on every context-parallel rank; with ``reset_position_ids`` each rank's position ids count
+from its tokens' document start.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ..data.tokens import TokenStream
+from ..ops.documents import Documents
 from ..parallel.layout import Layout
 
 _BLOCK = 4096  # draws per mixing block: weights are honoured to 1/_BLOCK (finer when a weight needs it)
@@ -150,17 +155,37 @@ class Shard:
 
     input_ids: Tensor  # int64 [B, N / W]
     labels: Tensor  # int64 [B, N / W]
-    position_ids: Tensor  # int64 [1, N / W], global positions (RoPE)
+    position_ids: Tensor  # int64 [1 or B, N / W], global positions (RoPE), or positions within documents
+    documents: Documents | None = None  # the batch's packed documents (global boundaries, every rank alike)
 
 
-def shard_batch(samples: Tensor, layout: Layout, rank: int) -> Shard:
-    """Split samples [B, N + 1] into ``rank``'s inputs, labels and global positions."""
+def sample_documents(samples: Tensor, separator: int) -> Documents:
+    """The packed documents of samples [B, N + 1]: each row's inputs start a document at 0 and after every
+    ``separator`` token (one row of boundaries for all rows when they agree)."""
+    inputs = samples[:, :-1]
+    n = inputs.shape[1]
+    rows = [torch.cat([row.new_zeros(1), torch.nonzero(row[:-1] == separator).flatten() + 1]) for row in inputs]
+    if all(torch.equal(r, rows[0]) for r in rows[1:]):
+        rows = rows[:1]
+    return Documents(rows, n)
+
+
+def shard_batch(
+    samples: Tensor, layout: Layout, rank: int, separator: int | None = None, reset_position_ids: bool = False
+) -> Shard:
+    """Split samples [B, N + 1] into ``rank``'s inputs, labels and global positions; with a ``separator``
+    token id also the packed documents (and, ``reset_position_ids``, positions within each document)."""
     if samples.dim() != 2 or samples.shape[1] != layout.seq_len + 1:
         raise ValueError(
             f"samples must be [batch, seq_len + 1 = {layout.seq_len + 1}] for this layout, got {tuple(samples.shape)}"
         )
+    positions = layout.positions(rank)[None, :]
+    documents = None if separator is None else sample_documents(samples, separator)
+    if documents is not None and reset_position_ids:
+        positions = positions - documents.left_bounds(positions[0]).long()
     return Shard(
         input_ids=layout.shard(samples[:, :-1], rank, dim=1),
         labels=layout.shard(samples[:, 1:], rank, dim=1),
-        position_ids=layout.positions(rank)[None, :],
+        position_ids=positions,
+        documents=documents,
     )

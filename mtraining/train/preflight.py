@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from ..models.loader import build_config, check_weights, sliding_window_layers
 from .config import Config
-from .data import Source, load_sources
+from .data import Source, document_separator, load_sources
 from .outputs import check_output_dirs
 from .packing import PackedStream
 
@@ -72,4 +72,5 @@ def preflight(cfg: Config, world_size: int, local_world_size: int, log: Callable
     if cfg.model.path is not None:
         check_weights(cfg.model.path)
     check_model(cfg, hf_config, max(s.max_id for s in sources))
+    document_separator(cfg)
     return [w for w in (rope_warning(cfg, hf_config),) if w]

@@ -21,12 +21,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..models import Attention, StepStats, bind, build_model
 from ..models.fused import use_liger_kernels
+from ..ops.documents import Documents
 from ..parallel.layout import make_layout
 from ..parallel.topology import init_ring_groups
 from .agree import agree, from_rank0
 from .checkpoint import full_model_state, save_checkpoint
 from .config import Config
-from .data import open_sources
+from .data import document_separator, open_sources
 from .distributed import ParallelState, init_parallel
 from .divergence import check_finite
 from .errors import Preempted, RunStopped
@@ -86,6 +87,7 @@ class Trainer:
             cp = par.cp_size  # the mesh is (data, context), context innermost: ring d holds ranks d*cp .. d*cp+cp-1
             init_ring_groups(self.inner_size, [list(range(d * cp, (d + 1) * cp)) for d in range(par.dp_size)])
         self.sources = open_sources(cfg, log=self._say)
+        self.separator = agree(lambda: document_separator(cfg))
         self.data = agree(self._packed_samples)
         torch.manual_seed(cfg.train.seed)
         hf = agree(self._build_model)
@@ -186,13 +188,15 @@ class Trainer:
     def tokens_per_step(self) -> int:
         return self.cfg.tokens_per_step
 
-    def _local_batch(self, step: int, micro: int) -> tuple[Tensor, Tensor, Tensor]:
-        """This rank's shard of micro-batch ``micro`` of ``step``: input ids, labels, position ids."""
+    def _local_batch(self, step: int, micro: int) -> tuple[Tensor, Tensor, Tensor, Documents | None]:
+        """This rank's shard of micro-batch ``micro`` of ``step``: input ids, labels, position ids and the
+        packed documents (global boundaries; None without data.document_masking)."""
         d, par = self.cfg.data, self.par
         first = first_draw(step, micro, self.cfg.micro_batches, par.dp_rank, par.dp_size, d.batch_size)
-        shard = shard_batch(self.data.batch(first, d.batch_size), self.layout, par.cp_rank)
+        samples = self.data.batch(first, d.batch_size)
+        shard = shard_batch(samples, self.layout, par.cp_rank, self.separator, d.reset_position_ids)
         dev = par.device
-        return shard.input_ids.to(dev), shard.labels.to(dev), shard.position_ids.to(dev)
+        return shard.input_ids.to(dev), shard.labels.to(dev), shard.position_ids.to(dev), shard.documents
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over ``micro_batches`` micro-batches; returns its metrics (identical on every rank).
@@ -203,19 +207,20 @@ class Trainer:
         cfg, par, step = self.cfg, self.par, self.step
         start = time.perf_counter()
         micro = [self._local_batch(step, m) for m in range(cfg.micro_batches)]
-        tokens = torch.tensor(float(sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _ in micro)))
+        tokens = torch.tensor(float(sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _, _ in micro)))
         tokens = tokens.to(device=par.device, dtype=torch.float64)
         dist.all_reduce(tokens)  # global tokens of the step, over every micro-batch and rank
         # FSDP averages gradients over all ranks: scale so they are d(global loss sum)/d(params) / tokens.
         scale = par.world_size / tokens.item()
         logged = (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps
         total = torch.zeros((), dtype=torch.float64, device=par.device)
-        for m, (input_ids, labels, position_ids) in enumerate(micro):
+        for m, (input_ids, labels, position_ids, documents) in enumerate(micro):
             last = m == len(micro) - 1
             if cfg.train.defer_grad_sync:
                 self.model.set_requires_gradient_sync(last)
             recall = logged and last and cfg.log.recall  # the pattern metrics are the last micro-batch's
-            with self.attention.forward(record="recall" if recall else "density", save_outputs=self.save_outputs):
+            record = "recall" if recall else "density"
+            with self.attention.forward(record=record, save_outputs=self.save_outputs, documents=documents):
                 loss_sum = self.model(input_ids, labels, position_ids)
             total += loss_sum.detach()
             with self.attention.recompute():  # activation checkpointing re-runs each layer's forward in here

@@ -10,7 +10,7 @@ from bench.imbalance import imbalance_report
 from bench.synthetic import rope_structured_qkv
 from mtraining.ops import PatternConfig, VerticalSlashPattern, estimate_pattern
 from mtraining.parallel import make_layout
-from tests.factories import make_pattern
+from tests.factories import make_documents, make_pattern
 
 NAMES = ["contiguous", "zigzag", "striped"]
 
@@ -75,3 +75,25 @@ def test_imbalance_errors():
         imbalance_report(pattern, make_layout("striped", 256, 2, 16))
     with pytest.raises(ValueError, match="build the layout with block_size=16"):
         imbalance_report(pattern, make_layout("striped", 128, 2, 8))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("docs_kind", ["mixed", "short", "quarters"])
+def test_imbalance_counts_masked_work_exactly(name, docs_kind):
+    """With packed documents the report counts exactly the pairs of the oracle's mask per rank and step."""
+    w, g = 4, 16
+    n = 2 * w * g * 2
+    gen = torch.Generator().manual_seed(len(docs_kind))
+    pattern = make_pattern("random", 2, 3, n, g, gen)
+    docs = make_documents(docs_kind, n, g, gen, batch=2)
+    layout = make_layout(name, n, w, g)
+
+    def brute(r: int, t: int) -> float:
+        q_pos, k_pos = layout.positions(r), layout.positions((r - t) % w)
+        same = docs.doc_ids(q_pos)[:, :, None] == docs.doc_ids(k_pos)[:, None, :]
+        return float((pattern.pair_mask(q_pos, k_pos) & same[:, None]).sum())
+
+    report = imbalance_report(pattern, layout, docs)
+    assert torch.equal(report.pairs, torch.tensor([[brute(r, t) for t in range(w)] for r in range(w)]).double())
+    assert float(report.pairs.sum()) == float(pattern.kept_pairs(docs).sum())
+    assert not torch.equal(report.pairs, imbalance_report(pattern, layout).pairs)

@@ -11,14 +11,14 @@ import pytest
 from mtraining.data import cache as cache_module
 from mtraining.data.cache import TokenCache
 from mtraining.data.documents import DataError
-from mtraining.data.tokenizer import TextTokenizer
+from mtraining.data.tokenizer import TextTokenizer, Tokenizer
 from mtraining.data.tokens import TokenStream, open_token_file, scan_max
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> TextTokenizer:
+def tokenizer() -> Tokenizer:
     return TextTokenizer(DATA / "tokenizer.json")
 
 

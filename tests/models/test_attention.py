@@ -145,3 +145,37 @@ def test_misuse_fails_clearly():
         model(input_ids=ids, use_cache=False)
     with att.forward():  # so a forward may follow
         model(input_ids=ids, use_cache=False)
+
+
+def test_documents_of_a_forward_reach_its_recompute(monkeypatch):
+    """forward(documents=) masks each document and keeps the documents for its recompute: the recomputed
+    forward equals the forward, and both equal the model run on each document alone."""
+    from mtraining.ops import Documents
+
+    model, att = _model(checkpointed=True)
+    ids = _ids(0)
+    lengths = [20, 30, 14]
+    docs = Documents.from_lengths(lengths)
+    seen = []
+    real = attention.sparse_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("documents"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "sparse_attention", spy)
+    with att.forward(documents=docs):
+        first = model(input_ids=ids, use_cache=False).logits
+    with att.recompute():
+        again = model(input_ids=ids, use_cache=False).logits
+    assert torch.equal(again, first) and seen == [docs] * 4
+    dense, dense_att = _model(checkpointed=False, pattern_config=None)
+    with dense_att.forward(documents=docs):
+        packed = dense(input_ids=ids, use_cache=False).logits
+    start = 0
+    for n in lengths:
+        alone = dense(input_ids=ids[:, start : start + n], use_cache=False).logits
+        torch.testing.assert_close(packed[:, start : start + n], alone, rtol=1e-6, atol=1e-7)  # RoPE: float32 angles
+        start += n
+    with dense_att.forward():  # without documents the later documents see the earlier ones
+        assert not torch.allclose(dense(input_ids=ids, use_cache=False).logits[:, 20:], packed[:, 20:], atol=1e-3)

@@ -98,3 +98,50 @@ def test_context_parallel_matches_oracle(pool, world, layout_name):
         for chunk_keys in (5, 1 << 20):
             got = pool.run(_recall_on_ranks, world, layout_name, q, k, pattern, chunk_keys)
             assert all(abs(r - want) < 1e-12 for r in got), (kind, chunk_keys, got, want)
+
+
+def _document_oracle(q, k, pattern, last_q, docs) -> float:
+    """Mean over every document's last ``last_q`` rows (all of a shorter one) and heads of the exact probability
+    (float64, over the row's own document's causal keys) on kept pairs, by brute force."""
+    n, group = q.shape[1], q.shape[2] // k.shape[2]
+    k_pos = torch.arange(n)
+    kept = []
+    for b in range(q.shape[0]):
+        row = min(b, docs.batch - 1)
+        for start, length in zip(docs.starts[row].tolist(), docs.lengths(row).tolist()):
+            for i in range(start + length - min(last_q, length), start + length):
+                keys = k[b].double().repeat_interleave(group, dim=1)  # [N, Hq, D]
+                s = torch.einsum("hd,nhd->hn", q[b, i].double(), keys) * SCALE
+                s = s.masked_fill((k_pos > i) | (k_pos < start), float("-inf"))  # [Hq, N]
+                mask = pattern.pair_mask(torch.tensor([i]), k_pos)[b, :, 0]
+                kept.append((torch.softmax(s, -1) * mask).sum(-1))
+    return float(torch.cat(kept).mean())
+
+
+def _recall_with_documents(group, layout_name, q, k, pattern, docs) -> float:
+    """Worker (or, with group None, one device): pattern_recall with documents on this rank's shards."""
+    if group is None:
+        return recall.pattern_recall(q, k, pattern, LAST_Q, SCALE, documents=docs)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    layout = make_layout(layout_name, q.shape[1], world, G)
+    q, k = layout.shard(q, rank), layout.shard(k, rank)
+    return recall.pattern_recall(q, k, pattern, LAST_Q, SCALE, group, layout, documents=docs)
+
+
+@pytest.mark.parametrize("layout_name", [None, "contiguous", "striped"])
+def test_documents_rows_see_their_own_document(pool, layout_name):
+    """With packed documents the rows are every document's last LAST_Q, each over its own document's keys
+    (per-row boundaries for the batch of two); without them the figure differs."""
+    from mtraining.ops import Documents
+
+    n = SEQ[4]
+    q, k = _inputs(5, n)
+    pattern = _pattern("lines", n, q.shape[2], seed=5)
+    docs = Documents.from_lengths([[10, 100, 7, n - 117], [60, n - 60]])
+    want = _document_oracle(q, k, pattern, LAST_Q, docs)
+    if layout_name is None:
+        got = [_recall_with_documents(None, None, q, k, pattern, docs)]
+    else:
+        got = pool.run(_recall_with_documents, 4, layout_name, q, k, pattern, docs)
+    assert all(abs(r - want) < 1e-12 for r in got), (got, want)
+    assert abs(want - _oracle(q, k, pattern, LAST_Q)) > 1e-3

@@ -19,7 +19,7 @@ from mtraining.ops.sparse import index as ki
 from mtraining.ops.sparse import index_kernels as wk
 from mtraining.ops.sparse import launch
 from mtraining.parallel.layout import ContiguousLayout, StripedLayout, ZigzagLayout
-from tests.factories import make_pattern
+from tests.factories import DOCUMENT_KINDS, make_documents, make_pattern
 
 V_CHUNKS = (1, 3, 16)  # vertical chunk sizes of the key walk (the dK/dV kernels' block_v)
 SMALL_BLOCKS = dict(nb=16, verts=16, rows=4, diags=8)  # every loop of the builders runs several steps
@@ -28,18 +28,24 @@ SMALL_BLOCKS = dict(nb=16, verts=16, rows=4, diags=8)  # every loop of the build
 def assert_same(got, want, what: str) -> None:
     for name in want.__dataclass_fields__:
         a, b = getattr(got, name), getattr(want, name)
+        if b is None:  # the document part of a walk without documents
+            assert a is None, f"{what}.{name}: {a}, want None"
+            continue
         assert a.dtype == b.dtype, f"{what}.{name}: dtype {a.dtype}, want {b.dtype}"
         assert a.shape == b.shape, f"{what}.{name}: shape {tuple(a.shape)}, want {tuple(b.shape)}"
         assert torch.equal(a, b), f"{what}.{name} differs:\n{a}\nwant\n{b}"
 
 
-def check_builders(pattern: VerticalSlashPattern, q_pos: torch.Tensor, k_pos: torch.Tensor) -> None:
+def check_builders(
+    pattern: VerticalSlashPattern, q_pos: torch.Tensor, k_pos: torch.Tensor, q_bound: torch.Tensor | None = None
+) -> None:
     want = ki.chunk_pair_torch(pattern, q_pos, k_pos)
     pair = wk.chunk_pair_triton(pattern, q_pos, k_pos)
     assert_same(pair, want, "chunk_pair")
-    assert_same(wk.query_walk_triton(pattern, pair), ki.query_walk_torch(pattern, want), "query walk")
+    assert_same(wk.query_walk_triton(pattern, pair, q_bound), ki.query_walk_torch(pattern, want, q_bound), "query walk")
     for v_chunk in V_CHUNKS:
-        assert_same(wk.key_walk_triton(pattern, pair, v_chunk), ki.key_walk_torch(pattern, want, v_chunk), "key walk")
+        got = wk.key_walk_triton(pattern, pair, v_chunk, q_bound)
+        assert_same(got, ki.key_walk_torch(pattern, want, v_chunk, q_bound), "key walk")
 
 
 @pytest.fixture(params=["launch_blocks", "small_blocks"])
@@ -100,6 +106,33 @@ def test_ring_step_small_blocks(monkeypatch):
     check_builders(pattern, lay.positions(1).to(torch.int32), lay.positions(3).to(torch.int32))
 
 
+@pytest.mark.parametrize("docs_kind", DOCUMENT_KINDS)
+def test_documents(docs_kind):
+    """Packed documents: the walks' document part, on one chunk (per-row documents, a partial last block)
+    and on a striped ring step (one row of boundaries for the batch)."""
+    g = 16
+    gen = torch.Generator().manual_seed(len(docs_kind))
+    n = 16 * 6 + 5
+    pattern = make_pattern("random_heads", 2, 2, n, g, gen)
+    pos = torch.arange(n, dtype=torch.int32)
+    check_builders(pattern, pos, pos, make_documents(docs_kind, n, g, gen, batch=2).left_bounds(pos))
+    lay = StripedLayout(2 * 4 * g * 2, 4, g)
+    q_pos, k_pos = (lay.positions(r).to(torch.int32) for r in (3, 1))
+    pattern = make_pattern("random_heads", 2, 2, lay.seq_len, g, gen)
+    check_builders(pattern, q_pos, k_pos, make_documents(docs_kind, lay.seq_len, g, gen).left_bounds(q_pos))
+
+
+def test_documents_small_blocks(monkeypatch):
+    """Packed documents with every loop of the builders running several steps."""
+    monkeypatch.setattr(wk, "BLOCKS", SMALL_BLOCKS)
+    g = 16
+    gen = torch.Generator().manual_seed(9)
+    lay = StripedLayout(2 * 4 * g * 2, 4, g)
+    q_pos, k_pos = (lay.positions(r).to(torch.int32) for r in (2, 1))
+    pattern = make_pattern("random_heads", 2, 2, lay.seq_len, g, gen)
+    check_builders(pattern, q_pos, k_pos, make_documents("mixed", lay.seq_len, g, gen, batch=2).left_bounds(q_pos))
+
+
 def test_dispatch_by_device(monkeypatch):
     """CPU tensors take the torch builders (the Triton ones only where the positions live on CUDA)."""
 
@@ -147,9 +180,9 @@ def test_walks_are_cached_per_chunk_pair(monkeypatch):
     the cache holds them (no freed tensor's id can alias an entry) and pickles empty."""
     builds = []
 
-    def counted(pattern, pair):
+    def counted(pattern, pair, q_bound=None):
         builds.append(1)
-        return ki.query_walk_torch(pattern, pair)
+        return ki.query_walk_torch(pattern, pair, q_bound)
 
     monkeypatch.setattr(launch, "query_walk_torch", counted)
     pattern = make_pattern("random_heads", 1, 2, 64, 16, torch.Generator().manual_seed(4))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mtraining.data.tokenizer import TextTokenizer
+from mtraining.data.tokenizer import TextTokenizer, Tokenizer
 from mtraining.parallel.layout import make_layout
 from mtraining.train.config import parse_config
 from mtraining.train.data import load_sources, open_sources
@@ -30,7 +30,7 @@ def _config(tmp_path: Path, sources: list, **data) -> object:
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> TextTokenizer:
+def tokenizer() -> Tokenizer:
     return TextTokenizer(DATA / "tokenizer.json")
 
 
@@ -169,3 +169,28 @@ def test_a_multi_gigabyte_token_file_stays_on_disk(tmp_path):
         assert r["tokens"] == tokens
         assert r["growth_mb"] < 200, r
     print(f"RSS growth per rank (MB): {[round(r['growth_mb'], 1) for r in results]}")
+
+
+@pytest.mark.parametrize("name", ["contiguous", "zigzag", "striped"])
+def test_documents_from_separators_sharded_with_the_layout(name):
+    """A document ends after every separator; a sample starts one at 0; the boundaries are global and the
+    same on every rank; reset position ids count from each token's document start."""
+    sep, n, world = 7, 64, 4
+    layout = make_layout(name, n, world, 8)
+    samples = torch.randint(8, 100, (2, n + 1))
+    samples[0, [5, 6, 40, n - 1, n]] = sep  # two separators in a row: a one-token document; the last input
+    samples[1, [20]] = sep
+    shards = [shard_batch(samples, layout, r, separator=sep, reset_position_ids=True) for r in range(world)]
+    docs = shards[0].documents
+    assert docs.starts[0].tolist() == [0, 6, 7, 41] and docs.starts[1].tolist() == [0, 21]
+    assert all(s.documents.digest() == docs.digest() for s in shards)
+    position_ids = layout.gather([s.position_ids for s in shards])
+    starts = docs.left_bounds(torch.arange(n))
+    assert torch.equal(position_ids, torch.arange(n) - starts)
+    assert position_ids[0, :8].tolist() == [0, 1, 2, 3, 4, 5, 0, 0]
+    plain = shard_batch(samples, layout, 0, separator=sep)
+    assert torch.equal(plain.position_ids[0], layout.positions(0)) and plain.documents.digest() == docs.digest()
+    assert shard_batch(samples, layout, 0).documents is None
+    same = samples.clone()
+    same[1] = same[0]
+    assert shard_batch(same, layout, 0, separator=sep).documents.batch == 1  # one row of boundaries for all

@@ -266,3 +266,17 @@ def test_ring_shape_is_validated_against_the_world(overrides, local_world_size, 
     else:
         with pytest.raises(ValueError, match=expected):
             shape()
+
+
+def test_document_masking_on_context_parallel_ranks_equals_one_process():
+    """data.document_masking with reset position ids: CP=2 (striped) equals one process, sparse and dense;
+    the documents change the losses (the tiny corpus' samples hold boundaries)."""
+    masked = ["data.document_masking=true", "data.reset_position_ids=true", "train.steps=3"]
+    for budget in (FULL_BUDGET, SMALL_BUDGET):
+        single = run_local(_train, 1, _config("data.batch_size=2", *budget, *masked))[0]
+        cp = run_local(_train, 2, _config("parallel.context=2", "data.batch_size=2", *budget, *masked))
+        reference = torch.tensor([m["loss"] for m in single])
+        for run in cp:
+            torch.testing.assert_close(torch.tensor([m["loss"] for m in run]), reference, rtol=2e-5, atol=0)
+    unmasked = run_local(_train, 1, _config("data.batch_size=2", *SMALL_BUDGET, "train.steps=3"))[0]
+    assert any(abs(a["loss"] - b["loss"]) > 1e-4 for a, b in zip(unmasked, single))

@@ -17,6 +17,10 @@ k, one full block); the single-device case with Sq < Sk gives two. The striped l
 steps are a staircase of G-token stripes (one block per stripe): more than ``MAX_BLOCKS`` blocks
 returns None and the caller runs the sparse backend's dense path (the Triton kernels) for that step.
 
+Packed documents (``doc_starts``, one set of boundaries for the whole batch): segments are also cut
+at every document start, a causal block never spans two documents, and a full block holds only the
+keys of its rows' document; so a single-device call gives one causal block per document.
+
 ``DenseBlocks`` runs the blocks with a pluggable per-block attention (``BlockOps``: cuDNN, or the
 torch backend) and keeps the contract of ``ops.sparse.attention_forward``/``attention_backward``:
 out [B, Sq, Hq, D], lse [B, Hq, Sq] float32 natural log, merged exactly by LSE, rows that see no key
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -81,9 +85,12 @@ def _segments(runs: list[tuple[int, int, int]], bounds: list[int]) -> list[tuple
     return out
 
 
-def decompose(q_pos: Tensor, k_pos: Tensor, max_blocks: int | None = MAX_BLOCKS) -> tuple[Block, ...] | None:
-    """Dense blocks covering exactly the pairs k_pos[j] <= q_pos[i], each once; None if positions are not
-    strictly increasing or more than ``max_blocks`` blocks would be needed (None: no limit).
+def decompose(
+    q_pos: Tensor, k_pos: Tensor, max_blocks: int | None = MAX_BLOCKS, doc_starts: Sequence[int] | None = None
+) -> tuple[Block, ...] | None:
+    """Dense blocks covering exactly the pairs k_pos[j] <= q_pos[i] (of one document, with ``doc_starts``:
+    the ascending positions where documents start), each once; None if positions are not strictly
+    increasing or more than ``max_blocks`` blocks would be needed (None: no limit).
 
     Reads the positions on the host (one device sync for device tensors)."""
     q_runs, k_runs = _runs(q_pos), _runs(k_pos)
@@ -91,41 +98,48 @@ def decompose(q_pos: Tensor, k_pos: Tensor, max_blocks: int | None = MAX_BLOCKS)
         return None
     if not q_runs or not k_runs:
         return ()
-    bounds = sorted({p for a, b, p in q_runs + k_runs} | {p + b - a for a, b, p in q_runs + k_runs})
+    starts = sorted(doc_starts or [])
+    bounds = sorted({p for a, b, p in q_runs + k_runs} | {p + b - a for a, b, p in q_runs + k_runs} | set(starts))
     qs, ks = _segments(q_runs, bounds), _segments(k_runs, bounds)
     k_starts = [p for _, _, p in ks]
     k_ends = [p + b - a for a, b, p in ks]
-    # per query segment: f = number of key segments entirely before it (a prefix: positions increase),
-    # partner = index of the key segment with the same range, if any (refined segments never overlap partially)
-    seen, partner = [], []
+
+    def document(position: int) -> int:
+        return bisect.bisect_right(starts, position)
+
+    # per query segment: its keys outside a causal block are the key segments [first[t], seen[t]): from its
+    # document's first (0 without documents) to the last entirely before it (positions increase); partner
+    # = index of the key segment with the same range, if any (refined segments never overlap partially)
+    first, seen, partner = [], [], []
     for a, b, p in qs:
         f = bisect.bisect_right(k_ends, p)
         same = f < len(ks) and k_starts[f] == p
         if same and k_ends[f] != p + b - a:  # cannot happen after refinement
             return None
+        first.append(bisect.bisect_left(k_starts, starts[document(p) - 1]) if starts and document(p) else 0)
         seen.append(f)
         partner.append(f if same else None)
     blocks: list[Block] = []
     extra = list(seen)  # key segments each query segment sees outside its causal block
     i = 0
-    while i < len(qs):  # causal blocks: stretches of segments paired with consecutive key segments
+    while i < len(qs):  # causal blocks: stretches of segments paired with consecutive key segments, one document
         if partner[i] is None:
             i += 1
             continue
         j = i
-        while j + 1 < len(qs) and partner[j + 1] == partner[j] + 1:
+        while j + 1 < len(qs) and partner[j + 1] == partner[j] + 1 and first[j + 1] == first[i]:
             j += 1
         for t in range(i, j + 1):
             extra[t] = partner[i]
         blocks.append(Block(qs[i][0], qs[j][1], ks[partner[i]][0], ks[partner[j]][1], True))
         i = j + 1
     i = 0
-    while i < len(qs):  # full blocks: stretches of segments that see the same key prefix
+    while i < len(qs):  # full blocks: stretches of segments that see the same key segments
         j = i
-        while j + 1 < len(qs) and extra[j + 1] == extra[i]:
+        while j + 1 < len(qs) and extra[j + 1] == extra[i] and first[j + 1] == first[i]:
             j += 1
-        if extra[i] > 0:
-            blocks.append(Block(qs[i][0], qs[j][1], 0, ks[extra[i] - 1][1], False))
+        if extra[i] > first[i]:
+            blocks.append(Block(qs[i][0], qs[j][1], ks[first[i]][0], ks[extra[i] - 1][1], False))
         i = j + 1
     if max_blocks is not None and len(blocks) > max_blocks:
         return None

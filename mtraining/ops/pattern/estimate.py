@@ -20,6 +20,7 @@ default positions, else fetched in one device sync (passes 1 and 2 take one to s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..checks import check_qkv, default_positions, resolve_scale
+from ..documents import Documents, resolve_documents
 from ..numerics import acc_dtype, matmul_acc
 from .budgets import Budgets, load_budgets
 from .vertical_slash import VerticalSlashPattern, line_lists
@@ -243,6 +245,7 @@ def line_scores(
     row_lse: Tensor,
     seq_len: int,
     plan: PositionPlan | None = None,
+    into: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Vertical and slash scores of the rows q_last over the keys k, given the global row LSE.
 
@@ -253,7 +256,9 @@ def line_scores(
     ``PositionPlan.run``), slash sums are strided diagonal sums: no atomics for one contiguous run,
     one small ``index_add_`` of per-run sums otherwise. Other positions add every probability with
     ``index_add_`` (on CUDA the order of float additions may then vary between runs unless
-    torch.use_deterministic_algorithms(True)). ``plan``: as in ``last_query_partial_lse``.
+    torch.use_deterministic_algorithms(True)). ``plan``: as in ``last_query_partial_lse``. ``into``: a
+    [B * Hq, seq_len + 1] buffer in the accumulation dtype to add the slash sums to (several calls over
+    disjoint rows, as packed documents make), else a new one.
     """
     q_last_pos, k_pos = _check_line_inputs(q_last, q_last_pos, k, k_pos)
     b, r, hq, _ = q_last.shape
@@ -274,7 +279,7 @@ def line_scores(
     acc = acc_dtype(qg)
     lse_rows = row_lse.to(acc).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)[..., None]  # rows seeing no key: 0
     vertical = torch.empty(b, hq, plan.keys, dtype=torch.float32, device=qg.device)
-    slash = torch.zeros(bh, seq_len + 1, dtype=acc, device=qg.device)  # last slot: non-causal pairs
+    slash = torch.zeros(bh, seq_len + 1, dtype=acc, device=qg.device) if into is None else into  # last: non-causal
     for start, stop, run, partly_causal in plan.chunks(bh * r):
         if run:
             # keys reversed within each run, then R zero columns: diagonals become strided views (_diagonal_sums)
@@ -310,14 +315,21 @@ def line_scores(
 
 @torch.no_grad()
 def select_lines(
-    vertical_scores: Tensor, slash_scores: Tensor, config: PatternConfig, seq_len: int, layer_idx: int = 0
+    vertical_scores: Tensor,
+    slash_scores: Tensor,
+    config: PatternConfig,
+    seq_len: int,
+    layer_idx: int = 0,
+    documents: Documents | None = None,
 ) -> VerticalSlashPattern:
     """Pick the lines of every head from global scores and build the pattern.
 
     vertical_scores [B, Hq, seq_len] (index = key position), slash_scores [B, Hq, seq_len]
     (index = offset). Keeps the top budget lines per head (see PatternConfig.threshold for the
     mass mode), always including sinks and the local window. Ties go to the lower index, so
-    identical scores give an identical pattern on every rank. One device sync.
+    identical scores give an identical pattern on every rank. One device sync. With packed
+    ``documents`` the sinks are the first ``sink_tokens`` of every document, forced while the vertical
+    budget lasts (earlier documents first).
     """
     if not isinstance(config, PatternConfig):
         raise ValueError(f"config must be a PatternConfig, got {type(config).__name__}")
@@ -332,13 +344,21 @@ def select_lines(
             "have one shape and device"
         )
     budgets = config._budget_lists(layer_idx, vertical_scores.shape[1], seq_len)
-    return _select_lines(vertical_scores, slash_scores, config, seq_len, *budgets)
+    documents = resolve_documents(documents, vertical_scores.shape[0], seq_len)
+    return _select_lines(vertical_scores, slash_scores, config, seq_len, *budgets, documents)
 
 
 def _select_lines(
-    vertical_scores: Tensor, slash_scores: Tensor, config: PatternConfig, seq_len: int, v_budget, s_budget
+    vertical_scores: Tensor,
+    slash_scores: Tensor,
+    config: PatternConfig,
+    seq_len: int,
+    v_budget,
+    s_budget,
+    documents: Documents | None = None,
 ) -> VerticalSlashPattern:
-    verticals = _top_lines(vertical_scores, v_budget, config.sink_tokens, config.threshold)
+    sinks = None if documents is None else document_sinks(documents, config.sink_tokens, vertical_scores.device)
+    verticals = _top_lines(vertical_scores, v_budget, config.sink_tokens, config.threshold, sinks)
     slashes = _top_lines(slash_scores, s_budget, config.local_window, config.threshold)
     lists = line_lists(verticals, slashes, seq_len, config.block_size)
     named = (("vertical_scores", vertical_scores), ("slash_scores", slash_scores))
@@ -360,12 +380,15 @@ def estimate_pattern(
     k_pos: Tensor | None = None,
     layer_idx: int = 0,
     softmax_scale: float | None = None,
+    documents: Documents | None = None,
 ) -> VerticalSlashPattern:
     """Single-device estimate: q [B, Sq, Hq, D], k [B, S, Hkv, D] holding the whole sequence.
 
     The ``config.last_q`` rows with the largest positions score the lines. Positions default to
     keys 0..S-1 and queries the last Sq of them; k_pos must hold each of 0..S-1 once. With default
     positions the position plan is known on the host: one device sync in all (``select_lines``).
+    With packed ``documents`` (default positions, Sq = S) the last ``last_q`` rows of every document score
+    against their own document's keys (``scoring_rows``) and every document's first sinks are forced.
     """
     if not isinstance(config, PatternConfig):
         raise ValueError(f"config must be a PatternConfig, got {type(config).__name__}")
@@ -376,6 +399,19 @@ def estimate_pattern(
         raise ValueError(f"last_q ({last_q}) exceeds the {sq} query rows; lower last_q to at most {sq}")
     budgets = config._budget_lists(layer_idx, hq, seq_len)  # fail on budgets before any work
     scale = resolve_scale(softmax_scale, d)
+    documents = resolve_documents(documents, b, seq_len)
+    if documents is not None:
+        if q_pos is not None or k_pos is not None or sq != seq_len:
+            raise ValueError(
+                "estimating with documents needs every query of the sequence at default positions (q and k of "
+                "the whole packed sequence); under context parallelism use estimate_pattern_cp"
+            )
+        keys = torch.arange(seq_len)
+        each = documents.batch > 1  # per batch row where the rows' boundaries differ
+        rows = [document_scores(q[i : i + 1] if each else q, keys, k[i : i + 1] if each else k, keys, scale,
+                                documents, i, config.last_q) for i in range(b if each else 1)]  # fmt: skip
+        vertical, slash = (torch.cat(parts) for parts in zip(*rows))
+        return _select_lines(vertical, slash, config, seq_len, *budgets, documents)
     given_k = k_pos is not None
     if q_pos is None and not given_k and sq <= seq_len:  # keys 0..S-1, queries the last Sq of them
         q_last = q[:, sq - last_q :]
@@ -401,6 +437,101 @@ def estimate_pattern(
     if given_k:  # scores follow k's row order; the pattern indexes them by position
         vertical = torch.empty_like(vertical).index_copy_(-1, k_pos, vertical)
     return _select_lines(vertical, slash, config, seq_len, *budgets)
+
+
+# --------------------------------------------------------------------------- packed documents
+def scoring_rows(documents: Documents, row: int, last_q: int) -> tuple[Tensor, Tensor]:
+    """(positions, left bounds) int64 CPU [R] of the rows that score the lines of batch row ``row``: the last
+    min(last_q, length) positions of every document (a document shorter than ``last_q`` scores with all
+    its rows), in ascending order."""
+    starts = documents.starts[min(row, documents.batch - 1)]
+    lengths = documents.lengths(min(row, documents.batch - 1))
+    take = lengths.clamp(max=last_q)
+    ends = starts + lengths
+    pos = torch.cat([torch.arange(e - t, e) for e, t in zip(ends.tolist(), take.tolist())])
+    return pos, torch.repeat_interleave(starts, take)
+
+
+def document_scores(
+    q: Tensor,
+    q_pos: Tensor,
+    k: Tensor,
+    k_pos: Tensor,
+    scale: float,
+    documents: Documents,
+    row: int,
+    last_q: int,
+    share_rows: Callable[[Tensor], Tensor] | None = None,
+    share_lse: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(vertical [B, Hq, Sk] in k's order, slash [B, Hq, N]) scores of q, k ([B, ...]) from the scoring rows
+    of batch row ``row``'s documents (``scoring_rows``; B may be > 1 when the rows share boundaries).
+
+    Each document's rows are scored against its own keys only (the keys of k in its position range), one
+    document at a time, so the cost is that of one sequence's estimate: rows x keys of each document,
+    not of the whole sequence. q_pos, k_pos: int64 CPU, ascending global positions of q's and k's rows
+    (host-known: no device sync). Under context parallelism ``share_rows`` completes the scoring rows
+    (those q does not hold are zero) and ``share_lse`` combines the partial row LSEs over the ranks
+    (one call each for all documents); None: q and k hold the whole sequence.
+    """
+    pos, bound = scoring_rows(documents, row, last_q)
+    local = torch.searchsorted(q_pos, pos).clamp(max=q_pos.shape[0] - 1)
+    held = (q_pos[local] == pos)[None, :, None, None].to(q.device)
+    q_last = torch.where(held, q.index_select(1, local.to(q.device)), 0.0)
+    if share_rows is not None:
+        q_last = share_rows(q_last)
+    b, _, hq, _ = q_last.shape
+    spans = _document_spans(pos, bound, k_pos)
+    pos_dev, k_dev = pos.to(q.device), k_pos.to(k.device)
+    parts = []
+    for r0, r1, k0, k1, plan in spans:  # partial LSE of each document's rows over its keys here
+        if plan is None:
+            parts.append(torch.full((b, hq, r1 - r0), float("-inf"), device=q.device))
+        else:
+            parts.append(
+                last_query_partial_lse(q_last[:, r0:r1], pos_dev[r0:r1], k[:, k0:k1], k_dev[k0:k1], scale, plan)
+            )
+    lse = torch.cat(parts, -1)
+    if share_lse is not None:
+        lse = share_lse(lse)
+    n = documents.seq_len
+    vertical = torch.zeros(b, hq, k_pos.shape[0], dtype=torch.float32, device=k.device)
+    slash = torch.zeros(b * hq, n + 1, dtype=acc_dtype(q_last), device=q.device)
+    for r0, r1, k0, k1, plan in spans:
+        if plan is not None:
+            rows = slice(r0, r1)
+            v, _ = line_scores(q_last[:, rows], pos_dev[rows], k[:, k0:k1], k_dev[k0:k1], scale, lse[..., rows], n,
+                               plan, into=slash)  # fmt: skip
+            vertical[..., k0:k1] = v
+    return vertical, slash[:, :n].float().view(b, hq, n)
+
+
+def _document_spans(pos: Tensor, bound: Tensor, k_pos: Tensor) -> list[tuple[int, int, int, int, PositionPlan | None]]:
+    """Per document of the scoring rows ``pos`` (ascending, one run per document, ``bound`` its start): (first
+    row, end row, first key, end key of k_pos in the document, their PositionPlan or None without keys)."""
+    starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), bound[1:] != bound[:-1]])).flatten().tolist()
+    spans = []
+    for r0, r1 in zip(starts, [*starts[1:], pos.numel()]):
+        lo, hi = int(bound[r0]), int(pos[r1 - 1])  # the document's keys the rows see: lo..hi
+        k0, k1 = (int(i) for i in torch.searchsorted(k_pos, torch.tensor([lo, hi + 1])))
+        plan = PositionPlan.from_positions(pos[r0:r1], k_pos[k0:k1]) if k1 > k0 else None
+        spans.append((r0, r1, k0, k1, plan))
+    return spans
+
+
+def document_sinks(documents: Documents, sink_tokens: int, device: torch.device) -> Tensor:
+    """Boolean [B or 1, 1, N]: the first ``sink_tokens`` positions of every document (forced verticals)."""
+
+    def build() -> Tensor:
+        mask = torch.zeros(documents.batch, 1, documents.seq_len, dtype=torch.bool)
+        for b in range(documents.batch):
+            starts, lengths = documents.starts[b], documents.lengths(b).clamp(max=sink_tokens)
+            sinks = torch.repeat_interleave(starts, lengths)
+            sinks += torch.arange(sinks.numel()) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+            mask[b, 0, sinks] = True
+        return mask.to(device)
+
+    return documents.cached(("sinks", sink_tokens, device), build)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -471,8 +602,11 @@ def _add_contiguous(slash: Tensor, sums: Tensor, d_lo: int) -> None:
     slash[:, lo : d_lo + sums.shape[1]].add_(sums[:, lo - d_lo :])
 
 
-def _top_lines(scores: Tensor, budget: list[int], forced: int, threshold: float | None) -> Tensor:
-    """Kept line indices [B, H, max budget], -1 padded: forced lines 0..forced-1, then by score."""
+def _top_lines(
+    scores: Tensor, budget: list[int], forced: int, threshold: float | None, forced_mask: Tensor | None = None
+) -> Tensor:
+    """Kept line indices [B, H, max budget], -1 padded: forced lines 0..forced-1 (or those of ``forced_mask``
+    [B or 1, 1, N], lowest first while the budget lasts), then by score."""
     b, h, n = scores.shape
     width = max(budget)
     same = min(budget) == width  # every head keeps `width` lines in top-k mode: no padding
@@ -482,7 +616,10 @@ def _top_lines(scores: Tensor, budget: list[int], forced: int, threshold: float 
     for lo in range(0, h, step):
         part = scores[:, lo : lo + step]
         key = part.clone()
-        if forced:
+        if forced_mask is not None:
+            key.masked_fill_(forced_mask, float("inf"))
+            forced = forced_mask.sum(-1)  # [B or 1, 1]
+        elif forced:
             key[..., :forced].fill_(float("inf"))
         order = torch.sort(key, dim=-1, descending=True, stable=True).indices
         del key

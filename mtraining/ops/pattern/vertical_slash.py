@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ..documents import Documents
+
 
 def compact(values: Tensor, keep: Tensor, fill: int, width: int) -> tuple[Tensor, Tensor]:
     """Move the kept entries of each row of ``values`` [..., L] to the front, in order.
@@ -103,22 +105,26 @@ class ChunkPairCache:
     """What the kernels derive from one pattern per chunk pair (the walks of ops/sparse/launch.py),
     built once and reused by the forward, the backward and every ring step that meets the pair again.
 
-    A chunk pair is its two position tensors themselves: an entry is found only for the very same
-    (q_pos, k_pos) objects, not modified in place since it was built (torch's version counter). Each
-    entry holds its position tensors, so their ids cannot be taken by other tensors while the cache
-    lives; the cache lives as long as its pattern. Copies and pickles of a pattern start empty.
+    A chunk pair is its two position tensors themselves (and, with packed documents, the rows' left
+    bounds): an entry is found only for the very same tensors, not modified in place since it was built
+    (torch's version counter). Each entry holds its tensors, so their ids cannot be taken by other
+    tensors while the cache lives; the cache lives as long as its pattern. Copies and pickles of a
+    pattern start empty.
     """
 
     def __init__(self) -> None:
-        self._entries: dict[tuple, tuple[Tensor, Tensor, Any]] = {}
+        self._entries: dict[tuple, tuple[tuple[Tensor, ...], Any]] = {}
 
-    def get(self, kind: tuple, q_pos: Tensor, k_pos: Tensor, build: Callable[[], Any]) -> Any:
-        """The entry ``kind`` of the chunk pair (q_pos, k_pos), from ``build()`` the first time."""
-        key = (*kind, id(q_pos), q_pos._version, id(k_pos), k_pos._version)
+    def get(
+        self, kind: tuple, q_pos: Tensor, k_pos: Tensor, build: Callable[[], Any], q_bound: Tensor | None = None
+    ) -> Any:
+        """The entry ``kind`` of the chunk pair (q_pos, k_pos[, q_bound]), from ``build()`` the first time."""
+        held = (q_pos, k_pos) if q_bound is None else (q_pos, k_pos, q_bound)
+        key = (*kind, *((id(t), t._version) for t in held))
         hit = self._entries.get(key)
         if hit is None:
-            hit = self._entries[key] = (q_pos, k_pos, build())
-        return hit[2]
+            hit = self._entries[key] = (held, build())
+        return hit[1]
 
     def clear(self) -> None:
         self._entries.clear()
@@ -244,18 +250,26 @@ class VerticalSlashPattern:
         is_vertical = self.vertical_mask()[:, :, k_pos.clamp(0, self.seq_len - 1)][:, :, None, :]
         return causal & (in_block | is_vertical)
 
-    def kept_pairs(self) -> Tensor:
-        """Float64 [B, H]: number of causal (i, j) pairs the pattern keeps on the full sequence."""
+    def kept_pairs(self, documents: Documents | None = None) -> Tensor:
+        """Float64 [B, H]: number of causal (i, j) pairs the pattern keeps on the full sequence (with packed
+        ``documents``: of pairs within one document)."""
         n, g, nb = self.seq_len, self.block_size, self.num_blocks
-        last = n - g * (nb - 1)  # rows (and columns) of the last, possibly partial, block
         dev = self.device
-        delta = torch.arange(nb, device=dev, dtype=torch.float64)
-        # causal pairs on block diagonal delta: triangles on delta=0, full blocks elsewhere.
-        per_diag = (nb - 1 - delta) * g * g + last * g
-        per_diag[0] = (nb - 1) * g * (g + 1) / 2 + last * (last + 1) / 2
+        if documents is None:
+            last = n - g * (nb - 1)  # rows (and columns) of the last, possibly partial, block
+            delta = torch.arange(nb, device=dev, dtype=torch.float64)
+            # causal pairs on block diagonal delta: triangles on delta=0, full blocks elsewhere.
+            per_diag = (nb - 1 - delta) * g * g + last * g
+            per_diag[0] = (nb - 1) * g * (g + 1) / 2 + last * (last + 1) / 2
+            per_diag = per_diag[None]
+            ends = torch.full((1, 1, 1), n, dtype=torch.long, device=dev)
+        else:
+            per_diag = _document_pairs_per_diagonal(documents.left_bounds(torch.arange(n, device=dev)), g, nb)
+            ends = _document_ends(documents, self.vertical_pos.long().clamp(max=n - 1))
         selected = self.diag_mask()
-        block_pairs = (selected.double() * per_diag).sum(-1)
-        # a vertical j in key block kb adds the rows i >= j whose diagonal is not selected.
+        block_pairs = (selected.double() * per_diag[:, None]).sum(-1)
+        # a vertical j in key block kb adds the rows i >= j of its document (ending at `ends`, the sequence's
+        # end without documents) whose diagonal is not selected.
         unselected = (~selected).double()  # [B, H, nb]
         prefix = unselected.clone()
         prefix[..., 0] = 0
@@ -263,12 +277,48 @@ class VerticalSlashPattern:
         cols = self.vertical_pos.long().clamp(max=n - 1)
         real = torch.arange(cols.shape[-1], device=dev)[None, None, :] < self.num_verticals[..., None]
         kb = cols // g
-        top = nb - 1 - kb  # largest delta with a row block
-        far_rows = g * prefix.gather(-1, top) - torch.where(top >= 1, unselected.gather(-1, top) * (g - last), 0.0)
-        own_rows = unselected[..., :1] * ((kb + 1) * g).clamp(max=n).sub(cols).double()
+        top = (ends - 1) // g - kb  # largest delta with a row block of the vertical's document
+        last_rows = (ends - 1) % g + 1  # rows of that last block
+        top_unselected = unselected.gather(-1, top.expand_as(kb))
+        far_rows = g * prefix.gather(-1, top.expand_as(kb)) - torch.where(
+            top >= 1, top_unselected * (g - last_rows), 0.0
+        )
+        own_rows = unselected[..., :1] * torch.minimum((kb + 1) * g, ends).sub(cols).double()
         vertical_pairs = ((far_rows + own_rows) * real).sum(-1)
         return block_pairs + vertical_pairs
 
-    def density(self) -> Tensor:
-        """Float64 [B, H]: kept causal pairs / all causal pairs of the full sequence."""
-        return self.kept_pairs() / (self.seq_len * (self.seq_len + 1) / 2)
+    def density(self, documents: Documents | None = None) -> Tensor:
+        """Float64 [B, H]: kept causal pairs / all causal pairs of the full sequence (with packed
+        ``documents``: kept pairs / the causal pairs within documents, what dense attention computes)."""
+        if documents is None:
+            return self.kept_pairs() / (self.seq_len * (self.seq_len + 1) / 2)
+        lengths = [documents.lengths(b).double() for b in range(documents.batch)]
+        total = torch.stack([(x * (x + 1) / 2).sum() for x in lengths]).to(self.device)
+        return self.kept_pairs(documents) / total[:, None]
+
+
+def _document_pairs_per_diagonal(bounds: Tensor, g: int, nb: int) -> Tensor:
+    """Float64 [B, nb]: pairs (i, j) with bound(i) <= j <= i on each block diagonal, from the left bounds
+    [B, N] of every position. Row i meets diagonal 0 from max(bound, its block's start) to i, the
+    diagonal ``top`` of its bound's block from the bound to that block's end, and G keys on every
+    diagonal between (added through a difference array)."""
+    b, n = bounds.shape
+    rows = torch.arange(n, device=bounds.device).expand(b, -1)
+    lo = bounds.long()
+    top = rows // g - lo // g
+    pairs = torch.zeros(b, nb, dtype=torch.float64, device=bounds.device)
+    pairs[:, 0] = (rows - torch.maximum(lo, rows // g * g) + 1).sum(-1).double()
+    pairs.scatter_add_(1, top, torch.where(top >= 1, (lo // g * g + g - lo).double(), 0.0))
+    middle = top >= 2
+    steps = torch.zeros(b, nb + 1, dtype=torch.float64, device=bounds.device)
+    steps[:, 1] = g * middle.sum(-1).double()
+    steps.scatter_add_(1, top, middle.double() * -g)
+    return pairs + steps.cumsum(-1)[:, :nb]
+
+
+def _document_ends(documents: Documents, cols: Tensor) -> Tensor:
+    """int64 [B, H, V]: where the document of each vertical position cols [B, H, V] ends (exclusive)."""
+    ends = documents.ends(torch.arange(documents.seq_len, device=cols.device))  # [B or 1, N]
+    if ends.shape[0] == 1:
+        return ends[0][cols]
+    return ends[torch.arange(cols.shape[0], device=cols.device)[:, None, None], cols]

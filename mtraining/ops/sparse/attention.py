@@ -27,6 +27,7 @@ from ..checks import (
     position_span,
     resolve_scale,
 )
+from ..documents import Documents, resolve_documents
 from ..numerics import merge_partial, row_delta
 from ..pattern import VerticalSlashPattern
 from .index import DENSE_BLOCK, check_aligned_positions
@@ -74,14 +75,19 @@ def attention_forward(
     backend: str = "auto",
     out_dtype: torch.dtype | None = None,
     merge_into: tuple[Tensor, Tensor] | None = None,
+    q_bound: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One block of attention: (out [B, Sq, Hq, D], lse [B, Hq, Sq] float32). No validation (hot path).
 
     ``merge_into``: (out, lse) over other keys (an earlier ring step, out in ``out_dtype``), into
     which this block's result is merged in place (by the kernel itself on the Triton backend).
+    ``q_bound``: packed documents, int32 [B or 1, Sq], the smallest key position each row may see
+    (``Documents.left_bounds`` of q_pos).
     """
     name = resolve_backend(backend, q.device)
-    return _backend_module(name).forward(q, k, v, pattern, q_pos, k_pos, scale, out_dtype or q.dtype, merge_into)
+    return _backend_module(name).forward(
+        q, k, v, pattern, q_pos, k_pos, scale, out_dtype or q.dtype, merge_into, q_bound
+    )
 
 
 def attention_backward(
@@ -98,11 +104,12 @@ def attention_backward(
     *,
     backend: str = "auto",
     dq_dtype: torch.dtype | None = None,
+    q_bound: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv, float32; dq in ``dq_dtype`` if given) of one block given the full-row
-    lse and delta (``attention_delta``)."""
+    lse and delta (``attention_delta``); ``q_bound`` as in ``attention_forward``."""
     name = resolve_backend(backend, q.device)
-    return _backend_module(name).backward(do, q, k, v, lse, delta, pattern, q_pos, k_pos, scale, dq_dtype)
+    return _backend_module(name).backward(do, q, k, v, lse, delta, pattern, q_pos, k_pos, scale, dq_dtype, q_bound)
 
 
 def attention_delta(do: Tensor, out: Tensor) -> Tensor:
@@ -124,6 +131,7 @@ class ChunkPlan:
         scale: softmax scale.
         backend: the resolved backend, "torch" or "triton".
         dense: the pair as dense blocks (ops/dense), or None: the backend computes it.
+        q_bound: packed documents: the rows' left bounds [B or 1, Sq] int32 (None: no documents).
     """
 
     pattern: VerticalSlashPattern | None
@@ -132,6 +140,7 @@ class ChunkPlan:
     scale: float
     backend: str
     dense: dense.DenseBlocks | None
+    q_bound: Tensor | None = None
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dtype, merge_into: tuple[Tensor, Tensor] | None = None
@@ -149,6 +158,7 @@ class ChunkPlan:
                 backend=self.backend,
                 out_dtype=out_dtype,
                 merge_into=merge_into,
+                q_bound=self.q_bound,
             )
         part = self.dense.forward(q, k, v, self.scale, out_dtype)
         if merge_into is None:
@@ -184,6 +194,7 @@ class ChunkPlan:
             self.scale,
             backend=self.backend,
             dq_dtype=dq_dtype,
+            q_bound=self.q_bound,
         )
 
 
@@ -197,21 +208,23 @@ def plan_chunk(
     backend: str,
     blocks: Callable[[], tuple[dense.Block, ...] | None],
     dense_pattern: Callable[[], VerticalSlashPattern] | None = None,
+    q_bound: Tensor | None = None,
 ) -> ChunkPlan:
     """The one decision of how a chunk pair runs: without a pattern, as dense blocks wherever
     ``dense.dense_blocks`` takes it (cuDNN on CUDA, or the reference setting), else by ``backend``.
 
-    ``blocks`` returns the pair's dense decomposition (called only when dense blocks may apply).
+    ``blocks`` returns the pair's dense decomposition (called only when dense blocks may apply; with
+    packed documents, the decomposition by document, or None where it does not apply).
     ``dense_pattern``: for a pattern-free pair the backend runs, the dense pattern it runs with (the
     rings pass one on the layout's grid, whose kernel indices then live across calls); None: the
-    backend's own dense path.
+    backend's own dense path. ``q_bound``: packed documents, the rows' left bounds (``attention_forward``).
     """
     if pattern is not None:
-        return ChunkPlan(pattern, q_pos, k_pos, scale, backend, None)
+        return ChunkPlan(pattern, q_pos, k_pos, scale, backend, None, q_bound)
     blocks_path = dense.dense_blocks(q, k, backend, blocks)
     if blocks_path is None and dense_pattern is not None:
         pattern = dense_pattern()
-    return ChunkPlan(pattern, q_pos, k_pos, scale, backend, blocks_path)
+    return ChunkPlan(pattern, q_pos, k_pos, scale, backend, blocks_path, q_bound)
 
 
 def _plan_call(
@@ -223,6 +236,7 @@ def _plan_call(
     k_pos: Tensor | None,
     softmax_scale: float | None,
     backend: Backend,
+    documents: Documents | None,
 ) -> ChunkPlan:
     """Validate a single-device call once and plan it."""
     name = resolve_backend(backend, q.device)
@@ -236,15 +250,40 @@ def _plan_call(
             check_aligned_positions(q_pos, grid, "q_pos")
         if k_given:
             check_aligned_positions(k_pos, grid, "k_pos")
+    # default positions span 0..Sk-1: known on the host, no device sync
+    span = position_span(q_pos, k_pos) if q_given or k_given else (0, k.shape[1] - 1)
     if pattern is not None:
-        # default positions span 0..Sk-1: known on the host, no device sync
-        check_pattern(pattern, q, position_span(q_pos, k_pos) if q_given or k_given else (0, k.shape[1] - 1))
+        check_pattern(pattern, q, span)
     scale = resolve_scale(softmax_scale, q.shape[-1])
+    documents = resolve_documents(documents, q.shape[0], span=span)
+    if documents is not None:
+        return plan_chunk(
+            q,
+            k,
+            pattern,
+            q_pos,
+            k_pos,
+            scale,
+            name,
+            functools.partial(document_blocks, documents, q_pos, k_pos),
+            q_bound=documents.left_bounds(q_pos),
+        )
     if q_given or k_given:
         blocks = functools.partial(dense.decompose, q_pos, k_pos)
     else:
         blocks = functools.partial(dense.default_blocks, q.shape[1], k.shape[1])
     return plan_chunk(q, k, pattern, q_pos, k_pos, scale, name, blocks)
+
+
+def document_blocks(documents: Documents, q_pos: Tensor, k_pos: Tensor) -> tuple[dense.Block, ...] | None:
+    """The dense blocks of a chunk pair by document (``dense.decompose`` with the document starts), at most
+    ``dense.MAX_BLOCKS`` per document the rows meet; None when the batch rows' documents differ (one
+    decomposition serves the whole batch) or more blocks would be needed."""
+    if not documents.shared:
+        return None
+    met = documents.doc_ids(q_pos.reshape(-1)[[0, -1]].cpu())[0]
+    limit = dense.MAX_BLOCKS * int(met[1] - met[0] + 1)
+    return dense.decompose(q_pos, k_pos, limit, documents.starts[0].tolist())
 
 
 class _SparseAttention(torch.autograd.Function):
@@ -276,6 +315,7 @@ def sparse_attention(
     return_lse: bool = False,
     backend: Backend = "auto",
     reuse: tuple[Tensor, Tensor] | None = None,
+    documents: Documents | None = None,
 ):
     """Causal vertical-slash sparse attention on one device (dense causal without a pattern).
 
@@ -290,6 +330,8 @@ def sparse_attention(
         backend: "auto" (Triton on CUDA, plain PyTorch elsewhere), "triton" or "torch".
         reuse: (out, lse) that an earlier call with the same inputs returned: the forward is skipped and
             the backward uses them (for the forward that activation checkpointing recomputes).
+        documents: packed documents (``mtraining.ops.Documents``): a row sees only the keys of its own
+            document; work follows the pairs they keep. None (or one document per row): as before.
 
     Returns:
         out [B, Sq, Hq, D] in q's dtype, differentiable in q, k, v (the pattern carries no gradient);
@@ -299,7 +341,7 @@ def sparse_attention(
         ValueError naming the fix for inputs that do not fit (shapes, dtypes, positions, a pattern of
         another sequence, batch or heads).
     """
-    plan = _plan_call(q, k, v, pattern, q_pos, k_pos, softmax_scale, backend)
+    plan = _plan_call(q, k, v, pattern, q_pos, k_pos, softmax_scale, backend, documents)
     check_reuse(reuse, q)
     out, lse = _SparseAttention.apply(q, k, v, plan, reuse)
     return (out, lse) if return_lse else out

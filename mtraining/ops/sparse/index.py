@@ -15,6 +15,16 @@ so one kernel serves any layout and any ring step, and the kernel loops are plai
 `for j in range(n)` loops that Triton can software-pipeline. Building a walk never waits for the
 device (list widths are host-known upper bounds), so ring steps queue without host syncs.
 
+Packed documents (``q_bound``: per row the smallest key position it may see, ops/documents.py): a
+query block's rows have non-decreasing bounds (their positions rise), lo = its first row's, hi = its
+last row's. A listed key block ending before lo is seen by no row: it is dropped; one starting before
+hi holds keys some row may not see: it needs the document mask; the others need none. The lists go
+by ascending block diagonal (nearest key block first), so the blocks without a mask are a prefix of
+each list (``unmasked`` of them), then the masked ones; the key walk's lists rise in query block and
+have the same shape. Verticals before lo are skipped (``vfirst``), and a chunk of verticals is seen
+only by the rows whose bound is at most its last vertical (``vend``). Work then follows the pairs
+the documents keep, not the causal grid.
+
 Positions must come in *aligned runs*, ascending: every G rows of a chunk (from local row 0) hold G
 consecutive global positions starting at a multiple of G (the last run may be shorter), and the
 runs rise with the local row (both builders search the positions). All layouts in
@@ -24,6 +34,7 @@ runs rise with the local row (both builders search the positions). All layouts i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -47,6 +58,8 @@ class QueryWalk:
     diag_mask [B, H, nb] (int8): is block diagonal delta selected.
     vcols [B, H, Vk]: local key rows of the verticals present in this key chunk, ascending.
     vcount [B, H, nQB]: how many of them the block may see (position <= its last query).
+    With documents (None otherwise): unmasked [B, H, nQB], how many listed blocks (a prefix) need no
+    document mask; vfirst [B, H, nQB], the first vertical the block may see (position >= its rows' lo).
     """
 
     q_gblock: Tensor
@@ -56,6 +69,8 @@ class QueryWalk:
     diag_mask: Tensor
     vcols: Tensor
     vcount: Tensor
+    unmasked: Tensor | None = None
+    vfirst: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -66,12 +81,42 @@ class KeyWalk:
     count, diag [B, H, nKB]: how many; local query row of the causal-diagonal block, or -1.
     vstart [B, H, nVC]: per chunk of ``v_chunk`` verticals (QueryWalk.vcols), the first local query
     row that may see it.
+    With documents (None otherwise): unmasked [B, H, nKB], how many listed blocks (a prefix) need no
+    document mask; vend [B, H, nVC], the end of the rows that may see the chunk (bound <= its last vertical).
     """
 
     starts: Tensor
     count: Tensor
     diag: Tensor
     vstart: Tensor
+    unmasked: Tensor | None = None
+    vend: Tensor | None = None
+
+
+class BlockBounds(NamedTuple):
+    """The document bounds of each block of G local query rows: lo (its first row's), hi (its last row's);
+    int32 [B or 1, nQB]. A key block [kG, kG + G) is seen iff kG + G - 1 >= lo, needs no mask iff kG >= hi."""
+
+    lo: Tensor
+    hi: Tensor
+
+    def seen_and_plain(self, key_block: Tensor, q_block: Tensor | None, g: int) -> tuple[Tensor, Tensor]:
+        """(seen, plain) for global key blocks ``key_block`` [B, H, N, D] met by local query blocks
+        ``q_block`` (same shape, or None: the query blocks are dim 2, the query walk's case)."""
+        if q_block is None:
+            lo, hi = self.lo[:, None, :, None], self.hi[:, None, :, None]
+        else:
+            rows = torch.arange(self.lo.shape[0], device=q_block.device).view(-1, 1, 1, 1)
+            index = q_block.clamp(min=0).long()
+            lo, hi = self.lo[rows, index], self.hi[rows, index]
+        return key_block * g + (g - 1) >= lo, key_block * g >= hi
+
+
+def block_bounds(q_bound: Tensor, block_size: int) -> BlockBounds:
+    """``BlockBounds`` of the rows' bounds q_bound [B or 1, Sq] (non-decreasing along each row)."""
+    sq = q_bound.shape[1]
+    last = torch.arange(block_size - 1, sq + block_size - 1, block_size, device=q_bound.device).clamp(max=sq - 1)
+    return BlockBounds(q_bound[:, ::block_size].contiguous(), q_bound[:, last].contiguous())
 
 
 def check_aligned_positions(pos: Tensor, block_size: int, name: str) -> None:
@@ -98,20 +143,37 @@ def _block_starts(pos: Tensor, block_size: int, num_blocks: int) -> Tensor:
 
 
 def _block_lists(
-    pattern: VerticalSlashPattern, gblock: Tensor, sign: int, other_block_start: Tensor, other_len: int
-) -> tuple[Tensor, Tensor]:
+    pattern: VerticalSlashPattern,
+    gblock: Tensor,
+    sign: int,
+    other_block_start: Tensor,
+    other_len: int,
+    bounds: BlockBounds | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """For each local block of one side, the local starts of the other side's blocks it meets
     off the diagonal: global block ``gblock - delta`` (sign=-1, query side) or ``+ delta`` (sign=+1).
 
     Only blocks present on both sides are listed (``start >= 0``), so a diagonal that connects no
-    block of this chunk pair drops out here without a separate test."""
+    block of this chunk pair drops out here without a separate test. With document ``bounds`` only the
+    blocks some row's document reaches are listed; returns (starts, count, unmasked: how many of them,
+    a prefix, need no document mask; None without bounds)."""
     nb = other_block_start.shape[0]
+    g = pattern.block_size
     diags = pattern.block_diags
     real = torch.arange(diags.shape[-1], device=diags.device) < pattern.num_diags[..., None]
     other = gblock[None, None, :, None] + sign * diags[:, :, None, :]  # [B, H, nBlocks, D]
     ok = real[:, :, None, :] & (diags[:, :, None, :] > 0) & (other >= 0) & (other < nb)
     start = other_block_start[other.clamp(0, nb - 1).long()]
-    return compact(start, ok & (start >= 0), ABSENT, width=list_width(pattern, other_len))
+    ok &= start >= 0
+    plain = None
+    if bounds is not None:
+        if sign < 0:  # this side holds the queries, the other the keys
+            seen, plain = bounds.seen_and_plain(other, None, g)
+        else:
+            seen, plain = bounds.seen_and_plain(gblock[None, None, :, None].expand_as(other), start // g, g)
+        ok &= seen
+    starts, count = compact(start, ok, ABSENT, width=list_width(pattern, other_len))
+    return starts, count, None if plain is None else (ok & plain).sum(-1, dtype=torch.int32)
 
 
 def list_width(pattern: VerticalSlashPattern, other_len: int) -> int:
@@ -156,25 +218,53 @@ def _local_gblock(pos: Tensor, block_size: int) -> Tensor:
     return (pos[::block_size] // block_size).to(torch.int32)
 
 
-def query_walk_torch(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWalk:
-    """The global pattern restricted to a chunk pair, seen from the query blocks."""
+def query_walk_torch(pattern: VerticalSlashPattern, pair: ChunkPair, q_bound: Tensor | None = None) -> QueryWalk:
+    """The global pattern restricted to a chunk pair, seen from the query blocks (``q_bound``: documents)."""
     g = pattern.block_size
     sq, sk = pair.q_pos.shape[0], pair.k_pos.shape[0]
     q_gblock = _local_gblock(pair.q_pos, g)
-    starts, count = _block_lists(pattern, q_gblock, -1, pair.k_block_start, sk)
+    bounds = None if q_bound is None else block_bounds(q_bound, g)
+    starts, count, unmasked = _block_lists(pattern, q_gblock, -1, pair.k_block_start, sk, bounds)
     diag = torch.where(pair.diag_mask[..., :1] > 0, pair.k_block_start[q_gblock.long()], -1).to(torch.int32)
     q_last = pair.q_pos[torch.arange(g - 1, sq + g - 1, g, device=pair.q_pos.device).clamp(max=sq - 1)]
-    vcount = torch.searchsorted(pair.vcol_pos, q_last.expand(*pair.vcols.shape[:2], -1).contiguous(), right=True)
+    heads = pair.vcols.shape[:2]
+    vcount = torch.searchsorted(pair.vcol_pos, q_last.expand(*heads, -1).contiguous(), right=True)
+    vfirst = None
+    if bounds is not None:
+        lo = bounds.lo[:, None, :].expand(*heads, -1).contiguous()
+        vfirst = torch.searchsorted(pair.vcol_pos, lo).to(torch.int32).contiguous()
     return QueryWalk(
-        q_gblock, starts, count, diag.contiguous(), pair.diag_mask, pair.vcols, vcount.to(torch.int32).contiguous()
+        q_gblock,
+        starts,
+        count,
+        diag.contiguous(),
+        pair.diag_mask,
+        pair.vcols,
+        vcount.to(torch.int32).contiguous(),
+        unmasked,
+        vfirst,
     )
 
 
-def key_walk_torch(pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int) -> KeyWalk:
-    """The global pattern restricted to a chunk pair, seen from the key blocks (verticals in chunks of ``v_chunk``)."""
+def key_walk_torch(
+    pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int, q_bound: Tensor | None = None
+) -> KeyWalk:
+    """The global pattern restricted to a chunk pair, seen from the key blocks (verticals in chunks of
+    ``v_chunk``; ``q_bound``: documents)."""
     g = pattern.block_size
     k_gblock = _local_gblock(pair.k_pos, g)
-    starts, count = _block_lists(pattern, k_gblock, +1, pair.q_block_start, pair.q_pos.shape[0])
+    bounds = None if q_bound is None else block_bounds(q_bound, g)
+    starts, count, unmasked = _block_lists(pattern, k_gblock, +1, pair.q_block_start, pair.q_pos.shape[0], bounds)
     diag = torch.where(pair.diag_mask[..., :1] > 0, pair.q_block_start[k_gblock.long()], -1).to(torch.int32)
     first_row = torch.searchsorted(pair.q_pos, pair.vcol_pos[..., ::v_chunk].contiguous())
-    return KeyWalk(starts, count, diag.contiguous(), first_row.to(torch.int32).contiguous())
+    vend = None
+    if q_bound is not None:
+        vpos = pair.vcol_pos
+        width = vpos.shape[-1]
+        chunks = -(-width // v_chunk)
+        padded = torch.nn.functional.pad(vpos, (0, chunks * v_chunk - width), value=ABSENT)
+        real = padded < ABSENT
+        last = torch.where(real, padded, -1).view(*vpos.shape[:2], chunks, v_chunk).amax(-1)  # -1: no vertical
+        rows = q_bound[:, None, :].expand(*vpos.shape[:2], -1).contiguous()
+        vend = torch.searchsorted(rows, last.to(rows.dtype).contiguous(), right=True).to(torch.int32).contiguous()
+    return KeyWalk(starts, count, diag.contiguous(), first_row.to(torch.int32).contiguous(), unmasked, vend)

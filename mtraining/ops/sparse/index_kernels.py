@@ -11,7 +11,10 @@ their outputs: 14 torch ops for the pair and both walks):
 - ``_walk_kernel`` (``query_walk_triton`` / ``key_walk_triton``): per G-block of one side, the local starts of the
   other side's blocks on the selected off-diagonal block diagonals (compacted in the order of the
   diagonal list), their count and the causal-diagonal start; for queries the number of verticals
-  each block may see, for keys the first query row of each chunk of verticals.
+  each block may see, for keys the first query row of each chunk of verticals. With packed documents
+  (DOCS) also the walks' document part (index.py): blocks no row's document reaches are dropped, the
+  prefix that needs no mask is counted, and for queries the first vertical each block may see, for
+  keys the end of the rows that may see each chunk of verticals.
 
 Positions are ascending aligned runs (index.py docstring), so "where does global block gb
 start locally" and "is key position p in this chunk" are binary searches in the positions: no
@@ -119,24 +122,27 @@ def _pair_kernel(
             tl.store(VColPos + out + j, tl.zeros_like(j) + _ABSENT, mask=pad)
 
 
-@triton.jit(do_not_specialize=["W", "VW", "NX", "XSTEP", "v_steps", "stride_db", "stride_dh"])
+@triton.jit(do_not_specialize=["W", "VW", "NX", "XSTEP", "v_steps", "stride_db", "stride_dh", "stride_bb"])
 def _walk_kernel(
     QPos, KPos,  # int32 global positions [Sq], [Sk]
     BlockDiags, NumDiags,  # of the pattern: [B, H, D], [B, H]
     DiagMask, OtherStart, VColPos,  # of the ChunkPair: [B, H, NB], the other side's block starts [NB], [B, H, VW]
+    QBound,  # DOCS: int32 [B or 1, Sq] the query rows' document bounds
     GBlock,  # out (QUERY): int32 [N] global block of each local query block
     Starts, Count, Diag,  # out: int32 [B, H, N, W], [B, H, N], [B, H, N]
     Extra,  # out: int32 [B, H, N] vcount (QUERY) or [B, H, NX] vstart
+    Unmasked, DocExtra,  # out (DOCS): int32 [B, H, N]; [B, H, N] vfirst (QUERY) or [B, H, NX] vend
     Sq, N, NB, H, W, VW, NX, XSTEP,
     q_steps, v_steps,  # binary-search halvings over Sq and VW entries
     stride_db, stride_dh,  # BlockDiags
     stride_nb, stride_nh,  # NumDiags
-    G: tl.constexpr, QUERY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_bb,  # QBound
+    G: tl.constexpr, QUERY: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, DOCS: tl.constexpr,
 ):  # fmt: skip
     """Program (t, bh): the lists of local blocks [t * BLOCK_R, +BLOCK_R) of this side (QUERY: the
     query chunk, other side the keys, block gb meets gb - delta; else the reverse, gb + delta) for head
     bh, and the entries [t * BLOCK_R, +BLOCK_R) of Extra: vcount per query block (QUERY), or vstart
-    per chunk of XSTEP verticals (NX of them)."""
+    per chunk of XSTEP verticals (NX of them); with DOCS the same of Unmasked and DocExtra."""
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -156,6 +162,12 @@ def _walk_kernel(
         diag_row = BlockDiags + b * stride_db + h * stride_dh
         out = (bh * N + rows).to(tl.int64) * W
         count = tl.zeros([BLOCK_R], dtype=tl.int32)
+        if DOCS:
+            bound_row = QBound + b * stride_bb
+            plain = tl.zeros([BLOCK_R], dtype=tl.int32)
+            if QUERY:  # this side's blocks: the bounds of their first and last rows
+                lo = tl.load(bound_row + rows * G, mask=row_ok, other=0)
+                hi = tl.load(bound_row + tl.minimum(rows * G + G - 1, Sq - 1), mask=row_ok, other=0)
         for c in range(0, n_diag, BLOCK_D):
             j = c + tl.arange(0, BLOCK_D)
             delta = tl.load(diag_row + j, mask=j < n_diag, other=0)
@@ -165,7 +177,19 @@ def _walk_kernel(
                 other = gblock[:, None] + delta[None, :]
             ok = row_ok[:, None] & (delta > 0)[None, :] & (other >= 0) & (other < NB)
             start = tl.load(OtherStart + other, mask=ok, other=-1)
-            keep = (ok & (start >= 0)).to(tl.int32)
+            keep = ok & (start >= 0)
+            if DOCS:  # key block kb is seen iff kb G + G - 1 >= lo, needs no mask iff kb G >= hi
+                if QUERY:
+                    seen = other * G + G - 1 >= lo[:, None]
+                    free = other * G >= hi[:, None]
+                else:
+                    other_lo = tl.load(bound_row + start, mask=keep, other=0)
+                    other_hi = tl.load(bound_row + tl.minimum(start + G - 1, Sq - 1), mask=keep, other=0)
+                    seen = gblock[:, None] * G + G - 1 >= other_lo
+                    free = gblock[:, None] * G >= other_hi
+                keep = keep & seen
+                plain += tl.sum((keep & free).to(tl.int32), 1)
+            keep = keep.to(tl.int32)
             slot = count[:, None] + tl.cumsum(keep, 1) - 1
             tl.store(Starts + out[:, None] + slot, start, mask=(keep != 0) & (slot < W))  # slot < W always
             count += tl.sum(keep, 1)
@@ -174,6 +198,8 @@ def _walk_kernel(
             pad = row_ok[:, None] & (s[None, :] >= count[:, None]) & (s < W)[None, :]
             tl.store(Starts + out[:, None] + s[None, :], tl.zeros([BLOCK_R, BLOCK_D], tl.int32) + _ABSENT, mask=pad)
         tl.store(Count + bh * N + rows, count, mask=row_ok)
+        if DOCS:
+            tl.store(Unmasked + bh * N + rows, plain, mask=row_ok)
         own = tl.load(OtherStart + gblock, mask=row_ok & (gblock < NB), other=-1)
         causal = tl.load(DiagMask + bh * NB) != 0
         tl.store(Diag + bh * N + rows, tl.where(causal, own, -1), mask=row_ok)
@@ -183,12 +209,22 @@ def _walk_kernel(
         last = tl.load(QPos + tl.minimum(rows * G + G - 1, Sq - 1), mask=row_ok, other=0)
         seen = _search(vcol_row, VW, last, v_steps, True)
         tl.store(Extra + bh * N + rows, seen, mask=row_ok)
+        if DOCS:  # the first vertical at or after the block's first row's bound
+            first_lo = tl.load(QBound + b * stride_bb + rows * G, mask=row_ok, other=0)
+            tl.store(DocExtra + bh * N + rows, _search(vcol_row, VW, first_lo, v_steps, False), mask=row_ok)
     else:
         # first query row at or after the first vertical of each chunk (Sq for padding)
         x = t * BLOCK_R + tl.arange(0, BLOCK_R)
         x_ok = x < NX
         first = tl.load(vcol_row + x * XSTEP, mask=x_ok, other=0)
         tl.store(Extra + bh * NX + x, _search(QPos, Sq, first, q_steps, False), mask=x_ok)
+        if DOCS:  # rows whose bound is at most the chunk's last vertical (0 for a chunk of padding)
+            real = _search(vcol_row, VW, tl.zeros_like(x) + _ABSENT, v_steps, False)  # verticals present
+            last_at = tl.minimum((x + 1) * XSTEP, real) - 1
+            some = x_ok & (last_at >= x * XSTEP)
+            last = tl.load(vcol_row + last_at, mask=some, other=0)
+            end = _search(QBound + b * stride_bb, Sq, last, q_steps, True)
+            tl.store(DocExtra + bh * NX + x, tl.where(some, end, 0), mask=x_ok)
 
 
 def _steps(n: int) -> int:
@@ -244,8 +280,9 @@ def chunk_pair_triton(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tenso
     return ChunkPair(q_pos, k_pos, q_start, k_start, diag_mask, vcols, vcol_pos)
 
 
-def _walk(pattern: VerticalSlashPattern, pair: ChunkPair, query: bool, extra: int, x_step: int):
-    """Launch ``_walk_kernel`` for one side; returns (gblock or None, starts, count, diag, extra)."""
+def _walk(pattern: VerticalSlashPattern, pair: ChunkPair, query: bool, extra: int, x_step: int, q_bound: Tensor | None):
+    """Launch ``_walk_kernel`` for one side; returns (gblock or None, starts, count, diag, extra, unmasked,
+    doc_extra), the last two None without documents (``q_bound``)."""
     g, nb = pattern.block_size, pattern.num_blocks
     dev = pair.q_pos.device
     sq, sk = pair.q_pos.shape[0], pair.k_pos.shape[0]
@@ -259,6 +296,9 @@ def _walk(pattern: VerticalSlashPattern, pair: ChunkPair, query: bool, extra: in
     count = torch.empty((b, h, n), dtype=torch.int32, device=dev)
     diag = torch.empty((b, h, n), dtype=torch.int32, device=dev)
     out = torch.empty((b, h, extra), dtype=torch.int32, device=dev)
+    docs = q_bound is not None
+    unmasked = torch.empty((b, h, n), dtype=torch.int32, device=dev) if docs else None
+    doc_extra = torch.empty((b, h, extra), dtype=torch.int32, device=dev) if docs else None
     rows = BLOCKS["rows"]
     _walk_kernel[(triton.cdiv(max(n, extra), rows), b * h)](
         QPos=pair.q_pos,
@@ -268,11 +308,14 @@ def _walk(pattern: VerticalSlashPattern, pair: ChunkPair, query: bool, extra: in
         DiagMask=pair.diag_mask,
         OtherStart=pair.k_block_start if query else pair.q_block_start,
         VColPos=pair.vcol_pos,
+        QBound=q_bound,
         GBlock=gblock if query else count,  # unused by the key side
         Starts=starts,
         Count=count,
         Diag=diag,
         Extra=out,
+        Unmasked=unmasked,
+        DocExtra=doc_extra,
         Sq=sq,
         N=n,
         NB=nb,
@@ -287,22 +330,27 @@ def _walk(pattern: VerticalSlashPattern, pair: ChunkPair, query: bool, extra: in
         stride_dh=pattern.block_diags.stride(1),
         stride_nb=pattern.num_diags.stride(0),
         stride_nh=pattern.num_diags.stride(1),
+        stride_bb=(q_bound.stride(0) if q_bound.shape[0] > 1 else 0) if docs else None,
         G=g,
         QUERY=query,
         BLOCK_R=rows,
         BLOCK_D=BLOCKS["diags"],
+        DOCS=docs,
     )
-    return gblock, starts, count, diag, out
+    return gblock, starts, count, diag, out, unmasked, doc_extra
 
 
-def query_walk_triton(pattern: VerticalSlashPattern, pair: ChunkPair) -> QueryWalk:
+def query_walk_triton(pattern: VerticalSlashPattern, pair: ChunkPair, q_bound: Tensor | None = None) -> QueryWalk:
     """index.query_walk_torch in one launch."""
     n = -(-pair.q_pos.shape[0] // pattern.block_size)
-    gblock, starts, count, diag, vcount = _walk(pattern, pair, True, n, 1)
-    return QueryWalk(gblock, starts, count, diag, pair.diag_mask, pair.vcols, vcount)
+    gblock, starts, count, diag, vcount, unmasked, vfirst = _walk(pattern, pair, True, n, 1, q_bound)
+    return QueryWalk(gblock, starts, count, diag, pair.diag_mask, pair.vcols, vcount, unmasked, vfirst)
 
 
-def key_walk_triton(pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int) -> KeyWalk:
+def key_walk_triton(
+    pattern: VerticalSlashPattern, pair: ChunkPair, v_chunk: int, q_bound: Tensor | None = None
+) -> KeyWalk:
     """index.key_walk_torch in one launch (verticals in chunks of ``v_chunk``)."""
-    _, starts, count, diag, vstart = _walk(pattern, pair, False, -(-pair.vcol_pos.shape[-1] // v_chunk), v_chunk)
-    return KeyWalk(starts, count, diag, vstart)
+    chunks = -(-pair.vcol_pos.shape[-1] // v_chunk)
+    _, starts, count, diag, vstart, unmasked, vend = _walk(pattern, pair, False, chunks, v_chunk, q_bound)
+    return KeyWalk(starts, count, diag, vstart, unmasked, vend)

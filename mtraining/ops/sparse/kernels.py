@@ -27,6 +27,13 @@ The dK/dV block kernel walks stages 1 and 2 from the keys' side. A masked pair c
 ``_visible`` holds (written out in ``_dkdv_step``, see there). Scores are kept in base 2
 (``qk_scale`` includes log2(e), ``exp2``); the LSE written out is natural-log.
 
+Packed documents (DOCS, a constexpr: without it the kernels compile as before): every row also has a
+left bound (QBound [B, Sq], the first position of its document) and a pair counts only if
+``k_pos >= bound``. The walks (index.py) list only the key blocks some row's document reaches; stage
+1 visits first those that need no mask (``Unmasked`` of them, a prefix of the list), then the rest
+with the bound tested; the diagonal block and the vertical columns (from ``VFirst``; dK/dV: the rows
+before ``VEndRow``) test it too.
+
 Argument lists group one tensor (or one tensor's strides) per line; ``# fmt: skip`` keeps them so.
 The widths and strides of the index lists are plain ints (``do_not_specialize``): the lists change
 size with every pattern and ring step, and specialising on them would recompile.
@@ -48,9 +55,13 @@ INT_MAX = tl.constexpr(2147483647)  # position of a key no query sees
 
 
 @triton.jit
-def _visible(q_pos, k_pos):
-    """[M, N]: may the query at position q_pos [M] see the key at k_pos [N] (causal; INT_MAX: never)."""
-    return k_pos[None, :] <= q_pos[:, None]
+def _visible(q_pos, k_pos, q_bound, DOCS: tl.constexpr):
+    """[M, N]: may the query at position q_pos [M] see the key at k_pos [N] (causal; INT_MAX: never);
+    DOCS: only keys of its document, k_pos >= q_bound [M]."""
+    seen = k_pos[None, :] <= q_pos[:, None]
+    if DOCS:
+        seen = seen & (k_pos[None, :] >= q_bound[:, None])
+    return seen
 
 
 @triton.jit
@@ -86,6 +97,15 @@ def _query_tile(Sq, H, GROUP, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
     row_ok = rows < Sq
     d = tl.arange(0, HEAD_DIM)
     return tile, b, h, hk, rows, row_ok, d
+
+
+@triton.jit
+def _row_bounds(QBound, b, rows, row_ok, stride_bb, q_pos, DOCS: tl.constexpr):
+    """DOCS: the left bounds [M] of the rows (QBound [B, Sq]); else the positions (the bound is not used)."""
+    if DOCS:
+        return tl.load(QBound + b * stride_bb + rows, mask=row_ok, other=0)
+    else:
+        return q_pos
 
 
 @triton.jit
@@ -155,9 +175,10 @@ def _load_v(v_base, cols, ok, stride_vs, d, DQ: tl.constexpr):
 @triton.jit
 def _query_tile_walk(
     acc, m_i, l_i,  # forward: output [M, D], running row max and sum [M]; dQ: dq [M, D], the rows' LSE and delta
-    q, q_pos, do,  # the query tile [M, D], its positions [M]; dQ: dO [M, D] (forward: None)
+    q, q_pos, q_bound, do,  # the query tile [M, D], its positions and (DOCS) left bounds [M]; dQ: dO [M, D]
     KDesc, VDesc, k_base, v_base, KPos,  # the KV head's keys and values (k_base, v_base: its row 0)
     QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,  # the QueryWalk
+    Unmasked, VFirst,  # the QueryWalk's document part (DOCS)
     stride_ks, stride_vs,
     stride_sb, stride_sh, stride_st,  # Starts
     stride_mb, stride_mh,  # DiagMask
@@ -165,14 +186,18 @@ def _query_tile_walk(
     qk_scale, Sk, b, h, hk, d,
     blk, tile_off,  # the query block of the tile, its entry of the [B, H, nQB] walk tables
     STAGE: tl.constexpr, DQ: tl.constexpr,
-    G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HEAD_DIM: tl.constexpr,
+    G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HEAD_DIM: tl.constexpr, DOCS: tl.constexpr,
 ):  # fmt: skip
     """Stage STAGE of a query tile's walk (module docstring): 1 off-diagonal blocks, 2 the diagonal
     block, 3 vertical columns; returns the updated (acc, m_i, l_i)."""
     if STAGE == 1:
         # off-diagonal: step j visits tile j % (G // BLOCK_N) of the (j // (G // BLOCK_N))-th listed block
         starts = Starts + b * stride_sb + h * stride_sh + blk * stride_st
-        for j in range(0, tl.load(Count + tile_off) * (G // BLOCK_N)):
+        if DOCS:
+            plain = tl.load(Unmasked + tile_off)  # the listed blocks inside every row's document
+        else:
+            plain = tl.load(Count + tile_off)
+        for j in range(0, plain * (G // BLOCK_N)):
             col0 = tl.load(starts + j // (G // BLOCK_N)) + (j % (G // BLOCK_N)) * BLOCK_N
             k = KDesc.load([b, col0, hk, 0]).reshape(BLOCK_N, HEAD_DIM)  # [N, D]
             v = VDesc.load([b, col0, hk, 0]).reshape(BLOCK_N, HEAD_DIM)  # [N, D]
@@ -180,6 +205,18 @@ def _query_tile_walk(
             if DQ:
                 v = tl.trans(v)
             acc, m_i, l_i = _query_tile_update(acc, m_i, l_i, q, do, k_t, v, tl.dot(q, k_t) * qk_scale, DQ)
+        if DOCS:
+            # the listed blocks that start before some row's document: keys below its bound are masked
+            for j in range(plain * (G // BLOCK_N), tl.load(Count + tile_off) * (G // BLOCK_N)):
+                col0 = tl.load(starts + j // (G // BLOCK_N)) + (j % (G // BLOCK_N)) * BLOCK_N
+                k = KDesc.load([b, col0, hk, 0]).reshape(BLOCK_N, HEAD_DIM)  # [N, D]
+                v = VDesc.load([b, col0, hk, 0]).reshape(BLOCK_N, HEAD_DIM)  # [N, D]
+                k_t = tl.trans(k)
+                if DQ:
+                    v = tl.trans(v)
+                k_pos = tl.load(KPos + col0 + tl.arange(0, BLOCK_N))
+                s = tl.where(k_pos[None, :] >= q_bound[:, None], tl.dot(q, k_t) * qk_scale, float("-inf"))
+                acc, m_i, l_i = _query_tile_update(acc, m_i, l_i, q, do, k_t, v, s, DQ)
     elif STAGE == 2:
         # diagonal: G // BLOCK_N key tiles from local key row diag (-1: the diagonal is not selected)
         diag = tl.load(DiagStart + tile_off)
@@ -190,7 +227,7 @@ def _query_tile_walk(
                 k_pos = tl.load(KPos + cols, mask=col_ok, other=INT_MAX)
                 k_t = tl.load(k_base + cols[None, :] * stride_ks + d[:, None], mask=col_ok[None, :], other=0.0)
                 v = _load_v(v_base, cols, col_ok, stride_vs, d, DQ)
-                s = tl.where(_visible(q_pos, k_pos), tl.dot(q, k_t) * qk_scale, float("-inf"))  # [M, N]
+                s = tl.where(_visible(q_pos, k_pos, q_bound, DOCS), tl.dot(q, k_t) * qk_scale, float("-inf"))
                 acc, m_i, l_i = _query_tile_update(acc, m_i, l_i, q, do, k_t, v, s, DQ)
     else:
         # vertical: BLOCK_V at a time of the n columns (ascending) the block may see
@@ -198,11 +235,15 @@ def _query_tile_walk(
         n = tl.load(VCountQ + tile_off)
         vcols_row = VCols + b * stride_wb + h * stride_wh
         mask_row = DiagMask + b * stride_mb + h * stride_mh
-        for c in range(0, n, BLOCK_V):
+        if DOCS:
+            first = tl.load(VFirst + tile_off)  # columns before every row's document are skipped
+        else:
+            first = 0
+        for c in range(first, n, BLOCK_V):
             cols, k_pos, use = _vertical_tile(c + tl.arange(0, BLOCK_V), n, vcols_row, KPos, mask_row, q_block, G)
             k_t = tl.load(k_base + cols[None, :] * stride_ks + d[:, None], mask=use[None, :], other=0.0)  # [D, V]
             v = _load_v(v_base, cols, use, stride_vs, d, DQ)
-            s = tl.where(_visible(q_pos, k_pos), tl.dot(q, k_t) * qk_scale, float("-inf"))  # [M, V]
+            s = tl.where(_visible(q_pos, k_pos, q_bound, DOCS), tl.dot(q, k_t) * qk_scale, float("-inf"))
             acc, m_i, l_i = _query_tile_update(acc, m_i, l_i, q, do, k_t, v, s, DQ)
     return acc, m_i, l_i
 
@@ -214,6 +255,7 @@ def _fwd_kernel(
     Out, Lse,  # [B, Sq, H, D], [B, H, Sq] f32 (read too with MERGE)
     QPos, KPos,  # global positions [Sq], [Sk]
     QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,  # the QueryWalk (index.py)
+    QBound, Unmasked, VFirst,  # DOCS: the rows' left bounds [B, Sq]; the QueryWalk's document part
     qk_scale, Sq, Sk, H, GROUP,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -224,8 +266,9 @@ def _fwd_kernel(
     stride_cb, stride_ch,  # Count, DiagStart, VCountQ [B, H, nQB]
     stride_mb, stride_mh,  # DiagMask [B, H, nb]
     stride_wb, stride_wh,  # VCols [B, H, Vk]
+    stride_bb,  # QBound
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    HEAD_DIM: tl.constexpr, MERGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MERGE: tl.constexpr, DOCS: tl.constexpr,
 ):  # fmt: skip
     """(out, lse) of one query tile; MERGE: Out/Lse already hold a partial result over other keys
     (an earlier ring step) and this tile's result is merged into them by LSE, in place."""
@@ -234,6 +277,7 @@ def _fwd_kernel(
         Q + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0
     )
     q_pos = tl.load(QPos + rows, mask=row_ok, other=-1)
+    q_bound = _row_bounds(QBound, b, rows, row_ok, stride_bb, q_pos, DOCS)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -243,12 +287,12 @@ def _fwd_kernel(
     tile_off = b * stride_cb + h * stride_ch + blk
     for stage in tl.static_range(1, 4):  # off-diagonal blocks, the diagonal block, vertical columns
         acc, m_i, l_i = _query_tile_walk(
-            acc, m_i, l_i, q, q_pos, None,
+            acc, m_i, l_i, q, q_pos, q_bound, None,
             KDesc, VDesc, k_base, v_base, KPos,
-            QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,
+            QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ, Unmasked, VFirst,
             stride_ks, stride_vs, stride_sb, stride_sh, stride_st, stride_mb, stride_mh, stride_wb, stride_wh,
             qk_scale, Sk, b, h, hk, d, blk, tile_off,
-            stage, False, G, BLOCK_N, BLOCK_V, HEAD_DIM,
+            stage, False, G, BLOCK_N, BLOCK_V, HEAD_DIM, DOCS,
         )  # fmt: skip
 
     # epilogue: normalise; with MERGE, fold into the earlier (out, lse) by LSE weights
@@ -279,6 +323,7 @@ def _bwd_dq_kernel(
     DQ,  # [B, Sq, H, D] with Q's strides
     QPos, KPos,  # global positions [Sq], [Sk]
     QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,  # the QueryWalk (index.py)
+    QBound, Unmasked, VFirst,  # DOCS: the rows' left bounds [B, Sq]; the QueryWalk's document part
     qk_scale, sm_scale, Sq, Sk, H, GROUP,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -289,8 +334,9 @@ def _bwd_dq_kernel(
     stride_cb, stride_ch,  # Count, DiagStart, VCountQ [B, H, nQB]
     stride_mb, stride_mh,  # DiagMask [B, H, nb]
     stride_wb, stride_wh,  # VCols [B, H, Vk]
+    stride_bb,  # QBound
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DOCS: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query tile over the same walk as the forward."""
     tile, b, h, hk, rows, row_ok, d = _query_tile(Sq, H, GROUP, BLOCK_M, HEAD_DIM)
@@ -300,6 +346,7 @@ def _bwd_dq_kernel(
         DO, Lse, Delta, b, h, rows, row_ok, d, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh
     )
     q_pos = tl.load(QPos + rows, mask=row_ok, other=-1)
+    q_bound = _row_bounds(QBound, b, rows, row_ok, stride_bb, q_pos, DOCS)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -307,12 +354,12 @@ def _bwd_dq_kernel(
     tile_off = b * stride_cb + h * stride_ch + blk
     for stage in tl.static_range(1, 4):  # off-diagonal blocks, the diagonal block, vertical columns
         dq, lse2, delta = _query_tile_walk(
-            dq, lse2, delta, q, q_pos, do,
+            dq, lse2, delta, q, q_pos, q_bound, do,
             KDesc, VDesc, k_base, v_base, KPos,
-            QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,
+            QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ, Unmasked, VFirst,
             stride_ks, stride_vs, stride_sb, stride_sh, stride_st, stride_mb, stride_mh, stride_wb, stride_wh,
             qk_scale, Sk, b, h, hk, d, blk, tile_off,
-            stage, True, G, BLOCK_N, BLOCK_V, HEAD_DIM,
+            stage, True, G, BLOCK_N, BLOCK_V, HEAD_DIM, DOCS,
         )  # fmt: skip
     tl.store(DQ + q_off, dq * sm_scale, mask=row_ok[:, None])
 
@@ -326,16 +373,18 @@ def _bwd_dq_kernel(
 def _dkdv_step(
     dk, dv, k, v, k_pos,  # the key tile: dK, dV [N, D] f32, keys and values [N, D], positions [N]
     Q, DO, Lse, Delta, QPos, DQ, row0, b, h,  # the query tile: rows row0 .. row0 + BLOCK_M - 1 of head h
+    QBound,  # DOCS: the rows' left bounds [B, Sq]
     qk_scale, sm_scale, Sq,
     stride_qb, stride_qs, stride_qh,
     stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh,  # Lse and Delta
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, DQ_MODE: tl.constexpr,
+    stride_bb,  # QBound
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, DQ_MODE: tl.constexpr, DOCS: tl.constexpr,
 ):  # fmt: skip
     """Accumulate dK/dV of one key tile against one query tile of head h.
 
     Rows past Sq load lse = +inf, so they add nothing (and their dQ is exactly 0); MASK applies
-    the test of ``_visible``. DQ_MODE 1 also adds this tile's dQ = dS K into the float32 DQ (Q's strides)
+    the test of ``_visible`` (with DOCS the rows' document bounds too). DQ_MODE 1 also adds this tile's dQ = dS K into the float32 DQ (Q's strides)
     atomically; 0 leaves dQ to its own kernel. Scores are formed query-major (S = Q K^T, dP = dO V^T,
     K and V as the shared-memory operand) and transposed for dV += P^T dO and dK += dS^T Q
     (BENCHMARKS.md, kernel variants: the key-major S^T = K Q^T is slower).
@@ -359,6 +408,9 @@ def _dkdv_step(
     if MASK:
         q_pos = tl.load(QPos + rows, mask=row_ok, other=-1)
         s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        if DOCS:
+            q_bound = tl.load(QBound + b * stride_bb + rows, mask=row_ok, other=0)
+            s = tl.where(k_pos[None, :] >= q_bound[:, None], s, float("-inf"))
     p = tl.exp2(s - lse2[:, None])
     dv += tl.dot(tl.trans(p.to(do.dtype)), do)
     ds = (p * (tl.dot(do, tl.trans(v)) - delta[:, None])).to(q.dtype)  # [M, N]
@@ -376,6 +428,7 @@ def _bwd_dkdv_block_kernel(
     DK, DV, DQ,  # [B, Sk, Hkv, D] f32 both; DQ (DQ_MODE 1) [B, Sq, H, D] f32 with Q's strides
     QPos, KPos,  # global positions [Sq], [Sk]
     Starts, Count, DiagStart,  # the KeyWalk (index.py)
+    QBound, Unmasked,  # DOCS: the rows' left bounds [B, Sq]; the KeyWalk's unmasked prefixes [B, H, nKB]
     qk_scale, sm_scale, Sq, Sk, H, GROUP,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -385,8 +438,9 @@ def _bwd_dkdv_block_kernel(
     stride_dkb, stride_dks, stride_dkh,  # DK and DV
     stride_sb, stride_sh, stride_st,  # Starts [B, H, nKB, W]
     stride_cb, stride_ch,  # Count, DiagStart [B, H, nKB]
+    stride_bb,  # QBound
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DQ_MODE: tl.constexpr,
+    DQ_MODE: tl.constexpr, DOCS: tl.constexpr,
 ):  # fmt: skip
     """dK/dV (float32) of one key tile's block part, over the query heads of its GQA group."""
     tile = tl.program_id(0)
@@ -414,21 +468,34 @@ def _bwd_dkdv_block_kernel(
         starts = Starts + b * stride_sb + h * stride_sh + blk * stride_st
         # off-diagonal: step j visits query tile j % (G // BLOCK_M) of the (j // (G // BLOCK_M))-th listed
         # block (rows past Sq of a last, partial block add nothing)
-        for j in range(0, tl.load(Count + tile_off) * (G // BLOCK_M)):
+        if DOCS:
+            plain = tl.load(Unmasked + tile_off)  # the listed blocks whose rows' documents hold every key
+        else:
+            plain = tl.load(Count + tile_off)
+        for j in range(0, plain * (G // BLOCK_M)):
             row0 = tl.load(starts + j // (G // BLOCK_M)) + (j % (G // BLOCK_M)) * BLOCK_M
             dk, dv = _dkdv_step(
-                dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, row0, b, h, qk_scale, sm_scale, Sq,
-                stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-                BLOCK_M, HEAD_DIM, False, DQ_MODE,
+                dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, row0, b, h, QBound, qk_scale, sm_scale, Sq,
+                stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_bb,
+                BLOCK_M, HEAD_DIM, False, DQ_MODE, DOCS,
             )  # fmt: skip
+        if DOCS:
+            # the listed blocks with rows whose document starts after some of these keys: masked
+            for j in range(plain * (G // BLOCK_M), tl.load(Count + tile_off) * (G // BLOCK_M)):
+                row0 = tl.load(starts + j // (G // BLOCK_M)) + (j % (G // BLOCK_M)) * BLOCK_M
+                dk, dv = _dkdv_step(
+                    dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, row0, b, h, QBound, qk_scale, sm_scale, Sq,
+                    stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
+                    stride_bb, BLOCK_M, HEAD_DIM, True, DQ_MODE, DOCS,
+                )  # fmt: skip
         # diagonal: G // BLOCK_M query tiles from local query row diag (-1: the diagonal is not selected)
         diag = tl.load(DiagStart + tile_off)
         if diag >= 0:
             for sub in tl.static_range(G // BLOCK_M):
                 dk, dv = _dkdv_step(
-                    dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, diag + sub * BLOCK_M, b, h, qk_scale, sm_scale, Sq,
-                    stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-                    BLOCK_M, HEAD_DIM, True, DQ_MODE,
+                    dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, diag + sub * BLOCK_M, b, h, QBound, qk_scale,
+                    sm_scale, Sq, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb,
+                    stride_lh, stride_bb, BLOCK_M, HEAD_DIM, True, DQ_MODE, DOCS,
                 )  # fmt: skip
     out_off = b * stride_dkb + cols[:, None] * stride_dks + hk * stride_dkh + d[None, :]
     tl.store(DK + out_off, dk * sm_scale, mask=col_ok[:, None])
@@ -443,6 +510,7 @@ def _bwd_dkdv_vertical_kernel(
     QPos, KPos,  # global positions [Sq], [Sk]
     DiagMask, VCols,  # of the ChunkPair (index.py): [B, H, nb] int8, [B, H, VWIDTH] (padding: Sk)
     VStartRow,  # KeyWalk.vstart [B, H, nVC]: first query row that may see each chunk of BLOCK_V columns
+    QBound, VEndRow,  # DOCS: the rows' left bounds [B, Sq]; KeyWalk.vend [B, H, nVC] (VStartRow's strides)
     qk_scale, sm_scale, Sq, Sk, H, GROUP,
     NQT, VWIDTH, SPLIT,  # query tiles, width of VCols, query tiles per program
     stride_qb, stride_qs, stride_qh,
@@ -454,8 +522,9 @@ def _bwd_dkdv_vertical_kernel(
     stride_mb, stride_mh,  # DiagMask
     stride_wb, stride_wh,  # VCols
     stride_tb, stride_th,  # VStartRow
+    stride_bb,  # QBound
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DQ_MODE: tl.constexpr,
+    DQ_MODE: tl.constexpr, DOCS: tl.constexpr,
 ):  # fmt: skip
     """dK/dV of one chunk of a head's vertical columns (those not covered by a selected diagonal),
     against the query tiles [split * SPLIT, (split + 1) * SPLIT): the rows are split over programs
@@ -485,14 +554,16 @@ def _bwd_dkdv_vertical_kernel(
     dv = tl.zeros([BLOCK_V, HEAD_DIM], dtype=tl.float32)
     t_lo = tl.maximum(tl.load(VStartRow + b * stride_tb + h * stride_th + chunk) // BLOCK_M, split * SPLIT)
     t_hi = tl.minimum(NQT, (split + 1) * SPLIT)
+    if DOCS:  # rows past the chunk's last document see none of its columns
+        t_hi = tl.minimum(t_hi, tl.cdiv(tl.load(VEndRow + b * stride_tb + h * stride_th + chunk), BLOCK_M))
     if t_lo < t_hi:
         for t in range(t_lo, t_hi):  # query tile t: rows t * BLOCK_M .. + BLOCK_M - 1
             q_block = tl.load(QPos + t * BLOCK_M) // G  # runs of G aligned positions: one block per tile
             k_pos_use = tl.where(_uncovered(mask_row, q_block, k_block, valid), k_pos, INT_MAX)
             dk, dv = _dkdv_step(
-                dk, dv, k, v, k_pos_use, Q, DO, Lse, Delta, QPos, DQ, t * BLOCK_M, b, h, qk_scale, sm_scale, Sq,
-                stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-                BLOCK_M, HEAD_DIM, True, DQ_MODE,
+                dk, dv, k, v, k_pos_use, Q, DO, Lse, Delta, QPos, DQ, t * BLOCK_M, b, h, QBound, qk_scale, sm_scale,
+                Sq, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
+                stride_bb, BLOCK_M, HEAD_DIM, True, DQ_MODE, DOCS,
             )  # fmt: skip
         out_off = b * stride_dkb + cols[:, None] * stride_dks + hk * stride_dkh + d[None, :]
         tl.atomic_add(DK + out_off, dk * sm_scale, mask=valid[:, None])

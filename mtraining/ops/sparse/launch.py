@@ -73,18 +73,27 @@ def chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> C
     return pattern.index_cache.get(("pair",), q_pos, k_pos, lambda: build(pattern, q_pos, k_pos))
 
 
-def query_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> QueryWalk:
-    """The forward's and dQ kernel's walk of a chunk pair, built once per pattern and chunk pair."""
+def query_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, q_bound: Tensor | None = None) -> QueryWalk:
+    """The forward's and dQ kernel's walk of a chunk pair (``q_bound``: the rows' document bounds),
+    built once per pattern and chunk pair."""
     build = query_walk_triton if q_pos.is_cuda else query_walk_torch
-    return pattern.index_cache.get(("query",), q_pos, k_pos, lambda: build(pattern, chunk_pair(pattern, q_pos, k_pos)))
+    return pattern.index_cache.get(
+        ("query",), q_pos, k_pos, lambda: build(pattern, chunk_pair(pattern, q_pos, k_pos), q_bound), q_bound
+    )
 
 
-def key_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, v_chunk: int) -> KeyWalk:
-    """The dK/dV kernels' walk of a chunk pair, verticals in chunks of ``v_chunk``, built once per
-    pattern, chunk pair and ``v_chunk``."""
+def key_walk(
+    pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, v_chunk: int, q_bound: Tensor | None = None
+) -> KeyWalk:
+    """The dK/dV kernels' walk of a chunk pair, verticals in chunks of ``v_chunk`` (``q_bound``: the rows'
+    document bounds), built once per pattern, chunk pair and ``v_chunk``."""
     build = key_walk_triton if q_pos.is_cuda else key_walk_torch
     return pattern.index_cache.get(
-        ("key", v_chunk), q_pos, k_pos, lambda: build(pattern, chunk_pair(pattern, q_pos, k_pos), v_chunk)
+        ("key", v_chunk),
+        q_pos,
+        k_pos,
+        lambda: build(pattern, chunk_pair(pattern, q_pos, k_pos), v_chunk, q_bound),
+        q_bound,
     )
 
 
@@ -119,7 +128,7 @@ def _resolve(q: Tensor, pattern: VerticalSlashPattern | None, q_pos: Tensor, k_p
 
 
 def _query_walk_args(w: QueryWalk) -> dict:
-    """The QueryWalk arguments of the forward and dQ kernels."""
+    """The QueryWalk arguments of the forward and dQ kernels (its document part None without documents)."""
     return dict(
         QGBlock=w.q_gblock,
         Starts=w.starts,
@@ -128,11 +137,21 @@ def _query_walk_args(w: QueryWalk) -> dict:
         DiagMask=w.diag_mask,
         VCols=w.vcols,
         VCountQ=w.vcount,
+        Unmasked=w.unmasked,
+        VFirst=w.vfirst,
         **_strides("s", w.starts, "bht"),
         **_strides("c", w.count, "bh"),
         **_strides("m", w.diag_mask, "bh"),
         **_strides("w", w.vcols, "bh"),
     )
+
+
+def _bound_args(q_bound: Tensor | None) -> dict:
+    """The rows' document bounds [B or 1, Sq] of the kernels (None: no documents; the DOCS constexpr),
+    a batch stride 0 when one row of bounds serves every batch row."""
+    if q_bound is None:
+        return dict(QBound=None, stride_bb=None, DOCS=False)
+    return dict(QBound=q_bound, stride_bb=q_bound.stride(0) if q_bound.shape[0] > 1 else 0, DOCS=True)
 
 
 def _query_tile_args(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, block_n: int) -> dict:
@@ -167,14 +186,16 @@ def forward(
     scale: float,
     out_dtype: torch.dtype,
     merge_into: tuple[Tensor, Tensor] | None = None,
+    q_bound: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(out [B, Sq, Hq, D] in out_dtype, lse [B, Hq, Sq] float32); with ``merge_into`` (out, lse) of
-    earlier keys, the kernel merges its result into them in place and returns them."""
+    earlier keys, the kernel merges its result into them in place and returns them. ``q_bound``
+    [B or 1, Sq] int32: the rows' document bounds (packed documents)."""
     q, k, v = _unit_stride(q, k, v)
     pattern = _resolve(q, pattern, q_pos, k_pos)
     b, sq, hq, d = q.shape
     t = tile_config(pattern.block_size, d, q.device, q.dtype).fwd
-    walk = query_walk(pattern, q_pos, k_pos)
+    walk = query_walk(pattern, q_pos, k_pos, q_bound)
     if merge_into is not None:
         out, lse = merge_into
     else:
@@ -183,6 +204,7 @@ def forward(
     kernels._fwd_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
         **_query_tile_args(q, k, v, q_pos, k_pos, t.block_n),
         **_query_walk_args(walk),
+        **_bound_args(q_bound),
         Out=out,
         Lse=lse,
         qk_scale=scale * kernels.LOG2E,
@@ -212,8 +234,10 @@ def backward(
     k_pos: Tensor,
     scale: float,
     dq_dtype: torch.dtype | None = None,
+    q_bound: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) float32 for the pairs of this chunk pair, given the full-row lse and delta.
+    """(dq, dk, dv) float32 for the pairs of this chunk pair, given the full-row lse and delta
+    (``q_bound``: the rows' document bounds, as in ``forward``).
 
     dq comes in ``dq_dtype`` if given (the dQ kernel writes it directly: no float32 copy).
     """
@@ -244,7 +268,8 @@ def backward(
         t = cfg.dq
         kernels._bwd_dq_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
             **_query_tile_args(q, k, v, q_pos, k_pos, t.block_n),
-            **_query_walk_args(query_walk(pattern, q_pos, k_pos)),
+            **_query_walk_args(query_walk(pattern, q_pos, k_pos, q_bound)),
+            **_bound_args(q_bound),
             **rows,
             DQ=dq,
             G=pattern.block_size,
@@ -256,7 +281,7 @@ def backward(
             num_stages=t.num_stages,
         )
     t = cfg.dkdv
-    walk = key_walk(pattern, q_pos, k_pos, t.block_v)
+    walk = key_walk(pattern, q_pos, k_pos, t.block_v, q_bound)
     pair = chunk_pair(pattern, q_pos, k_pos)
     shared = dict(
         Q=q,
@@ -280,6 +305,7 @@ def backward(
         BLOCK_M=t.block_m,
         HEAD_DIM=d,
         DQ_MODE=_DQ_MODES[mode],
+        **_bound_args(q_bound),
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
@@ -288,6 +314,7 @@ def backward(
         Starts=walk.starts,
         Count=walk.count,
         DiagStart=walk.diag,
+        Unmasked=walk.unmasked,
         **_strides("s", walk.starts, "bht"),
         **_strides("c", walk.count, "bh"),
         BLOCK_N=t.block_n,
@@ -299,6 +326,7 @@ def backward(
         DiagMask=pair.diag_mask,
         VCols=pair.vcols,
         VStartRow=walk.vstart,
+        VEndRow=walk.vend,
         NQT=n_qt,
         VWIDTH=vwidth,
         SPLIT=t.v_split,

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...ops.checks import check_reuse, resolve_scale
+from ...ops.documents import Documents, resolve_documents
 from ...ops.pattern import PatternConfig, VerticalSlashPattern
 from ...ops.sparse.attention import Backend, resolve_backend
 from ..agreement import check_ranks_agree
@@ -72,6 +73,7 @@ def ring_attention(
     inner_size: int | None = None,
     reuse: tuple[Tensor, Tensor] | None = None,
     outer_comm: Callable[[Comm], Comm] | None = None,
+    documents: Documents | None = None,
 ):
     """Context-parallel causal attention (vertical-slash sparse with a pattern) over ``group``.
 
@@ -93,6 +95,9 @@ def ring_attention(
             and the backward uses them (for the forward that activation checkpointing recomputes).
         outer_comm: benchmarks and tests only: wraps the hierarchical ring's outer-ring communicator
             (``bench/links.py`` makes it as slow as an emulated inter-node link).
+        documents: packed documents of the global sequence (``mtraining.ops.Documents``, the same on every
+            rank): a query sees only keys of its own document; ring steps whose keys no local query's
+            document holds skip their compute. None (or one document per row): as before.
 
     Returns:
         out [B, S/W, Hq, D] in q's dtype, differentiable in q, k, v; with ``return_lse`` also lse
@@ -112,10 +117,15 @@ def ring_attention(
     name = resolve_backend(backend, q.device)
     check_ring_inputs(q, k, v, dist.get_world_size(group), layout, pattern, pattern_config, name)
     check_reuse(reuse, q)
+    documents = resolve_documents(documents, q.shape[0], layout.seq_len)
+    if documents is not None:  # once per documents (a digest per call): every rank must pass the same
+        check_ranks_agree(group, q.device, "ring_attention", {"documents": documents.digest()})
     schedule = _schedule(group, ring, inner_size, q, outer_comm)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     if pattern_config is not None:
-        pattern = estimate_pattern_cp(q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale)
-    plan = plan_ring(q, k, pattern, layout, dist.get_rank(group), scale, name)
+        pattern = estimate_pattern_cp(
+            q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale, documents
+        )
+    plan = plan_ring(q, k, pattern, layout, dist.get_rank(group), scale, name, documents)
     out, lse = RingAttention.apply(q, k, v, plan, schedule, reuse)
     return (out, lse) if return_lse else out

@@ -10,6 +10,11 @@ calls (``VerticalSlashPattern.index_cache``).
 visits that rank's keys (``ops.sparse.plan_chunk``: dense blocks or the backend), or None where the step
 computes nothing. ``plan_ring`` is the one place where a step decides to skip its compute; the schedules
 (flat.py, hierarchical.py) only move K/V and call ``RingPlan.attend`` / ``RingPlan.grads``.
+
+Packed documents (``ops.Documents``): a step computes iff some local query's document holds some key of
+its source, decided on the host from the boundaries and the layout's CPU positions (``DocumentPlan``, built
+once per documents, layout and rank); skipped steps still pass K/V on. Each computing step gets the local
+rows' left bounds, and dense steps the decomposition cut at document starts.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import torch
 from torch import Tensor
 
 from ...ops.dense import Block, decompose
+from ...ops.documents import Documents
 from ...ops.pattern import VerticalSlashPattern
-from ...ops.sparse.attention import ChunkPlan, plan_chunk
+from ...ops.sparse.attention import ChunkPlan, document_blocks, plan_chunk
 from ..layout import Layout
 
 
@@ -77,6 +83,49 @@ def layout_plan(layout: Layout, rank: int, device: torch.device) -> LayoutPlan:
 
 
 @dataclass(frozen=True)
+class DocumentPlan:
+    """One rank's view of packed documents in a layout: its rows' left bounds and the steps that compute.
+
+    Attributes:
+        q_bound: int32 [B or 1, local_len] on the device, the left bound of each local row (``Documents.left_bounds``).
+        visible: per source rank, does some local query's document hold some of its keys (and precede it).
+        blocks: per source rank, the dense decomposition by document (from CPU positions), built on first use.
+    """
+
+    q_bound: Tensor
+    visible: tuple[bool, ...]
+    documents: Documents
+    layout: Layout
+    rank: int
+    _blocks: dict[int, tuple[Block, ...] | None] = field(default_factory=dict, repr=False)
+
+    def step_blocks(self, src: int) -> tuple[Block, ...] | None:
+        if src not in self._blocks:
+            cpu = self.layout.positions
+            self._blocks[src] = document_blocks(self.documents, cpu(self.rank), cpu(src))
+        return self._blocks[src]
+
+
+def document_plan(documents: Documents, layout: Layout, rank: int, device: torch.device) -> DocumentPlan:
+    """The ``DocumentPlan`` of ``rank``, built once per documents object, layout and device (no device sync:
+    the boundaries and the layout's positions are on the host)."""
+
+    def build() -> DocumentPlan:
+        q_cpu = layout.positions(rank)
+        bounds = documents.left_bounds(q_cpu)  # [B or 1, local_len]
+        visible = []
+        for src in range(layout.world_size):
+            k_cpu = layout.positions(src)
+            # keys of src in [bound, q] for some row: count of keys <= q minus count of keys < bound
+            upto = torch.searchsorted(k_cpu, q_cpu, right=True)
+            before = torch.searchsorted(k_cpu, bounds.long())
+            visible.append(bool((upto[None, :] > before).any()))
+        return DocumentPlan(bounds.to(device), tuple(visible), documents, layout, rank)
+
+    return documents.cached(("ring", layout, rank, device), build)
+
+
+@dataclass(frozen=True)
 class RingPlan:
     """One ring call of one rank: per source rank, how the step visiting its keys runs (None: skipped)."""
 
@@ -116,21 +165,28 @@ def plan_ring(
     rank: int,
     scale: float,
     backend: str,
+    documents: Documents | None = None,
 ) -> RingPlan:
-    """Plan every step of one ring call of ``rank`` (``backend`` resolved, ``pattern`` global or None).
+    """Plan every step of one ring call of ``rank`` (``backend`` resolved, ``pattern`` global or None,
+    ``documents`` resolved: None or packed documents of the layout's sequence).
 
-    A step computes iff this rank's queries see any key of its source; dense steps (no pattern) run as
-    dense blocks where ``plan_chunk`` takes them, else on the Triton kernels with the layout's dense pattern.
+    A step computes iff this rank's queries see any key of its source (with documents: of their own
+    document); dense steps (no pattern) run as dense blocks where ``plan_chunk`` takes them, else on the
+    Triton kernels with the layout's dense pattern.
     """
     lp = layout_plan(layout, rank, q.device)
     q_pos = lp.positions[rank]
     fallback = None
     if pattern is None and backend == "triton":
         fallback = functools.partial(lp.dense_pattern, q.shape[0], q.shape[2])
+    visible, blocks, q_bound = lp.visible, lp.step_blocks, None
+    if documents is not None:
+        dp = document_plan(documents, layout, rank, q.device)
+        visible, blocks, q_bound = dp.visible, dp.step_blocks, dp.q_bound
     steps = tuple(
-        plan_chunk(q, k, pattern, q_pos, k_pos, scale, backend, functools.partial(lp.step_blocks, src), fallback)
-        if visible
+        plan_chunk(q, k, pattern, q_pos, k_pos, scale, backend, functools.partial(blocks, src), fallback, q_bound)
+        if seen
         else None
-        for src, (k_pos, visible) in enumerate(zip(lp.positions, lp.visible))
+        for src, (k_pos, seen) in enumerate(zip(lp.positions, visible))
     )
     return RingPlan(steps)

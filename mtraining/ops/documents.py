@@ -1,0 +1,205 @@
+"""Packed documents: where each document of a packed sequence starts, and what that means for attention.
+
+A packed sequence of N tokens holds several documents back to back: contiguous ranges of global
+positions. With document masking, pair (i, j) is computed iff j <= i, doc(i) == doc(j) and the pattern
+keeps it. For j <= i, doc(i) == doc(j) iff j >= start(doc(i)), so the mask is a per-query *left bound*:
+``left_bounds(pos)`` gives, per batch row, the global position of the first token of each position's
+document. That bound travels with the query rows like their positions (one int32 per row), whatever
+the layout or ring step; the kernels test ``k_pos >= bound`` next to the causal ``k_pos <= q_pos``.
+
+``Documents`` holds the boundaries on the host (cu_seqlens style), so the decisions that need them (which
+key blocks a query block can see, which ring steps compute at all, the dense blocks) are taken without
+a device sync. One row of boundaries may stand for every batch row. A batch in which every row is one
+document is today's behaviour exactly: entry points turn it into ``None`` (``resolve_documents``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+class Documents:
+    """Document starts of packed sequences of ``seq_len`` tokens, per batch row (or one row for all).
+
+    Build with ``from_cu_seqlens`` (boundaries, flash-attention's varlen convention), ``from_lengths``
+    or ``from_position_ids`` (Hugging Face's packed position ids, which restart at 0 in each document).
+
+    Attributes:
+        seq_len: N, the packed sequence length.
+        starts: per batch row, an int64 CPU tensor of the global positions where documents start,
+            strictly ascending, starting with 0.
+    """
+
+    def __init__(self, starts: Sequence[Sequence[int] | Tensor], seq_len: int) -> None:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+        if len(starts) == 0:
+            raise ValueError("documents need at least one batch row of starts")
+        rows = []
+        for b, row in enumerate(starts):
+            t = torch.as_tensor(row).detach().to("cpu", torch.int64).reshape(-1)
+            if t.numel() == 0 or int(t[0]) != 0:
+                raise ValueError(f"batch row {b}: the first document must start at position 0, got {t.tolist()[:4]}")
+            if bool((t[1:] <= t[:-1]).any()) or int(t[-1]) >= seq_len:
+                raise ValueError(
+                    f"batch row {b}: document starts must rise strictly and stay below seq_len {seq_len} "
+                    "(an empty document is not a document: drop repeated boundaries)"
+                )
+            rows.append(t)
+        self.seq_len = seq_len
+        self.starts: tuple[Tensor, ...] = tuple(rows)
+        self._device_starts: dict[torch.device, Tensor] = {}
+        self._cache: dict[tuple, object] = {}
+        self._digest: str | None = None
+
+    # ----------------------------------------------------------------- constructors
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: Sequence[int] | Tensor | Sequence[Sequence[int] | Tensor]) -> Documents:
+        """From cumulative lengths [0, l0, l0 + l1, ..., N] (flash-attention's cu_seqlens), one list per
+        batch row or one list for every row; N (the last entry) is the sequence length."""
+        rows = _rows(cu_seqlens)
+        ends = {int(torch.as_tensor(r)[-1]) for r in rows}
+        if len(ends) != 1:
+            raise ValueError(f"cu_seqlens rows must all end at the sequence length, got ends {sorted(ends)}")
+        seq_len = ends.pop()
+        for b, r in enumerate(rows):
+            t = torch.as_tensor(r).reshape(-1)
+            if t.numel() < 2:
+                raise ValueError(f"cu_seqlens row {b} needs at least [0, N], got {t.tolist()}")
+        return cls([torch.as_tensor(r).reshape(-1)[:-1] for r in rows], seq_len)
+
+    @classmethod
+    def from_lengths(cls, lengths: Sequence[int] | Tensor | Sequence[Sequence[int] | Tensor]) -> Documents:
+        """From document lengths in order, one list per batch row (or one list for every row)."""
+        rows = [torch.as_tensor(r).reshape(-1).long() for r in _rows(lengths)]
+        if any(r.numel() == 0 or bool((r < 1).any()) for r in rows):
+            raise ValueError("document lengths must be >= 1, at least one per batch row")
+        return cls.from_cu_seqlens([torch.cat([r.new_zeros(1), r.cumsum(0)]) for r in rows])
+
+    @classmethod
+    def from_position_ids(cls, position_ids: Tensor) -> Documents:
+        """From packed position ids [B, N] (or [N]): a document starts at row 0 and wherever the id is 0,
+        as flash-attention's varlen path reads packed position ids."""
+        ids = torch.as_tensor(position_ids)
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype.is_floating_point:
+            raise ValueError(f"position_ids must be integers [batch, seq_len], got {tuple(ids.shape)} {ids.dtype}")
+        zero = ids.detach().cpu() == 0
+        zero[:, 0] = True
+        return cls([row.nonzero().reshape(-1) for row in zero], ids.shape[1])
+
+    # ----------------------------------------------------------------- facts
+    @property
+    def batch(self) -> int:
+        """Batch rows described (1: the same boundaries for every row)."""
+        return len(self.starts)
+
+    @property
+    def single(self) -> bool:
+        """Every row is one document: nothing to mask (``resolve_documents`` turns this into None)."""
+        return all(r.numel() == 1 for r in self.starts)
+
+    @property
+    def shared(self) -> bool:
+        """Every batch row has the same boundaries."""
+        return all(torch.equal(r, self.starts[0]) for r in self.starts[1:])
+
+    def lengths(self, row: int = 0) -> Tensor:
+        """int64 [documents]: the lengths of batch row ``row``'s documents."""
+        starts = self.starts[row]
+        return torch.cat([starts[1:], starts.new_tensor([self.seq_len])]) - starts
+
+    def digest(self) -> str:
+        """A short hex digest of the boundaries: equal on every process for equal documents."""
+        if self._digest is None:
+            h = hashlib.blake2b(digest_size=8)
+            h.update(str(self.seq_len).encode())
+            for r in self.starts:
+                h.update(b"|" + r.numpy().tobytes())
+            self._digest = h.hexdigest()
+        return self._digest
+
+    def __repr__(self) -> str:
+        counts = [r.numel() for r in self.starts]
+        return f"Documents(seq_len={self.seq_len}, batch={self.batch}, documents={counts}, digest={self.digest()})"
+
+    # ----------------------------------------------------------------- per position
+    def _padded(self, device: torch.device) -> Tensor:
+        """int64 [batch, most documents] starts padded with seq_len, on ``device`` (kept per device)."""
+        if device not in self._device_starts:
+            width = max(r.numel() for r in self.starts)
+            pad = torch.full((self.batch, width), self.seq_len, dtype=torch.int64)
+            for b, r in enumerate(self.starts):
+                pad[b, : r.numel()] = r
+            self._device_starts[device] = pad.to(device)
+        return self._device_starts[device]
+
+    def doc_ids(self, pos: Tensor) -> Tensor:
+        """int64 [batch, len(pos)]: the index of each position's document in its batch row."""
+        pos = pos.reshape(1, -1).long()
+        starts = self._padded(pos.device)
+        return torch.searchsorted(starts, pos.expand(self.batch, -1).contiguous(), right=True) - 1
+
+    def left_bounds(self, pos: Tensor) -> Tensor:
+        """int32 [batch, len(pos)] on pos's device: the global position where each position's document
+        starts (the left bound of its keys). No device sync."""
+        starts = self._padded(pos.device)
+        return starts.gather(1, self.doc_ids(pos)).to(torch.int32).contiguous()
+
+    def ends(self, pos: Tensor) -> Tensor:
+        """int64 [batch, len(pos)] on pos's device: where each position's document ends (exclusive)."""
+        starts = self._padded(pos.device)
+        nexts = torch.cat([starts[:, 1:], torch.full_like(starts[:, :1], self.seq_len)], 1)
+        return nexts.gather(1, self.doc_ids(pos))
+
+    def cached(self, key: tuple, build):
+        """A value derived from these documents (per-rank bounds, ring decisions), built once per key."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+
+def _rows(value) -> list:
+    """One row (a flat list or 1-D tensor) as [row]; a list of rows or a 2-D tensor as its rows."""
+    if isinstance(value, Tensor):
+        return [value] if value.dim() <= 1 else list(value)
+    value = list(value)
+    if value and isinstance(value[0], (Sequence, Tensor)) and not isinstance(value[0], (str, bytes)):
+        return value
+    return [value]
+
+
+def resolve_documents(
+    documents: Documents | None, batch: int, seq_len: int | None = None, span: tuple[int, int] | None = None
+) -> Documents | None:
+    """``documents`` checked against a call of ``batch`` rows on a sequence of ``seq_len`` tokens (or whose
+    positions lie in ``span`` = (smallest, largest)), or None when there is nothing to mask (None, or one
+    document per row: exactly today's attention)."""
+    if documents is None:
+        return None
+    if not isinstance(documents, Documents):
+        raise ValueError(
+            f"documents must be a mtraining.ops.Documents (Documents.from_cu_seqlens(...)), got "
+            f"{type(documents).__name__}"
+        )
+    if span is not None and span[1] >= documents.seq_len:
+        raise ValueError(
+            f"documents describe a sequence of {documents.seq_len} tokens but the positions reach {span[1]}; "
+            "build them for the packed sequence these positions index"
+        )
+    if seq_len is not None and documents.seq_len != seq_len:
+        raise ValueError(
+            f"documents describe a sequence of {documents.seq_len} tokens but this call's is {seq_len}; "
+            "build them for the packed sequence these positions index"
+        )
+    if documents.batch not in (1, batch):
+        raise ValueError(
+            f"documents have {documents.batch} batch rows but the call has batch {batch}; give one row of "
+            "boundaries per batch row, or one row for all"
+        )
+    return None if documents.single else documents
