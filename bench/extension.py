@@ -51,7 +51,7 @@ import extension_corpus  # noqa: E402
 import extension_eval  # noqa: E402
 import extension_report  # noqa: E402
 import extension_text  # noqa: E402
-from common import RESULTS_DIR, command_line, commit, device_name  # noqa: E402
+from common import RESULTS_DIR, commit, provenance  # noqa: E402
 from extension_corpus import Shape  # noqa: E402
 from extension_settings import SCALES, SWEEP, Budget, Scale, Stage  # noqa: E402
 
@@ -358,9 +358,7 @@ def run(scale: Scale, work: Path, out: Path, seed: int) -> dict:
     stages = [*base_runs, *runs.values(), *evaluations.values()]
     result = dict(
         name=f"extension_{scale.name}",
-        device=device_name() if scale.device == "cuda" else "cpu",
-        commit=commit(),
-        command=command_line(),
+        **provenance(on_gpu=scale.device == "cuda"),
         wall_s=round(sum(r["wall_s"] for r in stages), 1),
         cpu_s=round(sum(r["cpu_s"] for r in stages), 1),
         parameters=_parameters(base),

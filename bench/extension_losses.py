@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import RESULTS_DIR, command_line, commit  # noqa: E402
+from common import RESULTS_DIR, provenance  # noqa: E402
 from extension import write_json  # noqa: E402
 from extension_corpus import make_document  # noqa: E402
 from extension_eval import spec  # noqa: E402
@@ -71,9 +71,7 @@ def main() -> None:
                 print(label, {k: round(v["nll"], 3) for k, v in runs[label].items()}, flush=True)
     result = dict(
         name=f"extension_{scale.name}_losses",
-        device="cpu",
-        commit=commit(),
-        command=command_line(),
+        **provenance(on_gpu=False),
         documents=args.docs,
         length=scale.long,
         shape={"pairs": shape.pairs, "queries": shape.pairs},
