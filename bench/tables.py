@@ -398,39 +398,8 @@ def loss_table() -> str:
 
 
 def training_tables() -> str:
-    """The accuracy guard (dense vs sparse training) and end-to-end training throughput."""
+    """End-to-end training throughput."""
     lines = []
-    guard = (
-        json.loads((RESULTS / "accuracy_guard.json").read_text())
-        if (RESULTS / "accuracy_guard.json").exists()
-        else None
-    )
-    if guard:
-        head = ["run", "steps", "final loss (last 20 steps)", "tokens/s", "step s", "peak GB", "density", "recall"]
-        lines += [
-            f"Accuracy guard, {guard['device']}, commit {guard['commit']}, {guard['seq_len']} tokens/step: "
-            f"sparse vs dense final loss {guard['relative_gap']:+.2%} ({'pass' if guard['passed'] else 'FAIL'}, "
-            "goal within 2%)",
-            "",
-            _row(head),
-            _row(["---"] * len(head)),
-        ]
-        for name, r in guard["runs"].items():
-            lines.append(
-                _row(
-                    [
-                        name,
-                        r["steps"],
-                        f"{r['final_loss']:.4f}",
-                        f"{r['tokens_per_s']:.0f}",
-                        f"{r['step_s']:.3f}",
-                        f"{r['peak_mem_gb']:.1f}",
-                        "" if r["density"] is None else f"{r['density']:.3f}",
-                        "" if r["recall"] is None else f"{r['recall']:.3f}",
-                    ]
-                )
-            )
-        lines.append("")
     head = [
         "gpus",
         "model",
@@ -478,30 +447,55 @@ def training_tables() -> str:
     return "\n".join(lines)
 
 
-def eval_table() -> str:
-    """Per evaluated checkpoint: perplexity, NIAH and RULER by length (bench/results/eval_*_{ppl,niah,ruler}.json)."""
-    labels = sorted({p.name[len("eval_") : -len("_ppl.json")] for p in RESULTS.glob("eval_*_ppl.json")})
-    if not labels:
-        return ""
-    head = ["checkpoint / attention", "metric", "by length"]
-    lines = [_row(head), _row(["---"] * len(head))]
-    for label in labels:
-        for task in ("ppl", "niah", "ruler"):
-            path = RESULTS / f"eval_{label}_{task}.json"
-            if path.exists():
-                lines.append(_row([label, task, _eval_summary(task, json.loads(path.read_text())["result"])]))
+def extension_tables() -> str:
+    """Context extension, dense vs sparse (bench/extension.py): accuracy by length and the budget sweep, per scale."""
+    lines = []
+    for path in sorted(RESULTS.glob("extension_*.json")):
+        if path.stem.endswith("_losses"):
+            lines += [_extension_losses(path), ""]
+            continue
+        r = json.loads(path.read_text())
+        s, tasks, lengths = r["summary"], r["tasks"], [str(n) for n in r["lengths"]]
+        long = lengths[-1]
+        lines += [f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}`", ""]
+        head = ["model / attention"] + [f"{t} {n}" for t in tasks for n in lengths] + [f"ppl last bucket {long}"]
+        lines += [_row(head), _row(["---"] * len(head))]
+        for label, row in s["table"].items():
+            cells = [row["tasks"][t][n] for t in tasks for n in lengths]
+            lines.append(
+                _row(
+                    [label]
+                    + [f"{c['percent']:.1f} [{c['interval'][0]:.0f}, {c['interval'][1]:.0f}]" for c in cells]
+                    + [f"{row['ppl_last_bucket'][long]:.3f}"]
+                )
+            )
+        head = ["budget", "train density", "train recall"] + [f"{t} {long} minus dense" for t in tasks]
+        head += ["ppl vs dense", "parity"]
+        lines += ["", _row(head), _row(["---"] * len(head))]
+        for e in s["sweep"]:
+            diffs = [e["minus_dense"][t][long] for t in tasks]
+            ppl = e["ppl_last_bucket_vs_dense"]
+            lines.append(
+                _row(
+                    [e["budget"]["name"], f"{e['train_density']:.3f}", f"{e['train_recall']:.3f}"]
+                    + [f"{d['difference']:+.1f} [{d['interval'][0]:+.1f}, {d['interval'][1]:+.1f}]" for d in diffs]
+                    + [f"{ppl['change_percent']:+.2f}% [{ppl['interval'][0]:+.2f}, {ppl['interval'][1]:+.2f}]"]
+                    + ["yes" if e["parity"] else "no"]
+                )
+            )
+        lines.append("")
     return "\n".join(lines)
 
 
-def _eval_summary(task: str, result) -> str:
-    """Compact 'length: value' pairs of one eval result (ppl; NIAH % found, mean over depths; RULER task mean %)."""
-    if task == "ppl":
-        return ", ".join(f"{r['length'] // 1024}K: {r['ppl']:.3f}" for r in result)
-    if task == "niah":
-        depths = len(result["scores"])
-        found = [sum(row[i] for row in result["scores"]) / depths for i in range(len(result["lengths"]))]
-        return ", ".join(f"{n // 1024}K: {f:.0f}%" for n, f in zip(result["lengths"], found))
-    return ", ".join(f"{n // 1024}K: {a:.0f}%" for n, a in zip(result["lengths"], result["average"]))
+def _extension_losses(path: Path) -> str:
+    """Mean NLL by token kind per extended model and attention (bench/extension_losses.py)."""
+    r = json.loads(path.read_text())
+    lines = [f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}`", ""]
+    kinds = ("answer", "queried key", "rest", "all")
+    lines += [_row(["model / attention"] + [f"NLL {k}" for k in kinds]), _row(["---"] * (len(kinds) + 1))]
+    for label, parts in r["losses"].items():
+        lines.append(_row([label] + [f"{parts[k]['nll']:.3f}" for k in kinds]))
+    return "\n".join(lines)
 
 
 def packed_documents_table() -> str:
@@ -535,8 +529,8 @@ def main() -> None:
         ("training", training_tables()),
         ("loss", loss_table()),
         ("recall_cost", recall_table()),
+        ("extension", extension_tables()),
         ("checkpoint_integrity", checkpoint_integrity_table()),
-        ("eval", eval_table()),
     ):
         print(f"<!-- {title} -->\n{table}\n")
 

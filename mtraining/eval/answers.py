@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..data.tokenizer import Tokenizer
 from .documents import Haystack
@@ -44,6 +44,9 @@ class Prompting:
     haystack: Haystack | None = None  # None: the built-in filler, seeded with ``seed``
     max_new_tokens: int | None = None  # None: the task's own
     show_progress: bool = True
+    # Samples already built with these settings and the same tokenizer, filled as samples are built:
+    # several models that share a tokenizer build each prompt once (keys: see ``score_samples``).
+    cache: dict | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.samples < 1:
@@ -56,14 +59,25 @@ Run = tuple[dict, dict, Callable[[], Sample]]  # (cell, record fields, the sampl
 
 
 def score_samples(
-    engine: Engine, tokenizer: Tokenizer, runs: Sequence[Run], title: str, show_progress: bool = True
+    engine: Engine,
+    tokenizer: Tokenizer,
+    runs: Sequence[Run],
+    title: str,
+    show_progress: bool = True,
+    cache: dict | None = None,
 ) -> tuple[dict[tuple, list[float]], list[dict]]:
     """Answer and score each run's sample: the scores per cell (keyed by the tuple of the cell's
-    values) and a record per prompt (the cell's fields, then the run's own, then the outcome)."""
+    values) and a record per prompt (the cell's fields, then the run's own, then the outcome).
+    ``cache``: see ``Prompting.cache`` (keyed by title, the cell's and the run's values)."""
     scores: dict[tuple, list[float]] = {}
     records = []
     for cell, fields, make in track(runs, len(runs), title, show_progress):
-        sample = make()
+        key = (title, *cell.values(), *fields.values())
+        sample = cache.get(key) if cache is not None else None
+        if sample is None:
+            sample = make()
+            if cache is not None:
+                cache[key] = sample
         prediction = answer(engine, tokenizer, sample)
         value = score(sample.metric, prediction, sample.answers)
         scores.setdefault(tuple(cell.values()), []).append(value)
@@ -96,7 +110,7 @@ def score_cells(
     """
     seeds = range(prompting.seed, prompting.seed + prompting.samples)
     runs = [(cell, {"seed": s}, functools.partial(prompt, cell, s)) for cell in cells for s in seeds]
-    scores, records = score_samples(engine, tokenizer, runs, title, prompting.show_progress)
+    scores, records = score_samples(engine, tokenizer, runs, title, prompting.show_progress, prompting.cache)
     return {key: mean_percent(values) for key, values in scores.items()}, records
 
 

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from ..models import ATTN_IMPLEMENTATION, Attention, bind
 from ..ops.pattern.estimate import PatternConfig
 from ..parallel.layout import Layout, make_layout
-from ..train.loss import IGNORE_INDEX, token_losses
+from ..train.loss import IGNORE_INDEX, token_scores
 
 DECODE_ATTENTION = "sdpa"
 _LOGIT_ELEMENTS = 1 << 26  # lm-head chunk: at most this many logits at once (256 MB in float32)
@@ -168,18 +168,20 @@ class Engine:
         return out.last_hidden_state
 
     # ------------------------------------------------------------------ loss
-    def _token_nll(self, hidden: Tensor, labels: Tensor) -> Tensor:
-        """float32 [S] loss of each position (0 where the label is ignored): training's loss, per token."""
+    def _token_scores(self, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """float32 [S] loss of each position (0 where the label is ignored: training's loss, per token) and
+        int64 [S] the greedy next token."""
         weight = self.model.get_output_embeddings().weight
-        return token_losses(hidden, weight, labels, chunk_tokens=max(1, _LOGIT_ELEMENTS // weight.shape[0]))
+        return token_scores(hidden, weight, labels, chunk_tokens=max(1, _LOGIT_ELEMENTS // weight.shape[0]))
 
     @torch.no_grad()
-    def token_nll(self, ids: Tensor) -> Tensor:
-        """float32 [L - 1] on the CPU, every rank: -log p(ids[i + 1] | ids[: i + 1])."""
+    def token_scores(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """On the CPU, every rank: float32 [L - 1] -log p(ids[i + 1] | ids[: i + 1]) and int64 [L - 1] the
+        greedy prediction of ids[i + 1] (teacher-forced: one prefill of the whole sequence)."""
         ids = ids.long().flatten()
         seq_len = ids.shape[0]
         if seq_len < 2:
-            raise ValueError("perplexity needs sequences of at least 2 tokens")
+            raise ValueError("scoring needs sequences of at least 2 tokens")
         if seq_len % self.unit and self.group is not None:
             raise ValueError(
                 f"length {seq_len} cannot be split by the {self.spec.layout} layout over {self.world_size} ranks; "
@@ -187,13 +189,20 @@ class Engine:
             )
         labels = torch.cat([ids[1:], ids.new_full((1,), IGNORE_INDEX)])  # shift on the full sequence, then shard
         hidden = self._prefill(ids)[0]
-        nll = self._token_nll(hidden, self._local(labels[None].to(self.device), seq_len)[0])
+        scores = self._token_scores(hidden, self._local(labels[None].to(self.device), seq_len)[0])
         if self.group is not None:  # gathered on the device (NCCL needs device tensors)
-            shards = [torch.empty_like(nll) for _ in range(self.world_size)]
-            dist.all_gather(shards, nll, group=self.group)
             layout = self._layout(seq_len)
-            nll = layout.gather(shards, dim=0)
-        return nll[:-1].cpu()
+            gathered = []
+            for local in scores:
+                shards = [torch.empty_like(local) for _ in range(self.world_size)]
+                dist.all_gather(shards, local, group=self.group)
+                gathered.append(layout.gather(shards, dim=0))
+            scores = tuple(gathered)
+        return scores[0][:-1].cpu(), scores[1][:-1].cpu()
+
+    def token_nll(self, ids: Tensor) -> Tensor:
+        """float32 [L - 1] on the CPU, every rank: -log p(ids[i + 1] | ids[: i + 1])."""
+        return self.token_scores(ids)[0]
 
     # ------------------------------------------------------------------ generation
     def _gathered_cache(self, cache, prefix_len: int):

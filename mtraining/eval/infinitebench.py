@@ -186,7 +186,7 @@ def run_infinitebench(
         for n in lengths
         for s in seeds
     ]
-    scores, records = score_samples(engine, tokenizer, runs, "infinitebench", prompting.show_progress)
+    scores, records = score_samples(engine, tokenizer, runs, "infinitebench", prompting.show_progress, prompting.cache)
     return task_grid(tasks, lengths, scores, records)
 
 

@@ -42,7 +42,7 @@ def run_ruler(
         for n in lengths
         for s in seeds
     ]
-    scores, records = score_samples(engine, tokenizer, runs, "ruler", prompting.show_progress)
+    scores, records = score_samples(engine, tokenizer, runs, "ruler", prompting.show_progress, prompting.cache)
     return task_grid(tasks, lengths, scores, records)
 
 

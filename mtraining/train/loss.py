@@ -4,8 +4,8 @@
 time, takes the log-softmax in float32 and computes the gradients of hidden states and head weight in
 the same pass (so nothing of size tokens x vocab is kept for backward). On CUDA the per-chunk
 softmax-minus-onehot is one Triton kernel (ce_kernel.py); liger-kernel's fused loss can be used
-instead when it is installed (train.loss_impl=liger). ``token_losses`` (evaluation) is the same
-loss per token, without gradients.
+instead when it is installed (train.loss_impl=liger). ``token_scores`` (evaluation) is the same
+loss per token, without gradients, with each token's greedy prediction.
 """
 
 from __future__ import annotations
@@ -109,13 +109,17 @@ def linear_cross_entropy(
 
 
 @torch.no_grad()
-def token_losses(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int = 4096) -> Tensor:
+def token_scores(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int = 4096) -> tuple[Tensor, Tensor]:
     """Next-token CE of each row (float32 [T]; float64 for float64 inputs; 0 where the label is -100) of
-    hidden [T, H] through head weight [V, H] against labels [T], ``chunk_tokens`` rows of logits at a time."""
+    hidden [T, H] through head weight [V, H] against labels [T], and each row's greedy next token (int64
+    [T], the argmax of its logits), ``chunk_tokens`` rows of logits at a time."""
     _check_labels(hidden, weight, labels)
-    chunks = range(0, hidden.shape[0], chunk_tokens)
-    rows = (slice(start, start + chunk_tokens) for start in chunks)
-    return torch.cat([_rows_loss_and_grad(matmul_acc(hidden[r], weight.T), labels[r], None)[0] for r in rows])
+    losses, greedy = [], []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        logits = matmul_acc(hidden[start : start + chunk_tokens], weight.T)
+        greedy.append(logits.argmax(-1))  # before the row loss, whose kernel may reuse the chunk
+        losses.append(_rows_loss_and_grad(logits, labels[start : start + chunk_tokens], None)[0])
+    return torch.cat(losses), torch.cat(greedy)
 
 
 class CausalLMLoss(nn.Module):

@@ -1,8 +1,9 @@
 """Evaluation through context parallelism (gloo ranks) equals the single-process evaluation.
 
 A tiny float64 Qwen2 with large random weights (so greedy answers depend on the whole context)
-gives per-token losses and greedy answers on 2 and 4 ranks, in several layouts, dense and sparse;
-they must match one process: the loss to float64 round-off, the answer token for token.
+gives per-token losses, teacher-forced greedy predictions and greedy answers on 2 and 4 ranks, in
+several layouts, dense and sparse; they must match one process: the loss to float64 round-off, the
+predictions and answers token for token.
 """
 
 from __future__ import annotations
@@ -55,12 +56,13 @@ def spec(layout: str, sparse: bool) -> AttentionSpec:
 
 
 def evaluate(group, layout: str, sparse: bool):
-    """Worker (and reference with group=None): per-token losses, greedy answers, sparse densities."""
+    """Worker (and reference with group=None): per-token losses and predictions, greedy answers, sparse densities."""
     engine = Engine(tiny_model(), spec(layout, sparse), group)
     ids, prompts = inputs()
-    nll = engine.token_nll(ids)
+    nll, predicted = engine.token_scores(ids)
+    assert torch.equal(engine.token_nll(ids), nll)
     answers = [engine.generate(p, NEW_TOKENS) for p in prompts]
-    return nll, answers, engine.densities
+    return (nll, predicted), answers, engine.densities
 
 
 def benchmark_answers(group, samples):
@@ -106,10 +108,11 @@ def reference():
     [(2, "striped", False), (4, "zigzag", False), (4, "contiguous", False), (2, "zigzag", True), (4, "striped", True)],
 )
 def test_cp_matches_single_process(pool, reference, world, layout, sparse):
-    ref_nll, ref_answers, ref_density = reference[sparse]
-    for nll, answers, density in pool.run(evaluate, world, layout, sparse):
-        assert nll.shape == (SEQ - 1,)
+    (ref_nll, ref_predicted), ref_answers, ref_density = reference[sparse]
+    for (nll, predicted), answers, density in pool.run(evaluate, world, layout, sparse):
+        assert nll.shape == predicted.shape == (SEQ - 1,)
         torch.testing.assert_close(nll, ref_nll, rtol=0, atol=1e-9)
+        assert torch.equal(predicted, ref_predicted)
         assert answers == ref_answers
         if sparse:
             assert density[0] < 0.9  # the loss pass (256 tokens) really is sparse
@@ -117,9 +120,20 @@ def test_cp_matches_single_process(pool, reference, world, layout, sparse):
     assert torch.isfinite(perplexity)
 
 
+def test_predictions_are_the_argmax_of_the_model(reference):
+    ids, _ = inputs()
+    with torch.no_grad():
+        logits = tiny_model()(input_ids=ids[None]).logits[0, :-1]
+    nll, predicted = reference[False][0]
+    assert torch.equal(predicted, logits.argmax(-1))
+    expected = torch.nn.functional.cross_entropy(logits, ids[1:], reduction="none")
+    torch.testing.assert_close(nll, expected)  # float64 model: float64 losses (train.loss.token_scores)
+    assert len(set(predicted.tolist())) > 10  # the predictions depend on the position
+
+
 def test_sparse_differs_from_dense(reference):
-    dense_nll, _, dense_density = reference[False]
-    sparse_nll, _, _ = reference[True]
+    (dense_nll, _), _, dense_density = reference[False]
+    (sparse_nll, _), _, _ = reference[True]
     assert not dense_density
     assert (dense_nll - sparse_nll).abs().max() > 1e-6
 

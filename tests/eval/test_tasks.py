@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from mtraining.eval.answers import score_samples
 from mtraining.eval.documents import Haystack, filler_sentences, load_documents, split_sentences
 from mtraining.eval.ppl import position_buckets
 from mtraining.eval.runtime import parse_lengths
@@ -155,6 +156,44 @@ def test_generated_answers_score_full_marks():
         s = generate(task, 1500, 0, words)
         assert match_all(" " + ", ".join(s.answers) + ".", s.answers) == 1.0
         assert match_all(" I do not know.", s.answers) == 0.0
+
+
+class _Chars:
+    """A tokenizer of one id per character."""
+
+    stop_ids: list[int] = []
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(map(chr, ids))
+
+
+class _Answers:
+    """An engine whose greedy answer is always ' 1234567.'."""
+
+    def generate(self, ids, max_new_tokens, stop_ids):
+        return [ord(c) for c in " 1234567."]
+
+
+def test_prompting_cache_builds_each_sample_once():
+    built = []
+
+    def make(seed: int):
+        def build():
+            built.append(seed)
+            return generate("niah_single", 600, seed, words)
+
+        return build
+
+    cache = {}
+    runs = [({"task": "niah_single", "length": 600}, {"seed": s}, make(s)) for s in (0, 1)]
+    first = score_samples(_Answers(), _Chars(), runs, "t", show_progress=False, cache=cache)
+    again = score_samples(_Answers(), _Chars(), runs, "t", show_progress=False, cache=cache)
+    assert built == [0, 1] and len(cache) == 2 and again == first
+    other = score_samples(_Answers(), _Chars(), runs, "other title", show_progress=False, cache=cache)
+    assert built == [0, 1, 0, 1] and other[0] == first[0]  # keys carry the title
 
 
 # ---------------------------------------------------------------------------- documents and parsing

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtraining.train.loss import IGNORE_INDEX, linear_cross_entropy, token_losses
+from mtraining.train.loss import IGNORE_INDEX, linear_cross_entropy, token_scores
 from mtraining.train.optim import lr_at
 
 
@@ -30,20 +30,23 @@ def test_chunked_cross_entropy_matches_full_logits(chunk):
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 1000])
-def test_token_losses_are_the_loss_per_token(chunk):
-    """Evaluation's per-token losses: the plain CE of each row (0 where ignored), float32 from float32."""
+def test_token_scores_are_the_loss_per_token_and_the_argmax(chunk):
+    """Evaluation's per-token losses: the plain CE of each row (0 where ignored), float32 from float32; and
+    each row's greedy next token."""
     gen = torch.Generator().manual_seed(1)
     hidden, weight = torch.randn(61, 24, generator=gen), torch.randn(97, 24, generator=gen)
     labels = torch.randint(0, 97, (61,), generator=gen)
     labels[[0, 5, 60]] = IGNORE_INDEX
-    got = token_losses(hidden, weight, labels, chunk_tokens=chunk)
-    ref = F.cross_entropy(hidden.double() @ weight.double().T, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    got, greedy = token_scores(hidden, weight, labels, chunk_tokens=chunk)
+    logits = hidden.double() @ weight.double().T
+    ref = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    assert torch.equal(greedy, logits.argmax(-1))
     assert got.dtype == torch.float32 and got.shape == (61,)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
     assert got[[0, 5, 60]].eq(0).all()
     torch.testing.assert_close(got.sum(), linear_cross_entropy(hidden, weight, labels, chunk_tokens=chunk))
     with pytest.raises(ValueError, match="labels must lie in"):
-        token_losses(hidden, weight, labels.clamp(min=0) + 97)
+        token_scores(hidden, weight, labels.clamp(min=0) + 97)
 
 
 @pytest.mark.cuda

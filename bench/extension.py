@@ -1,0 +1,429 @@
+"""Does dynamic sparse training keep accuracy? Context extension of a retrieval-capable model, dense vs sparse.
+
+The small-scale twin of the paper's experiment (extend a pretrained model 8x with dense or with
+dynamic sparse attention, then compare retrieval and perplexity), in five resumable stages:
+
+1. corpus: a generated tokenizer and training token files (bench/extension_corpus.py: word-level
+   associative recall; bench/extension_text.py at the GPU scale: the eval's NIAH/RULER formats);
+2. base: a Qwen2 pretrained with dense attention at length L0 through a curriculum of stages, each
+   a ``mtraining train`` run starting from the previous stage's export;
+3. extend: from the base, RoPE base raised (``model.rope_theta``) and trained at 8 x L0 with the same
+   seed, data order and steps, once dense and once per sparse budget (dynamic sparse attention,
+   through the striped context-parallel ring when the scale has several ranks; layer 0 dense);
+4. eval: every model at L0, 2 L0, 4 L0, 8 L0 on the same held-out documents, extended models with
+   dense and with sparse attention (bench/extension_eval.py, through ``mtraining.eval``);
+5. report: ``extension_<scale>.json`` (every figure, device, commit, command), ``.md``, three PNGs
+   and the log, flat in ``--out`` (bench/extension_report.py).
+
+A stage whose output exists in ``--work`` is skipped, so a run that stops continues where it was
+(an interrupted training resumes from its last checkpoint). ``--max-minutes`` fits a time-limited
+call: at that time a training gets SIGTERM (it saves a checkpoint and stops), and no stage starts
+that would end later (an evaluation is expected to take as long as the longest one of this call);
+the run exits with status 3, and the same command continues it. Every stage logs its wall time.
+
+    python bench/extension.py --scale cpu                    # 107 CPU-minutes; writes bench/results/
+    python bench/extension.py --scale gpu-smoke --out $OUT   # the GPU path in miniature, ~2 minutes
+    python bench/extension.py --scale gpu --max-minutes 8.5 --out $OUT   # one H200, two calls (BENCHMARKS.md)
+    python bench/extension.py --scale toy --work /tmp/w --out /tmp/o   # the pipeline in miniature
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
+import extension_corpus  # noqa: E402
+import extension_eval  # noqa: E402
+import extension_report  # noqa: E402
+import extension_text  # noqa: E402
+from common import RESULTS_DIR, commit, provenance  # noqa: E402
+from extension_corpus import Shape  # noqa: E402
+from extension_settings import SCALES, SWEEP, Budget, Scale, Stage  # noqa: E402
+
+LOG: list[Path] = []
+T0 = time.time()
+EVAL_S: list[float] = []  # wall time of each evaluation of this call
+
+
+class OutOfTime(Exception):
+    """--max-minutes passed: stop before the next stage (its outputs so far are kept)."""
+
+
+def say(*parts) -> None:
+    """Print (and append to the log) one line with the wall-clock time and the time since start."""
+    line = f"[{time.strftime('%H:%M:%S')} +{time.time() - T0:6.0f}s] " + " ".join(str(p) for p in parts)
+    print(line, flush=True)
+    for path in LOG:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def write_json(path: Path, data) -> None:
+    """Write atomically: a stage's output exists whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def cpu_seconds() -> float:
+    """User+sys CPU time of this process and of its finished child processes (ranks, trainings)."""
+    return sum(
+        r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    )
+
+
+class Clock:
+    """CPU time (``cpu_seconds``) and wall time of one stage; refuses to start one that would end past
+    --max-minutes (``expected``: how long the stage is expected to take; trainings stop at the deadline)."""
+
+    deadline: float | None = None
+
+    def __init__(self, expected: float = 0.0) -> None:
+        self.expected = expected
+
+    def __enter__(self) -> Clock:
+        if Clock.deadline is not None and time.time() + self.expected > Clock.deadline:
+            raise OutOfTime
+        self.started, self.before = time.time(), cpu_seconds()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall_s = round(time.time() - self.started, 1)
+        self.cpu_s = round(cpu_seconds() - self.before, 1)
+
+
+# ---------------------------------------------------------------------------------------------- 1: corpus
+def corpus(scale: Scale, work: Path, seed: int) -> dict:
+    """The tokenizer and one token file per training run (curriculum stage i, the extension)."""
+    folder = work / "corpus"
+    manifest = folder / "manifest.json"
+    if manifest.exists():
+        return json.loads(manifest.read_text())
+    started = time.time()
+    stages = {f"stage{i}": st for i, st in enumerate(scale.curriculum)} | {"extension": scale.extension}
+    if scale.task == "recall":
+        out = {"tokenizer": str(extension_corpus.write_tokenizer(scale.vocab, folder / "tokenizer.json"))}
+        for i, (name, st) in enumerate(stages.items()):
+            shape = None if st.repeat else Shape(st.pairs, st.pairs)
+            out[name] = extension_corpus.train_stream(
+                folder / f"{name}.npy", scale.vocab, st.seq_len, st.steps * st.batch, shape, seed, stage=i
+            )
+    else:
+        tokenizer = extension_text.write_tokenizer(folder / "tokenizer.json", scale.text_vocab, seed)
+        out = {"tokenizer": str(tokenizer)}
+        for i, (name, st) in enumerate(stages.items()):
+            tokens = st.steps * st.batch * st.seq_len + st.seq_len + 1
+            out[name] = extension_text.train_stream(
+                folder / f"{name}.npy", tokenizer, tokens, st.seq_len, seed, i, repeat=st.repeat
+            )
+        out["heldout"] = extension_text.heldout(folder / "heldout.jsonl", tokenizer, scale.long, scale.eval_docs, seed)
+    out["seconds"] = round(time.time() - started, 1)
+    write_json(manifest, out)
+    files = [
+        f"{name} {part['tokens']} tokens" for name, part in out.items() if isinstance(part, dict) and "tokens" in part
+    ]
+    say(f"corpus: {', '.join(files)} in {out['seconds']}s")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- 2-3: training
+def train_config(
+    scale: Scale, stage: Stage, run: Path, data: dict, name: str, source: dict, budget: Budget | None, seed: int
+) -> dict:
+    """A ``mtraining train`` config; ``source``: model.path (a previous export) or model.config, and rope_theta."""
+    extension = stage.seq_len == scale.long
+    ranks = scale.ranks if extension else scale.base_ranks
+    context = ranks if extension else 1
+    attention = dict(
+        sparse=budget is not None,
+        layout="striped",
+        block_size=scale.block_size,
+        backend=scale.backend,
+        dense_layers=[0],
+        max_density=None,  # every sparse step stays sparse: this is what the experiment measures
+    )
+    if budget is not None:
+        attention.update(budget.pattern(stage.seq_len, scale))
+    return dict(
+        model=dict(**source, dtype=scale.dtype),
+        attention=attention,
+        parallel=dict(data=ranks // context, context=context),
+        data=dict(
+            sources=[data[name]["path"]],
+            tokenizer=data["tokenizer"],
+            seq_len=stage.seq_len,
+            batch_size=stage.batch // (ranks // context),
+            shuffle=True,
+        ),
+        optim=dict(
+            lr=stage.lr, warmup_steps=min(stage.warmup, stage.steps), min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0
+        ),
+        train=dict(
+            steps=stage.steps,
+            device=scale.device,
+            seed=seed,
+            activation_checkpointing=extension and scale.activation_checkpointing,
+        ),
+        checkpoint=dict(
+            dir=str(run / "checkpoints"), every=scale.checkpoint_every, resume=True, export_dir=str(run / "export")
+        ),
+        log=dict(dir=str(run / "log"), every=5, tensorboard=False, progress=False),
+    )
+
+
+def read_metrics(run: Path) -> list[dict]:
+    """The run's metrics.jsonl, one record per step (a resumed run's repeated steps: the last one; no event rows)."""
+    path = run / "log" / "metrics.jsonl"
+    by_step = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip().endswith("}"):
+                record = json.loads(line)
+                if "event" not in record:  # start / resume markers
+                    by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def train(run: Path, config: dict) -> dict:
+    """``mtraining train`` (under torchrun for several ranks) unless ``run/summary.json`` exists.
+
+    Past the --max-minutes deadline the run gets SIGTERM (it saves a checkpoint and exits 143) and
+    ``OutOfTime`` is raised; the next call resumes it from that checkpoint. Wall and CPU time add up
+    over the calls (``segments.jsonl``: one line per call)."""
+    summary_path = run / "summary.json"
+    if summary_path.exists():
+        return json.loads(summary_path.read_text())
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "train.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    nproc = config["parallel"]["data"] * config["parallel"]["context"]
+    cmd = [sys.executable, "-m", "mtraining.cli", "train", str(run / "train.yaml")]
+    cmd += ["--nproc", str(nproc)] if nproc > 1 else []
+    steps, seq = config["train"]["steps"], config["data"]["seq_len"]
+    say(f"train {run.parent.name}/{run.name}: {steps} steps at {seq} tokens on {nproc} rank(s)")
+    with Clock() as clock, open(run / "train.log", "a") as log:
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        stopped = _wait(proc)
+    with open(run / "segments.jsonl", "a") as f:
+        f.write(json.dumps({"wall_s": clock.wall_s, "cpu_s": clock.cpu_s, "stopped": stopped}) + "\n")
+    if stopped:
+        say(f"  stopped at the deadline after {clock.wall_s:.0f}s wall (exit {proc.returncode}); resumes next call")
+        raise OutOfTime
+    if proc.returncode != 0:
+        tail = "\n".join((run / "train.log").read_text().splitlines()[-15:])
+        raise RuntimeError(f"training {run} failed (exit {proc.returncode}); the end of its train.log:\n{tail}")
+    metrics = read_metrics(run)
+    last = metrics[-10:]
+    segments = [json.loads(line) for line in (run / "segments.jsonl").read_text().splitlines()]
+    summary = dict(
+        run=f"{run.parent.name}/{run.name}",
+        commit=commit(),
+        config=config,
+        wall_s=round(sum(seg["wall_s"] for seg in segments), 1),
+        cpu_s=round(sum(seg["cpu_s"] for seg in segments), 1),
+        calls=len(segments),
+        steps=len(metrics),
+        curve=[{k: m[k] for k in ("step", "loss", "density", "recall") if k in m} for m in metrics],
+        final_loss=sum(m["loss"] for m in last) / len(last),
+        tokens_per_s=sum(m["tokens_per_s"] for m in last) / len(last),
+    )
+    densities = [m["density"] for m in metrics if "density" in m]
+    recalls = [m["recall"] for m in metrics if "recall" in m]
+    if densities:
+        summary["density"] = sum(densities) / len(densities)
+        summary["recall"] = sum(recalls) / len(recalls) if recalls else None
+    shutil.rmtree(run / "checkpoints", ignore_errors=True)  # the export is what later stages read
+    write_json(summary_path, summary)
+    extra = f", density {summary['density']:.3f}, recall {summary['recall']:.3f}" if densities else ""
+    say(f"  loss {summary['final_loss']:.3f}, {summary['wall_s']:.0f}s wall, {summary['cpu_s']:.0f}s cpu{extra}")
+    return summary
+
+
+def _wait(proc: subprocess.Popen) -> bool:
+    """Wait for ``proc``; past ``Clock.deadline`` send it SIGTERM and wait for its exit. True if stopped so."""
+    timeout = None if Clock.deadline is None else max(0.0, Clock.deadline - time.time())
+    try:
+        proc.wait(timeout=timeout)
+        return False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait()
+        return True
+
+
+def base_model(scale: Scale, work: Path, data: dict, seed: int) -> tuple[Path, list[dict]]:
+    """The curriculum: stage 0 from random weights, each next stage from the previous export."""
+    source = dict(config=scale.model, rope_theta=scale.base_theta)
+    summaries = []
+    for i, stage in enumerate(scale.curriculum):
+        run = work / "base" / f"stage{i}"
+        summaries.append(train(run, train_config(scale, stage, run, data, f"stage{i}", source, None, seed)))
+        source = dict(path=str(run / "export"))
+    return Path(source["path"]), summaries
+
+
+def extensions(scale: Scale, work: Path, data: dict, base: Path, seed: int) -> dict[str, dict]:
+    """Dense and one sparse run per budget, each from the base with the raised RoPE base, identical otherwise."""
+    source = dict(path=str(base), rope_theta=scale.base_theta * scale.theta_factor)
+    runs = {}
+    for budget in (None, *scale.budgets):
+        name = "dense" if budget is None else f"sparse-{budget.name}"
+        run = work / "extend" / name
+        runs[name] = train(run, train_config(scale, scale.extension, run, data, "extension", source, budget, seed))
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------- 4: evaluation
+def eval_plan(scale: Scale) -> list[tuple[str, str, Budget | None]]:
+    """(label, model, sparse budget or None): the base dense; the dense extension dense and at every sparse
+    budget (sparse inference on a dense-trained model); each sparse extension at its own budget and dense.
+    ``scale.cross`` says which cross evaluations run: all, the default budget's only, or none."""
+    plan = [("base/dense", "base", None), ("dense/dense", "dense", None)]
+    for b in scale.budgets:
+        name = f"sparse-{b.name}"
+        cross = scale.cross == "all" or (scale.cross == "default" and b.name == scale.default_budget)
+        plan += [(f"dense/{name}", "dense", b)] if cross else []
+        plan += [(f"{name}/{name}", name, b)] + ([(f"{name}/dense", name, None)] if cross else [])
+    return plan
+
+
+def evaluate(scale: Scale, work: Path, data: dict, label: str, export: Path, budget: Budget | None, seed: int) -> dict:
+    """One model with dense (``budget`` None) or sparse attention; cached in eval/<label>.json."""
+    path = work / "eval" / (label.replace("/", "__") + ".json")
+    if path.exists():
+        return json.loads(path.read_text())
+    with Clock(expected=max(EVAL_S, default=0.0)) as clock:  # an evaluation cannot stop midway
+        if scale.task == "text":
+            result = extension_eval.evaluate_text(str(export), scale, budget, Path(data["heldout"]["path"]), seed)
+        elif scale.ranks > 1:  # gloo ranks: the sequences go through the striped ring, as in training
+            from mtraining.train.launch import run_local
+
+            docs = extension_eval.recall_documents(scale, seed)
+            result = run_local(
+                extension_eval.evaluate_recall, scale.ranks, str(export), scale, budget, docs, timeout=7200
+            )[0]
+        else:
+            result = extension_eval.evaluate_recall(
+                str(export), scale, budget, extension_eval.recall_documents(scale, seed)
+            )
+    EVAL_S.append(clock.wall_s)
+    result.update(
+        commit=commit(),
+        label=label,
+        model=export.parent.name,
+        attention="dense" if budget is None else f"sparse {budget.name}",
+        pattern={n: budget.pattern(n, scale) for n in scale.lengths} if budget is not None else None,
+        wall_s=clock.wall_s,
+        cpu_s=clock.cpu_s,
+    )
+    write_json(path, result)
+    found = []
+    for task in scale.tasks:
+        cells = [extension_report.accuracy(result["tasks"][task][str(n)]["documents"]) for n in scale.lengths]
+        found.append(f"{task} " + " ".join(f"{c['percent']:.0f}" for c in cells))
+    say(
+        f"eval {label}: % found at {scale.lengths}: {'; '.join(found)} ({clock.wall_s:.0f}s wall, {clock.cpu_s:.0f}s cpu)"
+    )
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- main
+def run(scale: Scale, work: Path, out: Path, seed: int) -> dict:
+    """Every stage (skipping those done), then the results, report and plots in ``out``."""
+    data = corpus(scale, work, seed)
+    base, base_runs = base_model(scale, work, data, seed)
+    runs = extensions(scale, work, data, base, seed)
+    exports = {"base": base} | {name: work / "extend" / name / "export" for name in runs}
+    evaluations = {
+        label: evaluate(scale, work, data, label, exports[model], budget, seed)
+        for label, model, budget in eval_plan(scale)
+    }
+    summary = extension_report.summarise(scale, evaluations, runs)
+    stages = [*base_runs, *runs.values(), *evaluations.values()]
+    result = dict(
+        name=f"extension_{scale.name}",
+        **provenance(on_gpu=scale.device == "cuda"),
+        wall_s=round(sum(r["wall_s"] for r in stages), 1),
+        cpu_s=round(sum(r["cpu_s"] for r in stages), 1),
+        parameters=_parameters(base),
+        tasks=list(scale.tasks),
+        lengths=scale.lengths,
+        scale=asdict(scale),
+        corpus=data,
+        training={r["run"]: r for r in base_runs} | {f"extend/{k}": v for k, v in runs.items()},
+        summary=summary,
+        evaluations=evaluations,
+    )
+    paths = extension_report.plots(scale, evaluations, summary, out)
+    (out / f"extension_{scale.name}.md").write_text(extension_report.markdown(scale, result, paths))
+    write_json(out / f"extension_{scale.name}.json", result)
+    return result
+
+
+def _parameters(export: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(export / "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scale", choices=sorted(SCALES), default="cpu")
+    p.add_argument("--work", type=Path, default=None, help="stage outputs (default: runs/extension_<scale>)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="flat folder for the results (default: bench/results)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--budgets",
+        default=None,
+        help="sparse budgets to run, e.g. v10,t90 (default: the scale's); the first is the default unless the scale's default is among them",
+    )
+    p.add_argument("--max-minutes", type=float, default=None, help="start no stage after this many minutes")
+    args = p.parse_args()
+    scale = SCALES[args.scale]
+    if args.budgets:
+        names = [b.strip() for b in args.budgets.split(",") if b.strip()]
+        known = {b.name: b for b in (*SWEEP, *scale.budgets)}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            p.error(f"unknown budgets {unknown}; use some of {sorted(known)}")
+        scale = replace(scale, budgets=tuple(known[n] for n in names))
+        if scale.default_budget not in names:
+            scale = replace(scale, default_budget=names[0])
+    work = args.work or ROOT / "runs" / f"extension_{scale.name}"
+    work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    LOG.append(args.out / f"extension_{scale.name}.log")
+    if args.max_minutes is not None:
+        Clock.deadline = T0 + 60 * args.max_minutes
+    say(f"context extension, {scale.name} scale: work dir {work}, outputs in {args.out}")
+    try:
+        result = run(scale, work, args.out, args.seed)
+    except OutOfTime:
+        say(f"stopped after {args.max_minutes} minutes: run the same command again to continue from {work}")
+        sys.exit(3)
+    goal = result["summary"]["goal"]
+    say(
+        f"wrote {args.out}/extension_{scale.name}.json, .md, 3 PNGs; default budget at parity: "
+        f"{goal['sparse_default_parity']['parity']}; budgets at parity: {goal['budgets_at_parity']}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The text corpus of the GPU scale of bench/extension.py: documents in the formats that ``mtraining eval
+niah`` and ``ruler`` ask about, and a BPE tokenizer trained on them.
+
+The mixture (each document a pure function of its kind and seed; training seeds never reach the
+evaluation's prompt seeds, which start at 0):
+
+- ``niah``: a haystack of the built-in filler with "The secret number of KEY is N." needles, then
+  the question and its answer, exactly as ``mtraining eval niah/ruler`` render them (single,
+  multi-key, multi-value and multi-query variants);
+- ``vt``: variable-tracking chains in the RULER format, with their answer;
+- ``recall``: filler in which facts are stated at random points and asked again later, with the
+  answer: associative recall in the needles' own sentence, at every distance.
+
+``cwe``/``fwe`` (word counting) are not in the mixture: the RULER average reports them as they come.
+The tokenizer is a byte-level BPE trained on a sample of the mixture, with digits split one per
+token, so a needle costs about ten tokens and a number is copied digit by digit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import multiprocessing
+import os
+import random
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from mtraining.eval.documents import Haystack, filler_sentences
+from mtraining.eval.tasks import _build_niah, _build_vt, _keys, _numbers, _render
+
+KINDS = ("niah", "niah", "niah", "vt", "recall", "recall", "recall", "recall")
+_NIAH = ("niah_single", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
+EOS = "<|endoftext|>"
+_SEED_BASE = 1_000_000  # document seeds of training sets start here (eval prompts use 0, 1, ...)
+
+
+def _listing(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + f" and {items[-1]}"
+
+
+def recall_log(seed: int, sentences: int, rate: float = 0.05) -> str:
+    """Filler with facts stated at random points and asked again later, answered (any distance back)."""
+    rng = random.Random(f"recall-{seed}")
+    keys = _keys(rng, 300)
+    values = _numbers(rng, 300)
+    stated: list[int] = []
+    out = []
+    for sentence in filler_sentences(sentences, seed):
+        out.append(sentence)
+        r = rng.random()
+        if r < rate and len(stated) < len(keys):
+            i = len(stated)
+            stated.append(i)
+            out.append(f"The secret number of {keys[i]} is {values[i]}.")
+        elif r < 2 * rate and stated:
+            i = rng.choice(stated)
+            out.append(
+                f"Question: What is the secret number of {keys[i]}? Answer: The secret number of {keys[i]} is {values[i]}."
+            )
+    return " ".join(out)
+
+
+def repeat_document(seed: int, sentences: int) -> str:
+    """A few random filler sentences and needles, repeated in the same order up to ``sentences``: every
+    token after the first period is predicted by copying what followed its previous occurrence (the
+    induction circuit retrieval needs, from a dense signal: the curriculum's first stage)."""
+    rng = random.Random(f"repeat-{seed}")
+    period = filler_sentences(rng.randint(2, 6), seed)
+    period += [f"The secret number of {k} is {v}." for k, v in zip(_keys(rng, 2), _numbers(rng, 2))]
+    rng.shuffle(period)
+    return " ".join((period * (sentences // len(period) + 1))[:sentences])
+
+
+def make_document(kind: str, seed: int, max_sentences: int) -> str:
+    """One document of ``kind`` (see KINDS) with up to ``max_sentences`` filler sentences."""
+    rng = random.Random(f"text-{kind}-{seed}")
+    knob = int(math.exp(rng.uniform(math.log(8), math.log(max_sentences))))
+    if kind == "niah":
+        parts = _build_niah(rng.choice(_NIAH), seed, knob, Haystack(seed=seed), None)
+        return _render(parts) + " " + _listing(parts.answers) + "."
+    if kind == "vt":
+        parts = _build_vt(seed, knob, Haystack(seed=seed))
+        return _render(parts) + " " + _listing(parts.answers) + "."
+    return recall_log(seed, knob, rate=rng.choice((0.05, 0.1, 0.2)))
+
+
+def documents(first_seed: int, count: int, max_sentences: int) -> list[str]:
+    kinds = [KINDS[random.Random(f"text-kind-{first_seed + i}").randrange(len(KINDS))] for i in range(count)]
+    return [make_document(k, first_seed + i, max_sentences) for i, k in enumerate(kinds)]
+
+
+def write_tokenizer(path: Path, vocab_size: int, seed: int = 0) -> Path:
+    """A byte-level BPE with single-digit tokens, trained on a sample of the mixture."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(documents(_SEED_BASE // 2 + 1000 * seed, 400, 120), trainer=trainer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
+def train_stream(
+    path: Path, tokenizer: Path, tokens: int, seq_len: int, seed: int, stage: int, repeat: bool = False
+) -> dict:
+    """At least ``tokens`` tokens of training documents (EOS-separated) sized for ``seq_len``, as .npy: the
+    mixture, or repeated sentences (``repeat_document``) when ``repeat``.
+
+    Documents are generated and tokenised in chunks of ``_CHUNK`` seeds on every CPU core; the file is
+    the same whatever the number of cores (chunks are kept in seed order up to the first that reaches
+    ``tokens``)."""
+    max_sentences = max(16, seq_len // 10)  # ~12 tokens per filler sentence: documents up to about one sample
+    first = _SEED_BASE + 10_000_000 * stage + 100_000 * seed
+    # a chunk holds roughly _CHUNK x seq_len / 2 tokens; a pool pays only for several chunks per core
+    workers = min(os.cpu_count() or 1, math.ceil(tokens / (_CHUNK * seq_len / 2)) // 4)
+    parts: list[np.ndarray] = []
+    total, start = 0, first
+    with contextlib.ExitStack() as stack:
+        if workers > 1:
+            pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")))
+        while total < tokens:
+            jobs = [(str(tokenizer), start + i * _CHUNK, max_sentences, repeat) for i in range(max(workers, 1))]
+            start += len(jobs) * _CHUNK
+            for chunk in pool.map(_chunk, jobs) if workers > 1 else map(_chunk, jobs):
+                if total < tokens:
+                    parts.append(chunk)
+                    total += chunk.size
+    stream = np.concatenate(parts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, stream)
+    kind = "repeat" if repeat else "mixture"
+    documents = len(parts) * _CHUNK
+    return {"path": str(path), "tokens": int(stream.size), "seq_len": seq_len, "documents": documents, "kind": kind}
+
+
+_CHUNK = 256  # documents per task of the corpus' process pool
+
+
+def _chunk(job: tuple[str, int, int, bool]) -> np.ndarray:
+    """``_CHUNK`` documents from seed ``first`` on, tokenised, each followed by EOS (one pool task)."""
+    tokenizer, first, max_sentences, repeat = job
+    from mtraining.data.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(tokenizer)
+    eos = tok.separator_id(None)
+    seeds = range(first, first + _CHUNK)
+    texts = [repeat_document(s, max_sentences) for s in seeds] if repeat else documents(first, _CHUNK, max_sentences)
+    return np.concatenate([np.asarray(ids + [eos], dtype=np.uint16) for ids in tok.encode(texts)])
+
+
+def heldout(path: Path, tokenizer: Path, min_tokens: int, count: int, seed: int) -> dict:
+    """JSONL of ``count`` held-out recall logs of at least ``min_tokens`` tokens (perplexity by position)."""
+    from mtraining.data.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(tokenizer)
+    docs, s, sentences = [], 0, min_tokens // 10
+    while len(docs) < count:
+        doc = recall_log(9 * _SEED_BASE + 10_000 * seed + s, sentences)
+        s += 1
+        if len(tok.encode([doc])[0]) > min_tokens:
+            docs.append(doc)
+        else:
+            sentences = int(sentences * 1.2) + 1
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return {"path": str(path), "documents": len(docs), "min_tokens": min_tokens}

@@ -1,0 +1,279 @@
+"""bench/extension.py: the generated corpora, the budgets, the statistics, and the whole pipeline at toy size.
+
+The pipeline tests run ``bench/extension.py --scale toy`` (word-level recall, 2 gloo ranks, the
+striped ring) and ``--scale toy-text`` (the GPU path: BPE text corpus, NIAH/RULER, one process) on
+the CPU, then check that every stage wrote what the next one reads, that the report's figures are
+recomputed from the records the stages wrote, and that a second run resumes without training again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import extension  # noqa: E402
+import extension_report as report  # noqa: E402
+import extension_text  # noqa: E402
+from extension_corpus import Shape, Vocab, eval_set, make_document, train_stream, write_tokenizer  # noqa: E402
+from extension_settings import SCALES, Budget  # noqa: E402
+
+from mtraining.data.tokenizer import TextTokenizer  # noqa: E402
+from mtraining.eval.ppl import position_buckets  # noqa: E402
+from mtraining.ops import PatternConfig  # noqa: E402
+
+V = Vocab(keys=64, values=64, words=64)
+
+
+# ---------------------------------------------------------------------------------------------- corpus
+def test_documents_are_exact_and_their_answers_are_right():
+    doc = make_document("t-1", 200, V, pairs=8, queries=8)
+    assert len(doc.ids) == 200 and doc.ids[0] == V.eos_id
+    assert len(doc.answers) == len(doc.depths) == 8
+    for pos in doc.answers:
+        key, value = doc.ids[pos - 1], doc.ids[pos]
+        assert doc.ids[pos - 2] == V.query_id and V.key(0) <= key < V.value(0) <= value < V.word(0)
+        stated = [i for i in range(1, pos - 2) if doc.ids[i] == key]
+        assert len(stated) == 1 and doc.ids[stated[0] + 1] == value  # the needle, once, in the context
+    assert make_document("t-1", 200, V, 8, 8) == doc != make_document("t-2", 200, V, 8, 8)
+
+
+def test_evaluation_documents_place_needles_at_their_depths():
+    docs = eval_set(V, 256, 3, Shape(pairs=6, queries=5), [0.0, 0.25, 0.5, 0.75, 1.0], seed=0)
+    for doc in docs:
+        assert sorted(doc.depths) == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0], abs=0.06)
+        needle = [doc.ids.index(doc.ids[p - 1]) for p in doc.answers]
+        assert min(needle) == 1  # depth 0: right after the leading </s>
+    assert eval_set(V, 256, 3, Shape(6, 5), [0.0], 0)[0].ids != make_document("train-0-0-0", 256, V, 6, 1).ids
+
+
+def test_documents_that_do_not_fit_are_refused():
+    with pytest.raises(ValueError, match="too short"):
+        make_document("x", 20, V, pairs=8, queries=4)
+    with pytest.raises(ValueError, match="queries"):
+        make_document("x", 200, V, pairs=2, queries=3)
+
+
+def test_train_stream_aligns_one_document_per_sample(tmp_path):
+    info = train_stream(tmp_path / "s.npy", V, 64, 5, Shape(4, 4), seed=0)
+    stream = np.load(tmp_path / "s.npy")
+    assert info["tokens"] == stream.size == 6 * 64
+    assert all(stream[i * 64] == V.eos_id for i in range(6))  # sample i = tokens [64 i, 64 (i + 1) + 1)
+    assert stream.max() < V.size
+
+
+def test_word_tokenizer_round_trips(tmp_path):
+    tok = TextTokenizer(write_tokenizer(V, tmp_path / "tokenizer.json"))
+    doc = make_document("t", 100, V, 4, 4)
+    text = " ".join(V.tokens()[i] for i in doc.ids)
+    assert tok.encode([text])[0] == doc.ids and tok.vocab_size == V.size and tok.separator_id(None) == V.eos_id
+
+
+def test_text_corpus_is_deterministic_and_in_the_eval_format(tmp_path):
+    doc = extension_text.make_document("niah", 1_000_003, 40)
+    assert doc.startswith("Some facts are hidden in the text below.") and "\n\nQuestion: What" in doc
+    assert extension_text.documents(5, 4, 30) == extension_text.documents(5, 4, 30)
+    tokenizer = extension_text.write_tokenizer(tmp_path / "tok.json", 384)
+    info = extension_text.train_stream(tmp_path / "t.npy", tokenizer, 5000, 512, seed=0, stage=0)
+    assert info["tokens"] >= 5000 and np.load(tmp_path / "t.npy").max() < 384
+    gpu = TextTokenizer(extension_text.write_tokenizer(tmp_path / "gpu.json", SCALES["gpu"].text_vocab))
+    ids = gpu.encode(["The secret number of amber-heron is 1234567."])[0]
+    assert len(ids) <= 18 and [gpu.decode([i]) for i in ids[-8:-1]] == list("1234567")  # digits one per token
+    held = extension_text.heldout(tmp_path / "h.jsonl", tokenizer, 600, 2, seed=0)
+    texts = [json.loads(line)["text"] for line in (tmp_path / "h.jsonl").read_text().splitlines()]
+    assert held["documents"] == 2 and all(len(TextTokenizer(tokenizer).encode([t])[0]) > 600 for t in texts)
+
+
+# ---------------------------------------------------------------------------------------------- budgets, statistics
+@pytest.mark.parametrize("scale", ["cpu", "gpu"])
+def test_budgets_scale_with_the_length_and_make_valid_patterns(scale):
+    s = SCALES[scale]
+    for budget in s.budgets:
+        for n in s.lengths:
+            fields = budget.pattern(n, s)
+            PatternConfig(block_size=s.block_size, **fields)  # valid
+            assert fields["v_size"] >= s.sink_tokens and fields["s_size"] >= s.local_window
+        long = budget.pattern(s.long, s)
+        assert long["v_size"] == max(s.sink_tokens, round(budget.v * s.long))
+        assert long["s_size"] == s.local_window + round(budget.s * s.long / s.block_size)  # extra block diagonals
+    assert s.budget(s.default_budget).threshold is None
+    assert Budget("t", 0.1, 0.1, threshold=0.9).pattern(s.long, s)["threshold"] == 0.9
+
+
+def test_gpu_scales():
+    """The GPU scale meets the issue's sizes; its smoke test is the CPU-tested toy-text path on the GPU."""
+    gpu = SCALES["gpu"]
+    m = gpu.model
+    head = m["hidden_size"] // m["num_attention_heads"]
+    attention = m["hidden_size"] * head * (2 * m["num_attention_heads"] + 2 * m["num_key_value_heads"])
+    mlp = 3 * m["hidden_size"] * m["intermediate_size"]
+    assert m["num_hidden_layers"] * (attention + mlp) + m["vocab_size"] * m["hidden_size"] >= 100e6
+    assert (gpu.l0, gpu.long, gpu.device, gpu.backend) == (4096, 32768, "cuda", "auto")
+    assert gpu.niah_samples * len(gpu.depths) >= 50  # NIAH prompts per length
+    smoke, toy = SCALES["gpu-smoke"], SCALES["toy-text"]
+    assert (smoke.device, smoke.dtype, smoke.backend, smoke.block_size) == ("cuda", "bfloat16", "auto", 128)
+    same = {"task", "model", "budgets", "ranks", "niah_samples", "ruler_tasks", "activation_checkpointing"}
+    assert all(getattr(smoke, f) == getattr(toy, f) for f in same) and toy.activation_checkpointing
+    assert toy.model["hidden_size"] // toy.model["num_attention_heads"] == head  # the kernels' head dim
+    with pytest.raises(ValueError, match="cross"):
+        replace(toy, cross="some")
+
+
+def test_a_training_past_the_deadline_stops_and_resumes(tmp_path):
+    """SIGTERM at the deadline, OutOfTime, then the same call again finishes and counts both calls' time."""
+    scale = SCALES["toy"]
+    data = extension.corpus(scale, tmp_path, seed=0)
+    run = tmp_path / "stage0"
+    source = {"config": scale.model, "rope_theta": scale.base_theta}
+    config = extension.train_config(scale, scale.curriculum[0], run, data, "stage0", source, None, 0)
+    extension.Clock.deadline = time.time() + 1.0  # the trainer is still starting
+    try:
+        with pytest.raises(extension.OutOfTime):
+            extension.train(run, config)
+    finally:
+        extension.Clock.deadline = None
+    assert not (run / "summary.json").exists()
+    summary = extension.train(run, config)
+    assert summary["calls"] == 2 and summary["steps"] == scale.curriculum[0].steps
+    segments = [json.loads(line) for line in (run / "segments.jsonl").read_text().splitlines()]
+    assert [seg["stopped"] for seg in segments] == [True, False]
+    assert summary["wall_s"] == pytest.approx(sum(seg["wall_s"] for seg in segments), abs=0.2)
+
+
+def test_accuracy_difference_and_perplexity_statistics():
+    a = [{"hits": 5, "answers": 5}] * 40 + [{"hits": 0, "answers": 5}] * 10
+    b = [{"hits": 5, "answers": 5}] * 50
+    acc = report.accuracy(a)
+    assert acc["percent"] == 80.0 and acc["interval"][0] < 80.0 < acc["interval"][1]
+    d = report.difference(a, b)
+    assert d["difference"] == -20.0 and d["interval"][0] < -20.0 < d["interval"][1] < 0
+    partial = report.accuracy([{"hits": 0.5, "answers": 1}, {"hits": 1.0, "answers": 1}])
+    assert partial["percent"] == 75.0  # partial credit: bootstrap interval
+    with pytest.raises(ValueError, match="same documents"):
+        report.difference(a, b[:3])
+    buckets = [[a + 1, b] for a, b in position_buckets(64, 16)]
+    x = [{"buckets": buckets, "nll": [1.0 * (b - a + 1) for a, b in buckets]}] * 4
+    y = [{"buckets": buckets, "nll": [1.1 * (b - a + 1) for a, b in buckets]}] * 4
+    assert report.ppl_curve(x)[-1]["ppl"] == pytest.approx(math.e)
+    assert report.ppl_change(x, y)["change_percent"] == pytest.approx(100 * (math.exp(-0.1) - 1))
+
+
+# ---------------------------------------------------------------------------------------------- the pipeline
+def _run(scale: str, work: Path, out: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "extension.py"),
+        "--scale",
+        scale,
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _steps(run: Path) -> list[dict]:
+    """The step rows of a run's metrics.jsonl (not its start / resume markers)."""
+    rows = [json.loads(line) for line in (run / "log" / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "event" not in r]
+
+
+def _check_outputs(scale_name: str, work: Path, out: Path) -> dict:
+    scale = SCALES[scale_name]
+    prefix = f"extension_{scale_name}"
+    names = {p.name for p in out.iterdir()}
+    assert names == {f"{prefix}.json", f"{prefix}.md", f"{prefix}.log"} | {
+        f"{prefix}_{k}.png" for k in ("heatmaps", "ppl", "budget")
+    }
+    result = json.loads((out / f"{prefix}.json").read_text())
+    assert {"device", "commit", "command"} <= set(result) and result["command"].endswith(f"--out {out}")
+
+    # every stage read what the previous one wrote
+    base = work / "base" / f"stage{len(scale.curriculum) - 1}" / "export"
+    for name in ["dense"] + [f"sparse-{b.name}" for b in scale.budgets]:
+        cfg = yaml.safe_load((work / "extend" / name / "train.yaml").read_text())
+        assert cfg["model"]["path"] == str(base) and cfg["model"]["rope_theta"] == scale.base_theta * scale.theta_factor
+        assert (work / "extend" / name / "export" / "model.safetensors").is_file()
+    dense = yaml.safe_load((work / "extend" / "dense" / "train.yaml").read_text())
+    sparse = yaml.safe_load((work / "extend" / f"sparse-{scale.default_budget}" / "train.yaml").read_text())
+    for cfg in (dense, sparse):
+        cfg.pop("attention"), cfg.pop("checkpoint"), cfg.pop("log")
+    assert dense == sparse  # same model, data, seed, steps, optimiser and ranks: only attention differs
+    for label, _, _ in extension.eval_plan(scale):
+        assert (work / "eval" / (label.replace("/", "__") + ".json")).is_file()
+
+    # the report's figures come from the records
+    for label, row in result["summary"]["table"].items():
+        for task, by_length in row["tasks"].items():
+            for n, cell in by_length.items():
+                docs = result["evaluations"][label]["tasks"][task][n]["documents"]
+                assert cell["percent"] == pytest.approx(
+                    100 * sum(d["hits"] for d in docs) / sum(d["answers"] for d in docs)
+                )
+    losses = [m["loss"] for m in _steps(work / "extend" / "dense")][-10:]
+    assert result["training"]["extend/dense"]["final_loss"] == pytest.approx(sum(losses) / len(losses))
+    entry = result["summary"]["sweep"][0]
+    densities = [m["density"] for m in _steps(work / "extend" / f"sparse-{entry['budget']['name']}")]
+    assert entry["train_density"] == pytest.approx(sum(densities) / len(densities))
+    assert 0 < entry["train_density"] < 1
+    md = (out / f"{prefix}.md").read_text()
+    table = result["summary"]["table"]
+    task = scale.tasks[0]
+    assert f"{table['dense/dense']['ppl_last_bucket'][str(scale.long)]:.3f}" in md
+    assert report._pct(table["base/dense"]["tasks"][task][str(scale.l0)]) in md
+    return result
+
+
+def test_pipeline_at_toy_size_recall_task_resumes(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "out"
+    _run("toy", work, out)
+    first = _check_outputs("toy", work, out)
+    (work / "eval" / "dense__dense.json").unlink()  # a lost stage output is redone, the rest is kept
+    again = _run("toy", work, out).stdout
+    assert "train " not in again and again.count("eval ") == 1
+    second = json.loads((out / "extension_toy.json").read_text())
+    assert second["summary"] == first["summary"]
+
+    # the training loss split by token kind, from the same exports
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(ROOT / "bench" / "extension_losses.py"), "--scale", "toy", "--work", str(work)]
+    proc = subprocess.run(cmd + ["--docs", "2", "--out", str(out / "losses.json")], capture_output=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = json.loads((out / "losses.json").read_text())["losses"]
+    assert set(losses) == {"dense/dense", "sparse-v10/dense", "sparse-v10/sparse-v10"}
+    scale = SCALES["toy"]
+    for parts in losses.values():
+        assert parts["answer"]["tokens"] == parts["queried key"]["tokens"] == 2 * scale.extension.pairs
+        assert parts["all"]["tokens"] == 2 * (scale.long - 1)
+        mean = sum(parts[k]["nll"] * parts[k]["tokens"] for k in ("answer", "queried key", "rest"))
+        assert parts["all"]["nll"] == pytest.approx(mean / parts["all"]["tokens"])
+    assert losses["sparse-v10/dense"] != losses["sparse-v10/sparse-v10"]
+
+
+def test_pipeline_at_toy_size_text_task(tmp_path):
+    work, out = tmp_path / "work", tmp_path / "out"
+    _run("toy-text", work, out)
+    result = _check_outputs("toy-text", work, out)
+    evaluation = result["evaluations"]["dense/sparse-v10"]
+    assert set(evaluation["tasks"]) == {"niah", "ruler"} and evaluation["density"]["1024"] < 1
+    checkpointing = {
+        run: yaml.safe_load((work / run / "train.yaml").read_text())["train"]["activation_checkpointing"]
+        for run in ("base/stage0", "extend/dense", "extend/sparse-v10")
+    }
+    assert checkpointing == {"base/stage0": False, "extend/dense": True, "extend/sparse-v10": True}
