@@ -31,7 +31,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
-from common import bench_ms, provenance, write_results  # noqa: E402
+from common import add_attention_shape, bench_ms, provenance, write_results  # noqa: E402
 from sparse_attention import dense_times, sparse_times, training_step_ms  # noqa: E402
 
 from bench.synthetic import random_qkv, rope_structured_qkv  # noqa: E402
@@ -297,12 +297,7 @@ def base_fields(args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[65536, 131072, 262144])
-    p.add_argument("--heads-q", type=int, default=16)
-    p.add_argument("--heads-kv", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=128, help="our G and the peers' sparse block")
-    p.add_argument("--v-size", type=int, default=1024)
-    p.add_argument("--s-size", type=int, default=6144)
+    add_attention_shape(p, "our G and the peers' sparse block")
     p.add_argument("--check-len", type=int, default=4096)
     p.add_argument("--check-v-size", type=int, default=16, help="budgets of the check's pattern (sparse at its length)")
     p.add_argument("--check-s-size", type=int, default=128)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -40,6 +41,17 @@ def provenance(on_gpu: bool = True) -> dict[str, str]:
     """The fields every result record starts with: the device (this GPU's name, or 'cpu' for a CPU run), the
     commit and the command line, so a number can be traced to what produced it."""
     return {"device": device_name() if on_gpu else "cpu", "commit": commit(), "command": command_line()}
+
+
+def add_attention_shape(p: argparse.ArgumentParser, block_help: str | None = None) -> None:
+    """The attention shape and budgets every single-GPU attention benchmark takes: Qwen2.5-3B's heads,
+    pattern block 128, v_size 1024, s_size 6144."""
+    p.add_argument("--heads-q", type=int, default=16)
+    p.add_argument("--heads-kv", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=128, help=block_help)
+    p.add_argument("--v-size", type=int, default=1024)
+    p.add_argument("--s-size", type=int, default=6144)
 
 
 def bench_ms(fn: Callable[[], object], warmup_ms: float = 100, rep_ms: float = 500) -> float:

@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+from common import add_attention_shape  # noqa: E402
 from packed_documents import packed_lengths  # noqa: E402
 
 from mtraining.ops import Documents, PatternConfig, estimate_pattern  # noqa: E402
@@ -45,12 +46,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=512 * 1024)
     p.add_argument("--min-doc", type=int, default=1024)
     p.add_argument("--max-doc", type=int, default=128 * 1024)
-    p.add_argument("--heads-q", type=int, default=16)
-    p.add_argument("--heads-kv", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--v-size", type=int, default=1024)
-    p.add_argument("--s-size", type=int, default=6144)
+    add_attention_shape(p)
     p.add_argument("--last-q", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)

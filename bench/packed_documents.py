@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
-from common import bench_ms, command_line, commit, device_name, write_results  # noqa: E402
+from common import add_attention_shape, bench_ms, command_line, commit, device_name, write_results  # noqa: E402
 
 from bench.imbalance import imbalance_report  # noqa: E402
 from bench.synthetic import rope_structured_qkv  # noqa: E402
@@ -229,12 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq-len", type=int, default=512 * 1024)
     p.add_argument("--min-doc", type=int, default=1024)
     p.add_argument("--max-doc", type=int, default=128 * 1024)
-    p.add_argument("--heads-q", type=int, default=16)
-    p.add_argument("--heads-kv", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--v-size", type=int, default=1024)
-    p.add_argument("--s-size", type=int, default=6144)
+    add_attention_shape(p)
     p.add_argument("--world", type=int, default=4, help="emulated context-parallel ranks")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--seed", type=int, default=0)

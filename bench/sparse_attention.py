@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
-from common import bench_ms, provenance, write_results  # noqa: E402
+from common import add_attention_shape, bench_ms, provenance, write_results  # noqa: E402
 
 from mtraining.ops import VerticalSlashPattern  # noqa: E402
 from mtraining.ops.sparse.attention import sparse_attention  # noqa: E402
@@ -164,12 +164,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 65536, 131072, 262144])
     p.add_argument("--inputs", nargs="+", default=["structured", "random"], choices=["structured", "random"])
-    p.add_argument("--heads-q", type=int, default=16)
-    p.add_argument("--heads-kv", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--v-size", type=int, default=1024)
-    p.add_argument("--s-size", type=int, default=6144)
+    add_attention_shape(p)
     p.add_argument("--sweep", type=float, nargs="*", default=[0.01, 0.03, 0.1, 0.3])
     p.add_argument("--sweep-lens", type=int, nargs="*", default=[131072])
     p.add_argument("--out", type=Path, default=None)
