@@ -376,6 +376,21 @@ def run(scale: Scale, work: Path, out: Path, seed: int) -> dict:
     return result
 
 
+def report_from(path: Path, out: Path) -> None:
+    """Re-render a result JSON's report and plots (e.g. on the CPU from a GPU run's JSON), its summary recomputed."""
+    result = json.loads(path.read_text())
+    scale = SCALES[result["name"].removeprefix("extension_")]
+    scale = replace(scale, budgets=tuple(Budget(**b["budget"]) for b in result["summary"]["sweep"]))
+    result["summary"] = extension_report.summarise(scale, result["evaluations"], _extension_runs(result))
+    paths = extension_report.plots(scale, result["evaluations"], result["summary"], out)
+    (out / f"{result['name']}.md").write_text(extension_report.markdown(scale, result, paths))
+    write_json(out / f"{result['name']}.json", result)
+
+
+def _extension_runs(result: dict) -> dict[str, dict]:
+    return {k.removeprefix("extend/"): v for k, v in result["training"].items() if k.startswith("extend/")}
+
+
 def _parameters(export: Path) -> int:
     from safetensors import safe_open
 
@@ -395,7 +410,12 @@ def main() -> None:
         help="sparse budgets to run, e.g. v10,t90 (default: the scale's); the first is the default unless the scale's default is among them",
     )
     p.add_argument("--max-minutes", type=float, default=None, help="start no stage after this many minutes")
+    p.add_argument("--report-from", type=Path, default=None, help="re-render the report of this result JSON into --out")
     args = p.parse_args()
+    if args.report_from is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        report_from(args.report_from, args.out)
+        return
     scale = SCALES[args.scale]
     if args.budgets:
         names = [b.strip() for b in args.budgets.split(",") if b.strip()]

@@ -249,6 +249,13 @@ def test_pipeline_at_toy_size_recall_task_resumes(tmp_path):
     assert "train " not in again and again.count("eval ") == 1
     second = json.loads((out / "extension_toy.json").read_text())
     assert second["summary"] == first["summary"]
+    goal = second["summary"]["goal"]  # 3 steps of training retrieve nothing: no parity can be claimed
+    assert not goal["informative"] and not goal["budgets_at_parity"]
+    assert "Not informative on retrieval" in (out / "extension_toy.md").read_text()
+
+    # a result JSON re-renders the same report elsewhere (a GPU run's, on the CPU)
+    extension.report_from(out / "extension_toy.json", tmp_path / "again")
+    assert (tmp_path / "again" / "extension_toy.md").read_text() == (out / "extension_toy.md").read_text()
 
     # the training loss split by token kind, from the same exports
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -277,3 +284,10 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
         for run in ("base/stage0", "extend/dense", "extend/sparse-v10")
     }
     assert checkpointing == {"base/stage0": False, "extend/dense": True, "extend/sparse-v10": True}
+
+
+def test_committed_cpu_results_are_informative_and_their_parity_follows_the_thresholds():
+    result = json.loads((ROOT / "bench" / "results" / "extension_cpu.json").read_text())
+    assert result["summary"]["goal"]["informative"]
+    for entry in result["summary"]["sweep"]:
+        assert entry["parity"] == (entry["within_points"] and entry["within_ppl"])
