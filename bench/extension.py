@@ -6,7 +6,8 @@ dynamic sparse attention, then compare retrieval and perplexity), in five resuma
 1. corpus: a generated tokenizer and training token files (bench/extension_corpus.py: word-level
    associative recall; bench/extension_text.py at the GPU scale: the eval's NIAH/RULER formats);
 2. base: a Qwen2 pretrained with dense attention at length L0 through a curriculum of stages, each
-   a ``mtraining train`` run starting from the previous stage's export;
+   a ``mtraining train`` run starting from the previous stage's export; then checked on a few held-out
+   prompts at L0: a base that clearly does not retrieve stops the run (exit status 4);
 3. extend: from the base, RoPE base raised (``model.rope_theta``) and trained at 8 x L0 with the same
    seed, data order and steps, once dense and once per sparse budget (dynamic sparse attention,
    through the striped context-parallel ring when the scale has several ranks; layer 0 dense);
@@ -62,6 +63,10 @@ EVAL_S: list[float] = []  # wall time of each evaluation of this call
 
 class OutOfTime(Exception):
     """--max-minutes passed: stop before the next stage (its outputs so far are kept)."""
+
+
+class BaseDoesNotRetrieve(Exception):
+    """The base clearly fails the retrieval it needs at L0: extending it could show nothing."""
 
 
 def say(*parts) -> None:
@@ -278,6 +283,35 @@ def base_model(scale: Scale, work: Path, data: dict, seed: int) -> tuple[Path, l
     return Path(source["path"]), summaries
 
 
+def check_base(scale: Scale, work: Path, base: Path, seed: int) -> dict | None:
+    """The base's retrieval at L0 on ``scale.base_check`` prompts, before anything is extended from it.
+
+    Raises ``BaseDoesNotRetrieve`` when even the upper end of its 95% interval is below what the report
+    requires of the base (``BASE_GATE``): then every later stage would be spent on an experiment that
+    cannot be informative. Cached in eval/base_check.json."""
+    if not scale.base_check:
+        return None
+    path = work / "eval" / "base_check.json"
+    if path.exists():
+        result = json.loads(path.read_text())
+    else:
+        with Clock(expected=scale.eval_s / 4) as clock:
+            result = extension_eval.check_base(str(base), scale, seed)
+        result.update(accuracy=extension_report.accuracy(result["documents"]), wall_s=clock.wall_s, cpu_s=clock.cpu_s)
+        write_json(path, result)
+    needed, found = extension_report.BASE_GATE[result["task"]], result["accuracy"]
+    (low, high), percent = found["interval"], found["percent"]
+    say(f"base check: {result['task']} at {scale.l0}: {percent:.1f}% [{low:.0f}, {high:.0f}] (needs {needed:g}%)")
+    if high < needed:
+        raise BaseDoesNotRetrieve(
+            f"the base retrieves {percent:.1f}% [{low:.0f}, {high:.0f}] on {result['task']} at L0 = {scale.l0}, "
+            f"clearly below the {needed:g}% the comparison needs: train the base longer or on more retrieval data "
+            f"(the curriculum in bench/extension_settings.py), delete {work / 'base'} and run again; "
+            "--no-base-check extends it anyway"
+        )
+    return result
+
+
 def extensions(scale: Scale, work: Path, data: dict, base: Path, seed: int) -> dict[str, dict]:
     """Dense and one sparse run per budget, each from the base with the raised RoPE base, identical otherwise."""
     source = dict(path=str(base), rope_theta=scale.base_theta * scale.theta_factor)
@@ -308,7 +342,7 @@ def evaluate(scale: Scale, work: Path, data: dict, label: str, export: Path, bud
     path = work / "eval" / (label.replace("/", "__") + ".json")
     if path.exists():
         return json.loads(path.read_text())
-    with Clock(expected=max(EVAL_S, default=0.0)) as clock:  # an evaluation cannot stop midway
+    with Clock(expected=max(EVAL_S, default=scale.eval_s)) as clock:  # an evaluation cannot stop midway
         if scale.task == "text":
             result = extension_eval.evaluate_text(str(export), scale, budget, Path(data["heldout"]["path"]), seed)
         elif scale.ranks > 1:  # gloo ranks: the sequences go through the striped ring, as in training
@@ -348,6 +382,7 @@ def run(scale: Scale, work: Path, out: Path, seed: int) -> dict:
     """Every stage (skipping those done), then the results, report and plots in ``out``."""
     data = corpus(scale, work, seed)
     base, base_runs = base_model(scale, work, data, seed)
+    base_checked = check_base(scale, work, base, seed)
     runs = extensions(scale, work, data, base, seed)
     exports = {"base": base} | {name: work / "extend" / name / "export" for name in runs}
     evaluations = {
@@ -367,6 +402,7 @@ def run(scale: Scale, work: Path, out: Path, seed: int) -> dict:
         scale=asdict(scale),
         corpus=data,
         training={r["run"]: r for r in base_runs} | {f"extend/{k}": v for k, v in runs.items()},
+        base_check=base_checked,
         summary=summary,
         evaluations=evaluations,
     )
@@ -411,12 +447,17 @@ def main() -> None:
     )
     p.add_argument("--max-minutes", type=float, default=None, help="start no stage after this many minutes")
     p.add_argument("--report-from", type=Path, default=None, help="re-render the report of this result JSON into --out")
+    p.add_argument(
+        "--no-base-check", action="store_true", help="extend the base even if it clearly fails to retrieve at L0"
+    )
     args = p.parse_args()
     if args.report_from is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         report_from(args.report_from, args.out)
         return
     scale = SCALES[args.scale]
+    if args.no_base_check:
+        scale = replace(scale, base_check=0)
     if args.budgets:
         names = [b.strip() for b in args.budgets.split(",") if b.strip()]
         known = {b.name: b for b in (*SWEEP, *scale.budgets)}
@@ -438,6 +479,9 @@ def main() -> None:
     except OutOfTime:
         say(f"stopped after {args.max_minutes} minutes: run the same command again to continue from {work}")
         sys.exit(3)
+    except BaseDoesNotRetrieve as e:
+        say(f"stopped: {e}")
+        sys.exit(4)
     goal = result["summary"]["goal"]
     say(
         f"wrote {args.out}/extension_{scale.name}.json, .md, 3 PNGs; default budget at parity: "

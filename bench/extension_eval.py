@@ -77,25 +77,17 @@ def evaluate_text(export: str, scale: Scale, budget: Budget | None, heldout: Pat
     from mtraining.eval.documents import load_documents
     from mtraining.eval.engine import Engine
     from mtraining.eval.loading import load
-    from mtraining.eval.niah import run_niah
     from mtraining.eval.ppl import run_ppl
     from mtraining.eval.ruler import run_ruler
 
     loaded = load(export, device=_device(scale), dtype=scale.dtype)
     tok = loaded.tokenizer
     docs = load_documents([heldout])
-    depths = [100 * d for d in scale.depths]
-    # every model of the experiment has the corpus' tokenizer: its prompts are built once per process
-    cache = _PROMPTS.setdefault(hashlib.sha256((Path(export) / "tokenizer.json").read_bytes()).hexdigest(), {})
+    cache = _prompt_cache(export)
     out = {"tasks": {"niah": {}, "ruler": {}}, "ppl": {}, "density": {}}
     for n in scale.lengths:
         engine = Engine(loaded.model, spec(scale, budget, n), None)
-        prompting = Prompting(samples=scale.niah_samples, seed=seed, show_progress=False, cache=cache)
-        niah = run_niah(engine, tok, [n], depths, prompting)
-        out["tasks"]["niah"][str(n)] = {
-            "documents": [{"hits": r["score"], "answers": 1} for r in niah["records"]],
-            "grid": {"depths": scale.depths, "scores": [row[0] for row in niah["scores"]]},
-        }
+        out["tasks"]["niah"][str(n)] = _niah(engine, tok, scale, n, scale.niah_samples, seed, cache)
         prompting = Prompting(samples=scale.ruler_samples, seed=seed, show_progress=False, cache=cache)
         ruler = run_ruler(engine, tok, scale.ruler_tasks, [n], prompting)
         out["tasks"]["ruler"][str(n)] = {
@@ -113,6 +105,41 @@ def evaluate_text(export: str, scale: Scale, budget: Budget | None, heldout: Pat
             )
         out["density"][str(n)] = _mean(engine.densities)
     return out
+
+
+def check_base(export: str, scale: Scale, seed: int) -> dict:
+    """The base's retrieval at L0 with dense attention on ``scale.base_check`` held-out prompts (recall: documents)
+    of its first task, in one process: {"task", "documents"}, the records of ``evaluate_*`` for that cell."""
+    from mtraining.eval.engine import Engine
+    from mtraining.eval.loading import load
+
+    if scale.task == "recall":
+        docs = {scale.l0: recall_documents(scale, seed)[scale.l0][: scale.base_check]}
+        result = evaluate_recall(export, scale, None, docs)["tasks"]["recall"][str(scale.l0)]
+        return {"task": "recall", "documents": result["documents"]}
+    loaded = load(export, device=_device(scale), dtype=scale.dtype)
+    engine = Engine(loaded.model, spec(scale, None, scale.l0), None)
+    samples = -(-scale.base_check // len(scale.depths))  # per depth, rounded up
+    cell = _niah(engine, loaded.tokenizer, scale, scale.l0, samples, seed, _prompt_cache(export))
+    return {"task": "niah", "documents": cell["documents"]}
+
+
+def _niah(engine, tokenizer, scale: Scale, length: int, samples: int, seed: int, cache: dict) -> dict:
+    """NIAH at ``length``, ``samples`` prompts per depth: per-prompt records and the depth grid."""
+    from mtraining.eval.answers import Prompting
+    from mtraining.eval.niah import run_niah
+
+    prompting = Prompting(samples=samples, seed=seed, show_progress=False, cache=cache)
+    niah = run_niah(engine, tokenizer, [length], [100 * d for d in scale.depths], prompting)
+    return {
+        "documents": [{"hits": r["score"], "answers": 1} for r in niah["records"]],
+        "grid": {"depths": scale.depths, "scores": [row[0] for row in niah["scores"]]},
+    }
+
+
+def _prompt_cache(export: str) -> dict:
+    """Prompts built once per process: every model of the experiment has the corpus' tokenizer."""
+    return _PROMPTS.setdefault(hashlib.sha256((Path(export) / "tokenizer.json").read_bytes()).hexdigest(), {})
 
 
 _PROMPTS: dict[str, dict] = {}  # tokenizer.json's SHA-256 -> Prompting.cache

@@ -269,6 +269,12 @@ def markdown(scale: Scale, result: dict, paths: dict[str, Path]) -> str:
         "## Goal checks",
         "",
     ]
+    if result.get("base_check"):
+        c = result["base_check"]
+        lines.append(
+            f"- base checked before extending ({c['accuracy']['answers']:.0f} held-out {TASK_TITLES[c['task']]} "
+            f"answers at L0): {_pct(c['accuracy'])}"
+        )
     for t, g in goal["base_retrieves_at_l0"].items():
         lines.append(
             f"- base at L0, {TASK_TITLES[t]}: {_pct(g['accuracy'])} (needs {g['needed']:.0f}%: "

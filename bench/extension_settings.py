@@ -98,6 +98,8 @@ class Scale:
     ruler_samples: int = 8  # text: prompts per (task, length)
     ruler_tasks: tuple[str, ...] = TASKS
     checkpoint_every: int = 50
+    base_check: int = 0  # held-out prompts (recall: documents) checking the base at L0 before extending; 0: none
+    eval_s: float = 0.0  # expected seconds of one evaluation, for --max-minutes before one has run in the call
     cross: str = "all"  # cross evaluations (dense extension sparse, sparse extensions dense): all, default, none
     activation_checkpointing: bool = False  # in the extensions (the base trains at L0 without)
 
@@ -201,6 +203,7 @@ SCALES = {
         # the sparsest within 3 points of dense retrieval at every length (density 0.25 in training); no
         # budget is within 1% on perplexity (bench/results/extension_cpu.md)
         default_budget="v30",
+        base_check=100,
     ),
     "gpu": Scale(
         name="gpu",
@@ -209,9 +212,13 @@ SCALES = {
         model=qwen2(768, 12, 12, 4, _GPU_VOCAB, 65536),
         text_vocab=_GPU_VOCAB,
         l0=4096,
-        # ~42.6M base tokens and 6.6M extension tokens per run: sized for two 10-minute calls on one H200
-        # (estimate in BENCHMARKS.md, "Context extension")
-        curriculum=(Stage(1024, 150, 64, 1e-3, repeat=True), Stage(1024, 300, 64, 1e-3), Stage(4096, 200, 16, 6e-4)),
+        # induction first on short repeated documents, for as many steps as the CPU scale needed to form it (150
+        # steps at 1024 did not: loss still 1.05, bench/results/extension_gpu.json), then the mixture at 1024, then L0
+        curriculum=(
+            Stage(256, 1000, 64, 1e-3, repeat=True),
+            Stage(1024, 400, 64, 1e-3),
+            Stage(4096, 200, 16, 6e-4),
+        ),
         extension=Stage(32768, 100, 2, 3e-4),
         base_theta=10_000.0,
         theta_factor=16.0,
@@ -230,7 +237,9 @@ SCALES = {
         # the needle variants and variable tracking: the formats the corpus trains (not cwe, fwe)
         ruler_tasks=("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt"),
         cross="none",  # generation dominates the GPU time: base, dense and sparse extension, each in its own attention
-        checkpoint_every=50,
+        checkpoint_every=200,  # a stop at --max-minutes saves its own checkpoint
+        base_check=20,
+        eval_s=150.0,  # the slowest evaluation measured on the H200 (a base that does not stop generating)
         activation_checkpointing=True,
     ),
     "toy": Scale(

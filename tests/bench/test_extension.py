@@ -291,3 +291,17 @@ def test_committed_cpu_results_are_informative_and_their_parity_follows_the_thre
     assert result["summary"]["goal"]["informative"]
     for entry in result["summary"]["sweep"]:
         assert entry["parity"] == (entry["within_points"] and entry["within_ppl"])
+
+
+@pytest.mark.parametrize("name", ["toy", "toy-text"])
+def test_a_base_that_does_not_retrieve_stops_the_run_before_its_extension(tmp_path, name):
+    """Three steps of training retrieve nothing: the check at L0 stops the run with the fix in its message."""
+    scale = replace(SCALES[name], base_check=2)
+    data = extension.corpus(scale, tmp_path, seed=0)
+    base, _ = extension.base_model(scale, tmp_path, data, seed=0)
+    with pytest.raises(extension.BaseDoesNotRetrieve, match="train the base longer.*--no-base-check"):
+        extension.check_base(scale, tmp_path, base, seed=0)
+    checked = json.loads((tmp_path / "eval" / "base_check.json").read_text())
+    assert checked["accuracy"]["answers"] == sum(d["answers"] for d in checked["documents"]) >= 2
+    assert checked["accuracy"]["percent"] == 0.0
+    assert extension.check_base(replace(scale, base_check=0), tmp_path, base, seed=0) is None
