@@ -135,7 +135,14 @@ def corpus(scale: Scale, work: Path, seed: int) -> dict:
         for i, (name, st) in enumerate(stages.items()):
             tokens = st.steps * st.batch * st.seq_len + st.seq_len + 1
             out[name] = extension_text.train_stream(
-                folder / f"{name}.npy", tokenizer, tokens, st.seq_len, seed, i, repeat=st.repeat
+                folder / f"{name}.npy",
+                tokenizer,
+                tokens,
+                st.seq_len,
+                seed,
+                i,
+                st.repeat,
+                st.kinds or extension_text.KINDS,
             )
         out["heldout"] = extension_text.heldout(folder / "heldout.jsonl", tokenizer, scale.long, scale.eval_docs, seed)
     out["seconds"] = round(time.time() - started, 1)
@@ -302,6 +309,8 @@ def check_base(scale: Scale, work: Path, base: Path, seed: int) -> dict | None:
     needed, found = extension_report.BASE_GATE[result["task"]], result["accuracy"]
     (low, high), percent = found["interval"], found["percent"]
     say(f"base check: {result['task']} at {scale.l0}: {percent:.1f}% [{low:.0f}, {high:.0f}] (needs {needed:g}%)")
+    for example in result.get("examples", []):
+        say(f"  answers {example['answers']}, generated {example['prediction']!r}")
     if high < needed:
         raise BaseDoesNotRetrieve(
             f"the base retrieves {percent:.1f}% [{low:.0f}, {high:.0f}] on {result['task']} at L0 = {scale.l0}, "

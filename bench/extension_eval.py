@@ -87,7 +87,8 @@ def evaluate_text(export: str, scale: Scale, budget: Budget | None, heldout: Pat
     out = {"tasks": {"niah": {}, "ruler": {}}, "ppl": {}, "density": {}}
     for n in scale.lengths:
         engine = Engine(loaded.model, spec(scale, budget, n), None)
-        out["tasks"]["niah"][str(n)] = _niah(engine, tok, scale, n, scale.niah_samples, seed, cache)
+        niah = _niah(engine, tok, scale, n, scale.niah_samples, seed, cache)
+        out["tasks"]["niah"][str(n)] = {k: niah[k] for k in ("documents", "grid")}
         prompting = Prompting(samples=scale.ruler_samples, seed=seed, show_progress=False, cache=cache)
         ruler = run_ruler(engine, tok, scale.ruler_tasks, [n], prompting)
         out["tasks"]["ruler"][str(n)] = {
@@ -121,7 +122,7 @@ def check_base(export: str, scale: Scale, seed: int) -> dict:
     engine = Engine(loaded.model, spec(scale, None, scale.l0), None)
     samples = -(-scale.base_check // len(scale.depths))  # per depth, rounded up
     cell = _niah(engine, loaded.tokenizer, scale, scale.l0, samples, seed, _prompt_cache(export))
-    return {"task": "niah", "documents": cell["documents"]}
+    return {"task": "niah", "documents": cell["documents"], "examples": cell["examples"]}
 
 
 def _niah(engine, tokenizer, scale: Scale, length: int, samples: int, seed: int, cache: dict) -> dict:
@@ -134,6 +135,7 @@ def _niah(engine, tokenizer, scale: Scale, length: int, samples: int, seed: int,
     return {
         "documents": [{"hits": r["score"], "answers": 1} for r in niah["records"]],
         "grid": {"depths": scale.depths, "scores": [row[0] for row in niah["scores"]]},
+        "examples": [{"answers": r["answers"], "prediction": r["prediction"]} for r in niah["records"][:5]],
     }
 
 

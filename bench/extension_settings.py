@@ -19,7 +19,8 @@ from mtraining.eval.tasks import TASKS
 @dataclass(frozen=True)
 class Stage:
     """One training run's schedule: length, steps, sequences per step (all ranks), peak lr, and its documents:
-    recall documents with ``pairs`` needles (all queried; recall task), or repeated segments (``repeat``)."""
+    recall documents with ``pairs`` needles (all queried; recall task), the mixture of ``kinds`` (text task;
+    None: extension_text.KINDS), or repeated segments (``repeat``)."""
 
     seq_len: int
     steps: int
@@ -28,6 +29,7 @@ class Stage:
     pairs: int = 8
     warmup: int = 20
     repeat: bool = False
+    kinds: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -212,11 +214,11 @@ SCALES = {
         model=qwen2(768, 12, 12, 4, _GPU_VOCAB, 65536),
         text_vocab=_GPU_VOCAB,
         l0=4096,
-        # induction first on short repeated documents, for as many steps as the CPU scale needed to form it (150
-        # steps at 1024 did not: loss still 1.05, bench/results/extension_gpu.json), then the mixture at 1024, then L0
+        # induction first on short repeated documents (150 steps at 1024 did not form it: loss still 1.05), then
+        # most of the budget on the mixture at 1024 (400 steps: 0% NIAH at 4096; 300: 10% at 1024), then L0
         curriculum=(
-            Stage(256, 1000, 64, 1e-3, repeat=True),
-            Stage(1024, 400, 64, 1e-3),
+            Stage(256, 800, 64, 1e-3, repeat=True),
+            Stage(1024, 1000, 64, 1e-3),
             Stage(4096, 200, 16, 6e-4),
         ),
         extension=Stage(32768, 100, 2, 3e-4),

@@ -9,7 +9,9 @@ evaluation's prompt seeds, which start at 0):
   multi-key, multi-value and multi-query variants);
 - ``vt``: variable-tracking chains in the RULER format, with their answer;
 - ``recall``: filler in which facts are stated at random points and asked again later, with the
-  answer: associative recall in the needles' own sentence, at every distance.
+  answer: associative recall in the needles' own sentence, at every distance;
+- ``facts`` (not in the default mixture; a curriculum stage may ask for it): the same at a rate that
+  makes most sentences a fact or a question, for a dense retrieval signal.
 
 ``cwe``/``fwe`` (word counting) are not in the mixture: the RULER average reports them as they come.
 The tokenizer is a byte-level BPE trained on a sample of the mixture, with digits split one per
@@ -85,12 +87,17 @@ def make_document(kind: str, seed: int, max_sentences: int) -> str:
     if kind == "vt":
         parts = _build_vt(seed, knob, Haystack(seed=seed))
         return _render(parts) + " " + _listing(parts.answers) + "."
-    return recall_log(seed, knob, rate=rng.choice((0.05, 0.1, 0.2)))
+    if kind == "facts":
+        return recall_log(seed, knob, rate=0.3)
+    if kind == "recall":
+        return recall_log(seed, knob, rate=rng.choice((0.05, 0.1, 0.2)))
+    raise ValueError(f"unknown document kind {kind!r}; use one of niah, vt, recall, facts")
 
 
-def documents(first_seed: int, count: int, max_sentences: int) -> list[str]:
-    kinds = [KINDS[random.Random(f"text-kind-{first_seed + i}").randrange(len(KINDS))] for i in range(count)]
-    return [make_document(k, first_seed + i, max_sentences) for i, k in enumerate(kinds)]
+def documents(first_seed: int, count: int, max_sentences: int, kinds: tuple[str, ...] = KINDS) -> list[str]:
+    """``count`` documents from ``first_seed`` on, each of a kind drawn uniformly from ``kinds``."""
+    drawn = [kinds[random.Random(f"text-kind-{first_seed + i}").randrange(len(kinds))] for i in range(count)]
+    return [make_document(k, first_seed + i, max_sentences) for i, k in enumerate(drawn)]
 
 
 def write_tokenizer(path: Path, vocab_size: int, seed: int = 0) -> Path:
@@ -112,10 +119,17 @@ def write_tokenizer(path: Path, vocab_size: int, seed: int = 0) -> Path:
 
 
 def train_stream(
-    path: Path, tokenizer: Path, tokens: int, seq_len: int, seed: int, stage: int, repeat: bool = False
+    path: Path,
+    tokenizer: Path,
+    tokens: int,
+    seq_len: int,
+    seed: int,
+    stage: int,
+    repeat: bool = False,
+    kinds: tuple[str, ...] = KINDS,
 ) -> dict:
     """At least ``tokens`` tokens of training documents (EOS-separated) sized for ``seq_len``, as .npy: the
-    mixture, or repeated sentences (``repeat_document``) when ``repeat``.
+    mixture of ``kinds``, or repeated sentences (``repeat_document``) when ``repeat``.
 
     Documents are generated and tokenised in chunks of ``_CHUNK`` seeds on every CPU core; the file is
     the same whatever the number of cores (chunks are kept in seed order up to the first that reaches
@@ -130,7 +144,7 @@ def train_stream(
         if workers > 1:
             pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")))
         while total < tokens:
-            jobs = [(str(tokenizer), start + i * _CHUNK, max_sentences, repeat) for i in range(max(workers, 1))]
+            jobs = [(str(tokenizer), start + i * _CHUNK, max_sentences, repeat, kinds) for i in range(max(workers, 1))]
             start += len(jobs) * _CHUNK
             for chunk in pool.map(_chunk, jobs) if workers > 1 else map(_chunk, jobs):
                 if total < tokens:
@@ -139,7 +153,7 @@ def train_stream(
     stream = np.concatenate(parts)
     path.parent.mkdir(parents=True, exist_ok=True)
     np.save(path, stream)
-    kind = "repeat" if repeat else "mixture"
+    kind = "repeat" if repeat else "mixture of " + ", ".join(sorted(set(kinds)))
     documents = len(parts) * _CHUNK
     return {"path": str(path), "tokens": int(stream.size), "seq_len": seq_len, "documents": documents, "kind": kind}
 
@@ -147,15 +161,17 @@ def train_stream(
 _CHUNK = 256  # documents per task of the corpus' process pool
 
 
-def _chunk(job: tuple[str, int, int, bool]) -> np.ndarray:
+def _chunk(job: tuple[str, int, int, bool, tuple[str, ...]]) -> np.ndarray:
     """``_CHUNK`` documents from seed ``first`` on, tokenised, each followed by EOS (one pool task)."""
-    tokenizer, first, max_sentences, repeat = job
+    tokenizer, first, max_sentences, repeat, kinds = job
     from mtraining.data.tokenizer import TextTokenizer
 
     tok = TextTokenizer(tokenizer)
     eos = tok.separator_id(None)
     seeds = range(first, first + _CHUNK)
-    texts = [repeat_document(s, max_sentences) for s in seeds] if repeat else documents(first, _CHUNK, max_sentences)
+    texts = (
+        [repeat_document(s, max_sentences) for s in seeds] if repeat else documents(first, _CHUNK, max_sentences, kinds)
+    )
     return np.concatenate([np.asarray(ids + [eos], dtype=np.uint16) for ids in tok.encode(texts)])
 
 
