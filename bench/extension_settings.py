@@ -214,8 +214,9 @@ SCALES = {
         model=qwen2(768, 12, 12, 4, _GPU_VOCAB, 65536),
         text_vocab=_GPU_VOCAB,
         l0=4096,
-        # induction first on short repeated documents (150 steps at 1024 did not form it: loss still 1.05), then
-        # most of the budget on the mixture at 1024 (400 steps: 0% NIAH at 4096; 300: 10% at 1024), then L0
+        # induction first on short repeated documents, then the mixture at 1024, then L0. This base does NOT
+        # retrieve yet (0% NIAH at 4096; nor does any recipe of bench/results/extension_gpu_base_search.json):
+        # the base check stops the run before its extensions
         curriculum=(
             Stage(256, 800, 64, 1e-3, repeat=True),
             Stage(1024, 1000, 64, 1e-3),

@@ -305,3 +305,20 @@ def test_a_base_that_does_not_retrieve_stops_the_run_before_its_extension(tmp_pa
     assert checked["accuracy"]["answers"] == sum(d["answers"] for d in checked["documents"]) >= 2
     assert checked["accuracy"]["percent"] == 0.0
     assert extension.check_base(replace(scale, base_check=0), tmp_path, base, seed=0) is None
+
+
+def test_base_search_trains_recipes_side_by_side_and_checks_each(tmp_path):
+    """bench/extension_base_search.py in miniature: two recipes (one with its own model), each trained and checked."""
+    out = tmp_path / "search.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "extension_base_search.py"), "--scale", "toy-text"]
+    cmd += ["--recipes", "mix1024,small", "--lengths", "512", "--samples", "2", "--work", str(tmp_path / "w")]
+    proc = subprocess.run(
+        cmd + ["--out", str(out)], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT))
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {"device", "commit", "command"} <= set(result) and set(result["recipes"]) == {"mix1024", "small"}
+    for recipe in result["recipes"].values():
+        assert [r["steps"] for r in recipe["runs"]] == [2, 2]
+        check = recipe["checks"]["512"]
+        assert check["accuracy"]["answers"] == 2 and len(check["examples"]) == 2

@@ -1,0 +1,114 @@
+"""Search for a base recipe that retrieves at the GPU scale of bench/extension.py.
+
+Named recipes (a model and a curriculum of ``Stage``s on the text corpus) are trained at the same time
+on one GPU, each a chain of ``mtraining train`` runs as in bench/extension.py, and each finished base is
+checked on NIAH at several lengths (``extension_eval.check_base``: held-out prompts, dense attention,
+with what it generated). The JSON keeps every recipe, its loss curves and its checks; a recipe that
+passes goes into ``SCALES["gpu"].curriculum``.
+
+    python bench/extension_base_search.py --recipes mix1024,facts256,small --minutes 7 --out $OUT/search.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import extension  # noqa: E402
+import extension_eval  # noqa: E402
+import extension_report  # noqa: E402
+from common import provenance  # noqa: E402
+from extension_settings import SCALES, Scale, Stage, qwen2  # noqa: E402
+
+REPEAT = Stage(256, 600, 64, 1e-3, repeat=True)  # induction first, as the GPU curriculum starts
+RECIPES: dict[str, tuple[dict | None, tuple[Stage, ...]]] = {  # name: (model, None for the GPU scale's; stages)
+    "mix1024": (None, (REPEAT, Stage(1024, 300, 64, 1e-3))),
+    "facts512": (None, (REPEAT, Stage(512, 600, 64, 1e-3, kinds=("facts",)))),
+    "facts256": (None, (REPEAT, Stage(256, 1000, 128, 1e-3, kinds=("facts",)))),
+    "facts256-lr3e-4": (None, (REPEAT, Stage(256, 1000, 128, 3e-4, kinds=("facts",)))),
+    "wide": (qwen2(1536, 4, 24, 8, 2048, 65536), (REPEAT, Stage(1024, 300, 64, 1e-3))),
+    "small": (qwen2(512, 6, 8, 4, 2048, 65536), (REPEAT, Stage(256, 1000, 128, 1e-3, kinds=("facts",)))),
+}
+_LOADING = threading.Lock()  # Hugging Face's meta-device model construction is not thread-safe
+
+
+def search(scale: Scale, names: list[str], lengths: list[int], work: Path, samples: int) -> dict:
+    """Train every recipe (one thread each, its runs are subprocesses), then check each base at ``lengths``."""
+    stages = list(dict.fromkeys(st for name in names for st in RECIPES[name][1]))  # one token file per stage
+    union = replace(scale, curriculum=tuple(stages), extension=Stage(scale.long, 1, 1, 1e-3), eval_docs=1)
+    data = extension.corpus(union, work, seed=0)
+    results: dict[str, dict] = {}
+
+    def run(name: str) -> None:
+        model, curriculum = RECIPES[name]
+        recipe = replace(scale, model=model or scale.model)
+        source, runs = dict(config=recipe.model, rope_theta=recipe.base_theta), []
+        out = results[name] = {"model": recipe.model, "stages": [vars(st) for st in curriculum], "runs": runs}
+        try:
+            for i, st in enumerate(curriculum):
+                run_dir = work / name / f"stage{i}"
+                config = extension.train_config(recipe, st, run_dir, data, f"stage{stages.index(st)}", source, None, 0)
+                summary = extension.train(run_dir, config)
+                runs.append({k: summary[k] for k in ("run", "steps", "final_loss", "wall_s", "curve")})
+                source = dict(path=str(run_dir / "export"))
+        except extension.OutOfTime:
+            out["stopped"] = "out of time before the base was trained"
+            return
+        with _LOADING:
+            out["checks"] = {}
+            for n in lengths:
+                checked = extension_eval.check_base(source["path"], replace(recipe, l0=n, base_check=samples), 0)
+                found = extension_report.accuracy(checked["documents"])
+                out["checks"][str(n)] = {"accuracy": found, "examples": checked["examples"]}
+                extension.say(f"{name} at {n}: NIAH {found['percent']:.0f}% {[round(x) for x in found['interval']]}")
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipes", default="mix1024,facts256,small", help=f"comma-separated, of {sorted(RECIPES)}")
+    p.add_argument("--scale", default="gpu", choices=["gpu", "toy-text"], help="toy-text: the CPU test's miniature")
+    p.add_argument("--lengths", default="256,512,1024,4096", help="NIAH lengths of the checks")
+    p.add_argument("--samples", type=int, default=20, help="NIAH prompts per check")
+    p.add_argument("--minutes", type=float, default=None, help="stop trainings at this time (checks still run)")
+    p.add_argument("--work", type=Path, default=extension.ROOT / "runs" / "base_search")
+    p.add_argument("--out", type=Path, required=True, help="the JSON to write")
+    args = p.parse_args()
+    names = [n.strip() for n in args.recipes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        p.error(f"unknown recipes {unknown}; use some of {sorted(RECIPES)}")
+    scale = SCALES[args.scale]
+    if args.scale != "gpu":  # the miniature: every stage 2 steps of 2 sequences at the scale's lengths
+        shrink = {st: replace(st, steps=2, batch=2, seq_len=scale.l0) for _, c in RECIPES.values() for st in c}
+        RECIPES.update(
+            {k: (scale.model if m else None, tuple(shrink[st] for st in c)) for k, (m, c) in RECIPES.items()}
+        )
+    if args.minutes is not None:
+        extension.Clock.deadline = time.time() + 60 * args.minutes
+    args.work.mkdir(parents=True, exist_ok=True)
+    extension.LOG.append(args.work / "search.log")
+    started = time.time()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    results = search(scale, names, lengths, args.work, args.samples)
+    result = dict(
+        name="extension_base_search", **provenance(on_gpu=scale.device == "cuda"), wall_s=round(time.time() - started)
+    )
+    result.update(scale=scale.name, lengths=lengths, samples=args.samples, recipes=results)
+    extension.write_json(args.out, result)
+    extension.say(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
