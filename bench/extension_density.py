@@ -7,7 +7,9 @@ documents (the same documents for every setting), dense and with each setting of
 last-bucket perplexity against dense (paired bootstrap interval), measured density and retrieval.
 The settings separate two explanations of the gap: estimation (the lines are scored by the last
 ``last_q`` queries only, so more or all queries would close it) and structure (no vertical-slash
-pattern of that density holds what the queries need, so only a denser one closes it).
+pattern of that density holds what the queries need, so only a denser one closes it). A reference
+without lines (``TopK``: each query keeps its own highest-scoring keys, picked from the full scores)
+says how sparse the attention itself is.
 
     python bench/extension_density.py --scale cpu --work runs/extension_cpu --docs 100
 
@@ -48,6 +50,18 @@ class Setting:
         return self.budget.pattern(length, self.estimating(scale, length))
 
 
+@dataclass(frozen=True)
+class TopK:
+    """The content-addressed reference: in the sparse layers each query keeps its own ``fraction`` of its
+    causal keys, those with the highest scores (from the full score matrix: a bound, not a kernel)."""
+
+    name: str
+    fraction: float
+
+    def pattern(self, scale: Scale, length: int) -> dict:
+        return {"top_fraction": self.fraction}
+
+
 _V30, _V50 = (next(b for b in SWEEP if b.name == name) for name in ("v30", "v50"))
 _FULL = dict(v=1.0, s=1.0)  # caps at the whole length: a threshold alone decides
 SETTINGS = (
@@ -70,18 +84,26 @@ SETTINGS = (
     Setting("t99", Budget("t99", threshold=0.99, **_FULL)),
     Setting("t99-qall", Budget("t99", threshold=0.99, **_FULL), None),
     Setting("full", Budget("full", **_FULL)),  # every line: must equal dense
+    TopK("top-0.25", 0.25),
+    TopK("top-0.05", 0.05),
+    TopK("top-0.02", 0.02),
+    TopK("top-0.01", 0.01),
+    TopK("top-1", 1.0),  # every key: must equal dense
 )
 
 
-def evaluate(export: Path, scale: Scale, setting: Setting | None, docs: list, length: int) -> dict:
+def evaluate(export: Path, scale: Scale, setting: Setting | TopK | None, docs: list, length: int) -> dict:
     """Dense (``setting`` None) or sparse retrieval and per-bucket losses of ``docs`` at ``length``, timed.
 
     One process: the pattern is global, so the striped ring of bench/extension.py computes the same
     pairs (its recorded losses of the same documents agree to rounding)."""
-    budget = None if setting is None else setting.budget
-    estimating = scale if setting is None else setting.estimating(scale, length)
     with Clock() as clock:
-        result = extension_eval.evaluate_recall(str(export), estimating, budget, {length: docs})
+        if isinstance(setting, TopK):
+            result = evaluate_top(export, scale, setting.fraction, docs, length)
+        else:
+            budget = None if setting is None else setting.budget
+            estimating = scale if setting is None else setting.estimating(scale, length)
+            result = extension_eval.evaluate_recall(str(export), estimating, budget, {length: docs})
     n = str(length)
     return dict(
         pattern=None if setting is None else setting.pattern(scale, length),
@@ -91,6 +113,68 @@ def evaluate(export: Path, scale: Scale, setting: Setting | None, docs: list, le
         wall_s=clock.wall_s,
         cpu_s=clock.cpu_s,
     )
+
+
+def evaluate_top(export: Path, scale: Scale, fraction: float, docs: list, length: int) -> dict:
+    """``extension_eval.evaluate_recall``'s record for ``TopK``: the model run by Hugging Face with
+    ``_TopScorer.attention`` (layer 0 dense, as ``extension_eval.spec``) instead of an ``Engine``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from mtraining.eval.loading import load
+    from mtraining.eval.retrieval import run_retrieval
+    from mtraining.models.adapter import no_mask
+
+    scorer = _TopScorer(load(str(export), device="cpu", dtype=scale.dtype).model, fraction)
+    name = f"top_fraction_{fraction}"
+    AttentionInterface.register(name, scorer.attention)
+    AttentionMaskInterface.register(name, no_mask)
+    scorer.model.config._attn_implementation = name
+    result = run_retrieval(scorer, docs, scale.depths, scale.first_bucket, show_progress=False)
+    n = str(length)
+    return {
+        "tasks": {
+            "recall": {n: {"documents": [{"hits": d["hits"], "answers": d["answers"]} for d in result["documents"]]}}
+        },
+        "ppl": {n: [{"buckets": d["buckets"], "nll": d["nll"]} for d in result["documents"]]},
+        "density": {n: sum(scorer.kept) / len(scorer.kept)},
+    }
+
+
+class _TopScorer:
+    """``Engine.token_scores`` for ``run_retrieval``, with each query of the sparse layers keeping its top keys."""
+
+    def __init__(self, model, fraction: float) -> None:
+        self.model, self.fraction = model, fraction
+        self.kept: list[float] = []  # kept fraction of causal pairs, per sparse layer call
+
+    def attention(self, module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
+        """Hugging Face's attention signature: [B, H, S, D] in, ([B, S, H, D], None) out; causal, no mask."""
+        import torch
+
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        scores = (query @ key.transpose(-1, -2)) * scaling
+        seq = scores.shape[-1]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        if module.layer_idx != 0:
+            keep_per_row = torch.ceil(self.fraction * torch.arange(1, seq + 1, device=scores.device)).long()
+            ranked = scores.sort(-1, descending=True).values
+            least = ranked.gather(-1, (keep_per_row - 1).view(1, 1, seq, 1).expand(*scores.shape[:2], seq, 1))
+            keep = causal & (scores >= least)  # ties at the cut are all kept
+            self.kept.append(float(keep.sum() / (causal.sum() * scores.shape[0] * scores.shape[1])))
+            scores = scores.masked_fill(~keep, float("-inf"))
+        return (torch.softmax(scores, -1) @ value).transpose(1, 2).contiguous(), None
+
+    def token_scores(self, ids):
+        """float32 [L - 1] -log p(ids[i + 1] | ids[: i + 1]) and int64 [L - 1] the greedy predictions."""
+        import torch
+
+        ids = ids.long().flatten()
+        with torch.no_grad():
+            logits = self.model(input_ids=ids[None]).logits[0, :-1].float()
+        return torch.nn.functional.cross_entropy(logits, ids[1:], reduction="none"), logits.argmax(-1)
 
 
 def summarise(dense: dict, sparse: dict[str, dict]) -> list[dict]:

@@ -515,7 +515,7 @@ def _extension_density(path: Path) -> str:
             _row(
                 [
                     e["setting"],
-                    "–" if p is None else f"{p['v_size']}, {p['s_size']}, {p.get('threshold') or '–'}, {p['last_q']}",
+                    _density_setting(p),
                     "1" if e["density"] is None else f"{e['density']:.3f}",
                     f"{e['ppl_last_bucket']:.3f}",
                     "–"
@@ -527,6 +527,16 @@ def _extension_density(path: Path) -> str:
             )
         )
     return "\n".join(lines)
+
+
+def _density_setting(pattern: dict | None) -> str:
+    """A density-sweep setting in a cell: v, s, threshold, last_q, or each query's top fraction of keys."""
+    if pattern is None:
+        return "–"
+    if "top_fraction" in pattern:
+        return f"top {pattern['top_fraction']:g} of each query's keys"
+    p = pattern
+    return f"{p['v_size']}, {p['s_size']}, {p.get('threshold') or '–'}, {p['last_q']}"
 
 
 def packed_documents_table() -> str:
