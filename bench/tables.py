@@ -507,7 +507,8 @@ def _extension_density(path: Path) -> str:
         f"{r['documents']} documents of {r['length']} tokens, one process)",
         "",
     ]
-    head = ["setting", "v, s, threshold, last_q", "density", "ppl last bucket", "vs dense", "retrieval %", "cpu s"]
+    head = ["setting", "pattern: v, s, threshold, last_q", "density", "ppl last bucket", "vs dense", "retrieval %"]
+    head += ["cpu s"]
     lines += [_row(head), _row(["---"] * len(head))]
     for e in r["rows"]:
         p, change, found = e["pattern"], e.get("ppl_vs_dense"), e["retrieval"]
@@ -534,7 +535,7 @@ def _density_setting(pattern: dict | None) -> str:
     if pattern is None:
         return "–"
     if "top_fraction" in pattern:
-        return f"top {pattern['top_fraction']:g} of each query's keys"
+        return f"each query's top {100 * pattern['top_fraction']:g}% of keys"
     p = pattern
     return f"{p['v_size']}, {p['s_size']}, {p.get('threshold') or '–'}, {p['last_q']}"
 
