@@ -451,8 +451,9 @@ def extension_tables() -> str:
     """Context extension, dense vs sparse (bench/extension.py): accuracy by length and the budget sweep, per scale."""
     lines = []
     for path in sorted(RESULTS.glob("extension_*.json")):
-        if path.stem.endswith("_losses"):
-            lines += [_extension_losses(path), ""]
+        if path.stem.endswith(("_losses", "_density")):
+            render = _extension_losses if path.stem.endswith("_losses") else _extension_density
+            lines += [render(path), ""]
             continue
         r = json.loads(path.read_text())
         s, tasks, lengths = r["summary"], r["tasks"], [str(n) for n in r["lengths"]]
@@ -496,6 +497,47 @@ def _extension_losses(path: Path) -> str:
     for label, parts in r["losses"].items():
         lines.append(_row([label] + [f"{parts[k]['nll']:.3f}" for k in kinds]))
     return "\n".join(lines)
+
+
+def _extension_density(path: Path) -> str:
+    """One extended model's last-bucket perplexity and retrieval at each pattern setting (bench/extension_density.py)."""
+    r = json.loads(path.read_text())
+    lines = [
+        f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}` ({r['model']} extension, "
+        f"{r['documents']} documents of {r['length']} tokens, one process)",
+        "",
+    ]
+    head = ["setting", "pattern: v, s, threshold, last_q", "density", "ppl last bucket", "vs dense", "retrieval %"]
+    head += ["cpu s"]
+    lines += [_row(head), _row(["---"] * len(head))]
+    for e in r["rows"]:
+        p, change, found = e["pattern"], e.get("ppl_vs_dense"), e["retrieval"]
+        lines.append(
+            _row(
+                [
+                    e["setting"],
+                    _density_setting(p),
+                    "1" if e["density"] is None else f"{e['density']:.3f}",
+                    f"{e['ppl_last_bucket']:.3f}",
+                    "–"
+                    if change is None
+                    else f"{change['change_percent']:+.2f}% [{change['interval'][0]:+.2f}, {change['interval'][1]:+.2f}]",
+                    f"{found['percent']:.1f} [{found['interval'][0]:.0f}, {found['interval'][1]:.0f}]",
+                    f"{e['cpu_s']:.0f}",
+                ]
+            )
+        )
+    return "\n".join(lines)
+
+
+def _density_setting(pattern: dict | None) -> str:
+    """A density-sweep setting in a cell: v, s, threshold, last_q, or each query's top fraction of keys."""
+    if pattern is None:
+        return "–"
+    if "top_fraction" in pattern:
+        return f"each query's top {100 * pattern['top_fraction']:g}% of keys"
+    p = pattern
+    return f"{p['v_size']}, {p['s_size']}, {p.get('threshold') or '–'}, {p['last_q']}"
 
 
 def packed_documents_table() -> str:

@@ -272,6 +272,24 @@ def test_pipeline_at_toy_size_recall_task_resumes(tmp_path):
         assert parts["all"]["nll"] == pytest.approx(mean / parts["all"]["tokens"])
     assert losses["sparse-v10/dense"] != losses["sparse-v10/sparse-v10"]
 
+    # inference-only density sweep on the dense extension: the same documents as its evaluation
+    cmd = [sys.executable, str(ROOT / "bench" / "extension_density.py"), "--scale", "toy", "--work", str(work)]
+    args = ["--docs", "2", "--settings", "v30,v30-qall,full,top-0.25,top-1", "--out", str(out / "density.json")]
+    proc = subprocess.run(cmd + args, capture_output=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["setting"]: r for r in json.loads((out / "density.json").read_text())["rows"]}
+    assert list(rows) == ["dense", "v30", "v30-qall", "full", "top-0.25", "top-1"]
+    evaluated = json.loads((work / "eval" / "dense__dense.json").read_text())["ppl"][str(scale.long)][:2]
+    assert rows["dense"]["ppl_last_bucket"] == pytest.approx(report.ppl_curve(evaluated)[-1]["ppl"], rel=1e-5)
+    for every in ("full", "top-1"):  # every line, every key: dense attention, through either path
+        assert rows[every]["density"] == pytest.approx(1.0)
+        assert rows[every]["ppl_vs_dense"]["change_percent"] == pytest.approx(0.0, abs=1e-3)
+        assert rows[every]["retrieval"] == rows["dense"]["retrieval"]
+    assert 0.25 <= rows["top-0.25"]["density"] < 0.26  # ceil(0.25 (i + 1)) keys of row i
+    assert rows["top-0.25"]["ppl_vs_dense"]["change_percent"] != pytest.approx(0.0, abs=1e-3)
+    assert rows["v30"]["density"] < 1 and rows["v30"]["pattern"]["last_q"] == scale.last_q
+    assert rows["v30-qall"]["pattern"]["last_q"] == scale.long
+
 
 def test_pipeline_at_toy_size_text_task(tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
