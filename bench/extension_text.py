@@ -11,7 +11,8 @@ evaluation's prompt seeds, which start at 0):
 - ``recall``: filler in which facts are stated at random points and asked again later, with the
   answer: associative recall in the needles' own sentence, at every distance;
 - ``facts`` (not in the default mixture; a curriculum stage may ask for it): the same at a rate that
-  makes most sentences a fact or a question, for a dense retrieval signal.
+  makes most sentences a fact or a question, for a dense retrieval signal; ``facts_word``: the same
+  with single-word keys, an easier lookup than the eval's three-token ones.
 
 ``cwe``/``fwe`` (word counting) are not in the mixture: the RULER average reports them as they come.
 The tokenizer is a byte-level BPE trained on a sample of the mixture, with digits split one per
@@ -32,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from mtraining.eval.documents import Haystack, filler_sentences
-from mtraining.eval.tasks import _build_niah, _build_vt, _keys, _numbers, _render
+from mtraining.eval.tasks import _ADJECTIVES, _NOUNS, _build_niah, _build_vt, _keys, _numbers, _render
 
 KINDS = ("niah", "niah", "niah", "vt", "recall", "recall", "recall", "recall")
 _NIAH = ("niah_single", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
@@ -44,10 +45,11 @@ def _listing(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + f" and {items[-1]}"
 
 
-def recall_log(seed: int, sentences: int, rate: float = 0.05) -> str:
-    """Filler with facts stated at random points and asked again later, answered (any distance back)."""
+def recall_log(seed: int, sentences: int, rate: float = 0.05, word_keys: bool = False) -> str:
+    """Filler with facts stated at random points and asked again later, answered (any distance back).
+    ``word_keys``: keys are single words (one token each) instead of the eval's adjective-noun pairs."""
     rng = random.Random(f"recall-{seed}")
-    keys = _keys(rng, 300)
+    keys = rng.sample(_ADJECTIVES + _NOUNS, len(_ADJECTIVES + _NOUNS)) if word_keys else _keys(rng, 300)
     values = _numbers(rng, 300)
     stated: list[int] = []
     out = []
@@ -87,11 +89,11 @@ def make_document(kind: str, seed: int, max_sentences: int) -> str:
     if kind == "vt":
         parts = _build_vt(seed, knob, Haystack(seed=seed))
         return _render(parts) + " " + _listing(parts.answers) + "."
-    if kind == "facts":
-        return recall_log(seed, knob, rate=0.3)
+    if kind in ("facts", "facts_word"):
+        return recall_log(seed, knob, rate=0.3, word_keys=kind == "facts_word")
     if kind == "recall":
         return recall_log(seed, knob, rate=rng.choice((0.05, 0.1, 0.2)))
-    raise ValueError(f"unknown document kind {kind!r}; use one of niah, vt, recall, facts")
+    raise ValueError(f"unknown document kind {kind!r}; use one of niah, vt, recall, facts, facts_word")
 
 
 def documents(first_seed: int, count: int, max_sentences: int, kinds: tuple[str, ...] = KINDS) -> list[str]:

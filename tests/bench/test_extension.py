@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -340,3 +341,25 @@ def test_base_search_trains_recipes_side_by_side_and_checks_each(tmp_path):
         assert [r["steps"] for r in recipe["runs"]] == [2, 2]
         check = recipe["checks"]["512"]
         assert check["accuracy"]["answers"] == 2 and len(check["examples"]) == 2
+
+
+@pytest.mark.parametrize("kind", ["facts", "facts_word"])
+def test_fact_documents_answer_what_they_stated(kind):
+    """Every question of a facts document is answered with the number stated earlier for its key; facts_word keys are
+    single words, facts keys the eval's adjective-noun pairs; a stage restricted to a kind draws only it."""
+    stated, answered, sentences = {}, [], 0
+    for seed in range(5):
+        doc = extension_text.make_document(kind, seed, 200)
+        facts = dict(re.findall(r"(?<!Answer: )The secret number of ([\w-]+) is (\d+)\.", doc))
+        pairs = re.findall(r"Answer: The secret number of ([\w-]+) is (\d+)\.", doc)
+        assert all(facts[key] == value for key, value in pairs)
+        stated |= facts
+        answered += pairs
+        sentences += len(doc.split(". "))
+    assert all(("-" in key) == (kind == "facts") for key in stated)
+    assert len(answered) > 0.15 * sentences  # a dense retrieval signal
+    with pytest.raises(ValueError, match="unknown document kind"):
+        extension_text.make_document("fact", 7, 20)
+    assert extension_text.documents(5, 3, 30, (kind,)) == [
+        extension_text.make_document(kind, 5 + i, 30) for i in range(3)
+    ]
