@@ -21,12 +21,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import extension  # noqa: E402
 import extension_eval  # noqa: E402
-import extension_report  # noqa: E402
 from common import provenance  # noqa: E402
 from extension_settings import SCALES, Scale, Stage, qwen2  # noqa: E402
 
 REPEAT = Stage(256, 600, 64, 1e-3, repeat=True)  # induction first, as the GPU curriculum starts
-RECIPES: dict[str, tuple[dict | None, tuple[Stage, ...]]] = {  # name: (model, None for the GPU scale's; stages)
+Recipe = tuple[dict | None, tuple[Stage, ...]]
+RECIPES: dict[str, Recipe] = {  # name: (model, None for the GPU scale's; stages)
     "mix1024": (None, (REPEAT, Stage(1024, 300, 64, 1e-3))),
     "facts512": (None, (REPEAT, Stage(512, 600, 64, 1e-3, kinds=("facts",)))),
     "facts256": (None, (REPEAT, Stage(256, 1000, 128, 1e-3, kinds=("facts",)))),
@@ -37,15 +37,15 @@ RECIPES: dict[str, tuple[dict | None, tuple[Stage, ...]]] = {  # name: (model, N
 _LOADING = threading.Lock()  # Hugging Face's meta-device model construction is not thread-safe
 
 
-def search(scale: Scale, names: list[str], lengths: list[int], work: Path, samples: int) -> dict:
+def search(scale: Scale, recipes: dict[str, Recipe], lengths: list[int], work: Path, samples: int) -> dict:
     """Train every recipe (one thread each, its runs are subprocesses), then check each base at ``lengths``."""
-    stages = list(dict.fromkeys(st for name in names for st in RECIPES[name][1]))  # one token file per stage
+    stages = list(dict.fromkeys(st for _, curriculum in recipes.values() for st in curriculum))  # one file each
     union = replace(scale, curriculum=tuple(stages), extension=Stage(scale.long, 1, 1, 1e-3), eval_docs=1)
     data = extension.corpus(union, work, seed=0)
     results: dict[str, dict] = {}
 
     def run(name: str) -> None:
-        model, curriculum = RECIPES[name]
+        model, curriculum = recipes[name]
         recipe = replace(scale, model=model or scale.model)
         source, runs = dict(config=recipe.model, rope_theta=recipe.base_theta), []
         out = results[name] = {"model": recipe.model, "stages": [vars(st) for st in curriculum], "runs": runs}
@@ -63,11 +63,11 @@ def search(scale: Scale, names: list[str], lengths: list[int], work: Path, sampl
             out["checks"] = {}
             for n in lengths:
                 checked = extension_eval.check_base(source["path"], replace(recipe, l0=n, base_check=samples), 0)
-                found = extension_report.accuracy(checked["documents"])
+                found = checked["accuracy"]
                 out["checks"][str(n)] = {"accuracy": found, "examples": checked["examples"]}
                 extension.say(f"{name} at {n}: NIAH {found['percent']:.0f}% {[round(x) for x in found['interval']]}")
 
-    threads = [threading.Thread(target=run, args=(name,)) for name in names]
+    threads = [threading.Thread(target=run, args=(name,)) for name in recipes]
     for t in threads:
         t.start()
     for t in threads:
@@ -90,18 +90,19 @@ def main() -> None:
     if unknown:
         p.error(f"unknown recipes {unknown}; use some of {sorted(RECIPES)}")
     scale = SCALES[args.scale]
-    if args.scale != "gpu":  # the miniature: every stage 2 steps of 2 sequences at the scale's lengths
-        shrink = {st: replace(st, steps=2, batch=2, seq_len=scale.l0) for _, c in RECIPES.values() for st in c}
-        RECIPES.update(
-            {k: (scale.model if m else None, tuple(shrink[st] for st in c)) for k, (m, c) in RECIPES.items()}
-        )
+    recipes = {name: RECIPES[name] for name in names}
+    if args.scale != "gpu":  # the miniature: the scale's model, every stage 2 steps of 2 sequences at its L0
+        tiny = {
+            name: tuple(replace(st, steps=2, batch=2, seq_len=scale.l0) for st in c) for name, (_, c) in recipes.items()
+        }
+        recipes = {name: (None, curriculum) for name, curriculum in tiny.items()}
     if args.minutes is not None:
         extension.Clock.deadline = time.time() + 60 * args.minutes
     args.work.mkdir(parents=True, exist_ok=True)
     extension.LOG.append(args.work / "search.log")
     started = time.time()
     lengths = [int(n) for n in args.lengths.split(",")]
-    results = search(scale, names, lengths, args.work, args.samples)
+    results = search(scale, recipes, lengths, args.work, args.samples)
     result = dict(
         name="extension_base_search", **provenance(on_gpu=scale.device == "cuda"), wall_s=round(time.time() - started)
     )

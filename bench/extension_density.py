@@ -131,12 +131,10 @@ def evaluate_top(export: Path, scale: Scale, fraction: float, docs: list, length
     AttentionMaskInterface.register(name, no_mask)
     scorer.model.config._attn_implementation = name
     result = run_retrieval(scorer, docs, scale.depths, scale.first_bucket, show_progress=False)
-    n = str(length)
+    n, record = str(length), extension_eval.retrieval_record(result)
     return {
-        "tasks": {
-            "recall": {n: {"documents": [{"hits": d["hits"], "answers": d["answers"]} for d in result["documents"]]}}
-        },
-        "ppl": {n: [{"buckets": d["buckets"], "nll": d["nll"]} for d in result["documents"]]},
+        "tasks": {"recall": {n: {k: record[k] for k in ("documents", "grid")}}},
+        "ppl": {n: record["ppl"]},
         "density": {n: sum(scorer.kept) / len(scorer.kept)},
     }
 

@@ -19,6 +19,7 @@ import hashlib
 from pathlib import Path
 
 from extension_corpus import eval_set
+from extension_report import accuracy
 from extension_settings import Budget, Scale
 
 
@@ -61,14 +62,21 @@ def evaluate_recall(export: str, scale: Scale, budget: Budget | None, documents:
     out = {"tasks": {"recall": {}}, "ppl": {}, "density": {}}
     for n, docs in documents.items():
         engine = Engine(loaded.model, spec(scale, budget, n), group)
-        result = run_retrieval(engine, docs, scale.depths, scale.first_bucket, show_progress=False)
-        out["tasks"]["recall"][str(n)] = {
-            "documents": [{"hits": d["hits"], "answers": d["answers"]} for d in result["documents"]],
-            "grid": {"depths": result["depths"], "scores": [row[0] for row in result["scores"]]},
-        }
-        out["ppl"][str(n)] = [{"buckets": d["buckets"], "nll": d["nll"]} for d in result["documents"]]
+        record = retrieval_record(run_retrieval(engine, docs, scale.depths, scale.first_bucket, show_progress=False))
+        out["tasks"]["recall"][str(n)] = {k: record[k] for k in ("documents", "grid")}
+        out["ppl"][str(n)] = record["ppl"]
         out["density"][str(n)] = _mean(engine.densities)
     return out
+
+
+def retrieval_record(result: dict) -> dict:
+    """The parts of ``run_retrieval``'s result that the experiment keeps for one length: per-document hits
+    (``documents``), the depth grid and per-document bucket losses (``ppl``), in the report's format."""
+    return {
+        "documents": [{"hits": d["hits"], "answers": d["answers"]} for d in result["documents"]],
+        "grid": {"depths": result["depths"], "scores": [row[0] for row in result["scores"]]},
+        "ppl": [{"buckets": d["buckets"], "nll": d["nll"]} for d in result["documents"]],
+    }
 
 
 def evaluate_text(export: str, scale: Scale, budget: Budget | None, heldout: Path, seed: int) -> dict:
@@ -110,19 +118,21 @@ def evaluate_text(export: str, scale: Scale, budget: Budget | None, heldout: Pat
 
 def check_base(export: str, scale: Scale, seed: int) -> dict:
     """The base's retrieval at L0 with dense attention on ``scale.base_check`` held-out prompts (recall: documents)
-    of its first task, in one process: {"task", "documents"}, the records of ``evaluate_*`` for that cell."""
+    of its first task, in one process: {"task", "documents" (the records of ``evaluate_*`` for that cell),
+    "accuracy" (``extension_report.accuracy``), and for NIAH "examples" (answers and what was generated)}."""
     from mtraining.eval.engine import Engine
     from mtraining.eval.loading import load
 
     if scale.task == "recall":
         docs = {scale.l0: recall_documents(scale, seed)[scale.l0][: scale.base_check]}
-        result = evaluate_recall(export, scale, None, docs)["tasks"]["recall"][str(scale.l0)]
-        return {"task": "recall", "documents": result["documents"]}
+        found = evaluate_recall(export, scale, None, docs)["tasks"]["recall"][str(scale.l0)]["documents"]
+        return {"task": "recall", "documents": found, "accuracy": accuracy(found)}
     loaded = load(export, device=_device(scale), dtype=scale.dtype)
     engine = Engine(loaded.model, spec(scale, None, scale.l0), None)
     samples = -(-scale.base_check // len(scale.depths))  # per depth, rounded up
     cell = _niah(engine, loaded.tokenizer, scale, scale.l0, samples, seed, _prompt_cache(export))
-    return {"task": "niah", "documents": cell["documents"], "examples": cell["examples"]}
+    found = cell["documents"]
+    return {"task": "niah", "documents": found, "accuracy": accuracy(found), "examples": cell["examples"]}
 
 
 def _niah(engine, tokenizer, scale: Scale, length: int, samples: int, seed: int, cache: dict) -> dict:
