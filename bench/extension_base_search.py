@@ -21,10 +21,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import extension  # noqa: E402
 import extension_eval  # noqa: E402
+import extension_text  # noqa: E402
 from common import provenance  # noqa: E402
 from extension_settings import SCALES, Scale, Stage, qwen2  # noqa: E402
 
 REPEAT = Stage(256, 600, 64, 1e-3, repeat=True)  # induction first, as the GPU curriculum starts
+COPY = Stage(128, 400, 128, 1e-3, kinds=("copy",))  # induction from random words repeated (no grammar to lean on)
+NIAH256 = Stage(256, 800, 64, 1e-3, kinds=("niah",))
+SMALL = qwen2(512, 6, 8, 4, 2048, 65536)
 Recipe = tuple[dict | None, tuple[Stage, ...]]
 RECIPES: dict[str, Recipe] = {  # name: (model, None for the GPU scale's; stages)
     "mix1024": (None, (REPEAT, Stage(1024, 300, 64, 1e-3))),
@@ -32,7 +36,12 @@ RECIPES: dict[str, Recipe] = {  # name: (model, None for the GPU scale's; stages
     "facts256": (None, (REPEAT, Stage(256, 1000, 128, 1e-3, kinds=("facts",)))),
     "facts256-lr3e-4": (None, (REPEAT, Stage(256, 1000, 128, 3e-4, kinds=("facts",)))),
     "wide": (qwen2(1536, 4, 24, 8, 2048, 65536), (REPEAT, Stage(1024, 300, 64, 1e-3))),
-    "small": (qwen2(512, 6, 8, 4, 2048, 65536), (REPEAT, Stage(256, 1000, 128, 1e-3, kinds=("facts",)))),
+    "small": (SMALL, (REPEAT, Stage(256, 1000, 128, 1e-3, kinds=("facts",)))),
+    "niah256": (None, (Stage(256, 1200, 64, 1e-3, kinds=("niah",)),)),
+    "copy-niah256": (None, (COPY, NIAH256)),
+    "repeat-niah256": (None, (REPEAT, NIAH256)),
+    "small-copy-niah256": (SMALL, (COPY, NIAH256)),
+    "copy-mix256": (None, (COPY, Stage(256, 800, 64, 1e-3))),
 }
 _LOADING = threading.Lock()  # Hugging Face's meta-device model construction is not thread-safe
 
@@ -60,6 +69,8 @@ def search(scale: Scale, recipes: dict[str, Recipe], lengths: list[int], work: P
             out["stopped"] = "out of time before the base was trained"
             return
         with _LOADING:
+            out["induction"] = copy_losses(source["path"], recipe)
+            extension.say(f"{name}: copy documents' loss {out['induction']}")
             out["checks"] = {}
             for n in lengths:
                 checked = extension_eval.check_base(source["path"], replace(recipe, l0=n, base_check=samples), 0)
@@ -73,6 +84,28 @@ def search(scale: Scale, recipes: dict[str, Recipe], lengths: list[int], work: P
     for t in threads:
         t.join()
     return results
+
+
+def copy_losses(export: str, scale: Scale, documents: int = 20, length: int = 256) -> dict:
+    """Mean loss (nats) on held-out copy documents (a span of random words repeated): ``first`` over the first
+    quarter of each document, ``copied`` over its second half. A model that copies (an induction circuit, which
+    retrieval needs) has ``copied`` far below ``first``; without one the two are about equal."""
+    import torch
+
+    from mtraining.eval.loading import load
+
+    loaded = load(export, device="cuda" if scale.device == "cuda" else "cpu", dtype=scale.dtype)
+    first, copied = [], []
+    for seed in range(documents):
+        ids = loaded.tokenizer.encode([extension_text.copy_document(-1 - seed, length // 4)])[0][:length]
+        x = torch.tensor([ids], device=next(loaded.model.parameters()).device)
+        with torch.no_grad():
+            losses = torch.nn.functional.cross_entropy(
+                loaded.model(x).logits[0, :-1].float(), x[0, 1:], reduction="none"
+            )
+        first.append(losses[: len(losses) // 4].mean().item())
+        copied.append(losses[len(losses) // 2 :].mean().item())
+    return {"first": round(sum(first) / documents, 3), "copied": round(sum(copied) / documents, 3)}
 
 
 def main() -> None:

@@ -12,7 +12,8 @@ evaluation's prompt seeds, which start at 0):
   answer: associative recall in the needles' own sentence, at every distance;
 - ``facts`` (not in the default mixture; a curriculum stage may ask for it): the same at a rate that
   makes most sentences a fact or a question, for a dense retrieval signal; ``facts_word``: the same
-  with single-word keys, an easier lookup than the eval's three-token ones.
+  with single-word keys, an easier lookup than the eval's three-token ones; ``copy``: a span of random
+  words and numbers repeated (induction without grammar to lean on).
 
 ``cwe``/``fwe`` (word counting) are not in the mixture: the RULER average reports them as they come.
 The tokenizer is a byte-level BPE trained on a sample of the mixture, with digits split one per
@@ -79,6 +80,17 @@ def repeat_document(seed: int, sentences: int) -> str:
     return " ".join((period * (sentences // len(period) + 1))[:sentences])
 
 
+def copy_document(seed: int, sentences: int) -> str:
+    """Random words and numbers (no grammar to predict them by), a span of them repeated: after its first
+    occurrence every token is predicted only by copying (a denser induction signal than ``repeat_document``)."""
+    rng = random.Random(f"copy-{seed}")
+    pool = sorted({w.strip(".,").lower() for s in filler_sentences(200, seed % 7) for w in s.split()})
+    pool += list(_ADJECTIVES + _NOUNS)
+    span = [rng.choice(pool) if rng.random() < 0.8 else _numbers(rng, 1)[0] for _ in range(rng.randint(4, 24))]
+    words = sentences * 8
+    return " ".join((span * (words // len(span) + 1))[:words])
+
+
 def make_document(kind: str, seed: int, max_sentences: int) -> str:
     """One document of ``kind`` (see KINDS) with up to ``max_sentences`` filler sentences."""
     rng = random.Random(f"text-{kind}-{seed}")
@@ -91,9 +103,11 @@ def make_document(kind: str, seed: int, max_sentences: int) -> str:
         return _render(parts) + " " + _listing(parts.answers) + "."
     if kind in ("facts", "facts_word"):
         return recall_log(seed, knob, rate=0.3, word_keys=kind == "facts_word")
+    if kind == "copy":
+        return copy_document(seed, max_sentences)
     if kind == "recall":
         return recall_log(seed, knob, rate=rng.choice((0.05, 0.1, 0.2)))
-    raise ValueError(f"unknown document kind {kind!r}; use one of niah, vt, recall, facts, facts_word")
+    raise ValueError(f"unknown document kind {kind!r}; use one of niah, vt, recall, facts, facts_word, copy")
 
 
 def documents(first_seed: int, count: int, max_sentences: int, kinds: tuple[str, ...] = KINDS) -> list[str]:

@@ -363,3 +363,12 @@ def test_fact_documents_answer_what_they_stated(kind):
     assert extension_text.documents(5, 3, 30, (kind,)) == [
         extension_text.make_document(kind, 5 + i, 30) for i in range(3)
     ]
+
+
+def test_copy_documents_repeat_one_span_of_random_words():
+    """A copy document is one span of words and numbers repeated: everything after its first occurrence is a copy."""
+    for seed in range(5):
+        words = extension_text.make_document("copy", seed, 40).split()
+        period = next(p for p in range(1, len(words)) if words[p:] == words[:-p])
+        assert 4 <= period <= 24 and len(words) >= 3 * period
+    assert extension_text.make_document("copy", 1, 40) != extension_text.make_document("copy", 2, 40)
