@@ -215,13 +215,14 @@ SCALES = {
         model=qwen2(768, 12, 12, 4, _GPU_VOCAB, 65536),
         text_vocab=_GPU_VOCAB,
         l0=4096,
-        # induction first on short repeated documents, then the mixture at 1024, then L0. This base does NOT
-        # retrieve yet (0% NIAH at 4096; nor does any recipe of bench/results/extension_gpu_base_search.json):
-        # the base check stops the run before its extensions
+        # induction from random token ids repeated, then copying words and seven-digit numbers (the step that
+        # makes the needle's digits copyable), then NIAH at 256, the mixture at 1024 and L0
         curriculum=(
-            Stage(256, 800, 64, 1e-3, repeat=True),
-            Stage(1024, 1000, 64, 1e-3),
-            Stage(4096, 200, 16, 6e-4),
+            Stage(64, 800, 128, 1e-3, kinds=("tokens",)),
+            Stage(128, 600, 128, 1e-3, kinds=("copy",)),
+            Stage(256, 800, 64, 1e-3, kinds=("niah",)),
+            Stage(1024, 400, 32, 1e-3),
+            Stage(4096, 150, 8, 6e-4),
         ),
         extension=Stage(32768, 100, 2, 3e-4),
         base_theta=10_000.0,

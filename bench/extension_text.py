@@ -13,7 +13,8 @@ evaluation's prompt seeds, which start at 0):
 - ``facts`` (not in the default mixture; a curriculum stage may ask for it): the same at a rate that
   makes most sentences a fact or a question, for a dense retrieval signal; ``facts_word``: the same
   with single-word keys, an easier lookup than the eval's three-token ones; ``copy``: a span of random
-  words and numbers repeated (induction without grammar to lean on).
+  words and numbers repeated (induction without grammar to lean on); ``tokens`` (a stage of its own): random token
+  ids repeated, the quickest route to induction.
 
 ``cwe``/``fwe`` (word counting) are not in the mixture: the RULER average reports them as they come.
 The tokenizer is a byte-level BPE trained on a sample of the mixture, with digits split one per
@@ -89,6 +90,15 @@ def copy_document(seed: int, sentences: int) -> str:
     span = [rng.choice(pool) if rng.random() < 0.8 else _numbers(rng, 1)[0] for _ in range(rng.randint(4, 24))]
     words = sentences * 8
     return " ".join((span * (words // len(span) + 1))[:words])
+
+
+def token_span_document(seed: int, length: int, vocab_size: int) -> list[int]:
+    """Token ids (not text): a span of 8-24 random ids (any but EOS, id 0) repeated to ``length`` tokens. Copying is
+    the only way to predict them and a single token finds the span's next one: the quickest route to the induction
+    circuit (the CPU scale's first stage, in this tokenizer's ids); the ``copy`` kind's words and numbers follow."""
+    rng = random.Random(f"tokens-{seed}")
+    span = [rng.randrange(1, vocab_size) for _ in range(rng.randint(8, 24))]
+    return (span * (length // len(span) + 1))[:length]
 
 
 def make_document(kind: str, seed: int, max_sentences: int) -> str:
@@ -185,10 +195,16 @@ def _chunk(job: tuple[str, int, int, bool, tuple[str, ...]]) -> np.ndarray:
     tok = TextTokenizer(tokenizer)
     eos = tok.separator_id(None)
     seeds = range(first, first + _CHUNK)
-    texts = (
-        [repeat_document(s, max_sentences) for s in seeds] if repeat else documents(first, _CHUNK, max_sentences, kinds)
-    )
-    return np.concatenate([np.asarray(ids + [eos], dtype=np.uint16) for ids in tok.encode(texts)])
+    if kinds == ("tokens",):
+        docs = [token_span_document(s, 10 * max_sentences, tok.vocab_size) for s in seeds]
+    else:
+        texts = (
+            [repeat_document(s, max_sentences) for s in seeds]
+            if repeat
+            else documents(first, _CHUNK, max_sentences, kinds)
+        )
+        docs = tok.encode(texts)
+    return np.concatenate([np.asarray(ids + [eos], dtype=np.uint16) for ids in docs])
 
 
 def heldout(path: Path, tokenizer: Path, min_tokens: int, count: int, seed: int) -> dict:
