@@ -26,7 +26,7 @@ from common import provenance  # noqa: E402
 from extension_settings import SCALES, Scale, Stage, qwen2  # noqa: E402
 
 REPEAT = Stage(256, 600, 64, 1e-3, repeat=True)  # induction first, as the GPU curriculum starts
-TOKENS = Stage(64, 800, 128, 1e-3, kinds=("tokens",))  # induction from random token ids repeated
+TOKENS = Stage(128, 800, 64, 1e-3, kinds=("tokens",))  # induction from random token ids repeated
 COPY = Stage(128, 400, 128, 1e-3, kinds=("copy",))  # induction from random words repeated (no grammar to lean on)
 NIAH256 = Stage(256, 800, 64, 1e-3, kinds=("niah",))
 SMALL = qwen2(512, 6, 8, 4, 2048, 65536)

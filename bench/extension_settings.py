@@ -218,7 +218,7 @@ SCALES = {
         # induction from random token ids repeated, then copying words and seven-digit numbers (the step that
         # makes the needle's digits copyable), then NIAH at 256, the mixture at 1024 and L0
         curriculum=(
-            Stage(64, 800, 128, 1e-3, kinds=("tokens",)),
+            Stage(128, 800, 64, 1e-3, kinds=("tokens",)),
             Stage(128, 600, 128, 1e-3, kinds=("copy",)),
             Stage(256, 800, 64, 1e-3, kinds=("niah",)),
             Stage(1024, 400, 32, 1e-3),
