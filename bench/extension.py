@@ -285,9 +285,28 @@ def base_model(scale: Scale, work: Path, data: dict, seed: int) -> tuple[Path, l
     summaries = []
     for i, stage in enumerate(scale.curriculum):
         run = work / "base" / f"stage{i}"
-        summaries.append(train(run, train_config(scale, stage, run, data, f"stage{i}", source, None, seed)))
+        summary = train(run, train_config(scale, stage, run, data, f"stage{i}", source, None, seed))
         source = dict(path=str(run / "export"))
+        summaries.append(summary | stage_check(scale, run, stage, seed))
     return Path(source["path"]), summaries
+
+
+def stage_check(scale: Scale, run: Path, stage: Stage, seed: int) -> dict:
+    """Text scales: NIAH of a curriculum stage's export at its length (10 prompts), logged, so a base that fails
+    the final check shows at which stage retrieval came or went. {} elsewhere. Cached in ``run/niah.json``."""
+    if scale.task != "text" or not scale.base_check or stage.seq_len < 256:
+        return {}
+    path = run / "niah.json"
+    if not path.exists():
+        checked = extension_eval.check_base(str(run / "export"), replace(scale, l0=stage.seq_len, base_check=10), seed)
+        write_json(path, {"length": stage.seq_len, "accuracy": checked["accuracy"], "examples": checked["examples"]})
+    found = json.loads(path.read_text())
+    accuracy, example = found["accuracy"], found["examples"][0]
+    say(
+        f"  NIAH at {found['length']}: {accuracy['percent']:.0f}% of {accuracy['answers']} "
+        f"(answer {example['answers'][0]}, generated {example['prediction'][:12]!r})"
+    )
+    return {"niah": {k: found[k] for k in ("length", "accuracy")}}
 
 
 def check_base(scale: Scale, work: Path, base: Path, seed: int) -> dict | None:
