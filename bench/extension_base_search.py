@@ -26,8 +26,9 @@ from common import provenance  # noqa: E402
 from extension_settings import SCALES, Scale, Stage, qwen2  # noqa: E402
 
 REPEAT = Stage(256, 600, 64, 1e-3, repeat=True)  # induction first, as the GPU curriculum starts
-TOKENS = Stage(128, 800, 64, 1e-3, kinds=("tokens",))  # induction from random token ids repeated
+TOKENS = Stage(128, 1000, 64, 1e-3, kinds=("tokens",))  # induction from random token ids repeated
 COPY = Stage(128, 400, 128, 1e-3, kinds=("copy",))  # induction from random words repeated (no grammar to lean on)
+COPY600 = Stage(128, 600, 128, 1e-3, kinds=("copy",))
 NIAH256 = Stage(256, 800, 64, 1e-3, kinds=("niah",))
 SMALL = qwen2(512, 6, 8, 4, 2048, 65536)
 Recipe = tuple[dict | None, tuple[Stage, ...]]
@@ -43,7 +44,11 @@ RECIPES: dict[str, Recipe] = {  # name: (model, None for the GPU scale's; stages
     "repeat-niah256": (None, (REPEAT, NIAH256)),
     "small-copy-niah256": (SMALL, (COPY, NIAH256)),
     "copy-mix256": (None, (COPY, Stage(256, 800, 64, 1e-3))),
-    "tokens-copy-niah256": (None, (TOKENS, Stage(128, 600, 128, 1e-3, kinds=("copy",)), NIAH256)),
+    "tokens-copy-niah256": (None, (TOKENS, COPY600, NIAH256)),
+    # the same on a 2-layer model (a 2 x 128 one learns NIAH at 256 this way on the CPU), a 6 x 512 one, lr 3e-4
+    "two-layer": (qwen2(256, 2, 4, 2, 2048, 65536), (TOKENS, COPY600, NIAH256)),
+    "small-tokens-copy-niah256": (SMALL, (TOKENS, COPY600, NIAH256)),
+    "tokens-copy-niah256-lr3e-4": (None, tuple(replace(st, lr=3e-4) for st in (TOKENS, COPY600, NIAH256))),
 }
 _LOADING = threading.Lock()  # Hugging Face's meta-device model construction is not thread-safe
 
