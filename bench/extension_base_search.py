@@ -48,6 +48,13 @@ RECIPES: dict[str, Recipe] = {  # name: (model, None for the GPU scale's; stages
     # the same on a 2-layer model (a 2 x 128 one learns NIAH at 256 this way on the CPU), a 6 x 512 one, lr 3e-4
     "two-layer": (qwen2(256, 2, 4, 2, 2048, 65536), (TOKENS, COPY600, NIAH256)),
     "small-tokens-copy-niah256": (SMALL, (TOKENS, COPY600, NIAH256)),
+    # shallow and wide, over 100M parameters: 2 x 2048 (125M) and 4 x 1536 (150M); the 2-layer one on to 1024
+    "wide2": (qwen2(2048, 2, 32, 8, 2048, 65536), (TOKENS, COPY600, NIAH256)),
+    "wide4": (qwen2(1536, 4, 24, 8, 2048, 65536), (TOKENS, COPY600, NIAH256)),
+    "two-layer-1024": (
+        qwen2(256, 2, 4, 2, 2048, 65536),
+        (TOKENS, COPY600, NIAH256, Stage(1024, 400, 32, 1e-3, kinds=("niah", "niah", "niah", "vt", "recall"))),
+    ),
     "tokens-copy-niah256-lr3e-4": (None, tuple(replace(st, lr=3e-4) for st in (TOKENS, COPY600, NIAH256))),
 }
 _LOADING = threading.Lock()  # Hugging Face's meta-device model construction is not thread-safe
