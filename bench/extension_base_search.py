@@ -51,6 +51,10 @@ RECIPES: dict[str, Recipe] = {  # name: (model, None for the GPU scale's; stages
     # shallow and wide, over 100M parameters: 2 x 2048 (125M) and 4 x 1536 (150M); the 2-layer one on to 1024
     "wide2": (qwen2(2048, 2, 32, 8, 2048, 65536), (TOKENS, COPY600, NIAH256)),
     "wide4": (qwen2(1536, 4, 24, 8, 2048, 65536), (TOKENS, COPY600, NIAH256)),
+    # does a lower lr let the big models' induction form? (the token-copy stage alone; its loss curve says)
+    "wide2-tokens-lr2.5e-4": (qwen2(2048, 2, 32, 8, 2048, 65536), (replace(TOKENS, lr=2.5e-4),)),
+    "wide2-tokens-lr1e-4": (qwen2(2048, 2, 32, 8, 2048, 65536), (replace(TOKENS, lr=1e-4),)),
+    "gpu-tokens-lr2.5e-4": (None, (replace(TOKENS, lr=2.5e-4),)),
     "two-layer-1024": (
         qwen2(256, 2, 4, 2, 2048, 65536),
         (TOKENS, COPY600, NIAH256, Stage(1024, 400, 32, 1e-3, kinds=("niah", "niah", "niah", "vt", "recall"))),
