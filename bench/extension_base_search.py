@@ -3,8 +3,9 @@
 Named recipes (a model and a curriculum of ``Stage``s on the text corpus) are trained at the same time
 on one GPU, each a chain of ``mtraining train`` runs as in bench/extension.py, and each finished base is
 checked on NIAH at several lengths (``extension_eval.check_base``: held-out prompts, dense attention,
-with what it generated). The JSON keeps every recipe, its loss curves and its checks; a recipe that
-passes goes into ``SCALES["gpu"].curriculum``.
+with what it generated), and on held-out copy documents (``copy_losses``: has the induction circuit formed?).
+The JSON keeps every recipe, its loss curves and its checks; a recipe that passes goes into
+``SCALES["gpu"].curriculum``.
 
     python bench/extension_base_search.py --recipes mix1024,facts256,small --minutes 7 --out $OUT/search.json
 """

@@ -217,7 +217,9 @@ SCALES = {
         text_vocab=_GPU_VOCAB,
         l0=4096,
         # induction from random token ids repeated, then copying words and seven-digit numbers (the step that
-        # makes the needle's digits copyable), then NIAH at 256, the mixture at 1024 and L0
+        # makes the needle's digits copyable), then NIAH at 256, the mixture at 1024 and L0. A 2-layer model
+        # retrieves this way; this 105M one does NOT yet (its token-copy stage stays on the plateau before the
+        # induction circuit: bench/results/extension_gpu_base_search.json); the base check stops the run
         curriculum=(
             Stage(128, 1000, 64, 1e-3, kinds=("tokens",)),
             Stage(128, 600, 128, 1e-3, kinds=("copy",)),

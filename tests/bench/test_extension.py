@@ -317,7 +317,13 @@ def test_a_base_that_does_not_retrieve_stops_the_run_before_its_extension(tmp_pa
     """Three steps of training retrieve nothing: the check at L0 stops the run with the fix in its message."""
     scale = replace(SCALES[name], base_check=2)
     data = extension.corpus(scale, tmp_path, seed=0)
-    base, _ = extension.base_model(scale, tmp_path, data, seed=0)
+    base, runs = extension.base_model(scale, tmp_path, data, seed=0)
+    if name == "toy-text":  # every text stage is checked at its length, and the check is kept with its run
+        assert [r["niah"]["length"] for r in runs] == [st.seq_len for st in scale.curriculum]
+        assert all(r["niah"]["accuracy"]["answers"] == 10 for r in runs)
+        assert (tmp_path / "base" / "stage0" / "niah.json").exists()
+    else:
+        assert all("niah" not in r for r in runs)
     with pytest.raises(extension.BaseDoesNotRetrieve, match="train the base longer.*--no-base-check"):
         extension.check_base(scale, tmp_path, base, seed=0)
     checked = json.loads((tmp_path / "eval" / "base_check.json").read_text())
@@ -341,6 +347,7 @@ def test_base_search_trains_recipes_side_by_side_and_checks_each(tmp_path):
         assert [r["steps"] for r in recipe["runs"]] == [2, 2]
         check = recipe["checks"]["512"]
         assert check["accuracy"]["answers"] == 2 and len(check["examples"]) == 2
+        assert recipe["induction"]["first"] > 0 and recipe["induction"]["copied"] > 0
 
 
 @pytest.mark.parametrize("kind", ["facts", "facts_word"])
@@ -372,3 +379,20 @@ def test_copy_documents_repeat_one_span_of_random_words():
         period = next(p for p in range(1, len(words)) if words[p:] == words[:-p])
         assert 4 <= period <= 24 and len(words) >= 3 * period
     assert extension_text.make_document("copy", 1, 40) != extension_text.make_document("copy", 2, 40)
+
+
+def test_token_span_stages_write_repeated_random_ids(tmp_path):
+    """A ("tokens",) stage's file holds EOS-separated spans of 8-24 random ids (never EOS) repeated, from the
+    tokenizer's vocabulary, and the same file for the same seed."""
+    tokenizer = extension_text.write_tokenizer(tmp_path / "tok.json", 384)
+    first = extension_text.train_stream(tmp_path / "a.npy", tokenizer, 3000, 128, seed=0, stage=0, kinds=("tokens",))
+    again = extension_text.train_stream(tmp_path / "b.npy", tokenizer, 3000, 128, seed=0, stage=0, kinds=("tokens",))
+    stream, eos = np.load(first["path"]), 0
+    assert np.array_equal(stream, np.load(again["path"])) and stream.max() < 384
+    documents = [d for d in np.split(stream, np.flatnonzero(stream == eos) + 1) if len(d)]
+    assert len(documents) >= 10
+    for doc in documents:
+        ids = doc[:-1].tolist()
+        assert doc[-1] == eos and eos not in ids
+        period = next(p for p in range(1, len(ids)) if ids[p:] == ids[:-p])
+        assert 8 <= period <= 24 and len(ids) >= 3 * period
