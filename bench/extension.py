@@ -495,7 +495,7 @@ def main() -> None:
         scale = replace(scale, budgets=tuple(known[n] for n in names))
         if scale.default_budget not in names:
             scale = replace(scale, default_budget=names[0])
-    work = args.work or ROOT / "runs" / f"extension_{scale.name}"
+    work = (args.work or ROOT / "runs" / f"extension_{scale.name}").resolve()  # configs resolve paths from their folder
     work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     LOG.append(args.out / f"extension_{scale.name}.log")

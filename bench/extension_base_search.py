@@ -150,6 +150,7 @@ def main() -> None:
         recipes = {name: (None, curriculum) for name, curriculum in tiny.items()}
     if args.minutes is not None:
         extension.Clock.deadline = time.time() + 60 * args.minutes
+    args.work = args.work.resolve()  # training configs resolve their paths from their own folder
     args.work.mkdir(parents=True, exist_ok=True)
     extension.LOG.append(args.work / "search.log")
     started = time.time()

@@ -336,10 +336,9 @@ def test_base_search_trains_recipes_side_by_side_and_checks_each(tmp_path):
     """bench/extension_base_search.py in miniature: two recipes (one with its own model), each trained and checked."""
     out = tmp_path / "search.json"
     cmd = [sys.executable, str(ROOT / "bench" / "extension_base_search.py"), "--scale", "toy-text"]
-    cmd += ["--recipes", "mix1024,small", "--lengths", "512", "--samples", "2", "--work", str(tmp_path / "w")]
-    proc = subprocess.run(
-        cmd + ["--out", str(out)], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT))
-    )
+    cmd += ["--recipes", "mix1024,small", "--lengths", "512", "--samples", "2", "--work", "w"]  # relative: cwd's
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd + ["--out", str(out)], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert {"device", "commit", "command"} <= set(result) and set(result["recipes"]) == {"mix1024", "small"}
