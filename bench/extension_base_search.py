@@ -56,6 +56,8 @@ RECIPES: dict[str, Recipe] = {  # name: (model, None for the GPU scale's; stages
     "wide2-tokens-lr2.5e-4": (qwen2(2048, 2, 32, 8, 2048, 65536), (replace(TOKENS, lr=2.5e-4),)),
     "wide2-tokens-lr1e-4": (qwen2(2048, 2, 32, 8, 2048, 65536), (replace(TOKENS, lr=1e-4),)),
     "gpu-tokens-lr2.5e-4": (None, (replace(TOKENS, lr=2.5e-4),)),
+    # does the 105M model leave the plateau given more steps? (~8 minutes alone on one H200)
+    "gpu-tokens-long": (None, (replace(TOKENS, steps=3500),)),
     "two-layer-1024": (
         qwen2(256, 2, 4, 2, 2048, 65536),
         (TOKENS, COPY600, NIAH256, Stage(1024, 400, 32, 1e-3, kinds=("niah", "niah", "niah", "vt", "recall"))),
