@@ -24,21 +24,24 @@ import extension  # noqa: E402
 import extension_eval  # noqa: E402
 import extension_text  # noqa: E402
 from common import provenance  # noqa: E402
-from extension_settings import SCALES, Scale, Stage, qwen2  # noqa: E402
+from extension_settings import RETRIEVAL_KINDS, SCALES, Scale, Stage, qwen2  # noqa: E402
 
 REPEAT = Stage(256, 600, 64, 1e-3, repeat=True)  # induction first, as the GPU curriculum starts
 TOKENS = Stage(128, 1000, 64, 1e-3, kinds=("tokens",))  # induction from random token ids repeated
 COPY = Stage(128, 400, 128, 1e-3, kinds=("copy",))  # induction from random words repeated (no grammar to lean on)
 COPY600 = Stage(128, 600, 128, 1e-3, kinds=("copy",))
 NIAH256 = Stage(256, 800, 64, 1e-3, kinds=("niah",))
-SMALL = qwen2(512, 6, 8, 4, 2048, 65536)
+SMALL = qwen2(512, 6, 8, 4, 2048, 65536)  # 25M
+TWO_LAYER = qwen2(256, 2, 4, 2, 2048, 65536)  # 2.1M
+WIDE2 = qwen2(2048, 2, 32, 8, 2048, 65536)  # 126M
+WIDE4 = qwen2(1536, 4, 24, 8, 2048, 65536)  # 142M
 Recipe = tuple[dict | None, tuple[Stage, ...]]
 RECIPES: dict[str, Recipe] = {  # name: (model, None for the GPU scale's; stages)
     "mix1024": (None, (REPEAT, Stage(1024, 300, 64, 1e-3))),
     "facts512": (None, (REPEAT, Stage(512, 600, 64, 1e-3, kinds=("facts",)))),
     "facts256": (None, (REPEAT, Stage(256, 1000, 128, 1e-3, kinds=("facts",)))),
     "facts256-lr3e-4": (None, (REPEAT, Stage(256, 1000, 128, 3e-4, kinds=("facts",)))),
-    "wide": (qwen2(1536, 4, 24, 8, 2048, 65536), (REPEAT, Stage(1024, 300, 64, 1e-3))),
+    "wide": (WIDE4, (REPEAT, Stage(1024, 300, 64, 1e-3))),
     "small": (SMALL, (REPEAT, Stage(256, 1000, 128, 1e-3, kinds=("facts",)))),
     "niah256": (None, (Stage(256, 1200, 64, 1e-3, kinds=("niah",)),)),
     "copy-niah256": (None, (COPY, NIAH256)),
@@ -47,21 +50,18 @@ RECIPES: dict[str, Recipe] = {  # name: (model, None for the GPU scale's; stages
     "copy-mix256": (None, (COPY, Stage(256, 800, 64, 1e-3))),
     "tokens-copy-niah256": (None, (TOKENS, COPY600, NIAH256)),
     # the same on a 2-layer model (a 2 x 128 one learns NIAH at 256 this way on the CPU), a 6 x 512 one, lr 3e-4
-    "two-layer": (qwen2(256, 2, 4, 2, 2048, 65536), (TOKENS, COPY600, NIAH256)),
+    "two-layer": (TWO_LAYER, (TOKENS, COPY600, NIAH256)),
     "small-tokens-copy-niah256": (SMALL, (TOKENS, COPY600, NIAH256)),
     # shallow and wide, over 100M parameters: 2 x 2048 (125M) and 4 x 1536 (150M); the 2-layer one on to 1024
-    "wide2": (qwen2(2048, 2, 32, 8, 2048, 65536), (TOKENS, COPY600, NIAH256)),
-    "wide4": (qwen2(1536, 4, 24, 8, 2048, 65536), (TOKENS, COPY600, NIAH256)),
+    "wide2": (WIDE2, (TOKENS, COPY600, NIAH256)),
+    "wide4": (WIDE4, (TOKENS, COPY600, NIAH256)),
     # does a lower lr let the big models' induction form? (the token-copy stage alone; its loss curve says)
-    "wide2-tokens-lr2.5e-4": (qwen2(2048, 2, 32, 8, 2048, 65536), (replace(TOKENS, lr=2.5e-4),)),
-    "wide2-tokens-lr1e-4": (qwen2(2048, 2, 32, 8, 2048, 65536), (replace(TOKENS, lr=1e-4),)),
+    "wide2-tokens-lr2.5e-4": (WIDE2, (replace(TOKENS, lr=2.5e-4),)),
+    "wide2-tokens-lr1e-4": (WIDE2, (replace(TOKENS, lr=1e-4),)),
     "gpu-tokens-lr2.5e-4": (None, (replace(TOKENS, lr=2.5e-4),)),
     # does the 105M model leave the plateau given more steps? (~8 minutes alone on one H200)
     "gpu-tokens-long": (None, (replace(TOKENS, steps=3500),)),
-    "two-layer-1024": (
-        qwen2(256, 2, 4, 2, 2048, 65536),
-        (TOKENS, COPY600, NIAH256, Stage(1024, 400, 32, 1e-3, kinds=("niah", "niah", "niah", "vt", "recall"))),
-    ),
+    "two-layer-1024": (TWO_LAYER, (TOKENS, COPY600, NIAH256, Stage(1024, 400, 32, 1e-3, kinds=RETRIEVAL_KINDS))),
     "tokens-copy-niah256-lr3e-4": (None, tuple(replace(st, lr=3e-4) for st in (TOKENS, COPY600, NIAH256))),
 }
 _LOADING = threading.Lock()  # Hugging Face's meta-device model construction is not thread-safe
@@ -113,9 +113,7 @@ def copy_losses(export: str, scale: Scale, documents: int = 20, length: int = 25
     retrieval needs) has ``copied`` far below ``first``; without one the two are about equal."""
     import torch
 
-    from mtraining.eval.loading import load
-
-    loaded = load(export, device="cuda" if scale.device == "cuda" else "cpu", dtype=scale.dtype)
+    loaded = extension_eval.load_export(export, scale)
     first, copied = [], []
     for seed in range(documents):
         ids = loaded.tokenizer.encode([extension_text.copy_document(-1 - seed, length // 4)])[0][:length]

@@ -54,10 +54,9 @@ def evaluate_recall(export: str, scale: Scale, budget: Budget | None, documents:
     import torch.distributed as dist
 
     from mtraining.eval.engine import Engine
-    from mtraining.eval.loading import load
     from mtraining.eval.retrieval import run_retrieval
 
-    loaded = load(export, device=_device(scale), dtype=scale.dtype)
+    loaded = load_export(export, scale)
     group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
     out = {"tasks": {"recall": {}}, "ppl": {}, "density": {}}
     for n, docs in documents.items():
@@ -84,11 +83,10 @@ def evaluate_text(export: str, scale: Scale, budget: Budget | None, heldout: Pat
     from mtraining.eval.answers import Prompting
     from mtraining.eval.documents import load_documents
     from mtraining.eval.engine import Engine
-    from mtraining.eval.loading import load
     from mtraining.eval.ppl import run_ppl
     from mtraining.eval.ruler import run_ruler
 
-    loaded = load(export, device=_device(scale), dtype=scale.dtype)
+    loaded = load_export(export, scale)
     tok = loaded.tokenizer
     docs = load_documents([heldout])
     cache = _prompt_cache(export)
@@ -121,13 +119,12 @@ def check_base(export: str, scale: Scale, seed: int) -> dict:
     of its first task, in one process: {"task", "documents" (the records of ``evaluate_*`` for that cell),
     "accuracy" (``extension_report.accuracy``), and for NIAH "examples" (answers and what was generated)}."""
     from mtraining.eval.engine import Engine
-    from mtraining.eval.loading import load
 
     if scale.task == "recall":
         docs = {scale.l0: recall_documents(scale, seed)[scale.l0][: scale.base_check]}
         found = evaluate_recall(export, scale, None, docs)["tasks"]["recall"][str(scale.l0)]["documents"]
         return {"task": "recall", "documents": found, "accuracy": accuracy(found)}
-    loaded = load(export, device=_device(scale), dtype=scale.dtype)
+    loaded = load_export(export, scale)
     engine = Engine(loaded.model, spec(scale, None, scale.l0), None)
     samples = -(-scale.base_check // len(scale.depths))  # per depth, rounded up
     cell = _niah(engine, loaded.tokenizer, scale, scale.l0, samples, seed, _prompt_cache(export))
@@ -157,8 +154,11 @@ def _prompt_cache(export: str) -> dict:
 _PROMPTS: dict[str, dict] = {}  # tokenizer.json's SHA-256 -> Prompting.cache
 
 
-def _device(scale: Scale) -> str:
-    return "cuda" if scale.device == "cuda" else "cpu"
+def load_export(export: str, scale: Scale):
+    """``mtraining.eval.loading.load`` of an export on the scale's device (CUDA or the CPU) in its dtype."""
+    from mtraining.eval.loading import load
+
+    return load(export, device="cuda" if scale.device == "cuda" else "cpu", dtype=scale.dtype)
 
 
 def _mean(values: list[float]) -> float | None:

@@ -162,7 +162,7 @@ SWEEP = (
 _CPU_VOCAB = Vocab()
 _TOY_VOCAB = Vocab(keys=32, values=32, words=32)
 _GPU_VOCAB = 2048
-_RETRIEVAL = ("niah", "niah", "niah", "vt", "recall")  # the mixture with NIAH documents weighted up
+RETRIEVAL_KINDS = ("niah", "niah", "niah", "vt", "recall")  # the mixture with NIAH documents weighted up
 _TOY_TEXT = Scale(  # the GPU scale's path (text corpus, NIAH/RULER, one process) in miniature on the CPU
     name="toy-text",
     task="text",
@@ -224,8 +224,8 @@ SCALES = {
             Stage(128, 1000, 64, 1e-3, kinds=("tokens",)),
             Stage(128, 600, 128, 1e-3, kinds=("copy",)),
             Stage(256, 800, 64, 1e-3, kinds=("niah",)),
-            Stage(1024, 400, 32, 1e-3, kinds=_RETRIEVAL),
-            Stage(4096, 150, 8, 6e-4, kinds=_RETRIEVAL),
+            Stage(1024, 400, 32, 1e-3, kinds=RETRIEVAL_KINDS),
+            Stage(4096, 150, 8, 6e-4, kinds=RETRIEVAL_KINDS),
         ),
         extension=Stage(32768, 100, 2, 3e-4),
         base_theta=10_000.0,

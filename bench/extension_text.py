@@ -117,6 +117,8 @@ def make_document(kind: str, seed: int, max_sentences: int) -> str:
         return copy_document(seed, max_sentences)
     if kind == "recall":
         return recall_log(seed, knob, rate=rng.choice((0.05, 0.1, 0.2)))
+    if kind == "tokens":
+        raise ValueError("tokens documents are token ids, not text: give them a stage of their own, kinds=('tokens',)")
     raise ValueError(f"unknown document kind {kind!r}; use one of niah, vt, recall, facts, facts_word, copy")
 
 

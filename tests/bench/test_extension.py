@@ -395,3 +395,5 @@ def test_token_span_stages_write_repeated_random_ids(tmp_path):
         assert doc[-1] == eos and eos not in ids
         period = next(p for p in range(1, len(ids)) if ids[p:] == ids[:-p])
         assert 8 <= period <= 24 and len(ids) >= 3 * period
+    with pytest.raises(ValueError, match="a stage of their own"):  # ids cannot join a text mixture
+        extension_text.documents(0, 4, 30, ("tokens", "niah"))
