@@ -35,6 +35,7 @@ SMALL = qwen2(512, 6, 8, 4, 2048, 65536)  # 25M
 TWO_LAYER = qwen2(256, 2, 4, 2, 2048, 65536)  # 2.1M
 WIDE2 = qwen2(2048, 2, 32, 8, 2048, 65536)  # 126M
 WIDE4 = qwen2(1536, 4, 24, 8, 2048, 65536)  # 142M
+SHALLOW = qwen2(768, 2, 12, 4, 2048, 65536)  # 2 layers of the GPU scale's 105M model (16M)
 Recipe = tuple[dict | None, tuple[Stage, ...]]
 RECIPES: dict[str, Recipe] = {  # name: (model, None for the GPU scale's; stages)
     "mix1024": (None, (REPEAT, Stage(1024, 300, 64, 1e-3))),
@@ -61,6 +62,8 @@ RECIPES: dict[str, Recipe] = {  # name: (model, None for the GPU scale's; stages
     "gpu-tokens-lr2.5e-4": (None, (replace(TOKENS, lr=2.5e-4),)),
     # does the 105M model leave the plateau given more steps? (~8 minutes alone on one H200)
     "gpu-tokens-long": (None, (replace(TOKENS, steps=3500),)),
+    # does a 2-layer model of the 105M's width form the circuit? (a base to grow in depth)
+    "shallow-tokens": (SHALLOW, (TOKENS,)),
     "two-layer-1024": (TWO_LAYER, (TOKENS, COPY600, NIAH256, Stage(1024, 400, 32, 1e-3, kinds=RETRIEVAL_KINDS))),
     "tokens-copy-niah256-lr3e-4": (None, tuple(replace(st, lr=3e-4) for st in (TOKENS, COPY600, NIAH256))),
 }
