@@ -118,10 +118,17 @@ def corpus(scale: Scale, work: Path, seed: int) -> dict:
     """The tokenizer and one token file per training run (curriculum stage i, the extension)."""
     folder = work / "corpus"
     manifest = folder / "manifest.json"
-    if manifest.exists():
-        return json.loads(manifest.read_text())
-    started = time.time()
     stages = {f"stage{i}": st for i, st in enumerate(scale.curriculum)} | {"extension": scale.extension}
+    made_for = corpus_spec(scale, stages, seed)
+    if manifest.exists():
+        found = json.loads(manifest.read_text())
+        if found.get("made_for") != made_for:
+            raise ValueError(
+                f"{folder} was generated for another curriculum, vocabulary or seed than this run's; "
+                f"delete {work} (its runs trained on that corpus) or pass another --work"
+            )
+        return found
+    started = time.time()
     if scale.task == "recall":
         out = {"tokenizer": str(extension_corpus.write_tokenizer(scale.vocab, folder / "tokenizer.json"))}
         for i, (name, st) in enumerate(stages.items()):
@@ -146,12 +153,23 @@ def corpus(scale: Scale, work: Path, seed: int) -> dict:
             )
         out["heldout"] = extension_text.heldout(folder / "heldout.jsonl", tokenizer, scale.long, scale.eval_docs, seed)
     out["seconds"] = round(time.time() - started, 1)
+    out["made_for"] = made_for
     write_json(manifest, out)
     files = [
         f"{name} {part['tokens']} tokens" for name, part in out.items() if isinstance(part, dict) and "tokens" in part
     ]
     say(f"corpus: {', '.join(files)} in {out['seconds']}s")
     return out
+
+
+def corpus_spec(scale: Scale, stages: dict[str, Stage], seed: int) -> dict:
+    """What a corpus's files depend on, kept in its manifest so a changed curriculum never reuses stale files."""
+    data = dict(task=scale.task, seed=seed, stages={name: vars(st) for name, st in stages.items()})
+    if scale.task == "recall":
+        data |= dict(vocab=repr(scale.vocab))
+    else:
+        data |= dict(text_vocab=scale.text_vocab, long=scale.long, eval_docs=scale.eval_docs)
+    return json.loads(json.dumps(data))  # as the manifest reads back (tuples as lists)
 
 
 # ---------------------------------------------------------------------------------------------- 2-3: training

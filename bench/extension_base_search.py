@@ -13,6 +13,8 @@ The JSON keeps every recipe, its loss curves and its checks; a recipe that passe
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import sys
 import threading
 import time
@@ -75,7 +77,8 @@ def search(scale: Scale, recipes: dict[str, Recipe], lengths: list[int], work: P
     """Train every recipe (one thread each, its runs are subprocesses), then check each base at ``lengths``."""
     stages = list(dict.fromkeys(st for _, curriculum in recipes.values() for st in curriculum))  # one file each
     union = replace(scale, curriculum=tuple(stages), extension=Stage(scale.long, 1, 1, 1e-3), eval_docs=1)
-    data = extension.corpus(union, work, seed=0)
+    digest = hashlib.sha1(json.dumps([vars(st) for st in stages], sort_keys=True).encode()).hexdigest()[:8]
+    data = extension.corpus(union, work / f"data-{digest}", seed=0)  # one corpus per set of stages
     results: dict[str, dict] = {}
 
     def run(name: str) -> None:

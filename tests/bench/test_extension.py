@@ -132,6 +132,17 @@ def test_gpu_scales():
         replace(toy, cross="some")
 
 
+def test_a_corpus_made_for_another_curriculum_is_not_reused(tmp_path):
+    """The manifest names what the files were made for: the same scale reuses them, a changed stage raises."""
+    scale = SCALES["toy"]
+    first = extension.corpus(scale, tmp_path, seed=0)
+    assert extension.corpus(scale, tmp_path, seed=0) == first
+    longer = replace(scale, curriculum=(replace(scale.curriculum[0], steps=4), *scale.curriculum[1:]))
+    for other, seed in ((longer, 0), (scale, 1)):
+        with pytest.raises(ValueError, match="another curriculum.*delete"):
+            extension.corpus(other, tmp_path, seed=seed)
+
+
 def test_a_training_past_the_deadline_stops_and_resumes(tmp_path):
     """SIGTERM at the deadline, OutOfTime, then the same call again finishes and counts both calls' time."""
     scale = SCALES["toy"]
