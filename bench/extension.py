@@ -191,7 +191,7 @@ def train_config(
     if budget is not None:
         attention.update(budget.pattern(stage.seq_len, scale))
     return dict(
-        model=dict(**source, dtype=scale.dtype),
+        model=dict(**source, dtype=scale.dtype) | ({"init": scale.init} if "config" in source else {}),
         attention=attention,
         parallel=dict(data=ranks // context, context=context),
         data=dict(

@@ -85,7 +85,8 @@ def search(scale: Scale, recipes: dict[str, Recipe], lengths: list[int], work: P
         model, curriculum = recipes[name]
         recipe = replace(scale, model=model or scale.model)
         source, runs = dict(config=recipe.model, rope_theta=recipe.base_theta), []
-        out = results[name] = {"model": recipe.model, "stages": [vars(st) for st in curriculum], "runs": runs}
+        out = results[name] = {"model": recipe.model, "init": recipe.init, "stages": [vars(st) for st in curriculum]}
+        out["runs"] = runs
         try:
             for i, st in enumerate(curriculum):
                 run_dir = work / name / f"stage{i}"

@@ -8,9 +8,10 @@ trainer decides the compute dtype.
 from __future__ import annotations
 
 import copy
+import math
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ _ROPE_ALIASES = ("rope_theta", "rope_scaling", "partial_rotary_factor")
 _WINDOW_FIELDS = {"use_sliding_window", "sliding_window", "max_window_layers"}
 # RoPE types whose frequencies depend on the pre-training length (kept explicit when the length grows).
 _SCALED_ROPE = ("yarn", "longrope", "llama3")
+# The projections that close each residual branch (attention, MLP), as every supported type names them.
+_RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+Init = Literal["hf", "depth_scaled"]
 
 
 def build_config(
@@ -133,21 +137,49 @@ def build_model(
     rope_parameters: dict[str, Any] | None = None,
     attn_implementation: str = ATTN_IMPLEMENTATION,
     overrides: dict[str, Any] | None = None,
+    init: Init = "hf",
 ) -> nn.Module:
     """A float32 ``*ForCausalLM``: weights from ``path`` (local safetensors) or random from ``config``.
 
-    Random init follows the current torch RNG: seed it first for reproducible weights.
+    Random init follows the current torch RNG: seed it first for reproducible weights. ``init`` (random
+    weights only): ``hf`` draws them as transformers does; ``depth_scaled`` then redraws the residual
+    branches' output projections (see ``depth_scaled_init``).
     """
     from transformers import AutoModelForCausalLM
 
     register()
     hf_config = build_config(path, config, rope_theta, rope_parameters, overrides)
     if path is not None:
+        if init != "hf":
+            raise ValueError(f"init={init!r} draws random weights; a model loaded from {path} keeps its trained ones")
         check_weights(path)
         return AutoModelForCausalLM.from_pretrained(
             path, config=hf_config, attn_implementation=attn_implementation, dtype=torch.float32, local_files_only=True
         )
-    return AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation, dtype=torch.float32)
+    if init == "depth_scaled":
+        depth_scaled_init(model)
+    return model
+
+
+def depth_scaled_init(model: nn.Module) -> None:
+    """Redraw every attention ``o_proj`` and MLP ``down_proj`` from N(0, initializer_range / sqrt(2 x layers)).
+
+    GPT-2, Megatron-LM and torchtitan scale these projections so that the residual stream starts as the
+    token embedding rather than the sum of 2 x layers random branches. Hugging Face's init does not, and
+    deep or wide models trained from scratch then wait far longer before forming induction heads (copying
+    from context, which retrieval needs).
+    """
+    c = model.config
+    std = c.initializer_range / math.sqrt(2 * c.num_hidden_layers)
+    redrawn = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(_RESIDUAL_OUTPUTS):
+                param.normal_(0.0, std)
+                redrawn += 1
+    if redrawn != 2 * c.num_hidden_layers:
+        raise ValueError(f"depth_scaled init found {redrawn} of {2 * c.num_hidden_layers} residual output projections")
 
 
 def check_weights(path: str | Path) -> None:

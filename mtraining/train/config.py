@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
 
+from ..models.loader import Init
 from ..ops.pattern.estimate import PatternConfig
 from ..parallel.layout import make_layout
 
@@ -62,6 +63,10 @@ class ModelSection(_Section):
     """Local HF directory with config.json and *.safetensors (no network)."""
     config: dict[str, Any] | None = None
     """HF config fields including ``model_type`` (qwen2, qwen3, llama, mistral): random init."""
+    init: Init = "hf"
+    """Random weights (model.config) only: ``hf`` as transformers draws them; ``depth_scaled`` also draws the
+    attention and MLP output projections with std initializer_range / sqrt(2 x layers) (GPT-2, torchtitan),
+    which lets deep or wide models from scratch learn to copy from context much sooner."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Compute dtype; master weights, gradients reduction and optimizer state stay float32."""
     rope_theta: PositiveFloat | None = None
@@ -77,6 +82,10 @@ class ModelSection(_Section):
     def _one_source(self) -> ModelSection:
         if (self.path is None) == (self.config is None):
             raise ValueError("set exactly one of model.path (a local HF directory) or model.config (random init)")
+        if self.path is not None and self.init != "hf":
+            raise ValueError(
+                f"model.init={self.init} draws random weights; model.path loads trained ones: remove model.init"
+            )
         if self.config is not None and "model_type" not in self.config:
             raise ValueError("model.config needs a model_type, e.g. model_type: qwen2")
         if self.rope_theta is not None and "rope_theta" in self.overrides:
@@ -87,7 +96,7 @@ class ModelSection(_Section):
         return self
 
     def hf_kwargs(self) -> dict[str, Any]:
-        """Arguments of mtraining.models.build_model / build_config for this model."""
+        """Arguments of mtraining.models.build_model / build_config for this model (the trainer adds ``init``)."""
         return dict(
             path=self.path,
             config=self.config,

@@ -314,6 +314,9 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
         for run in ("base/stage0", "extend/dense", "extend/sparse-v10")
     }
     assert checkpointing == {"base/stage0": False, "extend/dense": True, "extend/sparse-v10": True}
+    models = {run: yaml.safe_load((work / run / "train.yaml").read_text())["model"] for run in checkpointing}
+    assert models["base/stage0"]["init"] == "depth_scaled" == SCALES["toy-text"].init  # random weights only
+    assert "init" not in models["extend/dense"] and "path" in models["extend/dense"]
 
 
 def test_committed_cpu_results_are_informative_and_their_parity_follows_the_thresholds():

@@ -67,3 +67,27 @@ def test_the_exported_config_records_the_trained_length_with_the_same_rope(rope)
     (freq_a, scale_a), (freq_b, scale_b) = _rope(trained), _rope(exported)
     assert torch.equal(freq_a, freq_b) and scale_a == scale_b
     assert trained_config(trained, 512).max_position_embeddings == 1024  # never shrinks
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_depth_scaled_init_redraws_only_the_residual_output_projections(model_type):
+    config = dict(model_type=model_type, **SMALL)
+    torch.manual_seed(0)
+    hf = dict(build_model(config=config).named_parameters())
+    torch.manual_seed(0)
+    scaled = dict(build_model(config=config, init="depth_scaled").named_parameters())
+    std = 0.02 / (2 * SMALL["num_hidden_layers"]) ** 0.5
+    redrawn = [n for n in hf if n.endswith(("o_proj.weight", "down_proj.weight"))]
+    assert len(redrawn) == 2 * SMALL["num_hidden_layers"]
+    for name, param in scaled.items():
+        if name in redrawn:
+            assert param.std().item() == pytest.approx(std, rel=0.15), name  # hf draws them with std 0.02
+            assert hf[name].std().item() == pytest.approx(0.02, rel=0.15), name
+        else:
+            assert torch.equal(param, hf[name]), name
+
+
+def test_depth_scaled_init_refuses_a_model_with_trained_weights(tmp_path):
+    build_model(config=dict(model_type="qwen2", **SMALL)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="keeps its trained ones"):
+        build_model(path=tmp_path, init="depth_scaled")

@@ -81,6 +81,8 @@ def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
         (["attention.layout=zigzag", "data.seq_len=512"], "use a multiple of 1024"),
         (["attention.layout=diagonal"], "'contiguous', 'zigzag' or 'striped'"),
         (["model.path=/some/dir"], "set exactly one of model.path"),
+        (["model.path=/some/dir", "model.config=null", "model.init=depth_scaled"], "remove model.init"),
+        (["model.init=muP"], "'hf' or 'depth_scaled'"),
         (["model.config={hidden_size: 8}"], "model.config needs a model_type"),
         (["optim.warmup_steps=20"], "lower it"),
         (["checkpoint.every=5"], "set checkpoint.dir"),
