@@ -258,9 +258,6 @@ SCALES = {
         base_check=100,
     ),
     "gpu": _GPU,
-    # the GPU scale on the one model that retrieves there so far: 2 layers, 256 wide (2.1M parameters; the
-    # 105M model does not get past NIAH at 256: bench/results/extension_gpu_base_search.json)
-    "gpu-2layer": replace(_GPU, name="gpu-2layer", model=qwen2(256, 2, 4, 2, _GPU_VOCAB, 65536)),
     "toy": Scale(
         name="toy",
         task="recall",
