@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..models import Attention, StepStats, bind, build_model
 from ..models.fused import use_liger_kernels
@@ -51,22 +51,34 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def needs_fsdp(world_size: int, dtype: torch.dtype) -> bool:
+    """Whether FSDP2 has anything to do: shard over several ranks, or cast float32 parameters for compute.
+
+    A float32 world of one would gain nothing from it and pay its hooks, copies and DTensor dispatch on
+    every step, a large part of a small model's step; its gradients and updates are the same without.
+    """
+    return world_size > 1 or dtype != torch.float32
+
+
 def shard_model(
     model: CausalLMLoss, par: ParallelState, dtype: torch.dtype, activation_checkpointing: bool
 ) -> nn.Module:
-    """Activation checkpointing per decoder layer, then FSDP2 over all data x context ranks.
+    """Activation checkpointing per decoder layer, then FSDP2 over all data x context ranks (``needs_fsdp``).
 
     Parameters stay float32 (the master copy); with bfloat16 they are cast for compute and gradients
     are reduced in float32.
     """
+    fsdp = needs_fsdp(par.world_size, dtype)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     layers = model.backbone.layers
     for i, layer in enumerate(layers):
         if activation_checkpointing:
             layer = checkpoint_wrapper(layer)
-        fully_shard(layer, mesh=par.fsdp_mesh, mp_policy=policy)
+        if fsdp:
+            fully_shard(layer, mesh=par.fsdp_mesh, mp_policy=policy)
         layers[i] = layer
-    fully_shard(model, mesh=par.fsdp_mesh, mp_policy=policy)
+    if fsdp:
+        fully_shard(model, mesh=par.fsdp_mesh, mp_policy=policy)
     return model
 
 
@@ -216,7 +228,7 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64, device=par.device)
         for m, (input_ids, labels, position_ids, documents) in enumerate(micro):
             last = m == len(micro) - 1
-            if cfg.train.defer_grad_sync:
+            if cfg.train.defer_grad_sync and isinstance(self.model, FSDPModule):
                 self.model.set_requires_gradient_sync(last)
             recall = logged and last and cfg.log.recall  # the pattern metrics are the last micro-batch's
             record = "recall" if recall else "density"

@@ -318,3 +318,34 @@ def test_fixed_seed_steps_are_unchanged():
     if {k: recorded[k] for k in _environment()} != _environment():
         pytest.skip(f"the record is of {recorded['torch']} on {recorded['cpu_capability']}: rewrite it here")
     assert fixed_seed_steps() == recorded["runs"]
+
+
+def _steps_then_save(cfg: Config, steps: int) -> list[float]:
+    from mtraining.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        losses = [trainer.train_step()["loss"] for _ in range(steps)]
+        if cfg.checkpoint.dir is not None:
+            trainer.save()
+        return losses
+    finally:
+        trainer.close()
+
+
+def test_one_float32_rank_runs_without_fsdp_and_its_checkpoints_resume_on_a_ring(tmp_path):
+    """FSDP is left out where it has nothing to do (one rank, float32 parameters) and kept elsewhere; a
+    checkpoint of one rank (plain tensors) resumes on two context ranks (FSDP's DTensors) and back, each
+    continuing as the run that never stopped (to float32 reduction order)."""
+    from mtraining.train.trainer import needs_fsdp
+
+    assert not needs_fsdp(1, torch.float32)
+    assert needs_fsdp(2, torch.float32) and needs_fsdp(1, torch.bfloat16)
+    common = (*SMALL_BUDGET, "train.steps=3")
+    ring = ("parallel.context=2",)
+    for first, then, folder in (((), ring, "one_to_two"), (ring, (), "two_to_one")):
+        saved = (*common, f"checkpoint.dir={tmp_path / folder}")
+        run_local(_steps_then_save, 2 if first else 1, _config(*saved, *first), 2)
+        resumed = run_local(_steps_then_save, 2 if then else 1, _config(*saved, *then), 1)[0]
+        whole = run_local(_steps_then_save, 2 if then else 1, _config(*common, *then), 3)[0]
+        torch.testing.assert_close(resumed[0], whole[2], rtol=2e-5, atol=0)
