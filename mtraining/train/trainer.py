@@ -200,15 +200,17 @@ class Trainer:
     def tokens_per_step(self) -> int:
         return self.cfg.tokens_per_step
 
-    def _local_batch(self, step: int, micro: int) -> tuple[Tensor, Tensor, Tensor, Documents | None]:
-        """This rank's shard of micro-batch ``micro`` of ``step``: input ids, labels, position ids and the
-        packed documents (global boundaries; None without data.document_masking)."""
+    def _local_batch(self, step: int, micro: int) -> tuple[Tensor, Tensor, Tensor, Documents | None, int]:
+        """This rank's shard of micro-batch ``micro`` of ``step``: input ids, labels, position ids, the packed
+        documents (global boundaries; None without data.document_masking), and the labelled tokens of the
+        whole micro-batch (every context rank's shard), counted on the host."""
         d, par = self.cfg.data, self.par
         first = first_draw(step, micro, self.cfg.micro_batches, par.dp_rank, par.dp_size, d.batch_size)
         samples = self.data.batch(first, d.batch_size)
         shard = shard_batch(samples, self.layout, par.cp_rank, self.separator, d.reset_position_ids)
+        labelled = int((samples[:, 1:] != IGNORE_INDEX).sum())
         dev = par.device
-        return shard.input_ids.to(dev), shard.labels.to(dev), shard.position_ids.to(dev), shard.documents
+        return shard.input_ids.to(dev), shard.labels.to(dev), shard.position_ids.to(dev), shard.documents, labelled
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over ``micro_batches`` micro-batches; returns its metrics (identical on every rank).
@@ -219,14 +221,16 @@ class Trainer:
         cfg, par, step = self.cfg, self.par, self.step
         start = time.perf_counter()
         micro = [self._local_batch(step, m) for m in range(cfg.micro_batches)]
-        tokens = torch.tensor(float(sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _, _ in micro)))
-        tokens = tokens.to(device=par.device, dtype=torch.float64)
-        dist.all_reduce(tokens)  # global tokens of the step, over every micro-batch and rank
+        tokens = float(sum(batch[-1] for batch in micro))  # this data-parallel rank's, whole sequences
+        if par.dp_group is not None:  # global tokens of the step: every data-parallel rank's
+            summed = torch.tensor(tokens, dtype=torch.float64, device=par.device)
+            dist.all_reduce(summed, group=par.dp_group)
+            tokens = summed.item()
         # FSDP averages gradients over all ranks: scale so they are d(global loss sum)/d(params) / tokens.
-        scale = par.world_size / tokens.item()
+        scale = par.world_size / tokens
         logged = (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps
         total = torch.zeros((), dtype=torch.float64, device=par.device)
-        for m, (input_ids, labels, position_ids, documents) in enumerate(micro):
+        for m, (input_ids, labels, position_ids, documents, _) in enumerate(micro):
             last = m == len(micro) - 1
             if cfg.train.defer_grad_sync and isinstance(self.model, FSDPModule):
                 self.model.set_requires_gradient_sync(last)
@@ -239,7 +243,7 @@ class Trainer:
                 (loss_sum * scale).backward()
         pattern = self.attention.end_step()
         dist.all_reduce(total)
-        loss = total.item() / tokens.item()
+        loss = total.item() / tokens
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else float("inf")
         grad_norm = _to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))  # waits for the device
         # once per optimizer step, after every micro-batch: before a NaN reaches the weights
