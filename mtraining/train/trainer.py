@@ -242,7 +242,8 @@ class Trainer:
             with self.attention.recompute():  # activation checkpointing re-runs each layer's forward in here
                 (loss_sum * scale).backward()
         pattern = self.attention.end_step()
-        dist.all_reduce(total)
+        if par.world_size > 1:
+            dist.all_reduce(total)
         loss = total.item() / tokens
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else float("inf")
         grad_norm = _to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))  # waits for the device
