@@ -6,20 +6,23 @@ corpus, drawn as the trainer draws them), one thread per process:
   ranks), every step of its loop timed from one ``monitor.log`` to the next (data, step, metrics,
   logging; no checkpoints unless ``--set checkpoint...`` asks);
 - the plain loop: the Hugging Face model with its own attention (``--plain-attention``, SDPA by
-  default) and loss (``labels=``), ``clip_grad_norm_`` and ``torch.optim.AdamW``.
+  default), cross-entropy of its full logits, ``clip_grad_norm_`` and ``torch.optim.AdamW``.
 
 Seconds per step are the median after ``--warmup`` steps, wall and CPU (user + sys of the process,
 every thread; for several ranks the CPU of all ranks together, wall the slowest rank's). CPU time
 is the figure to trust on a loaded machine.
 
-    python bench/train_overhead.py --label before --out bench/results/train_overhead.json
+    python bench/train_overhead.py --label after --out train_overhead.json   # appended under bench/results/
     python bench/train_overhead.py --ranks 1 --set attention.sparse=false   # one variant
+    python bench/train_overhead.py --ranks 1 --profile step.txt   # where the 1-rank trainer's steps go
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import tempfile
@@ -84,23 +87,33 @@ def _per_step(marks: list[tuple[float, float]]) -> tuple[list[float], list[float
     return [b[0] - a[0] for a, b in zip(marks, marks[1:])], [b[1] - a[1] for a, b in zip(marks, marks[1:])]
 
 
-def trainer_steps(cfg) -> dict:
-    """On each rank: train, marking the clocks when the loop starts and at each step's ``monitor.log``."""
+def trainer_steps(cfg, warmup: int, profile: str | None = None) -> dict:
+    """On each rank: train, marking the clocks when the loop starts and at each step's ``monitor.log``;
+    with ``profile`` rank 0 writes a cProfile table (cumulative time) of the steps after the warm-up there."""
+    import torch.distributed as dist
+
     from mtraining.train.trainer import Trainer
 
     trainer = Trainer(cfg)
     marks = [_clock()]
     log = trainer.monitor.log
+    profiler = cProfile.Profile() if profile is not None and dist.get_rank() == 0 else None
 
     def timed_log(step: int, metrics: dict) -> None:
         log(step, metrics)
         marks.append(_clock())
+        if profiler is not None and step == warmup:
+            profiler.enable()
 
     trainer.monitor.log = timed_log
     try:
         history = trainer.run()
     finally:
         trainer.close()
+    if profiler is not None:
+        profiler.disable()
+        with open(profile, "w") as f:
+            pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(60)
     wall, cpu = _per_step(marks)
     return {"wall": wall, "cpu": cpu, "losses": [m["loss"] for m in history]}
 
@@ -154,22 +167,8 @@ def summarise(ranks: list[dict], warmup: int) -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20, help="timed steps after the warm-up")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="context-parallel gloo ranks per run")
-    p.add_argument("--plain-attention", default="sdpa", help="the plain loop's attn_implementation (sdpa, eager)")
-    p.add_argument("--set", nargs="*", default=[], help="trainer config overrides (section.key=value)")
-    p.add_argument("--label", default="", help="a name for this measurement (e.g. before / after)")
-    p.add_argument("--out", type=Path, default=None, help="append the record to this JSON list")
-    args = p.parse_args()
-    args.log_dir = tempfile.mkdtemp(prefix="train-overhead-")
-
+def measure(args: argparse.Namespace) -> dict:
+    """The plain loop, then the trainer on each ``args.ranks``: the record of one measurement."""
     from mtraining.train.config import parse_config
     from mtraining.train.launch import run_local
 
@@ -183,7 +182,8 @@ def main() -> None:
     record["trainer"] = []
     for world in args.ranks:
         cfg = parse_config(raw, [f"parallel.context={world}", *args.set])
-        run = summarise(run_local(trainer_steps, world, cfg, timeout=3600), args.warmup)
+        profile = str(args.profile) if args.profile is not None and world == 1 else None
+        run = summarise(run_local(trainer_steps, world, cfg, args.warmup, profile, timeout=3600), args.warmup)
         run.update(ranks=world, wall_ratio=run["wall_s"] / plain["wall_s"], cpu_ratio=run["cpu_s"] / plain["cpu_s"])
         record["trainer"].append(run)
         print(
@@ -191,6 +191,29 @@ def main() -> None:
             f"{run['cpu_s']:.4f} s CPU ({run['cpu_ratio']:.2f}x)",
             flush=True,
         )
+    return record
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20, help="timed steps after the warm-up")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="context-parallel gloo ranks per run")
+    p.add_argument("--plain-attention", default="sdpa", help="the plain loop's attn_implementation (sdpa, eager)")
+    p.add_argument("--set", nargs="*", default=[], help="trainer config overrides (section.key=value)")
+    p.add_argument(
+        "--profile", type=Path, default=None, help="write a cProfile table of the 1-rank trainer's steps here"
+    )
+    p.add_argument("--label", default="", help="a name for this measurement (e.g. before / after)")
+    p.add_argument("--out", type=Path, default=None, help="append the record to this JSON list")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="train-overhead-") as log_dir:
+        args.log_dir = log_dir
+        record = measure(args)
     if args.out is not None:
         out = args.out if args.out.is_absolute() or args.out.parent != Path() else RESULTS_DIR / args.out
         records = json.loads(out.read_text()) if out.exists() else []
