@@ -14,7 +14,7 @@ is the figure to trust on a loaded machine.
 
     python bench/train_overhead.py --label after --out train_overhead.json   # appended under bench/results/
     python bench/train_overhead.py --ranks 1 --set attention.sparse=false   # one variant
-    python bench/train_overhead.py --ranks 1 --profile step.txt   # where the 1-rank trainer's steps go
+    python bench/train_overhead.py --profile step.txt   # where rank 0's steps go: step_1rank.txt, ...
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def measure(args: argparse.Namespace) -> dict:
     record["trainer"] = []
     for world in args.ranks:
         cfg = parse_config(raw, [f"parallel.context={world}", *args.set])
-        profile = str(args.profile) if args.profile is not None and world == 1 else None
+        profile = None if args.profile is None else str(args.profile.with_stem(f"{args.profile.stem}_{world}rank"))
         run = summarise(run_local(trainer_steps, world, cfg, args.warmup, profile, timeout=3600), args.warmup)
         run.update(ranks=world, wall_ratio=run["wall_s"] / plain["wall_s"], cpu_ratio=run["cpu_s"] / plain["cpu_s"])
         record["trainer"].append(run)
@@ -206,7 +206,7 @@ def main() -> None:
     p.add_argument("--plain-attention", default="sdpa", help="the plain loop's attn_implementation (sdpa, eager)")
     p.add_argument("--set", nargs="*", default=[], help="trainer config overrides (section.key=value)")
     p.add_argument(
-        "--profile", type=Path, default=None, help="write a cProfile table of the 1-rank trainer's steps here"
+        "--profile", type=Path, default=None, help="PATH: rank 0 writes a cProfile table of the steps (PATH_<N>rank)"
     )
     p.add_argument("--label", default="", help="a name for this measurement (e.g. before / after)")
     p.add_argument("--out", type=Path, default=None, help="append the record to this JSON list")

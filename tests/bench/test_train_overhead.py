@@ -22,4 +22,4 @@ def test_trainer_and_plain_loop_are_timed_and_recorded(tmp_path, monkeypatch):
     assert (one["ranks"], two["ranks"]) == (1, 2) and len(one["wall_steps"]) == 2
     assert one["wall_ratio"] == one["wall_s"] / record["plain"]["wall_s"] > 0
     assert abs(one["losses"][0] - two["losses"][0]) < 1e-4  # one and two context ranks train alike
-    assert "train_step" in profile.read_text()
+    assert all("train_step" in (tmp_path / f"profile_{n}rank.txt").read_text() for n in (1, 2))
