@@ -202,7 +202,11 @@ def train_config(
             shuffle=True,
         ),
         optim=dict(
-            lr=stage.lr, warmup_steps=min(stage.warmup, stage.steps), min_lr_ratio=0.1, weight_decay=0.1, grad_clip=1.0
+            lr=stage.lr,
+            warmup_steps=min(stage.warmup, stage.steps),
+            min_lr_ratio=stage.min_lr_ratio,
+            weight_decay=0.1,
+            grad_clip=1.0,
         ),
         train=dict(
             steps=stage.steps,

@@ -65,6 +65,9 @@ RECIPES: dict[str, Recipe] = {  # name: (model, None for the GPU scale's; stages
     # does the 105M model leave the plateau given more steps? (~8 minutes alone on one H200)
     "gpu-tokens-long": (None, (replace(TOKENS, steps=3500),)),
     "gpu-long-copy-niah256": (None, (replace(TOKENS, steps=3500), COPY600, NIAH256)),
+    # the GPU scale's model with depth_scaled init: its token copying forms near step 850 at a constant lr
+    # (bench/results/induction_init.json), not under a cosine decay over 1500 steps
+    "gpu-constant-copy-niah256": (None, (replace(TOKENS, steps=1500, min_lr_ratio=1.0), COPY600, NIAH256)),
     # does a 2-layer model of the 105M's width form the circuit? (a base to grow in depth)
     "shallow-tokens": (SHALLOW, (TOKENS,)),
     "two-layer-1024": (TWO_LAYER, (TOKENS, COPY600, NIAH256, Stage(1024, 400, 32, 1e-3, kinds=RETRIEVAL_KINDS))),

@@ -18,9 +18,9 @@ from mtraining.eval.tasks import TASKS
 
 @dataclass(frozen=True)
 class Stage:
-    """One training run's schedule: length, steps, sequences per step (all ranks), peak lr, and its documents:
-    recall documents with ``pairs`` needles (all queried; recall task), the mixture of ``kinds`` (text task;
-    None: extension_text.KINDS), or repeated segments (``repeat``)."""
+    """One training run's schedule: length, steps, sequences per step (all ranks), peak lr (cosine decay to
+    ``min_lr_ratio`` of it), and its documents: recall documents with ``pairs`` needles (all queried; recall
+    task), the mixture of ``kinds`` (text task; None: extension_text.KINDS), or repeated segments (``repeat``)."""
 
     seq_len: int
     steps: int
@@ -30,6 +30,7 @@ class Stage:
     warmup: int = 20
     repeat: bool = False
     kinds: tuple[str, ...] | None = None
+    min_lr_ratio: float = 0.1
 
 
 @dataclass(frozen=True)
