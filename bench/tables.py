@@ -6,6 +6,7 @@ python bench/tables.py
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -558,6 +559,48 @@ def packed_documents_table() -> str:
     return "\n".join(lines)
 
 
+def train_overhead_table() -> str:
+    """The trainer's seconds per step against a plain PyTorch loop (bench/train_overhead.py), before and after a
+    change, measured in alternated rounds on a shared machine: medians over the rounds of each side's per-round
+    medians, the median of the paired rounds' after / before CPU, and whether every run's losses equal the
+    first "before" run's of its setting."""
+    head = ["model", "seq x batch", "ranks", "plain CPU s", "trainer CPU s before (x plain)", "after (x plain)"]
+    head += ["after / before CPU, paired", "wall s before / after", "rounds", "losses identical", "commits"]
+    lines = [_row(head), _row(["---"] * len(head))]
+    settings: dict = {}
+    for r in _load("train_overhead"):
+        model = r["model"]
+        key = (model["hidden_size"], model["num_hidden_layers"], r["seq_len"], r["batch"], tuple(r["overrides"]))
+        settings.setdefault(key, []).append(r)
+    median = statistics.median
+    for (hidden, layers, seq, batch, overrides), runs in settings.items():
+        before = [r for r in runs if r["label"].startswith("before")]
+        after = [r for r in runs if r["label"] == "after"]
+        for i, ranks in enumerate(t["ranks"] for t in before[0]["trainer"]):
+            b = [r["trainer"][i] for r in before]
+            a = [r["trainer"][i] for r in after]
+            same = all(t["losses"] == b[0]["losses"] for t in a + b)
+            model = f"{hidden} x {layers} layers" + (f" {' '.join(overrides)}" if overrides else "")
+            lines.append(
+                _row(
+                    [
+                        model,
+                        f"{seq} x {batch}",
+                        ranks,
+                        f"{median(r['plain']['cpu_s'] for r in runs):.4f}",
+                        f"{median(t['cpu_s'] for t in b):.4f} ({median(t['cpu_ratio'] for t in b):.2f}x)",
+                        f"{median(t['cpu_s'] for t in a):.4f} ({median(t['cpu_ratio'] for t in a):.2f}x)",
+                        f"{median(y['cpu_s'] / x['cpu_s'] for x, y in zip(b, a)):.2f}",
+                        f"{median(t['wall_s'] for t in b):.4f} / {median(t['wall_s'] for t in a):.4f}",
+                        f"{len(b)} / {len(a)}",
+                        "yes" if same else "no",
+                        ", ".join(sorted({r["commit"] for r in runs})),
+                    ]
+                )
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     for title, table in (
         ("sparse_attention", sparse_attention_table()),
@@ -573,6 +616,7 @@ def main() -> None:
         ("recall_cost", recall_table()),
         ("extension", extension_tables()),
         ("checkpoint_integrity", checkpoint_integrity_table()),
+        ("train_overhead", train_overhead_table()),
     ):
         print(f"<!-- {title} -->\n{table}\n")
 

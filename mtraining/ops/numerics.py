@@ -85,8 +85,8 @@ def finite_keys(kh: Tensor, vh: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
 
 
 def mask_scores(scores: Tensor, allowed: Tensor, bad: Tensor | None) -> Tensor:
-    """Scores [B, H, Sq, Sk] with pairs outside ``allowed`` at -inf and pairs with a non-finite key
-    (``finite_keys``; None: none) at NaN."""
+    """Scores [B, H, Sq, Sk], in place, with pairs outside ``allowed`` at -inf and pairs with a non-finite key
+    (``finite_keys``; None: none) at NaN; returns ``scores``."""
     if bad is not None:
-        scores = scores.masked_fill(bad[..., None, :], float("nan"))
-    return scores.masked_fill(~allowed, float("-inf"))
+        scores.masked_fill_(bad[..., None, :], float("nan"))
+    return scores.masked_fill_(~allowed, float("-inf"))

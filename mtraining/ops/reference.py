@@ -21,9 +21,12 @@ from .pattern import VerticalSlashPattern
 _ROW_CHUNK = 1024
 
 
-def _expand_kv(t: Tensor, group: int, dtype: torch.dtype) -> Tensor:
-    """[B, S, Hkv, D] -> [B, Hq, S, D] in dtype (a view-free copy; small sizes only)."""
-    return t.transpose(1, 2).to(dtype).repeat_interleave(group, dim=1)
+def _finite_kv(k: Tensor, v: Tensor, group: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``finite_keys`` of k/v [B, S, Hkv, D] as [B, Hq, S, D] in dtype (copies; small sizes only), each key
+    tested once before its heads are repeated for the query heads of its group."""
+    kh, vh, bad = finite_keys(k.transpose(1, 2).to(dtype), v.transpose(1, 2).to(dtype))
+    kh, vh = kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1)
+    return kh, vh, None if bad is None else bad.repeat_interleave(group, dim=1)
 
 
 def forward(
@@ -43,17 +46,17 @@ def forward(
     b, sq, hq, d = q.shape
     acc = acc_dtype(q)
     group = hq // k.shape[2]
-    kh, vh, bad = finite_keys(_expand_kv(k, group, acc), _expand_kv(v, group, acc))
+    kh, vh, bad = _finite_kv(k, v, group, acc)
     qh = q.transpose(1, 2).to(acc)
     out = torch.empty(b, hq, sq, d, dtype=acc, device=q.device)
     lse = torch.empty(b, hq, sq, dtype=acc, device=q.device)
     for start in range(0, sq, _ROW_CHUNK):
         rows = slice(start, min(start + _ROW_CHUNK, sq))
         allowed = attention_mask(q_pos[rows], k_pos, pattern, None if q_bound is None else q_bound[:, rows])
-        s = mask_scores(torch.matmul(qh[:, :, rows], kh.transpose(-1, -2)) * scale, allowed, bad)
+        s = mask_scores(torch.matmul(qh[:, :, rows], kh.transpose(-1, -2)).mul_(scale), allowed, bad)
         row_lse = torch.logsumexp(s, dim=-1)
         safe = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))
-        out[:, :, rows] = torch.matmul(torch.exp(s - safe[..., None]), vh)
+        out[:, :, rows] = torch.matmul(s.sub_(safe[..., None]).exp_(), vh)
         lse[:, :, rows] = row_lse
     out = out.transpose(1, 2).to(out_dtype)
     if merge_into is None:
@@ -86,7 +89,7 @@ def backward(
     hkv = k.shape[2]
     group = hq // hkv
     acc = acc_dtype(q)
-    kh, vh, bad = finite_keys(_expand_kv(k, group, acc), _expand_kv(v, group, acc))
+    kh, vh, bad = _finite_kv(k, v, group, acc)
     qh, doh = q.transpose(1, 2).to(acc), do.transpose(1, 2).to(acc)
     dq = torch.zeros(b, hq, sq, d, dtype=acc, device=q.device)
     dkh = torch.zeros_like(kh)
@@ -95,13 +98,13 @@ def backward(
     for start in range(0, sq, _ROW_CHUNK):
         rows = slice(start, min(start + _ROW_CHUNK, sq))
         allowed = attention_mask(q_pos[rows], k_pos, pattern, None if q_bound is None else q_bound[:, rows])
-        s = mask_scores(torch.matmul(qh[:, :, rows], kh.transpose(-1, -2)) * scale, allowed, bad)
-        p = torch.exp(s - safe_lse[:, :, rows, None])
-        dp = torch.matmul(doh[:, :, rows], vh.transpose(-1, -2))
+        s = mask_scores(torch.matmul(qh[:, :, rows], kh.transpose(-1, -2)).mul_(scale), allowed, bad)
+        p = s.sub_(safe_lse[:, :, rows, None]).exp_()
+        ds = torch.matmul(doh[:, :, rows], vh.transpose(-1, -2)).sub_(delta[:, :, rows, None].to(acc)).mul_(p)
         # masked pairs give exactly 0 even in a row whose delta is not finite (it sees a non-finite key)
-        ds = torch.where(allowed, p * (dp - delta[:, :, rows, None].to(acc)), 0.0)
-        dq[:, :, rows] = torch.matmul(ds, kh) * scale
-        dkh += torch.matmul(ds.transpose(-1, -2), qh[:, :, rows]) * scale
+        ds.masked_fill_(~allowed, 0.0)
+        dq[:, :, rows] = torch.matmul(ds, kh).mul_(scale)
+        dkh += torch.matmul(ds.transpose(-1, -2), qh[:, :, rows]).mul_(scale)
         dvh += torch.matmul(p.transpose(-1, -2), doh[:, :, rows])
     dk = dkh.view(b, hkv, group, -1, d).sum(2).transpose(1, 2)
     dv = dvh.view(b, hkv, group, -1, d).sum(2).transpose(1, 2)

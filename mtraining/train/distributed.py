@@ -29,6 +29,7 @@ class ParallelState:
     cp_rank: int
     cp_size: int
     cp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
     fsdp_mesh: DeviceMesh
 
     @property
@@ -74,6 +75,7 @@ def init_parallel(data: int, context: int, device: str = "auto", timeout_s: floa
         cp_rank=mesh.get_local_rank("cp"),
         cp_size=context,
         cp_group=mesh.get_group("cp") if context > 1 else None,
+        dp_group=mesh.get_group("dp") if data > 1 else None,
         fsdp_mesh=mesh["dp", "cp"]._flatten("dp_cp"),
     )
 

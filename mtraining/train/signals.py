@@ -38,8 +38,9 @@ class StopSignal:
         self.received = True
 
     def agreed(self) -> bool:
-        """Collective: True on every rank once any rank has received SIGTERM."""
+        """Collective: True on every rank once any rank has received SIGTERM (a world of one asks nobody)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self.received
         flag = torch.tensor([int(self.received)], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

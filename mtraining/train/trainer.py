@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..models import Attention, StepStats, bind, build_model
 from ..models.fused import use_liger_kernels
@@ -51,22 +51,34 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def needs_fsdp(world_size: int, dtype: torch.dtype) -> bool:
+    """Whether FSDP2 has anything to do: shard over several ranks, or cast float32 parameters for compute.
+
+    A float32 world of one would gain nothing from it and pay its hooks, copies and DTensor dispatch on
+    every step, a large part of a small model's step; its gradients and updates are the same without.
+    """
+    return world_size > 1 or dtype != torch.float32
+
+
 def shard_model(
     model: CausalLMLoss, par: ParallelState, dtype: torch.dtype, activation_checkpointing: bool
 ) -> nn.Module:
-    """Activation checkpointing per decoder layer, then FSDP2 over all data x context ranks.
+    """Activation checkpointing per decoder layer, then FSDP2 over all data x context ranks (``needs_fsdp``).
 
     Parameters stay float32 (the master copy); with bfloat16 they are cast for compute and gradients
     are reduced in float32.
     """
+    fsdp = needs_fsdp(par.world_size, dtype)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     layers = model.backbone.layers
     for i, layer in enumerate(layers):
         if activation_checkpointing:
             layer = checkpoint_wrapper(layer)
-        fully_shard(layer, mesh=par.fsdp_mesh, mp_policy=policy)
+        if fsdp:
+            fully_shard(layer, mesh=par.fsdp_mesh, mp_policy=policy)
         layers[i] = layer
-    fully_shard(model, mesh=par.fsdp_mesh, mp_policy=policy)
+    if fsdp:
+        fully_shard(model, mesh=par.fsdp_mesh, mp_policy=policy)
     return model
 
 
@@ -188,15 +200,17 @@ class Trainer:
     def tokens_per_step(self) -> int:
         return self.cfg.tokens_per_step
 
-    def _local_batch(self, step: int, micro: int) -> tuple[Tensor, Tensor, Tensor, Documents | None]:
-        """This rank's shard of micro-batch ``micro`` of ``step``: input ids, labels, position ids and the
-        packed documents (global boundaries; None without data.document_masking)."""
+    def _local_batch(self, step: int, micro: int) -> tuple[Tensor, Tensor, Tensor, Documents | None, int]:
+        """This rank's shard of micro-batch ``micro`` of ``step``: input ids, labels, position ids, the packed
+        documents (global boundaries; None without data.document_masking), and the labelled tokens of the
+        whole micro-batch (every context rank's shard), counted on the host."""
         d, par = self.cfg.data, self.par
         first = first_draw(step, micro, self.cfg.micro_batches, par.dp_rank, par.dp_size, d.batch_size)
         samples = self.data.batch(first, d.batch_size)
         shard = shard_batch(samples, self.layout, par.cp_rank, self.separator, d.reset_position_ids)
+        labelled = int((samples[:, 1:] != IGNORE_INDEX).sum())
         dev = par.device
-        return shard.input_ids.to(dev), shard.labels.to(dev), shard.position_ids.to(dev), shard.documents
+        return shard.input_ids.to(dev), shard.labels.to(dev), shard.position_ids.to(dev), shard.documents, labelled
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over ``micro_batches`` micro-batches; returns its metrics (identical on every rank).
@@ -207,16 +221,18 @@ class Trainer:
         cfg, par, step = self.cfg, self.par, self.step
         start = time.perf_counter()
         micro = [self._local_batch(step, m) for m in range(cfg.micro_batches)]
-        tokens = torch.tensor(float(sum(int((labels != IGNORE_INDEX).sum()) for _, labels, _, _ in micro)))
-        tokens = tokens.to(device=par.device, dtype=torch.float64)
-        dist.all_reduce(tokens)  # global tokens of the step, over every micro-batch and rank
+        tokens = float(sum(batch[-1] for batch in micro))  # this data-parallel rank's, whole sequences
+        if par.dp_group is not None:  # global tokens of the step: every data-parallel rank's
+            summed = torch.tensor(tokens, dtype=torch.float64, device=par.device)
+            dist.all_reduce(summed, group=par.dp_group)
+            tokens = summed.item()
         # FSDP averages gradients over all ranks: scale so they are d(global loss sum)/d(params) / tokens.
-        scale = par.world_size / tokens.item()
+        scale = par.world_size / tokens
         logged = (step + 1) % cfg.log.every == 0 or step + 1 == cfg.train.steps
         total = torch.zeros((), dtype=torch.float64, device=par.device)
-        for m, (input_ids, labels, position_ids, documents) in enumerate(micro):
+        for m, (input_ids, labels, position_ids, documents, _) in enumerate(micro):
             last = m == len(micro) - 1
-            if cfg.train.defer_grad_sync:
+            if cfg.train.defer_grad_sync and isinstance(self.model, FSDPModule):
                 self.model.set_requires_gradient_sync(last)
             recall = logged and last and cfg.log.recall  # the pattern metrics are the last micro-batch's
             record = "recall" if recall else "density"
@@ -226,8 +242,9 @@ class Trainer:
             with self.attention.recompute():  # activation checkpointing re-runs each layer's forward in here
                 (loss_sum * scale).backward()
         pattern = self.attention.end_step()
-        dist.all_reduce(total)
-        loss = total.item() / tokens.item()
+        if par.world_size > 1:
+            dist.all_reduce(total)
+        loss = total.item() / tokens
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip is not None else float("inf")
         grad_norm = _to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))  # waits for the device
         # once per optimizer step, after every micro-batch: before a NaN reaches the weights

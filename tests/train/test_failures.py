@@ -214,6 +214,7 @@ def _agree(signalled: int) -> bool:
 def test_ranks_agree_to_stop_when_one_of_them_got_sigterm():
     assert run_local(_agree, 4, 2) == [True] * 4
     assert run_local(_agree, 4, -1) == [False] * 4
+    assert run_local(_agree, 1, 0) == [True] and run_local(_agree, 1, -1) == [False]  # a world of one asks nobody
 
 
 # ---------------------------------------------------------------------------------------------- 3 checkpoints

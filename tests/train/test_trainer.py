@@ -280,3 +280,72 @@ def test_document_masking_on_context_parallel_ranks_equals_one_process():
             torch.testing.assert_close(torch.tensor([m["loss"] for m in run]), reference, rtol=2e-5, atol=0)
     unmasked = run_local(_train, 1, _config("data.batch_size=2", *SMALL_BUDGET, "train.steps=3"))[0]
     assert any(abs(a["loss"] - b["loss"]) > 1e-4 for a, b in zip(unmasked, single))
+
+
+FIXED_SEED_STEPS = Path(__file__).with_name("fixed_seed_steps.json")
+FIXED_SEED_RUNS = {  # name: (ranks, overrides), on top of a sparse layer 1 behind a dense layer 0
+    "one rank": (1, ("data.batch_size=2",)),
+    "two context ranks, two micro-batches": (2, ("parallel.context=2", "train.grad_accum=2")),
+    "two data ranks": (2, ("parallel.data=2",)),
+}
+
+
+def _environment() -> dict:
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def fixed_seed_steps() -> dict:
+    """Loss, gradient norm, density and recall of every step of the ``FIXED_SEED_RUNS``."""
+    common = ("attention.v_size=8", "attention.s_size=16", "attention.dense_layers=[0]", "attention.max_density=null")
+    runs = {}
+    for name, (ranks, overrides) in FIXED_SEED_RUNS.items():
+        history = run_local(_train, ranks, _config(*common, "train.steps=3", *overrides))[0]
+        runs[name] = [[m[k] for k in ("loss", "grad_norm", "density", "recall")] for m in history]
+    return runs
+
+
+def write_fixed_seed_steps() -> None:
+    """Record ``fixed_seed_steps`` (after a change meant to change results, or for another torch or CPU)."""
+    FIXED_SEED_STEPS.write_text(json.dumps({**_environment(), "runs": fixed_seed_steps()}, indent=1) + "\n")
+
+
+def test_fixed_seed_steps_are_unchanged():
+    """Every step of fixed-seed runs (one rank, a context-parallel ring with micro-batches, data parallel) is
+    bit-identical to the recorded one: a change meant to make steps cheaper must not change a result. The
+    record holds for its torch version and CPU kernels (other BLAS code paths round differently); rewrite it
+    with ``python -c "from tests.train.test_trainer import write_fixed_seed_steps as w; w()"``."""
+    recorded = json.loads(FIXED_SEED_STEPS.read_text())
+    if {k: recorded[k] for k in _environment()} != _environment():
+        pytest.skip(f"the record is of {recorded['torch']} on {recorded['cpu_capability']}: rewrite it here")
+    assert fixed_seed_steps() == recorded["runs"]
+
+
+def _steps_then_save(cfg: Config, steps: int) -> list[float]:
+    from mtraining.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        losses = [trainer.train_step()["loss"] for _ in range(steps)]
+        if cfg.checkpoint.dir is not None:
+            trainer.save()
+        return losses
+    finally:
+        trainer.close()
+
+
+def test_one_float32_rank_runs_without_fsdp_and_its_checkpoints_resume_on_a_ring(tmp_path):
+    """FSDP is left out where it has nothing to do (one rank, float32 parameters) and kept elsewhere; a
+    checkpoint of one rank (plain tensors) resumes on two context ranks (FSDP's DTensors) and back, each
+    continuing as the run that never stopped (to float32 reduction order)."""
+    from mtraining.train.trainer import needs_fsdp
+
+    assert not needs_fsdp(1, torch.float32)
+    assert needs_fsdp(2, torch.float32) and needs_fsdp(1, torch.bfloat16)
+    common = (*SMALL_BUDGET, "train.steps=3")
+    ring = ("parallel.context=2",)
+    for first, then, folder in (((), ring, "one_to_two"), (ring, (), "two_to_one")):
+        saved = (*common, f"checkpoint.dir={tmp_path / folder}")
+        run_local(_steps_then_save, 2 if first else 1, _config(*saved, *first), 2)
+        resumed = run_local(_steps_then_save, 2 if then else 1, _config(*saved, *then), 1)[0]
+        whole = run_local(_steps_then_save, 2 if then else 1, _config(*common, *then), 3)[0]
+        torch.testing.assert_close(resumed[0], whole[2], rtol=2e-5, atol=0)

@@ -1,0 +1,226 @@
+"""The trainer's per-step overhead on a small model: ``Trainer.run`` against a plain PyTorch loop.
+
+Both sides train the same Qwen2 config (``model.config``, float32) on the same batches (the shipped
+corpus, drawn as the trainer draws them), one thread per process:
+- the trainer: ``Trainer(cfg).run()`` on gloo ranks (``run_local``: 1 rank, then context-parallel
+  ranks), every step of its loop timed from one ``monitor.log`` to the next (data, step, metrics,
+  logging; no checkpoints unless ``--set checkpoint...`` asks);
+- the plain loop: the Hugging Face model with its own attention (``--plain-attention``, SDPA by
+  default), cross-entropy of its full logits, ``clip_grad_norm_`` and ``torch.optim.AdamW``.
+
+Seconds per step are the median after ``--warmup`` steps, wall and CPU (user + sys of the process,
+every thread; for several ranks the CPU of all ranks together, wall the slowest rank's). CPU time
+is the figure to trust on a loaded machine.
+
+    python bench/train_overhead.py --label after --out train_overhead.json   # appended under bench/results/
+    python bench/train_overhead.py --ranks 1 --set attention.sparse=false   # one variant
+    python bench/train_overhead.py --profile step.txt   # where rank 0's steps go: step_1rank.txt, ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS_DIR, provenance  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def raw_config(args: argparse.Namespace) -> dict:
+    """The trainer config: a 2-layer Qwen2, the README's CPU attention settings, logs (metrics.jsonl,
+    TensorBoard when installed) in a temporary folder, no checkpoints."""
+    return {
+        "model": {
+            "config": dict(
+                model_type="qwen2",
+                vocab_size=512,
+                hidden_size=args.hidden,
+                intermediate_size=2 * args.hidden,
+                num_hidden_layers=args.layers,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=4096,
+                tie_word_embeddings=True,
+            ),
+            "dtype": "float32",
+        },
+        "attention": {
+            "sparse": True,
+            "layout": "striped",
+            "block_size": 32,
+            "backend": "torch",
+            "v_size": 32,
+            "s_size": 64,
+            "last_q": 64,
+            "local_window": 32,
+            "dense_layers": [0],
+        },
+        "data": {
+            "sources": [str(DATA / "tiny_corpus.jsonl")],
+            "tokenizer": str(DATA / "tokenizer.json"),
+            "seq_len": args.seq_len,
+            "batch_size": args.batch,
+        },
+        "optim": {"lr": 1e-3, "warmup_steps": 2},
+        "train": {"steps": args.warmup + args.steps, "seed": 0, "device": "cpu", "activation_checkpointing": False},
+        "log": {"dir": args.log_dir, "progress": False, "every": 1},
+    }
+
+
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _per_step(marks: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """Wall and CPU seconds between consecutive marks."""
+    return [b[0] - a[0] for a, b in zip(marks, marks[1:])], [b[1] - a[1] for a, b in zip(marks, marks[1:])]
+
+
+def trainer_steps(cfg, warmup: int, profile: str | None = None) -> dict:
+    """On each rank: train, marking the clocks when the loop starts and at each step's ``monitor.log``;
+    with ``profile`` rank 0 writes a cProfile table (cumulative time) of the steps after the warm-up there."""
+    import torch.distributed as dist
+
+    from mtraining.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    marks = [_clock()]
+    log = trainer.monitor.log
+    profiler = cProfile.Profile() if profile is not None and dist.get_rank() == 0 else None
+
+    def timed_log(step: int, metrics: dict) -> None:
+        log(step, metrics)
+        marks.append(_clock())
+        if profiler is not None and step == warmup:
+            profiler.enable()
+
+    trainer.monitor.log = timed_log
+    try:
+        history = trainer.run()
+    finally:
+        trainer.close()
+    if profiler is not None:
+        profiler.disable()
+        with open(profile, "w") as f:
+            pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(60)
+    wall, cpu = _per_step(marks)
+    return {"wall": wall, "cpu": cpu, "losses": [m["loss"] for m in history]}
+
+
+def batches(cfg) -> list[torch.Tensor]:
+    """The samples [batch, seq_len + 1] of every step, as the trainer on one data rank draws them."""
+    from mtraining.train.data import open_sources
+    from mtraining.train.packing import PackedSamples, first_draw
+
+    sources = open_sources(cfg, log=lambda line: None)
+    d = cfg.data
+    data = PackedSamples([s.stream for s in sources], d.seq_len, seed=cfg.train.seed, shuffle=d.shuffle)
+    return [data.batch(first_draw(step, 0, 1, 0, 1, d.batch_size), d.batch_size) for step in range(cfg.train.steps)]
+
+
+def plain_steps(cfg, attention: str) -> dict:
+    """A plain loop: HF model and loss, AdamW (the trainer's hyperparameters), gradient clipping."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    steps = batches(cfg)
+    torch.manual_seed(cfg.train.seed)
+    hf_config = AutoConfig.for_model(**cfg.model.config)
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention, dtype=torch.float32)
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    marks, losses = [_clock()], []
+    for samples in steps:
+        inputs, labels = samples[:, :-1], samples[:, 1:]
+        logits = model(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        marks.append(_clock())
+    wall, cpu = _per_step(marks)
+    return {"wall": wall, "cpu": cpu, "losses": losses}
+
+
+def summarise(ranks: list[dict], warmup: int) -> dict:
+    """Median seconds per step after warm-up: wall of the slowest rank, CPU of all ranks together."""
+    wall = [max(r["wall"][i] for r in ranks) for i in range(warmup, len(ranks[0]["wall"]))]
+    cpu = [sum(r["cpu"][i] for r in ranks) for i in range(warmup, len(ranks[0]["cpu"]))]
+    return {
+        "wall_s": statistics.median(wall),
+        "cpu_s": statistics.median(cpu),
+        "wall_steps": wall,
+        "cpu_steps": cpu,
+        "losses": ranks[0]["losses"],
+    }
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """The plain loop, then the trainer on each ``args.ranks``: the record of one measurement."""
+    from mtraining.train.config import parse_config
+    from mtraining.train.launch import run_local
+
+    raw = raw_config(args)
+    record = {**provenance(on_gpu=False), "label": args.label, "model": raw["model"]["config"]}
+    record.update(seq_len=args.seq_len, batch=args.batch, steps=args.steps, warmup=args.warmup, overrides=args.set)
+    plain_cfg = parse_config(raw, args.set)
+    plain = summarise(run_local(plain_steps, 1, plain_cfg, args.plain_attention, timeout=3600), args.warmup)
+    record["plain"] = {"attention": args.plain_attention, **plain}
+    print(f"plain loop: {plain['wall_s']:.4f} s/step wall, {plain['cpu_s']:.4f} s CPU", flush=True)
+    record["trainer"] = []
+    for world in args.ranks:
+        cfg = parse_config(raw, [f"parallel.context={world}", *args.set])
+        profile = None if args.profile is None else str(args.profile.with_stem(f"{args.profile.stem}_{world}rank"))
+        run = summarise(run_local(trainer_steps, world, cfg, args.warmup, profile, timeout=3600), args.warmup)
+        run.update(ranks=world, wall_ratio=run["wall_s"] / plain["wall_s"], cpu_ratio=run["cpu_s"] / plain["cpu_s"])
+        record["trainer"].append(run)
+        print(
+            f"trainer, {world} rank(s): {run['wall_s']:.4f} s/step wall ({run['wall_ratio']:.2f}x), "
+            f"{run['cpu_s']:.4f} s CPU ({run['cpu_ratio']:.2f}x)",
+            flush=True,
+        )
+    return record
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20, help="timed steps after the warm-up")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="context-parallel gloo ranks per run")
+    p.add_argument("--plain-attention", default="sdpa", help="the plain loop's attn_implementation (sdpa, eager)")
+    p.add_argument("--set", nargs="*", default=[], help="trainer config overrides (section.key=value)")
+    p.add_argument(
+        "--profile", type=Path, default=None, help="PATH: rank 0 writes a cProfile table of the steps (PATH_<N>rank)"
+    )
+    p.add_argument("--label", default="", help="a name for this measurement (e.g. before / after)")
+    p.add_argument("--out", type=Path, default=None, help="append the record to this JSON list")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="train-overhead-") as log_dir:
+        args.log_dir = log_dir
+        record = measure(args)
+    if args.out is not None:
+        out = args.out if args.out.is_absolute() or args.out.parent != Path() else RESULTS_DIR / args.out
+        records = json.loads(out.read_text()) if out.exists() else []
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(records + [record], indent=1) + "\n")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
