@@ -37,7 +37,7 @@ SMALL = qwen2(512, 6, 8, 4, 2048, 65536)  # 25M
 TWO_LAYER = qwen2(256, 2, 4, 2, 2048, 65536)  # 2.1M
 WIDE2 = qwen2(2048, 2, 32, 8, 2048, 65536)  # 126M
 WIDE4 = qwen2(1536, 4, 24, 8, 2048, 65536)  # 142M
-SHALLOW = qwen2(768, 2, 12, 4, 2048, 65536)  # 2 layers of the GPU scale's 105M model (16M)
+SHALLOW = qwen2(768, 2, 12, 4, 2048, 65536)  # 2 layers of the GPU scale's 105M model (19M)
 Recipe = tuple[dict | None, tuple[Stage, ...]]
 RECIPES: dict[str, Recipe] = {  # name: (model, None for the GPU scale's; stages)
     "mix1024": (None, (REPEAT, Stage(1024, 300, 64, 1e-3))),
