@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from extension_corpus import Shape, Vocab
 
 from mtraining.eval.tasks import TASKS
+from mtraining.models.loader import Init
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class Scale:
     eval_s: float = 0.0  # expected seconds of one evaluation, for --max-minutes before one has run in the call
     cross: str = "all"  # cross evaluations (dense extension sparse, sparse extensions dense): all, default, none
     activation_checkpointing: bool = False  # in the extensions (the base trains at L0 without)
-    init: str = "hf"  # the base's random weights (model.init): hf, or depth_scaled
+    init: Init = "hf"  # the base's random weights (model.init)
 
     def __post_init__(self) -> None:
         if self.cross not in ("all", "default", "none"):

@@ -34,9 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import extension  # noqa: E402
 from common import provenance  # noqa: E402
-from extension_settings import SCALES, Stage  # noqa: E402
+from extension_settings import SCALES, Stage, qwen2  # noqa: E402
 
-from mtraining.models.loader import build_model, depth_scaled_init  # noqa: E402
+from mtraining.models.loader import RESIDUAL_OUTPUTS, build_model, depth_scaled_init  # noqa: E402
 
 VOCAB, LENGTH = 2048, 128
 Run = tuple[int, int, int, int, str, str]  # hidden, layers, heads, kv heads, init, path
@@ -72,12 +72,9 @@ def batch(step: int, size: int, device: str, stream: np.ndarray | None) -> torch
     return torch.tensor(rows, device=device)
 
 
-def qwen2_config(hidden: int, layers: int, heads: int, kv: int) -> dict:
-    return dict(
-        model_type="qwen2", vocab_size=VOCAB, hidden_size=hidden, intermediate_size=(4 if hidden >= 512 else 3) * hidden,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
-        tie_word_embeddings=True, rope_theta=10000.0,
-    )  # fmt: skip
+def model_config(hidden: int, layers: int, heads: int, kv: int) -> dict:
+    """The run's Qwen2 config fields (tied embeddings, MLP 4x wide from 512 on, 3x below)."""
+    return qwen2(hidden, layers, heads, kv, VOCAB, 4096)
 
 
 def train(run: Run, steps: int, size: int, lr: float, device: str, stream: np.ndarray | None) -> list[float]:
@@ -86,16 +83,16 @@ def train(run: Run, steps: int, size: int, lr: float, device: str, stream: np.nd
 
     hidden, layers, heads, kv, init, path = run
     torch.manual_seed(0)
-    fields = qwen2_config(hidden, layers, heads, kv)
+    fields = model_config(hidden, layers, heads, kv)
     del fields["model_type"]
-    config = Qwen2Config(**fields)
+    config = Qwen2Config(**fields, rope_theta=10000.0)
     config._attn_implementation = "sdpa"
     model = Qwen2ForCausalLM(config).to(device)
     if init == "depth_scaled":
         depth_scaled_init(model)
     elif init == "zero":
         for name, param in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
+            if name.endswith(RESIDUAL_OUTPUTS):
                 torch.nn.init.zeros_(param)
     work = copy.deepcopy(model).to(torch.bfloat16) if path == "plain-bf16" else None  # the compute copy
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
@@ -137,7 +134,7 @@ def token_stage(steps: int, size: int, lr: float, work: Path, device: str) -> tu
 def train_with_trainer(run: Run, data: dict, stage: Stage, scale, work: Path) -> list[float]:
     """``mtraining train`` on the token-copy stage file; the loss every 50 steps."""
     hidden, layers, heads, kv, init, path = run
-    scale = replace(scale, model=qwen2_config(hidden, layers, heads, kv), init=init)
+    scale = replace(scale, model=model_config(hidden, layers, heads, kv), init=init)
     source = dict(config=scale.model, rope_theta=scale.base_theta)
     config = extension.train_config(scale, stage, work / path, data, "stage0", source, None, 0)
     if path == "trainer-fp32":
@@ -159,18 +156,18 @@ def main() -> None:
     runs, stage_file = [], None
     result = dict(name="induction_init", **provenance(on_gpu=device == "cuda"), gpu_count=int(device == "cuda"))
     for run in RUN_SETS[args.runs]:
+        hidden, layers, heads, kv, init, path = run
         started = time.time()
-        if run[5] != "plain" and stage_file is None:
+        if path != "plain" and stage_file is None:
             stage_file = token_stage(args.steps, args.batch, args.lr, args.work.resolve(), device)
-        if run[5].startswith("trainer"):
+        if path.startswith("trainer"):
             curve = train_with_trainer(run, *stage_file, args.work.resolve())
         else:
-            stream = np.load(stage_file[0]["stage0"]["path"]) if run[5] == "plain-stream" else None
+            stream = np.load(stage_file[0]["stage0"]["path"]) if path == "plain-stream" else None
             curve = train(run, args.steps, args.batch, args.lr, device, stream)
-        hidden, layers, heads, kv, init, path = run
         with torch.device("meta"):
             parameters = sum(
-                p.numel() for p in build_model(config=qwen2_config(hidden, layers, heads, kv)).parameters()
+                p.numel() for p in build_model(config=model_config(hidden, layers, heads, kv)).parameters()
             )
         runs.append(
             dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv, init=init, path=path, parameters=parameters,

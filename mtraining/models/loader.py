@@ -29,7 +29,7 @@ _WINDOW_FIELDS = {"use_sliding_window", "sliding_window", "max_window_layers"}
 # RoPE types whose frequencies depend on the pre-training length (kept explicit when the length grows).
 _SCALED_ROPE = ("yarn", "longrope", "llama3")
 # The projections that close each residual branch (attention, MLP), as every supported type names them.
-_RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 Init = Literal["hf", "depth_scaled"]
 
 
@@ -175,7 +175,7 @@ def depth_scaled_init(model: nn.Module) -> None:
     redrawn = 0
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(_RESIDUAL_OUTPUTS):
+            if name.endswith(RESIDUAL_OUTPUTS):
                 param.normal_(0.0, std)
                 redrawn += 1
     if redrawn != 2 * c.num_hidden_layers:
