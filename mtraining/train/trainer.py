@@ -66,9 +66,11 @@ def shard_model(
     """Activation checkpointing per decoder layer, then FSDP2 over all data x context ranks (``needs_fsdp``).
 
     Parameters stay float32 (the master copy); with bfloat16 they are cast for compute and gradients
-    are reduced in float32.
+    are reduced in float32. Without FSDP the model is moved to the rank's device here (FSDP moves it).
     """
     fsdp = needs_fsdp(par.world_size, dtype)
+    if not fsdp:
+        model.to(par.device)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     layers = model.backbone.layers
     for i, layer in enumerate(layers):

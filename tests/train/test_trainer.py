@@ -349,3 +349,18 @@ def test_one_float32_rank_runs_without_fsdp_and_its_checkpoints_resume_on_a_ring
         resumed = run_local(_steps_then_save, 2 if then else 1, _config(*saved, *then), 1)[0]
         whole = run_local(_steps_then_save, 2 if then else 1, _config(*common, *then), 3)[0]
         torch.testing.assert_close(resumed[0], whole[2], rtol=2e-5, atol=0)
+
+
+def test_a_model_without_fsdp_moves_to_the_rank_device():
+    """A float32 world of one skips FSDP (which moves parameters to the mesh's device); shard_model must move
+    the model itself, or a GPU run computes with CUDA inputs against CPU weights (the meta device stands in)."""
+    from types import SimpleNamespace
+
+    from mtraining.train.trainer import shard_model
+
+    module = torch.nn.Module()
+    module.backbone = torch.nn.Module()
+    module.backbone.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    par = SimpleNamespace(world_size=1, device=torch.device("meta"), fsdp_mesh=None)
+    shard_model(module, par, torch.float32, activation_checkpointing=False)
+    assert {p.device.type for p in module.parameters()} == {"meta"}
