@@ -197,8 +197,8 @@ _GPU = Scale(
     model=qwen2(768, 12, 12, 4, _GPU_VOCAB, 65536),
     # with Hugging Face's init this model copies from context only after ~3000 token-copy steps and then still
     # fails NIAH at 256; with depth_scaled output projections it copies by step ~850 in a plain loop
-    # (bench/results/induction_init.json) but only partly in the trainer, and does NOT retrieve yet
-    # (bench/results/extension_gpu_base_search.json; `bench/induction_init.py --runs paths` asks why)
+    # (bench/results/induction_init.json), but not when 128-token windows cut documents longer than a sample
+    # (bench/results/induction_paths.json): the induction stages write one document per sample
     init="depth_scaled",
     text_vocab=_GPU_VOCAB,
     l0=4096,

@@ -7,8 +7,8 @@ and records the loss every 50 steps. A run is ``hidden x layers``, ``init`` (``h
 everywhere; ``depth_scaled``: mtraining's ``model.init``; ``zero``: residual output projections zero), and
 how it trains:
 - ``plain``: a plain PyTorch loop, bf16 autocast (float32 residual stream), one document per row;
-- ``plain-stream``: the same loop on 128-token windows of bench/extension.py's token-copy stage file
-  (161-token documents packed with EOS, as the trainer reads them);
+- ``plain-stream``: the same loop on the samples of bench/extension.py's token-copy stage file (EOS-separated
+  documents, as the trainer reads them);
 - ``plain-bf16``: one document per row, but forward and backward on a bfloat16 copy of the float32 weights
   (as FSDP's param_dtype=bfloat16 does: the residual stream is bfloat16 too);
 - ``trainer`` / ``trainer-fp32``: ``mtraining train`` on that stage file (bf16 / float32 compute).
@@ -58,8 +58,8 @@ RUN_SETS: dict[str, tuple[Run, ...]] = {
 
 
 def batch(step: int, size: int, device: str, stream: np.ndarray | None) -> torch.Tensor:
-    """``size`` rows of LENGTH + 1 token ids: a random span (ids 1 .. VOCAB - 1) repeated, or a window of
-    ``stream`` at a random offset."""
+    """``size`` rows of LENGTH + 1 token ids: a random span (ids 1 .. VOCAB - 1) repeated, or a random sample of
+    ``stream``."""
     rows = []
     for i in range(size):
         rng = random.Random(f"{step}-{i}")
@@ -67,7 +67,7 @@ def batch(step: int, size: int, device: str, stream: np.ndarray | None) -> torch
             span = [rng.randrange(1, VOCAB) for _ in range(rng.randint(8, 24))]
             rows.append((span * (LENGTH // len(span) + 2))[: LENGTH + 1])
         else:
-            start = rng.randrange(len(stream) - LENGTH - 1)
+            start = rng.randrange(len(stream) // LENGTH - 1) * LENGTH  # sample i starts at i x LENGTH, as the trainer's
             rows.append(stream[start : start + LENGTH + 1].astype(np.int64).tolist())
     return torch.tensor(rows, device=device)
 

@@ -395,19 +395,21 @@ def test_copy_documents_repeat_one_span_of_random_words():
 
 
 def test_token_span_stages_write_repeated_random_ids(tmp_path):
-    """A ("tokens",) stage's file holds EOS-separated spans of 8-24 random ids (never EOS) repeated, from the
-    tokenizer's vocabulary, and the same file for the same seed."""
+    """A ("tokens",) stage's file holds spans of 8-24 random ids (never EOS) repeated, from the tokenizer's
+    vocabulary, the same file for the same seed; its documents, and a ("copy",) stage's, are one sample long."""
     tokenizer = extension_text.write_tokenizer(tmp_path / "tok.json", 384)
     first = extension_text.train_stream(tmp_path / "a.npy", tokenizer, 3000, 128, seed=0, stage=0, kinds=("tokens",))
     again = extension_text.train_stream(tmp_path / "b.npy", tokenizer, 3000, 128, seed=0, stage=0, kinds=("tokens",))
     stream, eos = np.load(first["path"]), 0
     assert np.array_equal(stream, np.load(again["path"])) and stream.max() < 384
     documents = [d for d in np.split(stream, np.flatnonzero(stream == eos) + 1) if len(d)]
-    assert len(documents) >= 10
-    for doc in documents:
+    assert len(documents) >= 10 and stream.size == 128 * len(documents)
+    for doc in documents:  # one per sample: 127 ids then EOS
         ids = doc[:-1].tolist()
-        assert doc[-1] == eos and eos not in ids
+        assert len(doc) == 128 and doc[-1] == eos and eos not in ids
         period = next(p for p in range(1, len(ids)) if ids[p:] == ids[:-p])
         assert 8 <= period <= 24 and len(ids) >= 3 * period
+    copy = np.load(extension_text.train_stream(tmp_path / "c.npy", tokenizer, 3000, 96, 0, 1, kinds=("copy",))["path"])
+    assert copy.size % 96 == 0 and (copy[95::96] == eos).all() and (copy.reshape(-1, 96)[:, :-1] != eos).all()
     with pytest.raises(ValueError, match="a stage of their own"):  # ids cannot join a text mixture
         extension_text.documents(0, 4, 30, ("tokens", "niah"))
