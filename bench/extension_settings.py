@@ -207,10 +207,10 @@ _GPU = Scale(
     # (bench/results/extension_gpu_base_search.json); the base check stops a base that does not retrieve
     curriculum=(
         Stage(128, 1500, 64, 1e-3, kinds=("tokens",), min_lr_ratio=1.0),  # constant lr: copies sooner
-        Stage(128, 600, 128, 1e-3, kinds=("copy",)),
-        Stage(256, 800, 64, 1e-3, kinds=("niah",)),
-        Stage(1024, 400, 32, 1e-3, kinds=RETRIEVAL_KINDS),
-        Stage(4096, 800, 8, 6e-4, kinds=RETRIEVAL_KINDS),  # 150 steps: the 2-layer model at 55% NIAH at L0
+        Stage(128, 400, 128, 1e-3, kinds=("copy",)),
+        Stage(256, 500, 64, 1e-3, kinds=("niah",)),  # 100% of 10 at 256 after 800 steps
+        Stage(1024, 400, 32, 1e-3, kinds=RETRIEVAL_KINDS),  # 100% of 10 at 1024
+        Stage(4096, 1200, 8, 6e-4, kinds=RETRIEVAL_KINDS),  # 65% [43, 82] of 20 at L0 after 800 steps
     ),
     extension=Stage(32768, 100, 2, 3e-4),
     base_theta=10_000.0,

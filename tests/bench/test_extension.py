@@ -338,12 +338,13 @@ def test_a_base_that_does_not_retrieve_stops_the_run_before_its_extension(tmp_pa
         assert (tmp_path / "base" / "stage0" / "niah.json").exists()
     else:
         assert all("niah" not in r for r in runs)
-    with pytest.raises(extension.BaseDoesNotRetrieve, match="train the base longer.*--no-base-check"):
+    with pytest.raises(extension.BaseDoesNotRetrieve, match="train the base longer.*--extend-anyway"):
         extension.check_base(scale, tmp_path, base, seed=0)
     checked = json.loads((tmp_path / "eval" / "base_check.json").read_text())
     assert checked["accuracy"]["answers"] == sum(d["answers"] for d in checked["documents"]) >= 2
     assert checked["accuracy"]["percent"] == 0.0
     assert extension.check_base(replace(scale, base_check=0), tmp_path, base, seed=0) is None
+    assert extension.check_base(scale, tmp_path, base, seed=0, gate=False) == checked  # recorded, not stopping
 
 
 def test_base_search_trains_recipes_side_by_side_and_checks_each(tmp_path):
