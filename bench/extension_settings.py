@@ -198,7 +198,8 @@ _GPU = Scale(
     # with Hugging Face's init this model copies from context only after ~3000 token-copy steps and then still
     # fails NIAH at 256; with depth_scaled output projections it copies by step ~850 in a plain loop
     # (bench/results/induction_init.json), but not when 128-token windows cut documents longer than a sample
-    # (bench/results/induction_paths.json): the induction stages write one document per sample
+    # (bench/results/induction_paths.json): the induction stages write one document per sample, and the base
+    # retrieves (bench/results/extension_gpu.md)
     init="depth_scaled",
     text_vocab=_GPU_VOCAB,
     l0=4096,
@@ -229,7 +230,7 @@ _GPU = Scale(
     ruler_samples=3,
     # the needle variants and variable tracking: the formats the corpus trains (not cwe, fwe)
     ruler_tasks=("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt"),
-    cross="none",  # generation dominates the GPU time: base, dense and sparse extension, each in its own attention
+    cross="default",  # the default budget both ways: sparse inference on the dense model, dense on the sparse one
     checkpoint_every=200,  # a stop at --max-minutes saves its own checkpoint
     base_check=20,
     eval_s=150.0,  # the slowest evaluation measured on the H200 (a base that does not stop generating)
