@@ -150,6 +150,7 @@ def corpus(scale: Scale, work: Path, seed: int) -> dict:
                 i,
                 st.repeat,
                 st.kinds or extension_text.KINDS,
+                st.min_fill,
             )
         out["heldout"] = extension_text.heldout(folder / "heldout.jsonl", tokenizer, scale.long, scale.eval_docs, seed)
     out["seconds"] = round(time.time() - started, 1)
@@ -200,6 +201,7 @@ def train_config(
             seq_len=stage.seq_len,
             batch_size=stage.batch // (ranks // context),
             shuffle=True,
+            document_masking=extension and scale.document_masking,
         ),
         optim=dict(
             lr=stage.lr,

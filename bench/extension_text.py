@@ -101,10 +101,10 @@ def token_span_document(seed: int, length: int, vocab_size: int) -> list[int]:
     return (span * (length // len(span) + 1))[:length]
 
 
-def make_document(kind: str, seed: int, max_sentences: int) -> str:
-    """One document of ``kind`` (see KINDS) with up to ``max_sentences`` filler sentences."""
+def make_document(kind: str, seed: int, max_sentences: int, min_sentences: int = 8) -> str:
+    """One document of ``kind`` (see KINDS) with ``min_sentences`` to ``max_sentences`` filler sentences."""
     rng = random.Random(f"text-{kind}-{seed}")
-    knob = int(math.exp(rng.uniform(math.log(8), math.log(max_sentences))))
+    knob = int(math.exp(rng.uniform(math.log(min(min_sentences, max_sentences)), math.log(max_sentences))))
     if kind == "niah":
         parts = _build_niah(rng.choice(_NIAH), seed, knob, Haystack(seed=seed), None)
         return _render(parts) + " " + _listing(parts.answers) + "."
@@ -122,10 +122,12 @@ def make_document(kind: str, seed: int, max_sentences: int) -> str:
     raise ValueError(f"unknown document kind {kind!r}; use one of niah, vt, recall, facts, facts_word, copy")
 
 
-def documents(first_seed: int, count: int, max_sentences: int, kinds: tuple[str, ...] = KINDS) -> list[str]:
+def documents(
+    first_seed: int, count: int, max_sentences: int, kinds: tuple[str, ...] = KINDS, min_sentences: int = 8
+) -> list[str]:
     """``count`` documents from ``first_seed`` on, each of a kind drawn uniformly from ``kinds``."""
     drawn = [kinds[random.Random(f"text-kind-{first_seed + i}").randrange(len(kinds))] for i in range(count)]
-    return [make_document(k, first_seed + i, max_sentences) for i, k in enumerate(drawn)]
+    return [make_document(k, first_seed + i, max_sentences, min_sentences) for i, k in enumerate(drawn)]
 
 
 def write_tokenizer(path: Path, vocab_size: int, seed: int = 0) -> Path:
@@ -155,9 +157,11 @@ def train_stream(
     stage: int,
     repeat: bool = False,
     kinds: tuple[str, ...] = KINDS,
+    min_fill: float = 0.0,
 ) -> dict:
     """At least ``tokens`` tokens of training documents (EOS-separated) sized for ``seq_len``, as .npy: the
-    mixture of ``kinds``, or repeated sentences (``repeat_document``) when ``repeat``.
+    mixture of ``kinds``, or repeated sentences (``repeat_document``) when ``repeat``; mixture documents are
+    drawn from ``min_fill`` of a sample (at least 8 sentences) to about one sample, log-uniform.
 
     A stage of induction kinds only (``WHOLE_KINDS``) writes documents of exactly ``seq_len`` tokens, EOS
     last, so that the trainer's sample i (tokens [i N, (i + 1) N + 1)) is document i whole: packed across
@@ -176,7 +180,9 @@ def train_stream(
         if workers > 1:
             pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")))
         while total < tokens:
-            jobs = [(str(tokenizer), start + i * _CHUNK, seq_len, repeat, kinds) for i in range(max(workers, 1))]
+            jobs = [
+                (str(tokenizer), start + i * _CHUNK, seq_len, repeat, kinds, min_fill) for i in range(max(workers, 1))
+            ]
             start += len(jobs) * _CHUNK
             for chunk in pool.map(_chunk, jobs) if workers > 1 else map(_chunk, jobs):
                 if total < tokens:
@@ -194,9 +200,9 @@ _CHUNK = 256  # documents per task of the corpus' process pool
 WHOLE_KINDS = ("tokens", "copy")  # induction stages: one document of seq_len tokens per sample
 
 
-def _chunk(job: tuple[str, int, int, bool, tuple[str, ...]]) -> np.ndarray:
+def _chunk(job: tuple[str, int, int, bool, tuple[str, ...], float]) -> np.ndarray:
     """``_CHUNK`` documents from seed ``first`` on, tokenised, each followed by EOS (one pool task)."""
-    tokenizer, first, seq_len, repeat, kinds = job
+    tokenizer, first, seq_len, repeat, kinds, min_fill = job
     from mtraining.data.tokenizer import TextTokenizer
 
     tok = TextTokenizer(tokenizer)
@@ -213,7 +219,7 @@ def _chunk(job: tuple[str, int, int, bool, tuple[str, ...]]) -> np.ndarray:
         texts = (
             [repeat_document(s, max_sentences) for s in seeds]
             if repeat
-            else documents(first, _CHUNK, max_sentences, kinds)
+            else documents(first, _CHUNK, max_sentences, kinds, max(8, round(min_fill * max_sentences)))
         )
         docs = tok.encode(texts)
     return np.concatenate([np.asarray(ids + [eos], dtype=np.uint16) for ids in docs])

@@ -126,7 +126,9 @@ def test_gpu_scales():
     smoke, toy = SCALES["gpu-smoke"], SCALES["toy-text"]
     assert (smoke.device, smoke.dtype, smoke.backend, smoke.block_size) == ("cuda", "bfloat16", "auto", 128)
     same = {"task", "model", "budgets", "ranks", "niah_samples", "ruler_tasks", "activation_checkpointing"}
+    same |= {"document_masking"}
     assert all(getattr(smoke, f) == getattr(toy, f) for f in same) and toy.activation_checkpointing
+    assert gpu.document_masking and toy.document_masking
     assert toy.model["hidden_size"] // toy.model["num_attention_heads"] == head  # the kernels' head dim
     with pytest.raises(ValueError, match="cross"):
         replace(toy, cross="some")
@@ -314,6 +316,10 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
         for run in ("base/stage0", "extend/dense", "extend/sparse-v10")
     }
     assert checkpointing == {"base/stage0": False, "extend/dense": True, "extend/sparse-v10": True}
+    masking = {run: yaml.safe_load((work / run / "train.yaml").read_text())["data"] for run in checkpointing}
+    assert {run: d["document_masking"] for run, d in masking.items()} == {
+        "base/stage0": False, "extend/dense": True, "extend/sparse-v10": True
+    }  # fmt: skip
     models = {run: yaml.safe_load((work / run / "train.yaml").read_text())["model"] for run in checkpointing}
     assert models["base/stage0"]["init"] == "depth_scaled" == SCALES["toy-text"].init  # random weights only
     assert "init" not in models["extend/dense"] and "path" in models["extend/dense"]
@@ -412,5 +418,8 @@ def test_token_span_stages_write_repeated_random_ids(tmp_path):
         assert 8 <= period <= 24 and len(ids) >= 3 * period
     copy = np.load(extension_text.train_stream(tmp_path / "c.npy", tokenizer, 3000, 96, 0, 1, kinds=("copy",))["path"])
     assert copy.size % 96 == 0 and (copy[95::96] == eos).all() and (copy.reshape(-1, 96)[:, :-1] != eos).all()
+    short = [len(d) for d in extension_text.documents(0, 20, 60, ("recall",))]
+    long = [len(d) for d in extension_text.documents(0, 20, 60, ("recall",), min_sentences=45)]
+    assert min(long) > sorted(short)[10]  # min_fill: documents from that share of a sample up
     with pytest.raises(ValueError, match="a stage of their own"):  # ids cannot join a text mixture
         extension_text.documents(0, 4, 30, ("tokens", "niah"))
