@@ -435,14 +435,19 @@ def evaluate(scale: Scale, work: Path, data: dict, label: str, export: Path, bud
 def run(scale: Scale, work: Path, out: Path, seed: int, extend_anyway: bool = False) -> dict:
     """Every stage (skipping those done), then the results, report and plots in ``out``."""
     data = corpus(scale, work, seed)
-    base, base_runs = base_model(scale, work, data, seed)
-    base_checked = check_base(scale, work, base, seed, gate=not extend_anyway)
-    runs = extensions(scale, work, data, base, seed)
-    exports = {"base": base} | {name: work / "extend" / name / "export" for name in runs}
-    evaluations = {
-        label: evaluate(scale, work, data, label, exports[model], budget, seed)
-        for label, model, budget in eval_plan(scale)
-    }
+    prompts = work / "eval" / "prompts.pkl"  # the text task's prompts, kept for the next call of a resumed run
+    extension_eval.load_prompts(prompts)
+    try:
+        base, base_runs = base_model(scale, work, data, seed)
+        base_checked = check_base(scale, work, base, seed, gate=not extend_anyway)
+        runs = extensions(scale, work, data, base, seed)
+        exports = {"base": base} | {name: work / "extend" / name / "export" for name in runs}
+        evaluations = {
+            label: evaluate(scale, work, data, label, exports[model], budget, seed)
+            for label, model, budget in eval_plan(scale)
+        }
+    finally:
+        extension_eval.save_prompts(prompts)
     summary = extension_report.summarise(scale, evaluations, runs)
     stages = [*base_runs, *runs.values(), *evaluations.values()]
     result = dict(

@@ -16,6 +16,8 @@ in a fixed order (the same documents for every model), so the report can pair tw
 from __future__ import annotations
 
 import hashlib
+import os
+import pickle
 from pathlib import Path
 
 from extension_corpus import eval_set
@@ -152,6 +154,22 @@ def _prompt_cache(export: str) -> dict:
 
 
 _PROMPTS: dict[str, dict] = {}  # tokenizer.json's SHA-256 -> Prompting.cache
+
+
+def load_prompts(path: Path) -> None:
+    """Prompts an earlier process of this run built (``save_prompts``): a resumed run does not build them again
+    (a minute and more at 32K)."""
+    if path.exists():
+        for tokenizer, built in pickle.loads(path.read_bytes()).items():
+            _PROMPTS.setdefault(tokenizer, {}).update(built)
+
+
+def save_prompts(path: Path) -> None:
+    """Every prompt built in this process so far, for ``load_prompts`` (written whole, then renamed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_suffix(".part")
+    part.write_bytes(pickle.dumps(_PROMPTS))
+    os.replace(part, path)
 
 
 def load_export(export: str, scale: Scale):

@@ -323,6 +323,18 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
     models = {run: yaml.safe_load((work / run / "train.yaml").read_text())["model"] for run in checkpointing}
     assert models["base/stage0"]["init"] == "depth_scaled" == SCALES["toy-text"].init  # random weights only
     assert "init" not in models["extend/dense"] and "path" in models["extend/dense"]
+    # the prompts the run built come back in another process (a resumed run's next call), in the cache's shape
+    import extension_eval
+
+    from mtraining.eval.tasks import Sample
+
+    extension_eval._PROMPTS.clear()
+    extension_eval.load_prompts(work / "eval" / "prompts.pkl")
+    (built,) = extension_eval._PROMPTS.values()  # one tokenizer
+    assert {key[0] for key in built} == {"needle in a haystack", "ruler"} and all(
+        isinstance(v, Sample) and v.prompt for v in built.values()
+    )
+    extension_eval._PROMPTS.clear()
 
 
 def test_committed_cpu_results_are_informative_and_their_parity_follows_the_thresholds():
