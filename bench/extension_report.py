@@ -222,7 +222,7 @@ def _budget_plot(scale: Scale, summary: dict, path: Path) -> Path:
             steps, recall = zip(*e["recall_curve"])
             bx.plot(steps, recall, marker=".", label=f"{e['budget']['name']} (density {e['train_density']:.3f})")
     bx.set_xlabel("extension step")
-    bx.set_ylabel("pattern recall (attention mass kept, last queries)")
+    bx.set_ylabel("pattern recall (attention mass kept, random query rows)")
     bx.set_title("Pattern recall over training")
     bx.legend(fontsize=8)
     bx.grid(True, alpha=0.3)
@@ -331,6 +331,12 @@ def markdown(scale: Scale, result: dict, paths: dict[str, Path]) -> str:
             + [f"{e['ppl_last_bucket_vs_dense']['change_percent']:+.2f}%", "yes" if e["parity"] else "no"]
         )
     lines += _table(head, rows) + ["", f"![accuracy against budget]({paths['budget'].name})", ""]
+    lines += [
+        "Train recall: the mean over the run's logged steps of the attention probability the pattern keeps, "
+        "over all query rows (estimated on `last_q` rows drawn at random each step, held out from the rows "
+        "the pattern is estimated from, except by chance).",
+        "",
+    ]
     lines += [f"Accuracy in the plot: {TASK_TITLES[task]}.", "", "## Training runs", ""]
     lines += [
         "The loss is the mean cross-entropy over every token of the training documents (filler, needles, "

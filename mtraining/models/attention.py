@@ -13,9 +13,9 @@ what the layers do on that pass. A training step reads:
 
 - ``forward(record=..., save_outputs=...)``: each sparse layer estimates its pattern from the current
   q/k (runs dense where the pattern is denser than ``max_density``) and records its density, and
-  its recall when asked, for ``end_step``. When the layers are activation-checkpointed
-  (``checkpointed``) and gradients are on, each layer keeps the pattern it ran with, and with
-  ``save_outputs`` its attention (out, lse), for the recompute.
+  its recall when asked (on query rows drawn with ``seed``), for ``end_step``. When the layers are
+  activation-checkpointed (``checkpointed``) and gradients are on, each layer keeps the pattern it ran
+  with, and with ``save_outputs`` its attention (out, lse), for the recompute.
 - ``recompute()``: layers re-run inside it take back what the last forward kept instead of
   estimating again, so the recomputed forward is exactly the forward, at one estimation per layer
   (and with saved outputs no attention kernel runs). Leaving it drops what that forward kept, so
@@ -121,6 +121,7 @@ class _Pass:
     keep: _Kept | None = None  # a forward: where each layer keeps what its recompute needs
     replay: _Kept | None = None  # a recompute: what the forward kept
     documents: Documents | None = None  # packed documents of the pass (a recompute: its forward's)
+    seed: int = 0  # a forward recording recall: its row draw (pattern_recall)
 
 
 @dataclass(eq=False)
@@ -180,12 +181,17 @@ class Attention:
     # ------------------------------------------------------------------ the protocol
     @contextlib.contextmanager
     def forward(
-        self, record: Record = "density", save_outputs: bool = False, documents: Documents | None = None
+        self,
+        record: Record = "density",
+        save_outputs: bool = False,
+        documents: Documents | None = None,
+        seed: int = 0,
     ) -> Iterator[None]:
         """Run the model's forward inside: layers estimate, record ``record`` ("off", "density" or
         "recall": about one more estimation pass per layer) and, when checkpointed, keep their
         patterns (and with ``save_outputs`` their (out, lse)) for the next ``recompute()``.
-        ``documents``: the packed documents of this forward (global boundaries), kept for its recompute."""
+        ``documents``: the packed documents of this forward (global boundaries), kept for its recompute.
+        ``seed``: which query rows recall measures (``pattern_recall``); the same on every rank."""
         if save_outputs and not self.checkpointed:
             raise ValueError("save_outputs needs checkpointed layers: only a recomputed forward reuses saved outputs")
         if self._kept is not None:
@@ -194,7 +200,7 @@ class Attention:
             )
         grad = self.checkpointed and torch.is_grad_enabled()
         keep = _Kept(outputs={} if save_outputs else None, documents=documents) if grad else None
-        with self._running(_Pass(record=record, keep=keep, documents=documents)):
+        with self._running(_Pass(record=record, keep=keep, documents=documents, seed=seed)):
             yield
         self._kept = keep
 
@@ -239,7 +245,7 @@ class Attention:
         if now.replay is not None:
             pattern, reuse = now.replay.take(layer, config is not None)
         else:
-            pattern = None if config is None else self._decide(config, layer, q, k, scale, now.record, documents)
+            pattern = None if config is None else self._decide(config, layer, q, k, scale, now, documents)
             reuse = None
         if cp:
             out, lse = ring_attention(
@@ -292,11 +298,11 @@ class Attention:
         q: Tensor,
         k: Tensor,
         scale: float,
-        record: Record,
+        now: _Pass,
         documents: Documents | None,
     ) -> VerticalSlashPattern | None:
-        """This layer's pattern for this call (None: run dense), with its stats recorded as asked (density:
-        of the pairs within ``documents``, what dense attention computes)."""
+        """This layer's pattern for this call (None: run dense), with its stats recorded as ``now`` asks
+        (density: of the pairs within ``documents``, what dense attention computes)."""
         q, k = q.detach(), k.detach()
         cp = self.cp_size > 1
         if cp:
@@ -305,6 +311,7 @@ class Attention:
             )
         else:
             pattern = estimate_pattern(q, k, config, layer_idx=layer, softmax_scale=scale, documents=documents)
+        record = now.record
         measured = record != "off" or self.max_density is not None
         density = float(pattern.density(documents).mean()) if measured else None
         # the same decision on every rank: the pattern, so its density, is global
@@ -313,6 +320,6 @@ class Attention:
             recall = None
             if record == "recall":
                 group, layout = (self.group, self.layout) if cp else (None, None)
-                recall = pattern_recall(q, k, pattern, config.last_q, scale, group, layout, documents)
+                recall = pattern_recall(q, k, pattern, config.last_q, scale, group, layout, documents, seed=now.seed)
             self._stats[layer] = PatternStats(density=density, recall=recall, ran_dense=ran_dense)
         return None if ran_dense else pattern

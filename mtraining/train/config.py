@@ -338,8 +338,10 @@ class LogSection(_Section):
     """metrics.jsonl and TensorBoard files; None: console only."""
     every: PositiveInt = 1
     recall: bool = True
-    """On logged steps, also measure each sparse layer's pattern recall (the attention mass its pattern
-    keeps for the last queries): one more pass over the keys per layer, timed as part of the step."""
+    """On logged steps, also measure each sparse layer's pattern recall: the mean over all query rows of
+    the attention probability its pattern keeps, estimated on ``last_q`` rows drawn at random with the step
+    as seed (held out from the estimation's last rows, except by chance). One more pass of ``last_q`` rows
+    over the keys per layer, timed as part of the step."""
     tensorboard: bool = True
     wandb: WandbSection | None = None
     progress: bool = True

@@ -238,7 +238,9 @@ class Trainer:
                 self.model.set_requires_gradient_sync(last)
             recall = logged and last and cfg.log.recall  # the pattern metrics are the last micro-batch's
             record = "recall" if recall else "density"
-            with self.attention.forward(record=record, save_outputs=self.save_outputs, documents=documents):
+            with self.attention.forward(
+                record=record, save_outputs=self.save_outputs, documents=documents, seed=step
+            ):  # seed: the rows recall measures, the same on every rank
                 loss_sum = self.model(input_ids, labels, position_ids)
             total += loss_sum.detach()
             with self.attention.recompute():  # activation checkpointing re-runs each layer's forward in here

@@ -123,6 +123,27 @@ def test_stats_are_recorded_as_asked():
     assert stats.recall is None and 0 < stats.density < 1 and stats.dense_fallback == 0
 
 
+def test_recall_measures_the_rows_of_the_forward_seed(monkeypatch):
+    """forward(record="recall", seed=s): every sparse layer's recall is pattern_recall's with seed s (the trainer
+    passes the step), so the same seed gives the same figures and another seed other rows."""
+    seeds, real = [], attention.pattern_recall
+
+    def spied(*args, seed):
+        seeds.append(seed)
+        return real(*args, seed=seed)
+
+    monkeypatch.setattr(attention, "pattern_recall", spied)
+    model, att = _model(checkpointed=False)
+    ids = _ids(0)
+    recalls = {}
+    for seed in (5, 5, 6):
+        with att.forward(record="recall", seed=seed):
+            model(input_ids=ids, use_cache=False)
+        recalls.setdefault(seed, []).append([s.recall for s in att.end_step().layers.values()])
+    assert seeds == [5, 5, 5, 5, 6, 6]  # two sparse layers per forward
+    assert recalls[5][0] == recalls[5][1] and recalls[5][0] != recalls[6][0], recalls
+
+
 def test_misuse_fails_clearly():
     model, att = _model(checkpointed=True)
     ids = _ids(0)
