@@ -511,12 +511,20 @@ def main() -> None:
         action="store_true",
         help="extend the base even if its check at L0 finds it clearly failing to retrieve (the check is recorded)",
     )
+    p.add_argument(
+        "--document-masking",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the extensions' packed documents attend only within themselves (default: the scale's)",
+    )
     args = p.parse_args()
     if args.report_from is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         report_from(args.report_from, args.out)
         return
     scale = SCALES[args.scale]
+    if args.document_masking is not None:
+        scale = replace(scale, document_masking=args.document_masking)
     if args.budgets:
         names = [b.strip() for b in args.budgets.split(",") if b.strip()]
         known = {b.name: b for b in (*SWEEP, *scale.budgets)}

@@ -316,6 +316,7 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
         for run in ("base/stage0", "extend/dense", "extend/sparse-v10")
     }
     assert checkpointing == {"base/stage0": False, "extend/dense": True, "extend/sparse-v10": True}
+    assert "packed documents masked" in (out / "extension_toy-text.md").read_text()
     masking = {run: yaml.safe_load((work / run / "train.yaml").read_text())["data"] for run in checkpointing}
     assert {run: d["document_masking"] for run, d in masking.items()} == {
         "base/stage0": False, "extend/dense": True, "extend/sparse-v10": True
