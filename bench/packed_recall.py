@@ -1,0 +1,213 @@
+"""Does a sparse pattern estimated from a packed sample's last queries miss the other documents' needles?
+
+The CPU scale's base of the context-extension experiment (bench/extension.py; trained dense at L0 on
+one recall document per sample, reused from ``--work`` when there) reads held-out samples of 8 L0
+tokens that pack ``factor`` (8) associative-recall documents of L0 tokens each (extension_corpus
+``eval_set``: queries at the end of each document), at the base's own RoPE base (each document is L0
+long, where the base retrieves). Each answer is scored teacher-forced (the greedy prediction before it,
+as ``mtraining.eval.retrieval``) per document position in the sample (1: first ... 8: last) under:
+
+- dense_masked: dense attention with document masking (each document alone: the reference);
+- dense_unmasked: dense without masking (each document also sees the earlier ones);
+- sparse_unmasked: the budget's vertical-slash pattern (``Budget.pattern(8 L0, scale)``, layer 0 dense, as
+  in training) without masking: estimated from the sample's last ``last_q`` queries, the last document's;
+- sparse_masked: the same budget with masking: estimated from every document's last queries.
+
+The sparse conditions also record the pattern's density (of the pairs the attention computes: within
+documents when masked) and its held-out recall (``models.recall.pattern_recall`` on ``last_q`` rows drawn
+at random; per document's keys when masked). One process, torch backend, the scale's dtype (float32 on
+the CPU), no context parallelism. Writes ``packed_recall.json`` (``--out``) and prints a table.
+
+    python bench/packed_recall.py                          # cpu scale: the base (~9 min) once, then ~10 min
+    python bench/packed_recall.py --scale toy --work /tmp/w --out /tmp/o --samples 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
+import extension  # noqa: E402
+import extension_eval  # noqa: E402
+from common import RESULTS_DIR, provenance  # noqa: E402
+from extension_corpus import eval_set  # noqa: E402
+from extension_report import accuracy, difference  # noqa: E402
+from extension_settings import SCALES, Budget, Scale  # noqa: E402
+
+from mtraining.eval.engine import Engine  # noqa: E402
+from mtraining.ops.documents import Documents  # noqa: E402
+
+CONDITIONS = {  # name: (sparse, document masking)
+    "dense_masked": (False, True),
+    "dense_unmasked": (False, False),
+    "sparse_unmasked": (True, False),
+    "sparse_masked": (True, True),
+}
+# paired differences per document position (same samples): what sparse attention costs, without and with masking
+DIFFERENCES = {
+    "sparse_unmasked - dense_unmasked": ("sparse_unmasked", "dense_unmasked"),
+    "sparse_masked - dense_masked": ("sparse_masked", "dense_masked"),
+}
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One sample: ``ids`` of its documents back to back, each document's ``length``, and per document the
+    answer positions in the sample."""
+
+    ids: list[int]
+    lengths: list[int]
+    answers: list[list[int]]
+
+
+def packed_samples(scale: Scale, samples: int, seed: int) -> list[Packed]:
+    """``samples`` samples of ``scale.factor`` held-out recall documents of L0 tokens each (8 L0 in all)."""
+    per = scale.factor
+    docs = eval_set(scale.vocab, scale.l0, samples * per, scale.eval_shape, scale.depths, seed)
+    out = []
+    for i in range(samples):
+        group = docs[i * per : (i + 1) * per]
+        starts = [j * scale.l0 for j in range(per)]
+        out.append(
+            Packed(
+                ids=[t for d in group for t in d.ids],
+                lengths=[len(d.ids) for d in group],
+                answers=[[s + a for a in d.answers] for s, d in zip(starts, group)],
+            )
+        )
+    assert all(len(p.ids) == scale.long for p in out)
+    return out
+
+
+def base_export(scale: Scale, work: Path, seed: int) -> Path:
+    """The scale's base (bench/extension.py's corpus and curriculum), trained unless ``work`` has it."""
+    data = extension.corpus(scale, work, seed)
+    export, _ = extension.base_model(scale, work, data, seed)
+    return export
+
+
+def score(engine: Engine, samples: list[Packed], masked: bool) -> list[list[dict]]:
+    """Per document position, per sample: {"hits", "answers"} (teacher-forced greedy answers, as
+    ``mtraining.eval.retrieval``), each sample one prefill (``documents`` when ``masked``)."""
+    by_position: list[list[dict]] = [[] for _ in samples[0].lengths]
+    for sample in samples:
+        ids = torch.as_tensor(sample.ids)
+        documents = Documents.from_lengths(sample.lengths) if masked else None
+        _, predicted = engine.token_scores(ids, documents)
+        for k, answers in enumerate(sample.answers):
+            found = sum(int(predicted[p - 1]) == sample.ids[p] for p in answers)
+            by_position[k].append({"hits": found, "answers": len(answers)})
+    return by_position
+
+
+def condition(model, scale: Scale, budget: Budget, samples: list[Packed], sparse: bool, masked: bool) -> dict:
+    """One condition's records and figures (accuracy per position and overall; density and recall when sparse)."""
+    started, cpu = time.time(), time.process_time()
+    engine = Engine(model, extension_eval.spec(scale, budget if sparse else None, scale.long), None, record="recall")
+    records = score(engine, samples, masked)
+    return dict(
+        attention="sparse" if sparse else "dense",
+        document_masking=masked,
+        by_position=[accuracy(docs) | {"position": k + 1} for k, docs in enumerate(records)],
+        overall=accuracy([d for docs in records for d in docs]),
+        density=_mean(engine.densities),
+        recall=_mean(engine.recalls),
+        densities=engine.densities,
+        recalls=engine.recalls,
+        records=records,
+        wall_s=round(time.time() - started, 1),
+        cpu_s=round(time.process_time() - cpu, 1),
+    )
+
+
+def run(scale: Scale, work: Path, out: Path, samples: int, seed: int, budget_name: str | None = None) -> dict:
+    """Every condition on the same packed samples; writes ``out/packed_recall.json`` and returns it."""
+    budget = scale.budget(budget_name or scale.default_budget)
+    export = base_export(scale, work, seed)
+    loaded = extension_eval.load_export(str(export), scale)
+    packed = packed_samples(scale, samples, seed)
+    conditions = {}
+    for name, (sparse, masked) in CONDITIONS.items():
+        conditions[name] = condition(loaded.model, scale, budget, packed, sparse, masked)
+        extension.say(f"{name}: {_row(conditions[name])}")
+    differences = {
+        name: [difference(conditions[a]["records"][k], conditions[b]["records"][k]) for k in range(scale.factor)]
+        for name, (a, b) in DIFFERENCES.items()
+    }
+    result = dict(
+        name="packed_recall",
+        **provenance(on_gpu=scale.device == "cuda"),
+        scale=scale.name,
+        base=str(export),
+        rope_theta=loaded.model.config.rope_parameters["rope_theta"],  # the base's own: documents are L0 long
+        sample_length=scale.long,
+        document_length=scale.l0,
+        documents_per_sample=scale.factor,
+        samples=samples,
+        queries_per_document=len(scale.depths),
+        depths=list(scale.depths),
+        budget=asdict(budget),
+        pattern=budget.pattern(scale.long, scale),
+        dense_layers=[0],
+        backend=scale.backend,
+        dtype=scale.dtype,
+        processes=1,
+        context_parallel=False,
+        conditions=conditions,
+        differences=differences,
+        wall_s=round(sum(c["wall_s"] for c in conditions.values()), 1),
+        cpu_s=round(sum(c["cpu_s"] for c in conditions.values()), 1),
+    )
+    extension.write_json(out / "packed_recall.json", result)
+    print(table(result))
+    return result
+
+
+def table(result: dict) -> str:
+    """Markdown table: % found per document position (1: first), overall with its 95% interval, density, recall."""
+    k = result["documents_per_sample"]
+    head = ["condition", *[f"doc {i + 1}" for i in range(k)], "all [95% CI]", "density", "recall"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, c in result["conditions"].items():
+        lines.append(f"| {name} | {_row(c)} |")
+    return "\n".join(lines)
+
+
+def _row(c: dict) -> str:
+    low, high = c["overall"]["interval"]
+    cells = [f"{p['percent']:.0f}" for p in c["by_position"]]
+    cells.append(f"{c['overall']['percent']:.1f} [{low:.0f}, {high:.0f}]")
+    cells += [f"{c[key]:.3f}" if c[key] is not None else "-" for key in ("density", "recall")]
+    return " | ".join(cells)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scale", choices=[n for n, s in SCALES.items() if s.task == "recall"], default="cpu")
+    p.add_argument("--work", type=Path, default=None, help="the base's folder (default: runs/extension_<scale>)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--samples", type=int, default=40, help="packed samples (each: factor documents x their queries)")
+    p.add_argument("--budget", default=None, help="sparse budget (default: the scale's default)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    scale = SCALES[args.scale]
+    work = (args.work or ROOT / "runs" / f"extension_{scale.name}").resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    run(scale, work, args.out, args.samples, args.seed, args.budget)
+
+
+if __name__ == "__main__":
+    main()
