@@ -14,8 +14,10 @@ as ``mtraining.eval.retrieval``) per document position in the sample (1: first .
 - sparse_masked: the same budget with masking: estimated from every document's last queries.
 
 The sparse conditions also record the pattern's density (of the pairs the attention computes: within
-documents when masked) and its held-out recall (``models.recall.pattern_recall`` on ``last_q`` rows drawn
-at random; per document's keys when masked). One process, torch backend, the scale's dtype (float32 on
+documents when masked), its held-out recall (``models.recall.pattern_recall`` on ``last_q`` rows drawn at
+random; per document's keys when masked) and, per document position, its *answer-row recall*: the attention
+probability the pattern keeps on the rows that predict the answers (the rows that must reach the needles),
+over the sparse layers and query heads, computed as ``pattern_recall`` computes a row's. One process, torch backend, the scale's dtype (float32 on
 the CPU), no context parallelism. Writes ``packed_recall.json`` (``--out``) and prints a table.
 
     python bench/packed_recall.py                          # cpu scale: the base (~9 min) once, then ~10 min
@@ -27,7 +29,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -43,6 +45,8 @@ from extension_report import accuracy, difference  # noqa: E402
 from extension_settings import SCALES, Budget, Scale  # noqa: E402
 
 from mtraining.eval.engine import Engine  # noqa: E402
+from mtraining.models.attention import Attention  # noqa: E402
+from mtraining.models.recall import _kept  # noqa: E402
 from mtraining.ops.documents import Documents  # noqa: E402
 
 CONDITIONS = {  # name: (sparse, document masking)
@@ -87,6 +91,40 @@ def packed_samples(scale: Scale, samples: int, seed: int) -> list[Packed]:
     return out
 
 
+@dataclass(eq=False)
+class _Probe(Attention):
+    """An ``Attention`` that also measures, per sparse layer, the attention probability its pattern keeps on the
+    query ``rows`` (global positions, ascending), averaged over query heads, as ``pattern_recall`` computes it
+    (keys from each row's document start when the forward has documents)."""
+
+    rows: torch.Tensor | None = None
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def _decide(self, config, layer, q, k, scale, now, documents):
+        pattern = super()._decide(config, layer, q, k, scale, now, documents)
+        if pattern is not None and self.rows is not None:
+            bounds = None if documents is None else documents.left_bounds(self.rows)
+            self.kept[layer] = _kept(q.detach(), k.detach(), pattern, self.rows, bounds, scale, None, None)[0].mean(0)
+        return pattern
+
+
+class ProbeEngine(Engine):
+    """An ``Engine`` whose prefills also measure the pattern's recall on the rows in ``rows`` (set before each
+    prefill): ``row_recall`` gets, per prefill, {sparse layer: kept probability per row}."""
+
+    rows: torch.Tensor | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.row_recall: list[dict[int, torch.Tensor]] = []
+
+    def _attention(self, seq_len: int) -> Attention:
+        base = super()._attention(seq_len)
+        probe = _Probe(**{f.name: getattr(base, f.name) for f in fields(Attention) if f.init}, rows=self.rows)
+        self.row_recall.append(probe.kept)
+        return probe
+
+
 def base_export(scale: Scale, work: Path, seed: int) -> Path:
     """The scale's base (bench/extension.py's corpus and curriculum), trained unless ``work`` has it."""
     data = extension.corpus(scale, work, seed)
@@ -94,29 +132,42 @@ def base_export(scale: Scale, work: Path, seed: int) -> Path:
     return export
 
 
-def score(engine: Engine, samples: list[Packed], masked: bool) -> list[list[dict]]:
+def score(engine: ProbeEngine, samples: list[Packed], masked: bool) -> list[list[dict]]:
     """Per document position, per sample: {"hits", "answers"} (teacher-forced greedy answers, as
-    ``mtraining.eval.retrieval``), each sample one prefill (``documents`` when ``masked``)."""
+    ``mtraining.eval.retrieval``), each sample one prefill (``documents`` when ``masked``); sparse, also
+    "answer_recall": the pattern's kept probability on the rows that predict the document's answers (mean over
+    its answers, the query heads and the sparse layers)."""
     by_position: list[list[dict]] = [[] for _ in samples[0].lengths]
     for sample in samples:
         ids = torch.as_tensor(sample.ids)
         documents = Documents.from_lengths(sample.lengths) if masked else None
+        engine.rows = torch.tensor(sorted(p - 1 for answers in sample.answers for p in answers))
         _, predicted = engine.token_scores(ids, documents)
+        layers = list(engine.row_recall[-1].values()) if engine.row_recall else []
+        kept = dict(zip(engine.rows.tolist(), torch.stack(layers).mean(0).tolist())) if layers else None
         for k, answers in enumerate(sample.answers):
             found = sum(int(predicted[p - 1]) == sample.ids[p] for p in answers)
-            by_position[k].append({"hits": found, "answers": len(answers)})
+            record = {"hits": found, "answers": len(answers)}
+            if kept is not None:
+                record["answer_recall"] = sum(kept[p - 1] for p in answers) / len(answers)
+            by_position[k].append(record)
     return by_position
 
 
 def condition(model, scale: Scale, budget: Budget, samples: list[Packed], sparse: bool, masked: bool) -> dict:
     """One condition's records and figures (accuracy per position and overall; density and recall when sparse)."""
     started, cpu = time.time(), time.process_time()
-    engine = Engine(model, extension_eval.spec(scale, budget if sparse else None, scale.long), None, record="recall")
+    engine = ProbeEngine(
+        model, extension_eval.spec(scale, budget if sparse else None, scale.long), None, record="recall"
+    )
     records = score(engine, samples, masked)
     return dict(
         attention="sparse" if sparse else "dense",
         document_masking=masked,
-        by_position=[accuracy(docs) | {"position": k + 1} for k, docs in enumerate(records)],
+        by_position=[
+            accuracy(docs) | {"position": k + 1, "answer_recall": _answer_recall(docs)}
+            for k, docs in enumerate(records)
+        ],
         overall=accuracy([d for docs in records for d in docs]),
         density=_mean(engine.densities),
         recall=_mean(engine.recalls),
@@ -172,12 +223,17 @@ def run(scale: Scale, work: Path, out: Path, samples: int, seed: int, budget_nam
 
 
 def table(result: dict) -> str:
-    """Markdown table: % found per document position (1: first), overall with its 95% interval, density, recall."""
+    """Markdown table: % found per document position (1: first), overall with its 95% interval, density, recall;
+    then the sparse conditions' answer-row recall per document position."""
     k = result["documents_per_sample"]
     head = ["condition", *[f"doc {i + 1}" for i in range(k)], "all [95% CI]", "density", "recall"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, c in result["conditions"].items():
         lines.append(f"| {name} | {_row(c)} |")
+    for name, c in result["conditions"].items():
+        if c["attention"] == "sparse":
+            cells = [f"{p['answer_recall']:.3f}" for p in c["by_position"]]
+            lines.append(f"| {name}: answer-row recall | {' | '.join(cells)} | | | |")
     return "\n".join(lines)
 
 
@@ -187,6 +243,11 @@ def _row(c: dict) -> str:
     cells.append(f"{c['overall']['percent']:.1f} [{low:.0f}, {high:.0f}]")
     cells += [f"{c[key]:.3f}" if c[key] is not None else "-" for key in ("density", "recall")]
     return " | ".join(cells)
+
+
+def _answer_recall(docs: list[dict]) -> float | None:
+    """Mean of the documents' answer-row recall (None for dense attention)."""
+    return _mean([d["answer_recall"] for d in docs if "answer_recall" in d])
 
 
 def _mean(values: list[float]) -> float | None:

@@ -37,14 +37,14 @@ class Stand:
     passed."""
 
     def __init__(self, wrong: set[int]) -> None:
-        self.wrong, self.documents = wrong, []
+        self.wrong, self.documents, self.row_recall = wrong, [], []
 
     def token_scores(self, ids, documents=None):
         self.documents.append(documents)
         predicted = ids[1:].clone()
         for p in self.wrong if len(self.documents) == 1 else ():
             predicted[p - 1] = -1
-        return torch.zeros(len(ids) - 1), predicted
+        return torch.zeros(len(ids) - 1), predicted  # no row_recall: scored as dense
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -55,7 +55,7 @@ def test_score_counts_each_answer_at_its_document_position(masked):
     records = pr.score(engine, samples, masked)
     q = len(TOY.depths)
     assert [[d["hits"] for d in docs] for docs in records] == [[q, q], [q - 1, q], [q, q], [q - 1, q]]
-    assert all(d["answers"] == q for docs in records for d in docs)
+    assert all(d["answers"] == q and "answer_recall" not in d for docs in records for d in docs)
     if masked:
         assert [d.lengths().tolist() for d in engine.documents] == [[TOY.l0] * TOY.factor] * 2
     else:
@@ -75,16 +75,22 @@ def test_run_at_toy_size(tmp_path):
         assert (c["attention"] == "sparse") == sparse and c["document_masking"] == masked
         records = c["records"]
         assert len(records) == TOY.factor and all(len(docs) == 2 for docs in records)
-        assert c["by_position"] == [report.accuracy(docs) | {"position": k + 1} for k, docs in enumerate(records)]
+        found = [{k: v for k, v in p.items() if k != "answer_recall"} for p in c["by_position"]]
+        assert found == [report.accuracy(docs) | {"position": k + 1} for k, docs in enumerate(records)]
         assert c["overall"] == report.accuracy([d for docs in records for d in docs])
         assert c["overall"]["answers"] == 2 * TOY.factor * len(TOY.depths)
         if sparse:
+            kept = [[d["answer_recall"] for d in docs] for docs in records]
+            assert all(0 < x <= 1 for row in kept for x in row) and len({x for row in kept for x in row}) > 1
+            assert [p["answer_recall"] for p in c["by_position"]] == pytest.approx([sum(r) / 2 for r in kept])
             assert len(c["densities"]) == len(c["recalls"]) == 2
             assert all(0 < x <= 1 for x in c["densities"] + c["recalls"])
             assert c["density"] == pytest.approx(sum(c["densities"]) / 2)
             assert c["recall"] == pytest.approx(sum(c["recalls"]) / 2)
         else:
             assert c["density"] is None and c["recall"] is None and c["densities"] == c["recalls"] == []
+            assert all("answer_recall" not in d for docs in records for d in docs)
+            assert all(p["answer_recall"] is None for p in c["by_position"])
     masked, unmasked = result["conditions"]["sparse_masked"], result["conditions"]["sparse_unmasked"]
     assert masked["densities"] != unmasked["densities"]  # of the pairs within documents vs all causal pairs
     for name, (a, b) in pr.DIFFERENCES.items():
