@@ -12,6 +12,9 @@ as ``mtraining.eval.retrieval``) per document position in the sample (1: first .
 - sparse_unmasked: the budget's vertical-slash pattern (``Budget.pattern(8 L0, scale)``, layer 0 dense, as
   in training) without masking: estimated from the sample's last ``last_q`` queries, the last document's;
 - sparse_masked: the same budget with masking: estimated from every document's last queries.
+- sparse_masked_<b> (``--masked-budgets``): masked at sparser budgets. A budget is scaled to the sample's length,
+  so with masking it keeps a far larger share of the pairs the attention computes (those within documents, 1/8
+  of the causal pairs here): these give masked conditions near the unmasked one's density.
 
 The sparse conditions also record the pattern's density (of the pairs the attention computes: within
 documents when masked), its held-out recall (``models.recall.pattern_recall`` on ``last_q`` rows drawn at
@@ -20,7 +23,7 @@ probability the pattern keeps on the rows that predict the answers (the rows tha
 over the sparse layers and query heads, computed as ``pattern_recall`` computes a row's. One process, torch backend, the scale's dtype (float32 on
 the CPU), no context parallelism. Writes ``packed_recall.json`` (``--out``) and prints a table.
 
-    python bench/packed_recall.py                          # cpu scale: the base (~9 min) once, then ~10 min
+    python bench/packed_recall.py                          # cpu scale: the base (~9 min) once, then ~8 min
     python bench/packed_recall.py --scale toy --work /tmp/w --out /tmp/o --samples 2
 """
 
@@ -179,15 +182,28 @@ def condition(model, scale: Scale, budget: Budget, samples: list[Packed], sparse
     )
 
 
-def run(scale: Scale, work: Path, out: Path, samples: int, seed: int, budget_name: str | None = None) -> dict:
-    """Every condition on the same packed samples; writes ``out/packed_recall.json`` and returns it."""
+def run(
+    scale: Scale,
+    work: Path,
+    out: Path,
+    samples: int,
+    seed: int,
+    budget_name: str | None = None,
+    masked_budgets: tuple[str, ...] = (),
+) -> dict:
+    """Every condition on the same packed samples (and, masked, at each of ``masked_budgets``); writes
+    ``out/packed_recall.json`` and returns it."""
     budget = scale.budget(budget_name or scale.default_budget)
     export = base_export(scale, work, seed)
     loaded = extension_eval.load_export(str(export), scale)
     packed = packed_samples(scale, samples, seed)
+    plan = {name: (budget, sparse, masked) for name, (sparse, masked) in CONDITIONS.items()}
+    plan |= {f"sparse_masked_{b}": (scale.budget(b), True, True) for b in masked_budgets}
     conditions = {}
-    for name, (sparse, masked) in CONDITIONS.items():
-        conditions[name] = condition(loaded.model, scale, budget, packed, sparse, masked)
+    for name, (b, sparse, masked) in plan.items():
+        conditions[name] = condition(loaded.model, scale, b, packed, sparse, masked)
+        conditions[name]["budget"] = b.name if sparse else None
+        conditions[name]["pattern"] = b.pattern(scale.long, scale) if sparse else None
         extension.say(f"{name}: {_row(conditions[name])}")
     differences = {
         name: [difference(conditions[a]["records"][k], conditions[b]["records"][k]) for k in range(scale.factor)]
@@ -240,7 +256,7 @@ def table(result: dict) -> str:
 def _row(c: dict) -> str:
     low, high = c["overall"]["interval"]
     cells = [f"{p['percent']:.0f}" for p in c["by_position"]]
-    cells.append(f"{c['overall']['percent']:.1f} [{low:.0f}, {high:.0f}]")
+    cells.append(f"{c['overall']['percent']:.1f} [{low:.1f}, {high:.1f}]")
     cells += [f"{c[key]:.3f}" if c[key] is not None else "-" for key in ("density", "recall")]
     return " | ".join(cells)
 
@@ -261,13 +277,15 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--samples", type=int, default=40, help="packed samples (each: factor documents x their queries)")
     p.add_argument("--budget", default=None, help="sparse budget (default: the scale's default)")
+    p.add_argument("--masked-budgets", default="", help="also masked at these budgets, e.g. v3,v10")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     scale = SCALES[args.scale]
     work = (args.work or ROOT / "runs" / f"extension_{scale.name}").resolve()
     work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    run(scale, work, args.out, args.samples, args.seed, args.budget)
+    masked = tuple(b.strip() for b in args.masked_budgets.split(",") if b.strip())
+    run(scale, work, args.out, args.samples, args.seed, args.budget, masked)
 
 
 if __name__ == "__main__":

@@ -64,15 +64,16 @@ def test_score_counts_each_answer_at_its_document_position(masked):
 
 def test_run_at_toy_size(tmp_path):
     """The whole run (toy base trained, 2 samples): every figure in the JSON is recomputed from its records."""
-    result = pr.run(TOY, tmp_path / "work", tmp_path / "out", samples=2, seed=0)
+    result = pr.run(TOY, tmp_path / "work", tmp_path / "out", samples=2, seed=0, masked_budgets=("v10",))
     assert json.loads((tmp_path / "out" / "packed_recall.json").read_text()) == json.loads(json.dumps(result))
     assert {"device", "commit", "command"} <= result.keys() and result["device"] == "cpu"
     assert result["pattern"] == pr.Budget(**result["budget"]).pattern(TOY.long, TOY)
     assert result["rope_theta"] == TOY.base_theta and result["documents_per_sample"] == TOY.factor
-    assert list(result["conditions"]) == list(pr.CONDITIONS)
+    assert list(result["conditions"]) == [*pr.CONDITIONS, "sparse_masked_v10"]
     for name, c in result["conditions"].items():
-        sparse, masked = pr.CONDITIONS[name]
+        sparse, masked = pr.CONDITIONS.get(name, (True, True))
         assert (c["attention"] == "sparse") == sparse and c["document_masking"] == masked
+        assert c["pattern"] == (TOY.budget(c["budget"]).pattern(TOY.long, TOY) if sparse else None)
         records = c["records"]
         assert len(records) == TOY.factor and all(len(docs) == 2 for docs in records)
         found = [{k: v for k, v in p.items() if k != "answer_recall"} for p in c["by_position"]]
@@ -97,3 +98,6 @@ def test_run_at_toy_size(tmp_path):
         ca, cb = result["conditions"][a]["records"], result["conditions"][b]["records"]
         assert result["differences"][name] == [report.difference(x, y) for x, y in zip(ca, cb)]
     assert "| sparse_masked |" in pr.table(result)
+    # the same budget masked twice: the same patterns and answers (the conditions are measured, not filled in)
+    again = result["conditions"]["sparse_masked_v10"]
+    assert again["densities"] == masked["densities"] and again["records"] == masked["records"]
