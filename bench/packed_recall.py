@@ -190,11 +190,14 @@ def run(
     seed: int,
     budget_name: str | None = None,
     masked_budgets: tuple[str, ...] = (),
+    model: Path | None = None,
 ) -> dict:
     """Every condition on the same packed samples (and, masked, at each of ``masked_budgets``); writes
-    ``out/packed_recall.json`` and returns it."""
+    ``out/packed_recall.json`` (reading ``model``, an export with its own RoPE base, instead of the base:
+    ``packed_recall_<its run folder>.json``) and returns it."""
     budget = scale.budget(budget_name or scale.default_budget)
-    export = base_export(scale, work, seed)
+    export = model if model is not None else base_export(scale, work, seed)
+    result_name = "packed_recall" if model is None else f"packed_recall_{model.parent.name}"
     loaded = extension_eval.load_export(str(export), scale)
     packed = packed_samples(scale, samples, seed)
     plan = {name: (budget, sparse, masked) for name, (sparse, masked) in CONDITIONS.items()}
@@ -210,11 +213,11 @@ def run(
         for name, (a, b) in DIFFERENCES.items()
     }
     result = dict(
-        name="packed_recall",
+        name=result_name,
         **provenance(on_gpu=scale.device == "cuda"),
         scale=scale.name,
-        base=str(export),
-        rope_theta=loaded.model.config.rope_parameters["rope_theta"],  # the base's own: documents are L0 long
+        model=str(export),
+        rope_theta=loaded.model.config.rope_parameters["rope_theta"],  # the model's own (the base's: documents are L0)
         sample_length=scale.long,
         document_length=scale.l0,
         documents_per_sample=scale.factor,
@@ -233,7 +236,7 @@ def run(
         wall_s=round(sum(c["wall_s"] for c in conditions.values()), 1),
         cpu_s=round(sum(c["cpu_s"] for c in conditions.values()), 1),
     )
-    extension.write_json(out / "packed_recall.json", result)
+    extension.write_json(out / f"{result_name}.json", result)
     print(table(result))
     return result
 
@@ -278,6 +281,9 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=40, help="packed samples (each: factor documents x their queries)")
     p.add_argument("--budget", default=None, help="sparse budget (default: the scale's default)")
     p.add_argument("--masked-budgets", default="", help="also masked at these budgets, e.g. v3,v10")
+    p.add_argument(
+        "--model", type=Path, default=None, help="read this export (e.g. an extension's) instead of the base"
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     scale = SCALES[args.scale]
@@ -285,7 +291,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     masked = tuple(b.strip() for b in args.masked_budgets.split(",") if b.strip())
-    run(scale, work, args.out, args.samples, args.seed, args.budget, masked)
+    model = args.model.resolve() if args.model is not None else None
+    run(scale, work, args.out, args.samples, args.seed, args.budget, masked, model)
 
 
 if __name__ == "__main__":

@@ -101,3 +101,11 @@ def test_run_at_toy_size(tmp_path):
     # the same budget masked twice: the same patterns and answers (the conditions are measured, not filled in)
     again = result["conditions"]["sparse_masked_v10"]
     assert again["densities"] == masked["densities"] and again["records"] == masked["records"]
+
+
+def test_run_reads_another_model(tmp_path):
+    """``model``: an export read instead of the base (here the toy base's own), named after its run folder."""
+    base = pr.base_export(TOY, tmp_path / "work", seed=0)
+    result = pr.run(TOY, tmp_path / "unused", tmp_path / "out", samples=1, seed=0, model=base)
+    assert result["name"] == f"packed_recall_{base.parent.name}" and result["model"] == str(base)
+    assert (tmp_path / "out" / f"{result['name']}.json").exists() and not (tmp_path / "unused").exists()
