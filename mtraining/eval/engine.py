@@ -33,6 +33,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..models import ATTN_IMPLEMENTATION, Attention, bind
+from ..models.attention import Record
+from ..ops.documents import Documents
 from ..ops.pattern.estimate import PatternConfig
 from ..parallel.layout import Layout, make_layout
 from ..train.loss import IGNORE_INDEX, token_scores
@@ -103,7 +105,11 @@ def _attn_implementation(model: nn.Module, name: str) -> Iterator[None]:
 class Engine:
     """Runs one model for evaluation on one process or as one rank of a context-parallel group."""
 
-    def __init__(self, model: nn.Module, spec: AttentionSpec, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, spec: AttentionSpec, group: dist.ProcessGroup | None = None, record: Record = "density"
+    ) -> None:
+        """``record``: what each sparse prefill records, "density" or also "recall" (``models.recall.pattern_recall``
+        on query rows drawn with the prefill's index as seed: about one more estimation pass per layer)."""
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             raise ValueError(
                 f"the model runs attn_implementation={model.config._attn_implementation!r}; load it with "
@@ -121,7 +127,11 @@ class Engine:
             raise ValueError(f"prefill_granule must be a positive number of tokens, got {spec.prefill_granule}")
         self.granule = math.lcm(self.unit, spec.prefill_granule)
         self.pattern_config = spec.pattern_config()  # ValueError for sparse options that cannot run
+        if record not in ("density", "recall"):
+            raise ValueError(f"record must be 'density' or 'recall', got {record!r}")
+        self.record = record
         self.densities: list[float] = []  # mean kept fraction of causal pairs, per sparse prefill
+        self.recalls: list[float] = []  # with record="recall": mean pattern recall, per sparse prefill
 
     @property
     def is_root(self) -> bool:
@@ -150,21 +160,24 @@ class Engine:
             return full
         return self._layout(seq_len).shard(full, self.rank)
 
-    def _prefill(self, ids: Tensor, cache=None) -> Tensor:
-        """Run the base model on ``ids`` [seq] through the configured attention; local hidden states."""
+    def _prefill(self, ids: Tensor, cache=None, documents: Documents | None = None) -> Tensor:
+        """Run the base model on ``ids`` [seq] through the configured attention; local hidden states.
+        ``documents``: packed documents of ``ids`` (global boundaries), each attending only within itself."""
         seq_len = ids.shape[0]
         attention = bind(self.model, self._attention(seq_len))
         positions = torch.arange(seq_len, device=self.device)
-        with attention.forward(record="density"):
+        with attention.forward(record=self.record, documents=documents, seed=len(self.densities)):
             out = self.model.base_model(
                 input_ids=self._local(ids[None].to(self.device), seq_len),
                 position_ids=self._local(positions[None], seq_len),
                 past_key_values=cache,
                 use_cache=cache is not None,
             )
-        density = attention.end_step().density
-        if density is not None:
-            self.densities.append(density)
+        stats = attention.end_step()
+        if stats.density is not None:
+            self.densities.append(stats.density)
+        if stats.recall is not None:
+            self.recalls.append(stats.recall)
         return out.last_hidden_state
 
     # ------------------------------------------------------------------ loss
@@ -175,9 +188,11 @@ class Engine:
         return token_scores(hidden, weight, labels, chunk_tokens=max(1, _LOGIT_ELEMENTS // weight.shape[0]))
 
     @torch.no_grad()
-    def token_scores(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+    def token_scores(self, ids: Tensor, documents: Documents | None = None) -> tuple[Tensor, Tensor]:
         """On the CPU, every rank: float32 [L - 1] -log p(ids[i + 1] | ids[: i + 1]) and int64 [L - 1] the
-        greedy prediction of ids[i + 1] (teacher-forced: one prefill of the whole sequence)."""
+        greedy prediction of ids[i + 1] (teacher-forced: one prefill of the whole sequence). ``documents``:
+        packed documents of ``ids`` (global boundaries; positions stay global): each token sees only its own
+        document's, and a sparse pattern is estimated from every document's last queries (document masking)."""
         ids = ids.long().flatten()
         seq_len = ids.shape[0]
         if seq_len < 2:
@@ -188,7 +203,7 @@ class Engine:
                 f"use lengths that are multiples of {self.unit}"
             )
         labels = torch.cat([ids[1:], ids.new_full((1,), IGNORE_INDEX)])  # shift on the full sequence, then shard
-        hidden = self._prefill(ids)[0]
+        hidden = self._prefill(ids, documents=documents)[0]
         scores = self._token_scores(hidden, self._local(labels[None].to(self.device), seq_len)[0])
         if self.group is not None:  # gathered on the device (NCCL needs device tensors)
             layout = self._layout(seq_len)
