@@ -40,6 +40,13 @@ def attention_plan(cfg: Config, num_layers: int) -> str:
         lines += f", mass threshold {att.threshold}"
     fallback = f"; a step runs a layer dense above density {att.max_density}" if att.max_density else ""
     plan = f"{_layers(sparse)} sparse ({lines}, re-estimated every step{fallback})" if sparse else ""
+    if sparse:  # what the lines are estimated from when a sample packs several documents
+        plan += (
+            "; packed documents masked, each estimating its own lines"
+            if cfg.data.document_masking
+            else "; packed documents not masked: one pattern per sample, from its last queries "
+            "(data.document_masking: true estimates each document's own)"
+        )
     if dense:
         plan = f"{_layers(dense)} dense" + (f"; {plan}" if plan else "")
     return plan

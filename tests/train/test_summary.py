@@ -1,0 +1,20 @@
+"""The start-up summary's attention line says what the sparse lines are estimated from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mtraining.train.config import load_config
+from mtraining.train.summary import attention_plan
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
+
+
+def test_attention_plan_says_whether_packed_documents_estimate_their_own_lines():
+    unmasked = attention_plan(load_config(TINY), 4)
+    masked = attention_plan(load_config(TINY, ["data.document_masking=true"]), 4)
+    assert unmasked.startswith("layer 0 dense; layers 1-3 sparse")
+    assert "not masked: one pattern per sample" in unmasked and "data.document_masking: true" in unmasked
+    assert masked.endswith("packed documents masked, each estimating its own lines")
+    dense = attention_plan(load_config(TINY, ["attention.sparse=false"]), 4)
+    assert dense == "dense causal in all 4 layers"  # no lines, nothing to say about documents
