@@ -49,7 +49,7 @@ from extension_settings import SCALES, Budget, Scale  # noqa: E402
 
 from mtraining.eval.engine import Engine  # noqa: E402
 from mtraining.models.attention import Attention  # noqa: E402
-from mtraining.models.recall import _kept  # noqa: E402
+from mtraining.models.recall import kept_probability  # noqa: E402
 from mtraining.ops.documents import Documents  # noqa: E402
 
 CONDITIONS = {  # name: (sparse, document masking)
@@ -106,8 +106,8 @@ class _Probe(Attention):
     def _decide(self, config, layer, q, k, scale, now, documents):
         pattern = super()._decide(config, layer, q, k, scale, now, documents)
         if pattern is not None and self.rows is not None:
-            bounds = None if documents is None else documents.left_bounds(self.rows)
-            self.kept[layer] = _kept(q.detach(), k.detach(), pattern, self.rows, bounds, scale, None, None)[0].mean(0)
+            kept = kept_probability(q.detach(), k.detach(), pattern, self.rows, scale, documents=documents)
+            self.kept[layer] = kept[0].mean(0)
         return pattern
 
 

@@ -75,9 +75,25 @@ def pattern_recall(
     keys), both in float32 (float64 for float64 inputs) and merged chunk by chunk, then over ranks. With
     packed ``documents`` each row's keys start at its own document's start (per batch row's boundaries).
     """
-    pos = recall_rows(pattern.seq_len, last_q, seed)
-    bounds = None if documents is None else documents.left_bounds(pos)
-    return float(_kept(q, k, pattern, pos, bounds, scale, group, layout).mean(dtype=torch.float64))
+    rows = recall_rows(pattern.seq_len, last_q, seed)
+    return float(kept_probability(q, k, pattern, rows, scale, group, layout, documents).mean(dtype=torch.float64))
+
+
+def kept_probability(
+    q: Tensor,
+    k: Tensor,
+    pattern: VerticalSlashPattern,
+    rows: Tensor,
+    scale: float,
+    group: dist.ProcessGroup | None = None,
+    layout: Layout | None = None,
+    documents: Documents | None = None,
+) -> Tensor:
+    """[B, Hq, R]: the attention probability the pattern keeps on each query row at global positions ``rows``
+    (int64 CPU, ascending), over its causal keys (from its own document's start with packed ``documents``).
+    Shapes, context parallelism and precision as ``pattern_recall``, which averages it over drawn rows."""
+    bounds = None if documents is None else documents.left_bounds(rows)
+    return _kept(q, k, pattern, rows, bounds, scale, group, layout)
 
 
 def _kept(
