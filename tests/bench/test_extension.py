@@ -97,6 +97,26 @@ def test_text_corpus_is_deterministic_and_in_the_eval_format(tmp_path):
     assert held["documents"] == 2 and all(len(TextTokenizer(tokenizer).encode([t])[0]) > 600 for t in texts)
 
 
+def test_text_stages_pack_whole_documents_into_samples(tmp_path):
+    """No mixture document crosses a sample boundary (a cut between a needle and its question teaches answers
+    without evidence): every sample ends with EOS, documents too long for one are written shorter, and a
+    sample's unused end is filler text."""
+    tokenizer = extension_text.write_tokenizer(tmp_path / "tok.json", 384)
+    tok = TextTokenizer(tokenizer)
+    for seq_len, repeat in ((512, False), (256, True)):
+        info = extension_text.train_stream(tmp_path / f"s{seq_len}.npy", tokenizer, 4000, seq_len, 0, 3, repeat)
+        samples = np.load(info["path"]).reshape(-1, seq_len)  # whole samples only
+        assert (samples[:, -1] == 0).all() and len(samples) >= 4000 // seq_len
+        texts = [tok.decode(d.tolist()) for s in samples for d in np.split(s, np.flatnonzero(s == 0) + 1) if len(d)]
+        if not repeat:  # every retrieval document is whole: the text ends with its answer's period
+            asked = [t for t in texts if "\n\nQuestion:" in t]
+            assert asked and all(t.rstrip("<|endoftext|>").endswith(".") for t in asked)
+    again = extension_text.train_stream(tmp_path / "again.npy", tokenizer, 4000, 512, 0, 3)
+    assert np.array_equal(np.load(again["path"]), np.load(tmp_path / "s512.npy"))
+    with pytest.raises(ValueError, match="longer seq_len"):  # a needle document cannot be whole in 64 tokens
+        extension_text.train_stream(tmp_path / "short.npy", tokenizer, 1000, 64, 0, 3, kinds=("niah",))
+
+
 # ---------------------------------------------------------------------------------------------- budgets, statistics
 @pytest.mark.parametrize("scale", ["cpu", "gpu"])
 def test_budgets_scale_with_the_length_and_make_valid_patterns(scale):
