@@ -110,7 +110,7 @@ def test_text_stages_pack_whole_documents_into_samples(tmp_path):
         texts = [tok.decode(d.tolist()) for s in samples for d in np.split(s, np.flatnonzero(s == 0) + 1) if len(d)]
         if not repeat:  # every retrieval document is whole: the text ends with its answer's period
             asked = [t for t in texts if "\n\nQuestion:" in t]
-            assert asked and all(t.rstrip("<|endoftext|>").endswith(".") for t in asked)
+            assert asked and all(t.removesuffix("<|endoftext|>").endswith(".") for t in asked)
     again = extension_text.train_stream(tmp_path / "again.npy", tokenizer, 4000, 512, 0, 3)
     assert np.array_equal(np.load(again["path"]), np.load(tmp_path / "s512.npy"))
     with pytest.raises(ValueError, match="longer seq_len"):  # a needle document cannot be whole in 64 tokens
