@@ -205,18 +205,10 @@ def test_accuracy_difference_and_perplexity_statistics():
 
 
 # ---------------------------------------------------------------------------------------------- the pipeline
-def _run(scale: str, work: Path, out: Path) -> subprocess.CompletedProcess:
+def _run(scale: str, work: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable,
-        str(ROOT / "bench" / "extension.py"),
-        "--scale",
-        scale,
-        "--work",
-        str(work),
-        "--out",
-        str(out),
-    ]
+    cmd = [sys.executable, str(ROOT / "bench" / "extension.py"), "--scale", scale, "--work", str(work)]
+    cmd += ["--out", str(out), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -356,6 +348,21 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
         isinstance(v, Sample) and v.prompt for v in built.values()
     )
     extension_eval._PROMPTS.clear()
+
+    # another extension from the same base: nothing of the base is trained, checked or evaluated again
+    other = tmp_path / "other"
+    stamps = {p: p.stat().st_mtime_ns for p in (work / "base").rglob("*") if p.is_file()}
+    _run("toy-text", other, tmp_path / "out2", "--base-from", str(work), "--extension-kinds", "niah,vt")
+    assert (other / "base").resolve() == (work / "base").resolve()
+    assert stamps == {p: p.stat().st_mtime_ns for p in (work / "base").rglob("*") if p.is_file()}
+    first, second = (json.loads((w / "corpus" / "manifest.json").read_text()) for w in (work, other))
+    assert second["stage0"] == first["stage0"] and second["tokenizer"] == first["tokenizer"]
+    assert second["extension"]["path"].startswith(str(other)) and "recall" not in second["extension"]["kind"]
+    assert (other / "eval" / "base__dense.json").read_bytes() == (work / "eval" / "base__dense.json").read_bytes()
+    assert "on niah, vt documents" in (tmp_path / "out2" / "extension_toy-text.md").read_text()
+    changed = replace(SCALES["toy-text"], curriculum=(replace(SCALES["toy-text"].curriculum[0], steps=4),))
+    with pytest.raises(ValueError, match="another curriculum"):
+        extension.corpus(changed, tmp_path / "third", 0, base_from=work)
 
 
 def test_committed_cpu_results_are_informative_and_their_parity_follows_the_thresholds():
