@@ -565,6 +565,13 @@ def main() -> None:
         help="the extensions' packed documents attend only within themselves (default: the scale's)",
     )
     p.add_argument(
+        "--cross",
+        choices=("all", "default", "none"),
+        default=None,
+        help="cross evaluations (the dense extension read sparse, sparse extensions read dense): all budgets, the "
+        "default budget's only, or none (default: the scale's)",
+    )
+    p.add_argument(
         "--extension-kinds",
         default=None,
         help="text task: the extensions' document kinds, e.g. niah,vt (default: the scale's mixture)",
@@ -584,6 +591,8 @@ def main() -> None:
     scale = SCALES[args.scale]
     if args.document_masking is not None:
         scale = replace(scale, document_masking=args.document_masking)
+    if args.cross is not None:
+        scale = replace(scale, cross=args.cross)
     if args.extension_kinds:
         kinds = tuple(k.strip() for k in args.extension_kinds.split(",") if k.strip())
         unknown = sorted(set(kinds) - set(extension_text.KINDS + ("facts", "facts_word")))

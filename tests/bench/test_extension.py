@@ -352,7 +352,17 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
     # another extension from the same base: nothing of the base is trained, checked or evaluated again
     other = tmp_path / "other"
     stamps = {p: p.stat().st_mtime_ns for p in (work / "base").rglob("*") if p.is_file()}
-    _run("toy-text", other, tmp_path / "out2", "--base-from", str(work), "--extension-kinds", "niah,vt")
+    _run(
+        "toy-text",
+        other,
+        tmp_path / "out2",
+        "--base-from",
+        str(work),
+        "--extension-kinds",
+        "niah,vt",
+        "--cross",
+        "none",
+    )
     assert (other / "base").resolve() == (work / "base").resolve()
     assert stamps == {p: p.stat().st_mtime_ns for p in (work / "base").rglob("*") if p.is_file()}
     first, second = (json.loads((w / "corpus" / "manifest.json").read_text()) for w in (work, other))
@@ -360,6 +370,9 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
     assert second["extension"]["path"].startswith(str(other)) and "recall" not in second["extension"]["kind"]
     assert (other / "eval" / "base__dense.json").read_bytes() == (work / "eval" / "base__dense.json").read_bytes()
     assert "on niah, vt documents" in (tmp_path / "out2" / "extension_toy-text.md").read_text()
+    assert {p.name for p in (other / "eval").glob("*__*.json")} == {  # --cross none: each model at its own attention
+        "base__dense.json", "dense__dense.json", "sparse-v10__sparse-v10.json"
+    }  # fmt: skip
     changed = replace(SCALES["toy-text"], curriculum=(replace(SCALES["toy-text"].curriculum[0], steps=4),))
     with pytest.raises(ValueError, match="another curriculum"):
         extension.corpus(changed, tmp_path / "third", 0, base_from=work)
