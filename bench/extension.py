@@ -114,12 +114,15 @@ class Clock:
 
 
 # ---------------------------------------------------------------------------------------------- 1: corpus
-def corpus(scale: Scale, work: Path, seed: int) -> dict:
-    """The tokenizer and one token file per training run (curriculum stage i, the extension)."""
+def corpus(scale: Scale, work: Path, seed: int, base_from: Path | None = None) -> dict:
+    """The tokenizer and one token file per training run (curriculum stage i, the extension). ``base_from``:
+    another work folder whose base this run reuses: its tokenizer and curriculum files are taken (they must
+    have been made for this curriculum), only the extension's file and the held-out set are written."""
     folder = work / "corpus"
     manifest = folder / "manifest.json"
     stages = {f"stage{i}": st for i, st in enumerate(scale.curriculum)} | {"extension": scale.extension}
     made_for = corpus_spec(scale, stages, seed)
+    reused = {} if base_from is None or manifest.exists() else _base_corpus(base_from, made_for)
     if manifest.exists():
         found = json.loads(manifest.read_text())
         if found.get("made_for") != made_for:
@@ -137,9 +140,15 @@ def corpus(scale: Scale, work: Path, seed: int) -> dict:
                 folder / f"{name}.npy", scale.vocab, st.seq_len, st.steps * st.batch, shape, seed, stage=i
             )
     else:
-        tokenizer = extension_text.write_tokenizer(folder / "tokenizer.json", scale.text_vocab, seed)
+        if reused:
+            tokenizer = Path(reused["tokenizer"])
+        else:
+            tokenizer = extension_text.write_tokenizer(folder / "tokenizer.json", scale.text_vocab, seed)
         out = {"tokenizer": str(tokenizer)}
         for i, (name, st) in enumerate(stages.items()):
+            if name in reused:
+                out[name] = reused[name]
+                continue
             tokens = st.steps * st.batch * st.seq_len + st.seq_len + 1
             out[name] = extension_text.train_stream(
                 folder / f"{name}.npy",
@@ -161,6 +170,39 @@ def corpus(scale: Scale, work: Path, seed: int) -> dict:
     ]
     say(f"corpus: {', '.join(files)} in {out['seconds']}s")
     return out
+
+
+def _base_corpus(base_from: Path, made_for: dict) -> dict:
+    """The tokenizer and curriculum files of ``base_from``'s corpus, checked to be made for ``made_for``'s curriculum."""
+    if made_for["task"] != "text":
+        raise ValueError("--base-from serves the text task (the GPU scales); the recall task's corpus is quick to make")
+    path = base_from / "corpus" / "manifest.json"
+    if not path.exists():
+        raise ValueError(f"--base-from {base_from}: no corpus there ({path} missing); give the work folder of a run")
+    found = json.loads(path.read_text())
+    theirs, ours = found["made_for"], made_for
+    same = {k: v for k, v in theirs.items() if k != "stages"} == {k: v for k, v in ours.items() if k != "stages"}
+    curriculum = [name for name in ours["stages"] if name != "extension"]
+    if not same or any(theirs["stages"].get(name) != ours["stages"][name] for name in curriculum):
+        raise ValueError(
+            f"--base-from {base_from}: its base was trained on a corpus made for another curriculum, vocabulary or "
+            "seed than this run's; reuse a base only across runs that differ in the extension or its evaluation"
+        )
+    return {name: found[name] for name in ("tokenizer", *curriculum)}
+
+
+def reuse_base(base_from: Path, work: Path) -> None:
+    """Link ``base_from``'s base (its curriculum runs) into ``work`` and copy its base check, base evaluation and
+    prompt cache, so that this run starts at its extensions (``corpus`` takes the same base's files)."""
+    base_from = base_from.resolve()
+    if not (base_from / "base").is_dir():
+        raise ValueError(f"--base-from {base_from}: no base there ({base_from / 'base'} missing)")
+    if not (work / "base").exists():
+        (work / "base").symlink_to(base_from / "base", target_is_directory=True)
+    (work / "eval").mkdir(parents=True, exist_ok=True)
+    for name in ("base_check.json", "base__dense.json", "prompts.pkl"):
+        if (base_from / "eval" / name).exists() and not (work / "eval" / name).exists():
+            shutil.copy2(base_from / "eval" / name, work / "eval" / name)
 
 
 def corpus_spec(scale: Scale, stages: dict[str, Stage], seed: int) -> dict:
@@ -432,9 +474,14 @@ def evaluate(scale: Scale, work: Path, data: dict, label: str, export: Path, bud
 
 
 # ---------------------------------------------------------------------------------------------- main
-def run(scale: Scale, work: Path, out: Path, seed: int, extend_anyway: bool = False) -> dict:
-    """Every stage (skipping those done), then the results, report and plots in ``out``."""
-    data = corpus(scale, work, seed)
+def run(
+    scale: Scale, work: Path, out: Path, seed: int, extend_anyway: bool = False, base_from: Path | None = None
+) -> dict:
+    """Every stage (skipping those done), then the results, report and plots in ``out``. ``base_from``: the
+    work folder of a run with the same curriculum whose base (and its evaluations) this run reuses."""
+    data = corpus(scale, work, seed, base_from)
+    if base_from is not None:
+        reuse_base(base_from, work)
     prompts = work / "eval" / "prompts.pkl"  # the text task's prompts, kept for the next call of a resumed run
     extension_eval.load_prompts(prompts)
     try:
@@ -517,6 +564,25 @@ def main() -> None:
         default=None,
         help="the extensions' packed documents attend only within themselves (default: the scale's)",
     )
+    p.add_argument(
+        "--cross",
+        choices=("all", "default", "none"),
+        default=None,
+        help="cross evaluations (the dense extension read sparse, sparse extensions read dense): all budgets, the "
+        "default budget's only, or none (default: the scale's)",
+    )
+    p.add_argument(
+        "--extension-kinds",
+        default=None,
+        help="text task: the extensions' document kinds, e.g. niah,vt (default: the scale's mixture)",
+    )
+    p.add_argument(
+        "--base-from",
+        type=Path,
+        default=None,
+        help="reuse the base of this work folder (a run of the same curriculum): train and evaluate only the "
+        "extensions (e.g. with other --extension-kinds or --budgets)",
+    )
     args = p.parse_args()
     if args.report_from is not None:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -525,6 +591,14 @@ def main() -> None:
     scale = SCALES[args.scale]
     if args.document_masking is not None:
         scale = replace(scale, document_masking=args.document_masking)
+    if args.cross is not None:
+        scale = replace(scale, cross=args.cross)
+    if args.extension_kinds:
+        kinds = tuple(k.strip() for k in args.extension_kinds.split(",") if k.strip())
+        unknown = sorted(set(kinds) - set(extension_text.KINDS + ("facts", "facts_word")))
+        if scale.task != "text" or unknown:
+            p.error(f"--extension-kinds takes text document kinds (niah, vt, recall, facts, facts_word), got {unknown}")
+        scale = replace(scale, extension=replace(scale.extension, kinds=kinds))
     if args.budgets:
         names = [b.strip() for b in args.budgets.split(",") if b.strip()]
         known = {b.name: b for b in (*SWEEP, *scale.budgets)}
@@ -542,7 +616,7 @@ def main() -> None:
         Clock.deadline = T0 + 60 * args.max_minutes
     say(f"context extension, {scale.name} scale: work dir {work}, outputs in {args.out}")
     try:
-        result = run(scale, work, args.out, args.seed, args.extend_anyway)
+        result = run(scale, work, args.out, args.seed, args.extend_anyway, args.base_from)
     except OutOfTime:
         say(f"stopped after {args.max_minutes} minutes: run the same command again to continue from {work}")
         sys.exit(3)

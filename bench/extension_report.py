@@ -255,6 +255,8 @@ def markdown(scale: Scale, result: dict, paths: dict[str, Path]) -> str:
     # from the result, not the scale's current settings (a report may be re-rendered after they change)
     masked = result.get("scale", {}).get("document_masking", False)
     masking = "masked (attention and sparse pattern per document)" if masked else "not masked"
+    kinds = result.get("scale", {}).get("extension", {}).get("kinds")  # text task; None: the default mixture
+    mixture = f" on {', '.join(sorted(set(kinds)))} documents" if kinds else ""
     lines = [
         f"# Context extension, dense vs dynamic sparse ({scale.name} scale)",
         "",
@@ -265,7 +267,7 @@ def markdown(scale: Scale, result: dict, paths: dict[str, Path]) -> str:
         f"({result['parameters']:,} parameters), dense attention, trained at L0 = {scale.l0} "
         f"(curriculum {' -> '.join(f'{st.steps} x {st.batch} x {st.seq_len}' for st in scale.curriculum)}), "
         f"RoPE base {scale.base_theta:g}. Extensions to {scale.long} tokens, RoPE base x{scale.theta_factor:g}, "
-        f"{ext.steps} steps of {ext.batch} x {ext.seq_len} tokens, same seed and data order, "
+        f"{ext.steps} steps of {ext.batch} x {ext.seq_len} tokens{mixture}, same seed and data order, "
         f"{scale.ranks} context-parallel rank(s) (striped layout), layer 0 dense, packed documents "
         f"{masking}. Labels read `<model>/<attention at evaluation>`; intervals are 95%.",
         "",

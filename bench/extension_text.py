@@ -29,6 +29,7 @@ import math
 import multiprocessing
 import os
 import random
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -126,8 +127,15 @@ def documents(
     first_seed: int, count: int, max_sentences: int, kinds: tuple[str, ...] = KINDS, min_sentences: int = 8
 ) -> list[str]:
     """``count`` documents from ``first_seed`` on, each of a kind drawn uniformly from ``kinds``."""
-    drawn = [kinds[random.Random(f"text-kind-{first_seed + i}").randrange(len(kinds))] for i in range(count)]
-    return [make_document(k, first_seed + i, max_sentences, min_sentences) for i, k in enumerate(drawn)]
+    return [
+        make_document(document_kind(first_seed + i, kinds), first_seed + i, max_sentences, min_sentences)
+        for i in range(count)
+    ]
+
+
+def document_kind(seed: int, kinds: tuple[str, ...] = KINDS) -> str:
+    """The kind of document ``seed`` of a mixture of ``kinds`` (drawn uniformly, a pure function of the seed)."""
+    return kinds[random.Random(f"text-kind-{seed}").randrange(len(kinds))]
 
 
 def write_tokenizer(path: Path, vocab_size: int, seed: int = 0) -> Path:
@@ -163,10 +171,13 @@ def train_stream(
     mixture of ``kinds``, or repeated sentences (``repeat_document``) when ``repeat``; mixture documents are
     drawn from ``min_fill`` of a sample (at least 8 sentences) to about one sample, log-uniform.
 
-    A stage of induction kinds only (``WHOLE_KINDS``) writes documents of exactly ``seq_len`` tokens, EOS
-    last, so that the trainer's sample i (tokens [i N, (i + 1) N + 1)) is document i whole: packed across
-    windows, a 105M model's token-copy loss was still 3.9 after 1000 steps in a plain loop, where one span
-    per row copies from step ~750 (bench/results/induction_paths.json).
+    No document crosses a sample boundary (the trainer's sample i is tokens [i N, (i + 1) N + 1)): a stage
+    of induction kinds only (``WHOLE_KINDS``) writes documents of exactly ``seq_len`` tokens, EOS last, so
+    that sample i is document i whole (packed across windows, a 105M model's token-copy loss was still 3.9
+    after 1000 steps in a plain loop, where one span per row copies from step ~750:
+    bench/results/induction_paths.json); other stages pack whole documents into samples (``_whole_samples``),
+    since a window that cuts a document between a needle and its question teaches answers without evidence,
+    the more often the farther apart they are.
 
     Documents are generated and tokenised in chunks of ``_CHUNK`` seeds on every CPU core; the file is
     the same whatever the number of cores (chunks are kept in seed order up to the first that reaches
@@ -216,13 +227,56 @@ def _chunk(job: tuple[str, int, int, bool, tuple[str, ...], float]) -> np.ndarra
         docs = [ids[: seq_len - 1] for ids in tok.encode(documents(first, _CHUNK, seq_len // 8 + 1, kinds))]
         assert all(len(ids) == seq_len - 1 for ids in docs)
     else:
-        texts = (
-            [repeat_document(s, max_sentences) for s in seeds]
-            if repeat
-            else documents(first, _CHUNK, max_sentences, kinds, max(8, round(min_fill * max_sentences)))
-        )
-        docs = tok.encode(texts)
+        min_sentences = max(8, round(min_fill * max_sentences))
+
+        def render(seed: int, most: int) -> str:  # the document of ``seed`` with at most ``most`` sentences
+            if repeat:
+                return repeat_document(seed, most)
+            return make_document(document_kind(seed, kinds), seed, most, min(min_sentences, most))
+
+        docs = [_fitting(tok, render, s, max_sentences, seq_len - 1) for s in seeds]
+        return _whole_samples(docs, seq_len, eos, lambda n, i: _filler(tok, -(first + i), n))
     return np.concatenate([np.asarray(ids + [eos], dtype=np.uint16) for ids in docs])
+
+
+def _fitting(tok, render: Callable[[int, int], str], seed: int, most: int, limit: int) -> list[int]:
+    """Token ids of document ``seed`` rendered with at most ``most`` sentences, fewer until at most ``limit``."""
+    while True:
+        ids = tok.encode([render(seed, most)])[0]
+        if len(ids) <= limit:
+            return ids
+        if most == 1:
+            raise ValueError(
+                f"document {seed} takes {len(ids)} tokens with one filler sentence, over a sample's {limit}: "
+                "give this stage a longer seq_len or other kinds"
+            )
+        most = max(1, min(most - 1, most * limit // len(ids)))
+
+
+def _filler(tok, seed: int, length: int) -> list[int]:
+    """``length`` tokens of filler text (no retrieval in it) ending with ``tok``'s EOS: a sample's unused end."""
+    text = " ".join(filler_sentences(length // 4 + 1, seed))  # a sentence is ~12 tokens: more than enough
+    return tok.encode([text])[0][: length - 1] + [tok.separator_id(None)]
+
+
+def _whole_samples(
+    docs: list[list[int]], seq_len: int, eos: int, filler: Callable[[int, int], list[int]]
+) -> np.ndarray:
+    """The documents (each at most ``seq_len - 1`` tokens), EOS after each, packed first-fit into samples of
+    ``seq_len`` tokens so that none crosses a sample boundary; ``filler(n, i)`` ends sample ``i`` with its
+    ``n`` unused tokens. Samples keep the order in which they were opened."""
+    samples: list[list[int]] = []
+    for ids in docs:
+        need = len(ids) + 1
+        home = next((s for s in samples if seq_len - len(s) >= need), None)
+        if home is None:
+            home = []
+            samples.append(home)
+        home.extend(ids + [eos])
+    for i, s in enumerate(samples):
+        if len(s) < seq_len:
+            s.extend(filler(seq_len - len(s), i))
+    return np.asarray([t for s in samples for t in s], dtype=np.uint16)
 
 
 def heldout(path: Path, tokenizer: Path, min_tokens: int, count: int, seed: int) -> dict:

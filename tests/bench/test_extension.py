@@ -97,6 +97,26 @@ def test_text_corpus_is_deterministic_and_in_the_eval_format(tmp_path):
     assert held["documents"] == 2 and all(len(TextTokenizer(tokenizer).encode([t])[0]) > 600 for t in texts)
 
 
+def test_text_stages_pack_whole_documents_into_samples(tmp_path):
+    """No mixture document crosses a sample boundary (a cut between a needle and its question teaches answers
+    without evidence): every sample ends with EOS, documents too long for one are written shorter, and a
+    sample's unused end is filler text."""
+    tokenizer = extension_text.write_tokenizer(tmp_path / "tok.json", 384)
+    tok = TextTokenizer(tokenizer)
+    for seq_len, repeat in ((512, False), (256, True)):
+        info = extension_text.train_stream(tmp_path / f"s{seq_len}.npy", tokenizer, 4000, seq_len, 0, 3, repeat)
+        samples = np.load(info["path"]).reshape(-1, seq_len)  # whole samples only
+        assert (samples[:, -1] == 0).all() and len(samples) >= 4000 // seq_len
+        texts = [tok.decode(d.tolist()) for s in samples for d in np.split(s, np.flatnonzero(s == 0) + 1) if len(d)]
+        if not repeat:  # every retrieval document is whole: the text ends with its answer's period
+            asked = [t for t in texts if "\n\nQuestion:" in t]
+            assert asked and all(t.removesuffix("<|endoftext|>").endswith(".") for t in asked)
+    again = extension_text.train_stream(tmp_path / "again.npy", tokenizer, 4000, 512, 0, 3)
+    assert np.array_equal(np.load(again["path"]), np.load(tmp_path / "s512.npy"))
+    with pytest.raises(ValueError, match="longer seq_len"):  # a needle document cannot be whole in 64 tokens
+        extension_text.train_stream(tmp_path / "short.npy", tokenizer, 1000, 64, 0, 3, kinds=("niah",))
+
+
 # ---------------------------------------------------------------------------------------------- budgets, statistics
 @pytest.mark.parametrize("scale", ["cpu", "gpu"])
 def test_budgets_scale_with_the_length_and_make_valid_patterns(scale):
@@ -185,18 +205,10 @@ def test_accuracy_difference_and_perplexity_statistics():
 
 
 # ---------------------------------------------------------------------------------------------- the pipeline
-def _run(scale: str, work: Path, out: Path) -> subprocess.CompletedProcess:
+def _run(scale: str, work: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable,
-        str(ROOT / "bench" / "extension.py"),
-        "--scale",
-        scale,
-        "--work",
-        str(work),
-        "--out",
-        str(out),
-    ]
+    cmd = [sys.executable, str(ROOT / "bench" / "extension.py"), "--scale", scale, "--work", str(work)]
+    cmd += ["--out", str(out), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -336,6 +348,34 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
         isinstance(v, Sample) and v.prompt for v in built.values()
     )
     extension_eval._PROMPTS.clear()
+
+    # another extension from the same base: nothing of the base is trained, checked or evaluated again
+    other = tmp_path / "other"
+    stamps = {p: p.stat().st_mtime_ns for p in (work / "base").rglob("*") if p.is_file()}
+    _run(
+        "toy-text",
+        other,
+        tmp_path / "out2",
+        "--base-from",
+        str(work),
+        "--extension-kinds",
+        "niah,vt",
+        "--cross",
+        "none",
+    )
+    assert (other / "base").resolve() == (work / "base").resolve()
+    assert stamps == {p: p.stat().st_mtime_ns for p in (work / "base").rglob("*") if p.is_file()}
+    first, second = (json.loads((w / "corpus" / "manifest.json").read_text()) for w in (work, other))
+    assert second["stage0"] == first["stage0"] and second["tokenizer"] == first["tokenizer"]
+    assert second["extension"]["path"].startswith(str(other)) and "recall" not in second["extension"]["kind"]
+    assert (other / "eval" / "base__dense.json").read_bytes() == (work / "eval" / "base__dense.json").read_bytes()
+    assert "on niah, vt documents" in (tmp_path / "out2" / "extension_toy-text.md").read_text()
+    assert {p.name for p in (other / "eval").glob("*__*.json")} == {  # --cross none: each model at its own attention
+        "base__dense.json", "dense__dense.json", "sparse-v10__sparse-v10.json"
+    }  # fmt: skip
+    changed = replace(SCALES["toy-text"], curriculum=(replace(SCALES["toy-text"].curriculum[0], steps=4),))
+    with pytest.raises(ValueError, match="another curriculum"):
+        extension.corpus(changed, tmp_path / "third", 0, base_from=work)
 
 
 def test_committed_cpu_results_are_informative_and_their_parity_follows_the_thresholds():
