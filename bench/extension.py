@@ -475,13 +475,22 @@ def evaluate(scale: Scale, work: Path, data: dict, label: str, export: Path, bud
 
 # ---------------------------------------------------------------------------------------------- main
 def run(
-    scale: Scale, work: Path, out: Path, seed: int, extend_anyway: bool = False, base_from: Path | None = None
+    scale: Scale,
+    work: Path,
+    out: Path,
+    seed: int,
+    extend_anyway: bool = False,
+    base_from: Path | None = None,
+    base_only: bool = False,
 ) -> dict:
     """Every stage (skipping those done), then the results, report and plots in ``out``. ``base_from``: the
-    work folder of a run with the same curriculum whose base (and its evaluations) this run reuses."""
+    work folder of a run with the same curriculum whose base (and its evaluations) this run reuses.
+    ``base_only``: the base, its check and its evaluation at L0 only (``base_result``)."""
     data = corpus(scale, work, seed, base_from)
     if base_from is not None:
         reuse_base(base_from, work)
+    if base_only:
+        return base_result(scale, work, out, data, seed)
     prompts = work / "eval" / "prompts.pkl"  # the text task's prompts, kept for the next call of a resumed run
     extension_eval.load_prompts(prompts)
     try:
@@ -515,6 +524,45 @@ def run(
     paths = extension_report.plots(scale, evaluations, summary, out)
     (out / f"extension_{scale.name}.md").write_text(extension_report.markdown(scale, result, paths))
     write_json(out / f"extension_{scale.name}.json", result)
+    return result
+
+
+def base_result(scale: Scale, work: Path, out: Path, data: dict, seed: int) -> dict:
+    """The curriculum, the base check and the base's dense evaluation at L0 alone, against the base gates, in
+    ``out/extension_<scale>_base.json``: a recipe's base judged in the time of its training."""
+    base, base_runs = base_model(scale, work, data, seed)
+    checked = check_base(scale, work, base, seed, gate=False)
+    at_l0 = replace(scale, factor=1)
+    evaluation = evaluate(at_l0, work, data, "base/dense-l0", base, None, seed)
+    l0 = str(scale.l0)
+    gates = {}
+    for task in scale.tasks:
+        found = extension_report.accuracy(evaluation["tasks"][task][l0]["documents"])
+        needed = extension_report.BASE_GATE[task]
+        gates[task] = {"accuracy": found, "needed": needed, "passed": found["percent"] >= needed}
+    stages = [*base_runs, evaluation]
+    result = dict(
+        name=f"extension_{scale.name}_base",
+        **provenance(on_gpu=scale.device == "cuda"),
+        wall_s=round(sum(r["wall_s"] for r in stages), 1),
+        cpu_s=round(sum(r["cpu_s"] for r in stages), 1),
+        parameters=_parameters(base),
+        scale=asdict(scale),
+        corpus=data,
+        training={r["run"]: r for r in base_runs},
+        base_check=checked,
+        gates=gates,
+        evaluation=evaluation,
+    )
+    write_json(out / f"extension_{scale.name}_base.json", result)
+    say(
+        "base at L0: "
+        + "; ".join(
+            f"{t} {g['accuracy']['percent']:.1f}% [{g['accuracy']['interval'][0]:.0f}, {g['accuracy']['interval'][1]:.0f}] "
+            f"(needs {g['needed']:g}%: {'yes' if g['passed'] else 'NO'})"
+            for t, g in gates.items()
+        )
+    )
     return result
 
 
@@ -563,6 +611,11 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="the extensions' packed documents attend only within themselves (default: the scale's)",
+    )
+    p.add_argument(
+        "--base-only",
+        action="store_true",
+        help="train and check the base, evaluate it at L0 against the base gates, and stop (no extensions)",
     )
     p.add_argument(
         "--cross",
@@ -616,13 +669,15 @@ def main() -> None:
         Clock.deadline = T0 + 60 * args.max_minutes
     say(f"context extension, {scale.name} scale: work dir {work}, outputs in {args.out}")
     try:
-        result = run(scale, work, args.out, args.seed, args.extend_anyway, args.base_from)
+        result = run(scale, work, args.out, args.seed, args.extend_anyway, args.base_from, args.base_only)
     except OutOfTime:
         say(f"stopped after {args.max_minutes} minutes: run the same command again to continue from {work}")
         sys.exit(3)
     except BaseDoesNotRetrieve as e:
         say(f"stopped: {e}")
         sys.exit(4)
+    if args.base_only:
+        return
     goal = result["summary"]["goal"]
     say(
         f"wrote {args.out}/extension_{scale.name}.json, .md, 3 PNGs; default budget at parity: "

@@ -378,6 +378,18 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
         extension.corpus(changed, tmp_path / "third", 0, base_from=work)
 
 
+def test_base_only_judges_the_base_at_l0_and_stops(tmp_path):
+    """--base-only: the curriculum, the check and one evaluation at L0 against the gates; nothing is extended."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    proc = _run("toy-text", work, out, "--base-only")
+    result = json.loads((out / "extension_toy-text_base.json").read_text())
+    assert set(result["gates"]) == {"niah", "ruler"} and not (work / "extend").exists()
+    assert list(result["evaluation"]["tasks"]["niah"]) == [str(SCALES["toy-text"].l0)]  # L0 only
+    niah = result["gates"]["niah"]
+    assert niah["passed"] == (niah["accuracy"]["percent"] >= 90.0) and "base at L0: niah" in proc.stdout
+    assert {"device", "commit", "command"} <= set(result) and "base/stage0" in result["training"]
+
+
 def test_committed_cpu_results_are_informative_and_their_parity_follows_the_thresholds():
     result = json.loads((ROOT / "bench" / "results" / "extension_cpu.json").read_text())
     assert result["summary"]["goal"]["informative"]
