@@ -221,13 +221,15 @@ _GPU = Scale(
         Stage(1024, 400, 32, 1e-3, kinds=RETRIEVAL_KINDS),  # 100% of 10 at 1024
         # documents of half a sample to a whole one, each whole in its sample: with most far shorter and cut by
         # the sample windows NIAH at L0 read 70% [48, 85] of 20 after 1200 steps (65% after 800), failing only
-        # where the needle lies 3-4K tokens before the question (depth 0: 0%, 0.25: 60%, 0.5-1: 100%)
+        # where the needle lies 3-4K tokens before the question (depth 0: 0%, 0.25: 60%, 0.5-1: 100%); so it
+        # retrieves 100% of 50 at L0, RULER-style 64.7% (bench/results/extension_gpu_base.json)
         Stage(4096, 1000, 8, 6e-4, kinds=RETRIEVAL_KINDS, min_fill=0.5),
     ),
     extension=Stage(32768, 100, 2, 3e-4),
     # packed 32K samples hold many documents; estimated from the sample's last queries (the last document's),
     # the pattern can miss the others' needles: the likely reason the sparse-trained model lost 24 points at
-    # 32K without masking (bench/results/extension_gpu.md), where sparse inference on the dense model did not
+    # 32K without masking (bench/results/extension_gpu.md), where sparse inference on the dense model did not;
+    # with masking it lost 12 [-24, 0] (bench/results/extension_gpu_masked.md)
     document_masking=True,
     base_theta=10_000.0,
     theta_factor=16.0,
