@@ -111,11 +111,14 @@ def trainer_steps(cfg, warmup: int, profile: str | None = None, fsdp_groups: str
 
     if fsdp_groups != "auto":
         trainer_module.fsdp_groups = lambda world_size, dtype: fsdp_groups
+    main_rank = dist.get_rank() == 0
+    if dist.get_world_size() == 1:  # a world of one forms its own group, as `mtraining train` does (NCCL on CUDA)
+        dist.destroy_process_group()
     trainer = trainer_module.Trainer(cfg)
     device = cfg.train.device
     marks = [_clock(device)]
     log = trainer.monitor.log
-    profiler = cProfile.Profile() if profile is not None and dist.get_rank() == 0 else None
+    profiler = cProfile.Profile() if profile is not None and main_rank else None
 
     def timed_log(step: int, metrics: dict) -> None:
         log(step, metrics)
@@ -266,6 +269,8 @@ def main() -> None:
     p.add_argument("--label", default="", help="a name for this measurement (e.g. before / after)")
     p.add_argument("--out", type=Path, default=None, help="append each round's record to this JSON list")
     args = p.parse_args()
+    if args.device == "cuda" and args.ranks != [1]:
+        p.error("--device cuda measures one GPU: use --ranks 1")
     out = None
     if args.out is not None:
         out = args.out if args.out.is_absolute() or args.out.parent != Path() else RESULTS_DIR / args.out
