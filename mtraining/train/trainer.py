@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -51,35 +52,46 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def needs_fsdp(world_size: int, dtype: torch.dtype) -> bool:
-    """Whether FSDP2 has anything to do: shard over several ranks, or cast float32 parameters for compute.
+FsdpGroups = Literal["none", "root", "layers"]
 
-    A float32 world of one would gain nothing from it and pay its hooks, copies and DTensor dispatch on
-    every step, a large part of a small model's step; its gradients and updates are the same without.
+
+def fsdp_groups(world_size: int, dtype: torch.dtype) -> FsdpGroups:
+    """How FSDP2 wraps the model: ``layers`` (each decoder layer, then the root) over several ranks, so
+    one layer's parameters are gathered at a time; on a world of one ``root`` (one group: the whole model
+    cast to ``dtype`` once per step, its gradients cast back once) when parameters are cast for compute,
+    ``none`` in float32.
+
+    A world of one has nothing to shard or reduce: per-layer groups would only pay every layer's hooks
+    (cast, reshard, re-cast for the backward, reduce) on every step, and a float32 one would also pay the
+    DTensor dispatch of every optimizer and clipping op; the results are the same either way. One group
+    keeps the whole compute copy (2 bytes per parameter in bfloat16) from the forward to the end of the
+    backward, where per-layer groups hold one layer's.
     """
-    return world_size > 1 or dtype != torch.float32
+    if world_size > 1:
+        return "layers"
+    return "none" if dtype == torch.float32 else "root"
 
 
 def shard_model(
     model: CausalLMLoss, par: ParallelState, dtype: torch.dtype, activation_checkpointing: bool
 ) -> nn.Module:
-    """Activation checkpointing per decoder layer, then FSDP2 over all data x context ranks (``needs_fsdp``).
+    """Activation checkpointing per decoder layer, then FSDP2 over all data x context ranks (``fsdp_groups``).
 
     Parameters stay float32 (the master copy); with bfloat16 they are cast for compute and gradients
     are reduced in float32. Without FSDP the model is moved to the rank's device here (FSDP moves it).
     """
-    fsdp = needs_fsdp(par.world_size, dtype)
-    if not fsdp:
+    groups = fsdp_groups(par.world_size, dtype)
+    if groups == "none":
         model.to(par.device)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     layers = model.backbone.layers
     for i, layer in enumerate(layers):
         if activation_checkpointing:
             layer = checkpoint_wrapper(layer)
-        if fsdp:
+        if groups == "layers":
             fully_shard(layer, mesh=par.fsdp_mesh, mp_policy=policy)
         layers[i] = layer
-    if fsdp:
+    if groups != "none":
         fully_shard(model, mesh=par.fsdp_mesh, mp_policy=policy)
     return model
 

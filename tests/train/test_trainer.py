@@ -337,10 +337,10 @@ def test_one_float32_rank_runs_without_fsdp_and_its_checkpoints_resume_on_a_ring
     """FSDP is left out where it has nothing to do (one rank, float32 parameters) and kept elsewhere; a
     checkpoint of one rank (plain tensors) resumes on two context ranks (FSDP's DTensors) and back, each
     continuing as the run that never stopped (to float32 reduction order)."""
-    from mtraining.train.trainer import needs_fsdp
+    from mtraining.train.trainer import fsdp_groups
 
-    assert not needs_fsdp(1, torch.float32)
-    assert needs_fsdp(2, torch.float32) and needs_fsdp(1, torch.bfloat16)
+    assert fsdp_groups(1, torch.float32) == "none"
+    assert fsdp_groups(2, torch.float32) == fsdp_groups(2, torch.bfloat16) == "layers"
     common = (*SMALL_BUDGET, "train.steps=3")
     ring = ("parallel.context=2",)
     for first, then, folder in (((), ring, "one_to_two"), (ring, (), "two_to_one")):
@@ -349,6 +349,44 @@ def test_one_float32_rank_runs_without_fsdp_and_its_checkpoints_resume_on_a_ring
         resumed = run_local(_steps_then_save, 2 if then else 1, _config(*saved, *then), 1)[0]
         whole = run_local(_steps_then_save, 2 if then else 1, _config(*common, *then), 3)[0]
         torch.testing.assert_close(resumed[0], whole[2], rtol=2e-5, atol=0)
+
+
+def _steps_and_fsdp_modules(cfg: Config) -> tuple[list[dict], list[str]]:
+    from torch.distributed.fsdp import FSDPModule
+
+    from mtraining.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        wrapped = [name for name, module in trainer.model.named_modules() if isinstance(module, FSDPModule)]
+        return [trainer.train_step() for _ in range(cfg.train.steps)], wrapped
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_one_bfloat16_rank_casts_the_whole_model_at_once(monkeypatch, defer):
+    """A bfloat16 world of one wraps only the root with FSDP (one cast and one reduce per step, not one per
+    layer); with micro-batches and activation checkpointing every step's loss and gradient norm equal the
+    per-layer wrapping's bit for bit."""
+    import mtraining.train.trainer as trainer_module
+
+    cfg = _config(
+        *SMALL_BUDGET,
+        "model.dtype=bfloat16",
+        "train.steps=3",
+        "train.grad_accum=2",
+        "train.activation_checkpointing=true",
+        f"train.defer_grad_sync={str(defer).lower()}",
+    )
+    history, wrapped = run_local(_steps_and_fsdp_modules, 1, cfg)[0]
+    assert wrapped == [""]  # the root only
+    monkeypatch.setattr(trainer_module, "fsdp_groups", lambda world_size, dtype: "layers")  # the ranks fork
+    per_layer, wrapped_layers = run_local(_steps_and_fsdp_modules, 1, cfg)[0]
+    assert len(wrapped_layers) == 1 + cfg.model.config["num_hidden_layers"]
+    steps = [[m[k] for k in ("loss", "grad_norm", "density")] for m in history]
+    assert steps == [[m[k] for k in ("loss", "grad_norm", "density")] for m in per_layer]
+    assert history[-1]["loss"] < history[0]["loss"]
 
 
 def test_a_model_without_fsdp_moves_to_the_rank_device():
