@@ -535,11 +535,10 @@ def base_result(scale: Scale, work: Path, out: Path, data: dict, seed: int) -> d
     at_l0 = replace(scale, factor=1)
     evaluation = evaluate(at_l0, work, data, "base/dense-l0", base, None, seed)
     l0 = str(scale.l0)
-    gates = {}
-    for task in scale.tasks:
-        found = extension_report.accuracy(evaluation["tasks"][task][l0]["documents"])
-        needed = extension_report.BASE_GATE[task]
-        gates[task] = {"accuracy": found, "needed": needed, "passed": found["percent"] >= needed}
+    gates = {
+        task: extension_report.base_gate(task, extension_report.accuracy(evaluation["tasks"][task][l0]["documents"]))
+        for task in scale.tasks
+    }
     stages = [*base_runs, evaluation]
     result = dict(
         name=f"extension_{scale.name}_base",

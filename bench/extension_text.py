@@ -32,11 +32,15 @@ import random
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mtraining.eval.documents import Haystack, filler_sentences
 from mtraining.eval.tasks import _ADJECTIVES, _NOUNS, _build_niah, _build_vt, _keys, _numbers, _render
+
+if TYPE_CHECKING:
+    from mtraining.data.tokenizer import TextTokenizer
 
 KINDS = ("niah", "niah", "niah", "vt", "recall", "recall", "recall", "recall")
 _NIAH = ("niah_single", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
@@ -239,7 +243,7 @@ def _chunk(job: tuple[str, int, int, bool, tuple[str, ...], float]) -> np.ndarra
     return np.concatenate([np.asarray(ids + [eos], dtype=np.uint16) for ids in docs])
 
 
-def _fitting(tok, render: Callable[[int, int], str], seed: int, most: int, limit: int) -> list[int]:
+def _fitting(tok: TextTokenizer, render: Callable[[int, int], str], seed: int, most: int, limit: int) -> list[int]:
     """Token ids of document ``seed`` rendered with at most ``most`` sentences, fewer until at most ``limit``."""
     while True:
         ids = tok.encode([render(seed, most)])[0]
@@ -253,7 +257,7 @@ def _fitting(tok, render: Callable[[int, int], str], seed: int, most: int, limit
         most = max(1, min(most - 1, most * limit // len(ids)))
 
 
-def _filler(tok, seed: int, length: int) -> list[int]:
+def _filler(tok: TextTokenizer, seed: int, length: int) -> list[int]:
     """``length`` tokens of filler text (no retrieval in it) ending with ``tok``'s EOS: a sample's unused end."""
     text = " ".join(filler_sentences(length // 4 + 1, seed))  # a sentence is ~12 tokens: more than enough
     return tok.encode([text])[0][: length - 1] + [tok.separator_id(None)]
