@@ -16,6 +16,12 @@ dynamic sparse attention, then compare retrieval and perplexity), in five resuma
 5. report: ``extension_<scale>.json`` (every figure, device, commit, command), ``.md``, three PNGs
    and the log, flat in ``--out`` (bench/extension_report.py).
 
+The text task's CPU-only preparation overlaps the base's training (bench/extension_background.py): the
+tokenizer and the corpus files are written in stage order on a pool of the spare cores (the training takes one),
+each training stage waiting for its own file only, then the evaluations' NIAH/RULER prompts at every length are
+built into ``eval/prompts.pkl``, which the first evaluation waits for. Files and prompts are those a sequential run
+makes; each file is recorded in ``corpus/manifest.json`` once complete, so a stopped call leaves none half-made.
+
 A stage whose output exists in ``--work`` is skipped, so a run that stops continues where it was
 (an interrupted training resumes from its last checkpoint). ``--max-minutes`` fits a time-limited
 call: at that time a training gets SIGTERM (it saves a checkpoint and stops), and no stage starts
@@ -502,8 +508,9 @@ def run(
             extension_eval.load_prompts(prompts)
             if background is not None:  # after the corpus; the first evaluation waits for them
                 at = replace(scale, factor=1) if base_only else scale
-                build = partial(extension_eval.build_prompts, prompts, at, seed, background.pool)
-                extension_eval.expect_prompts(background.submit("prompts", lambda: build(Path(data["tokenizer"]))))
+                extension_eval.expect_prompts(
+                    background.submit("prompts", _prompts, prompts, at, data, seed, background)
+                )
             if base_only:
                 return base_result(scale, work, out, data, seed)
             base, base_runs = base_model(scale, work, data, seed)
@@ -538,6 +545,14 @@ def run(
     (out / f"extension_{scale.name}.md").write_text(extension_report.markdown(scale, result, paths))
     write_json(out / f"extension_{scale.name}.json", result)
     return result
+
+
+def _prompts(path: Path, scale: Scale, data: Parts, seed: int, background: Background) -> dict:
+    """The evaluations' prompts that ``path`` lacks, built on ``background``'s pool (a background job)."""
+    started = time.time()
+    built = extension_eval.build_prompts(path, scale, seed, background.pool, Path(data["tokenizer"]))
+    say(f"prompts: {sum(map(len, built.values()))} built for the evaluations in {time.time() - started:.0f}s")
+    return built
 
 
 def base_result(scale: Scale, work: Path, out: Path, data: Parts, seed: int) -> dict:

@@ -196,8 +196,9 @@ def train_stream(
     the more often the farther apart they are.
 
     Documents are generated and tokenised in chunks of ``_CHUNK`` seeds on every CPU core (on ``pool``'s
-    workers when given: extension_background.Pool); the file is the same whatever the number of cores (chunks
-    are kept in seed order up to the first that reaches ``tokens``). It is written whole, then renamed."""
+    workers when given: extension_background.Pool), a small file in this process; the file is the same whatever
+    the number of cores (chunks are kept in seed order up to the first that reaches ``tokens``). It is written
+    whole, then renamed."""
     first = _SEED_BASE + 10_000_000 * stage + 100_000 * seed
     # a chunk holds roughly _CHUNK x seq_len / 2 tokens; a pool pays only for several chunks per core
     workers = min(
@@ -213,7 +214,7 @@ def train_stream(
                 (str(tokenizer), start + i * _CHUNK, seq_len, repeat, kinds, min_fill) for i in range(max(workers, 1))
             ]
             start += len(jobs) * _CHUNK
-            for chunk in pool.map(_chunk, jobs) if pool is not None else map(_chunk, jobs):
+            for chunk in pool.map(_chunk, jobs) if workers > 1 else map(_chunk, jobs):
                 if total < tokens:
                     parts.append(chunk)
                     total += chunk.size

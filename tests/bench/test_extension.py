@@ -127,18 +127,21 @@ def _without_paths(manifest: dict) -> dict:
 
 
 def test_the_corpus_written_in_the_background_is_the_sequential_one_and_resumes(tmp_path):
-    """Written in the background (on a pool of one worker here) the text corpus is byte for byte the sequential
-    one; a call stopped midway leaves only complete files in its manifest, and the next call writes the rest."""
-    scale = replace(SCALES["toy-text"], eval_docs=1)
+    """Written in the background (stage0 on a pool of two workers, the small files on its thread) the text corpus
+    is byte for byte the sequential one; a call stopped midway leaves only complete files in its manifest, and the
+    next call writes the rest."""
+    toy = SCALES["toy-text"]
+    pooled = Stage(64, 64, 16, 1e-3, kinds=("tokens",))  # 65K tokens: chunks on the pool
+    scale = replace(toy, curriculum=(pooled, *toy.curriculum), eval_docs=1)
     sequential = extension.corpus(scale, tmp_path / "seq", seed=0)
-    with Background(workers=1) as background:
+    with Background(workers=2) as background:
         data = extension.open_corpus(scale, tmp_path / "bg", 0, background=background)
         assert data["stage0"]["tokens"] == sequential["stage0"]["tokens"]  # waits for its own file only
         finished = data.complete()
     assert _corpus_files(tmp_path / "bg") == _corpus_files(tmp_path / "seq")
     assert _without_paths(finished) == _without_paths(sequential) and set(finished) == set(sequential)
     # stopped right after stage0: whatever the manifest records is complete; the next call completes the rest
-    with Background(workers=1) as background:
+    with Background(workers=2) as background:
         extension.open_corpus(scale, tmp_path / "stopped", 0, background=background)["stage0"]
     manifest = json.loads((tmp_path / "stopped" / "corpus" / "manifest.json").read_text())
     recorded = [name for name in manifest if name != "made_for"]
@@ -439,6 +442,8 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
         isinstance(v, Sample) and v.prompt for v in built.values()
     )
     assert set(built) == set(extension_eval.evaluation_prompts(SCALES["toy-text"], 0))  # all from the background
+    log = (out / "extension_toy-text.log").read_text()
+    assert log.index(f"prompts: {len(built)} built") < log.index("eval base/dense")  # before the first evaluation
     extension_eval._PROMPTS.clear()
 
     # another extension from the same base: nothing of the base is trained, checked or evaluated again
