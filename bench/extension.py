@@ -17,10 +17,11 @@ dynamic sparse attention, then compare retrieval and perplexity), in five resuma
    and the log, flat in ``--out`` (bench/extension_report.py).
 
 The text task's CPU-only preparation overlaps the base's training (bench/extension_background.py): the
-tokenizer and the corpus files are written in stage order on a pool of the spare cores (the training takes one),
-each training stage waiting for its own file only, then the evaluations' NIAH/RULER prompts at every length are
-built into ``eval/prompts.pkl``, which the first evaluation waits for. Files and prompts are those a sequential run
-makes; each file is recorded in ``corpus/manifest.json`` once complete, so a stopped call leaves none half-made.
+tokenizer and the corpus files are written in stage order on a pool of the spare cores (all but the training's
+and this process's), each training stage waiting for its own file only; then the evaluations' NIAH/RULER prompts
+at every length are built into ``eval/prompts.pkl``, which the first evaluation waits for. Files and prompts are
+those a sequential run makes; each file is recorded in ``corpus/manifest.json`` once complete (written whole, then
+renamed), so a call stopped anywhere leaves none half-made and the next call writes what is missing.
 
 A stage whose output exists in ``--work`` is skipped, so a run that stops continues where it was
 (an interrupted training resumes from its last checkpoint). ``--max-minutes`` fits a time-limited

@@ -1,7 +1,7 @@
 """CPU work of bench/extension.py done while the GPU trains: the corpus files and the evaluation prompts.
 
 ``Background`` runs named jobs one after another on a thread of the calling process; their CPU-heavy parts go
-to ``Pool``, a spawn process pool of the spare cores (the training takes one). ``Parts`` is a manifest of named
+to ``Pool``, a spawn process pool of the spare cores (``spare_cores``). ``Parts`` is a manifest of named
 files written by such jobs (or in place, without a ``Background``): each is recorded as it completes, and
 ``parts[name]`` waits for its own. A job that fails raises ``PreparationFailed`` where its result is waited for;
 a worker that dies breaks the pool (``BrokenProcessPool``), which fails the jobs instead of hanging them.
@@ -51,8 +51,9 @@ class Pool:
 
 
 def spare_cores() -> int:
-    """The cores left when one trains: all but one (at least one)."""
-    return max(1, (os.cpu_count() or 1) - 1)
+    """The cores left to the pool: all but one for the training and one for this process (the background thread
+    joins and saves what the pool returns), at least one."""
+    return max(1, (os.cpu_count() or 1) - 2)
 
 
 class Background:
@@ -104,7 +105,6 @@ class Parts(Mapping):
         self.folder, self.made_for, self._log = folder, made_for, log
         self._entries = dict(entries)
         self._names = list(dict.fromkeys([*entries, *makers]))
-        self._lock = threading.Lock()
         self._waits: dict[str, Callable[[], object]] = {}
         for name, make in makers.items():
             if name in self._entries:
@@ -115,17 +115,16 @@ class Parts(Mapping):
                 self._waits[name] = background.submit(f"corpus {name}", self._make, name, make)
 
     def _make(self, name: str, make: Callable[[], object]) -> None:
-        entry = make()
-        with self._lock:
-            self._entries[name] = entry
-            path = self.folder / "manifest.json"
-            tmp = path.with_name(path.name + ".part")
-            tmp.write_text(json.dumps(self._entries | {"made_for": self.made_for}, indent=1) + "\n")
-            os.replace(tmp, path)
-        self._log(name, entry)
+        """Make part ``name`` and record it (one thread makes every part: the manifest has one writer)."""
+        self._entries[name] = make()
+        path = self.folder / "manifest.json"
+        tmp = path.with_name(path.name + ".part")
+        tmp.write_text(json.dumps(self._entries | {"made_for": self.made_for}, indent=1) + "\n")
+        os.replace(tmp, path)
+        self._log(name, self._entries[name])
 
     def __getitem__(self, name: str):
-        if name in self._waits:  # done: returns at once (from any thread)
+        if name in self._waits:  # at once when the part is made
             self._waits[name]()
         return self._entries[name]
 

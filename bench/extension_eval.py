@@ -197,6 +197,9 @@ def save_prompts(path: Path) -> None:
     os.replace(part, path)
 
 
+NIAH_TITLE = "needle in a haystack"  # run_niah's title, the first field of its cache keys
+
+
 def evaluation_prompts(scale: Scale, seed: int) -> list[tuple]:
     """The cache keys of every prompt the text task's evaluations at ``scale.lengths`` ask for (the base checks ask
     for some of them), as ``mtraining.eval.answers.score_samples`` keys them for ``_niah`` and ``run_ruler``:
@@ -214,9 +217,6 @@ def evaluation_prompts(scale: Scale, seed: int) -> list[tuple]:
         for s in range(seed, seed + scale.ruler_samples)
     ]
     return niah + ruler
-
-
-NIAH_TITLE = "needle in a haystack"  # run_niah's title, the first field of its cache keys
 
 
 def build_prompts(path: Path, scale: Scale, seed: int, pool: Pool | None, tokenizer: Path) -> dict[str, dict]:
