@@ -452,7 +452,7 @@ def extension_tables() -> str:
     """Context extension, dense vs sparse (bench/extension.py): accuracy by length and the budget sweep, per scale."""
     lines = []
     for path in sorted(RESULTS.glob("extension_*.json")):
-        if path.stem.endswith("_base_search"):  # the search for a base: its own section, by hand
+        if path.stem.endswith(("_base_search", "_base")):  # a base alone (search, --base-only): by hand
             continue
         if path.stem.endswith(("_losses", "_density")):
             render = _extension_losses if path.stem.endswith("_losses") else _extension_density
