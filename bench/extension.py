@@ -97,11 +97,11 @@ def write_json(path: Path, data) -> None:
     tmp.replace(path)
 
 
-def cpu_seconds() -> float:
-    """User+sys CPU time of this process and of its finished child processes (ranks, trainings)."""
-    return sum(
-        r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    )
+def cpu_seconds(children_only: bool = False) -> float:
+    """User+sys CPU time of this process and of its finished child processes (ranks, trainings); ``children_only``:
+    of the children alone (a training's, without what this process prepares in the background meanwhile)."""
+    who = (resource.RUSAGE_CHILDREN,) if children_only else (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, who))
 
 
 class Clock:
@@ -110,18 +110,18 @@ class Clock:
 
     deadline: float | None = None
 
-    def __init__(self, expected: float = 0.0) -> None:
-        self.expected = expected
+    def __init__(self, expected: float = 0.0, children_only: bool = False) -> None:
+        self.expected, self.children_only = expected, children_only
 
     def __enter__(self) -> Clock:
         if Clock.deadline is not None and time.time() + self.expected > Clock.deadline:
             raise OutOfTime
-        self.started, self.before = time.time(), cpu_seconds()
+        self.started, self.before = time.time(), cpu_seconds(self.children_only)
         return self
 
     def __exit__(self, *exc) -> None:
         self.wall_s = round(time.time() - self.started, 1)
-        self.cpu_s = round(cpu_seconds() - self.before, 1)
+        self.cpu_s = round(cpu_seconds(self.children_only) - self.before, 1)
 
 
 # ---------------------------------------------------------------------------------------------- 1: corpus
@@ -306,7 +306,7 @@ def train(run: Path, config: dict) -> dict:
     cmd += ["--nproc", str(nproc)] if nproc > 1 else []
     steps, seq = config["train"]["steps"], config["data"]["seq_len"]
     say(f"train {run.parent.name}/{run.name}: {steps} steps at {seq} tokens on {nproc} rank(s)")
-    with Clock() as clock, open(run / "train.log", "a") as log:
+    with Clock(children_only=True) as clock, open(run / "train.log", "a") as log:  # the training's CPU time
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         stopped = _wait(proc)
