@@ -16,6 +16,13 @@ dynamic sparse attention, then compare retrieval and perplexity), in five resuma
 5. report: ``extension_<scale>.json`` (every figure, device, commit, command), ``.md``, three PNGs
    and the log, flat in ``--out`` (bench/extension_report.py).
 
+The text task's CPU-only preparation overlaps the base's training (bench/extension_background.py): the
+tokenizer and the corpus files are written in stage order on a pool of the spare cores (all but the training's
+and this process's), each training stage waiting for its own file only; then the evaluations' NIAH/RULER prompts
+at every length are built into ``eval/prompts.pkl``, which the first evaluation waits for. Files and prompts are
+those a sequential run makes; each file is recorded in ``corpus/manifest.json`` once complete (written whole, then
+renamed), so a call stopped anywhere leaves none half-made and the next call writes what is missing.
+
 A stage whose output exists in ``--work`` is skipped, so a run that stops continues where it was
 (an interrupted training resumes from its last checkpoint). ``--max-minutes`` fits a time-limited
 call: at that time a training gets SIGTERM (it saves a checkpoint and stops), and no stage starts
@@ -31,6 +38,7 @@ the run exits with status 3, and the same command continues it. Every stage logs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -40,7 +48,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 import yaml
@@ -53,6 +63,7 @@ import extension_eval  # noqa: E402
 import extension_report  # noqa: E402
 import extension_text  # noqa: E402
 from common import RESULTS_DIR, commit, provenance  # noqa: E402
+from extension_background import Background, Parts  # noqa: E402
 from extension_corpus import Shape  # noqa: E402
 from extension_settings import SCALES, SWEEP, Budget, Scale, Stage  # noqa: E402
 
@@ -86,11 +97,11 @@ def write_json(path: Path, data) -> None:
     tmp.replace(path)
 
 
-def cpu_seconds() -> float:
-    """User+sys CPU time of this process and of its finished child processes (ranks, trainings)."""
-    return sum(
-        r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    )
+def cpu_seconds(children_only: bool = False) -> float:
+    """User+sys CPU time of this process and of its finished child processes (ranks, trainings); ``children_only``:
+    of the children alone (a training's, without what this process prepares in the background meanwhile)."""
+    who = (resource.RUSAGE_CHILDREN,) if children_only else (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, who))
 
 
 class Clock:
@@ -99,77 +110,78 @@ class Clock:
 
     deadline: float | None = None
 
-    def __init__(self, expected: float = 0.0) -> None:
-        self.expected = expected
+    def __init__(self, expected: float = 0.0, children_only: bool = False) -> None:
+        self.expected, self.children_only = expected, children_only
 
     def __enter__(self) -> Clock:
         if Clock.deadline is not None and time.time() + self.expected > Clock.deadline:
             raise OutOfTime
-        self.started, self.before = time.time(), cpu_seconds()
+        self.started, self.before = time.time(), cpu_seconds(self.children_only)
         return self
 
     def __exit__(self, *exc) -> None:
         self.wall_s = round(time.time() - self.started, 1)
-        self.cpu_s = round(cpu_seconds() - self.before, 1)
+        self.cpu_s = round(cpu_seconds(self.children_only) - self.before, 1)
 
 
 # ---------------------------------------------------------------------------------------------- 1: corpus
 def corpus(scale: Scale, work: Path, seed: int, base_from: Path | None = None) -> dict:
-    """The tokenizer and one token file per training run (curriculum stage i, the extension). ``base_from``:
-    another work folder whose base this run reuses: its tokenizer and curriculum files are taken (they must
-    have been made for this curriculum), only the extension's file and the held-out set are written."""
+    """Every corpus file written (here and now) and the manifest's entries: see ``open_corpus``."""
+    return open_corpus(scale, work, seed, base_from).complete()
+
+
+def open_corpus(
+    scale: Scale, work: Path, seed: int, base_from: Path | None = None, background: Background | None = None
+) -> Parts:
+    """The tokenizer and one token file per training run (curriculum stage i, the extension), and for the text task
+    the held-out set, written in that order in ``background`` (None: here and now); ``corpus[name]`` waits for its
+    file. ``base_from``: another work folder whose base this run reuses: its tokenizer and curriculum files are
+    taken (they must have been made for this curriculum), only the extension's file and the held-out set are written.
+
+    ``corpus/manifest.json`` records each file once it is complete (files are written whole, then renamed), with
+    ``made_for``: a call that stops midway leaves the files it finished, the next call writes the others."""
     folder = work / "corpus"
     manifest = folder / "manifest.json"
     stages = {f"stage{i}": st for i, st in enumerate(scale.curriculum)} | {"extension": scale.extension}
     made_for = corpus_spec(scale, stages, seed)
-    reused = {} if base_from is None or manifest.exists() else _base_corpus(base_from, made_for)
-    if manifest.exists():
-        found = json.loads(manifest.read_text())
-        if found.get("made_for") != made_for:
-            raise ValueError(
-                f"{folder} was generated for another curriculum, vocabulary or seed than this run's; "
-                f"delete {work} (its runs trained on that corpus) or pass another --work"
-            )
-        return found
-    started = time.time()
+    found = json.loads(manifest.read_text()) if manifest.exists() else {"made_for": made_for}
+    if found.get("made_for") != made_for:
+        raise ValueError(
+            f"{folder} was generated for another curriculum, vocabulary or seed than this run's; "
+            f"delete {work} (its runs trained on that corpus) or pass another --work"
+        )
+    found.pop("made_for")
+    tokenizer = Path(found.get("tokenizer", folder / "tokenizer.json"))
+    makers: dict[str, Callable[[], object]] = {}
     if scale.task == "recall":
-        out = {"tokenizer": str(extension_corpus.write_tokenizer(scale.vocab, folder / "tokenizer.json"))}
+        makers["tokenizer"] = lambda: str(extension_corpus.write_tokenizer(scale.vocab, tokenizer))
         for i, (name, st) in enumerate(stages.items()):
             shape = None if st.repeat else Shape(st.pairs, st.pairs)
-            out[name] = extension_corpus.train_stream(
-                folder / f"{name}.npy", scale.vocab, st.seq_len, st.steps * st.batch, shape, seed, stage=i
+            samples = st.steps * st.batch
+            makers[name] = partial(
+                extension_corpus.train_stream, folder / f"{name}.npy", scale.vocab, st.seq_len, samples, shape, seed, i
             )
     else:
-        if reused:
-            tokenizer = Path(reused["tokenizer"])
-        else:
-            tokenizer = extension_text.write_tokenizer(folder / "tokenizer.json", scale.text_vocab, seed)
-        out = {"tokenizer": str(tokenizer)}
+        base = [name for name in ("tokenizer", *stages) if name != "extension"]
+        if base_from is not None and any(name not in found for name in base):
+            found |= _base_corpus(base_from, made_for)
+            tokenizer = Path(found["tokenizer"])
+        makers["tokenizer"] = lambda: str(extension_text.write_tokenizer(tokenizer, scale.text_vocab, seed))
+        pool = background.pool if background is not None else None
         for i, (name, st) in enumerate(stages.items()):
-            if name in reused:
-                out[name] = reused[name]
-                continue
             tokens = st.steps * st.batch * st.seq_len + st.seq_len + 1
-            out[name] = extension_text.train_stream(
-                folder / f"{name}.npy",
-                tokenizer,
-                tokens,
-                st.seq_len,
-                seed,
-                i,
-                st.repeat,
-                st.kinds or extension_text.KINDS,
-                st.min_fill,
-            )
-        out["heldout"] = extension_text.heldout(folder / "heldout.jsonl", tokenizer, scale.long, scale.eval_docs, seed)
-    out["seconds"] = round(time.time() - started, 1)
-    out["made_for"] = made_for
-    write_json(manifest, out)
-    files = [
-        f"{name} {part['tokens']} tokens" for name, part in out.items() if isinstance(part, dict) and "tokens" in part
-    ]
-    say(f"corpus: {', '.join(files)} in {out['seconds']}s")
-    return out
+            kinds = st.kinds or extension_text.KINDS
+            args = (tokenizer, tokens, st.seq_len, seed, i, st.repeat, kinds, st.min_fill, pool)
+            makers[name] = partial(extension_text.train_stream, folder / f"{name}.npy", *args)
+        makers["heldout"] = partial(
+            extension_text.heldout, folder / "heldout.jsonl", tokenizer, scale.long, scale.eval_docs, seed
+        )
+    return Parts(folder, made_for, found, makers, background, _corpus_log)
+
+
+def _corpus_log(name: str, entry) -> None:
+    counted = f"{entry['tokens']} tokens" if isinstance(entry, dict) and "tokens" in entry else "written"
+    say(f"corpus: {name} {counted}")
 
 
 def _base_corpus(base_from: Path, made_for: dict) -> dict:
@@ -217,7 +229,7 @@ def corpus_spec(scale: Scale, stages: dict[str, Stage], seed: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------- 2-3: training
 def train_config(
-    scale: Scale, stage: Stage, run: Path, data: dict, name: str, source: dict, budget: Budget | None, seed: int
+    scale: Scale, stage: Stage, run: Path, data: Mapping, name: str, source: dict, budget: Budget | None, seed: int
 ) -> dict:
     """A ``mtraining train`` config; ``source``: model.path (a previous export) or model.config, and rope_theta."""
     extension = stage.seq_len == scale.long
@@ -294,7 +306,7 @@ def train(run: Path, config: dict) -> dict:
     cmd += ["--nproc", str(nproc)] if nproc > 1 else []
     steps, seq = config["train"]["steps"], config["data"]["seq_len"]
     say(f"train {run.parent.name}/{run.name}: {steps} steps at {seq} tokens on {nproc} rank(s)")
-    with Clock() as clock, open(run / "train.log", "a") as log:
+    with Clock(children_only=True) as clock, open(run / "train.log", "a") as log:  # the training's CPU time
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         stopped = _wait(proc)
@@ -345,7 +357,7 @@ def _wait(proc: subprocess.Popen) -> bool:
         return True
 
 
-def base_model(scale: Scale, work: Path, data: dict, seed: int) -> tuple[Path, list[dict]]:
+def base_model(scale: Scale, work: Path, data: Mapping, seed: int) -> tuple[Path, list[dict]]:
     """The curriculum: stage 0 from random weights, each next stage from the previous export."""
     source = dict(config=scale.model, rope_theta=scale.base_theta)
     summaries = []
@@ -408,7 +420,7 @@ def check_base(scale: Scale, work: Path, base: Path, seed: int, gate: bool = Tru
     return result
 
 
-def extensions(scale: Scale, work: Path, data: dict, base: Path, seed: int) -> dict[str, dict]:
+def extensions(scale: Scale, work: Path, data: Mapping, base: Path, seed: int) -> dict[str, dict]:
     """Dense and one sparse run per budget, each from the base with the raised RoPE base, identical otherwise."""
     source = dict(path=str(base), rope_theta=scale.base_theta * scale.theta_factor)
     runs = {}
@@ -433,7 +445,9 @@ def eval_plan(scale: Scale) -> list[tuple[str, str, Budget | None]]:
     return plan
 
 
-def evaluate(scale: Scale, work: Path, data: dict, label: str, export: Path, budget: Budget | None, seed: int) -> dict:
+def evaluate(
+    scale: Scale, work: Path, data: Mapping, label: str, export: Path, budget: Budget | None, seed: int
+) -> dict:
     """One model with dense (``budget`` None) or sparse attention; cached in eval/<label>.json."""
     path = work / "eval" / (label.replace("/", "__") + ".json")
     if path.exists():
@@ -486,24 +500,31 @@ def run(
     """Every stage (skipping those done), then the results, report and plots in ``out``. ``base_from``: the
     work folder of a run with the same curriculum whose base (and its evaluations) this run reuses.
     ``base_only``: the base, its check and its evaluation at L0 only (``base_result``)."""
-    data = corpus(scale, work, seed, base_from)
-    if base_from is not None:
-        reuse_base(base_from, work)
-    if base_only:
-        return base_result(scale, work, out, data, seed)
     prompts = work / "eval" / "prompts.pkl"  # the text task's prompts, kept for the next call of a resumed run
-    extension_eval.load_prompts(prompts)
     try:
-        base, base_runs = base_model(scale, work, data, seed)
-        base_checked = check_base(scale, work, base, seed, gate=not extend_anyway)
-        runs = extensions(scale, work, data, base, seed)
-        exports = {"base": base} | {name: work / "extend" / name / "export" for name in runs}
-        evaluations = {
-            label: evaluate(scale, work, data, label, exports[model], budget, seed)
-            for label, model, budget in eval_plan(scale)
-        }
+        with Background() if scale.task == "text" else contextlib.nullcontext() as background:
+            data = open_corpus(scale, work, seed, base_from, background)
+            if base_from is not None:
+                reuse_base(base_from, work)
+            extension_eval.load_prompts(prompts)
+            if background is not None:  # after the corpus; the first evaluation waits for them
+                at = replace(scale, factor=1) if base_only else scale
+                extension_eval.expect_prompts(
+                    background.submit("prompts", _prompts, prompts, at, data, seed, background)
+                )
+            if base_only:
+                return base_result(scale, work, out, data, seed)
+            base, base_runs = base_model(scale, work, data, seed)
+            base_checked = check_base(scale, work, base, seed, gate=not extend_anyway)
+            runs = extensions(scale, work, data, base, seed)
+            exports = {"base": base} | {name: work / "extend" / name / "export" for name in runs}
+            evaluations = {
+                label: evaluate(scale, work, data, label, exports[model], budget, seed)
+                for label, model, budget in eval_plan(scale)
+            }
+            made = data.complete()
     finally:
-        extension_eval.save_prompts(prompts)
+        extension_eval.save_prompts(prompts)  # the background's too, when no evaluation has waited for them
     summary = extension_report.summarise(scale, evaluations, runs)
     stages = [*base_runs, *runs.values(), *evaluations.values()]
     result = dict(
@@ -515,7 +536,7 @@ def run(
         tasks=list(scale.tasks),
         lengths=scale.lengths,
         scale=asdict(scale),
-        corpus=data,
+        corpus=made,
         training={r["run"]: r for r in base_runs} | {f"extend/{k}": v for k, v in runs.items()},
         base_check=base_checked,
         summary=summary,
@@ -527,7 +548,15 @@ def run(
     return result
 
 
-def base_result(scale: Scale, work: Path, out: Path, data: dict, seed: int) -> dict:
+def _prompts(path: Path, scale: Scale, data: Parts, seed: int, background: Background) -> dict:
+    """The evaluations' prompts that ``path`` lacks, built on ``background``'s pool (a background job)."""
+    started = time.time()
+    built = extension_eval.build_prompts(path, scale, seed, background.pool, Path(data["tokenizer"]))
+    say(f"prompts: {sum(map(len, built.values()))} built for the evaluations in {time.time() - started:.0f}s")
+    return built
+
+
+def base_result(scale: Scale, work: Path, out: Path, data: Parts, seed: int) -> dict:
     """The curriculum, the base check and the base's dense evaluation at L0 alone, against the base gates, in
     ``out/extension_<scale>_base.json``: a recipe's base judged in the time of its training."""
     base, base_runs = base_model(scale, work, data, seed)
@@ -547,7 +576,7 @@ def base_result(scale: Scale, work: Path, out: Path, data: dict, seed: int) -> d
         cpu_s=round(sum(r["cpu_s"] for r in stages), 1),
         parameters=_parameters(base),
         scale=asdict(scale),
-        corpus=data,
+        corpus=data.complete(),
         training={r["run"]: r for r in base_runs},
         base_check=checked,
         gates=gates,

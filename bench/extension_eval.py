@@ -15,14 +15,20 @@ in a fixed order (the same documents for every model), so the report can pair tw
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from extension_corpus import eval_set
 from extension_report import accuracy
 from extension_settings import Budget, Scale
+
+if TYPE_CHECKING:
+    from extension_background import Pool
 
 
 def spec(scale: Scale, budget: Budget | None, length: int):
@@ -149,27 +155,111 @@ def _niah(engine, tokenizer, scale: Scale, length: int, samples: int, seed: int,
 
 
 def _prompt_cache(export: str) -> dict:
-    """Prompts built once per process: every model of the experiment has the corpus' tokenizer."""
-    return _PROMPTS.setdefault(hashlib.sha256((Path(export) / "tokenizer.json").read_bytes()).hexdigest(), {})
+    """Prompts built once per process: every model of the experiment has the corpus' tokenizer. Prompts being
+    built in the background (``expect_prompts``) are waited for first."""
+    while _COMING:
+        _merge(_COMING.pop(0)())
+    return _PROMPTS.setdefault(_fingerprint(Path(export) / "tokenizer.json"), {})
 
 
 _PROMPTS: dict[str, dict] = {}  # tokenizer.json's SHA-256 -> Prompting.cache
+_COMING: list[Callable[[], dict]] = []  # waits for prompts being built in the background (``build_prompts``)
+
+
+def _fingerprint(tokenizer: Path) -> str:
+    return hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+
+
+def _merge(prompts: dict[str, dict]) -> None:
+    for tokenizer, built in prompts.items():
+        _PROMPTS.setdefault(tokenizer, {}).update(built)
 
 
 def load_prompts(path: Path) -> None:
     """Prompts an earlier process of this run built (``save_prompts``): a resumed run does not build them again
     (a minute and more at 32K)."""
     if path.exists():
-        for tokenizer, built in pickle.loads(path.read_bytes()).items():
-            _PROMPTS.setdefault(tokenizer, {}).update(built)
+        _merge(pickle.loads(path.read_bytes()))
+
+
+def expect_prompts(wait: Callable[[], dict]) -> None:
+    """Prompts being built elsewhere: the first evaluation calls ``wait`` (``build_prompts``'s result) and uses them."""
+    _COMING.append(wait)
 
 
 def save_prompts(path: Path) -> None:
-    """Every prompt built in this process so far, for ``load_prompts`` (written whole, then renamed)."""
+    """Every prompt built in this process so far and those already in ``path``, for ``load_prompts`` (written
+    whole, then renamed)."""
+    load_prompts(path)  # the background's, if this process has not waited for them
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_suffix(".part")
     part.write_bytes(pickle.dumps(_PROMPTS))
     os.replace(part, path)
+
+
+NIAH_TITLE = "needle in a haystack"  # run_niah's title, the first field of its cache keys
+
+
+def evaluation_prompts(scale: Scale, seed: int) -> list[tuple]:
+    """The cache keys of every prompt the text task's evaluations at ``scale.lengths`` ask for (the base checks ask
+    for some of them), as ``mtraining.eval.answers.score_samples`` keys them for ``_niah`` and ``run_ruler``:
+    (title, the cell's values, the seed)."""
+    niah = [
+        (NIAH_TITLE, n, 100 * d, s)
+        for n in scale.lengths
+        for d in scale.depths
+        for s in range(seed, seed + scale.niah_samples)
+    ]
+    ruler = [
+        ("ruler", t, n, s)
+        for t in scale.ruler_tasks
+        for n in scale.lengths
+        for s in range(seed, seed + scale.ruler_samples)
+    ]
+    return niah + ruler
+
+
+def build_prompts(path: Path, scale: Scale, seed: int, pool: Pool | None, tokenizer: Path) -> dict[str, dict]:
+    """The samples of ``evaluation_prompts`` that ``path`` lacks, built on ``pool``'s workers (None: here) and added
+    to ``path``; returns them as ``_PROMPTS`` holds them (for ``expect_prompts``)."""
+    fingerprint = _fingerprint(tokenizer)
+    saved = pickle.loads(path.read_bytes()) if path.exists() else {}  # only this job writes it until the run ends
+    keys = [key for key in evaluation_prompts(scale, seed) if key not in saved.get(fingerprint, {})]
+    keys.sort(key=lambda key: -key[2] if key[0] == "ruler" else -key[1])  # the longest first: an even load
+    jobs = [(str(tokenizer), key, seed) for key in keys]
+    built = dict(
+        zip(keys, pool.map(_build_prompt, jobs) if pool is not None else map(_build_prompt, jobs), strict=True)
+    )
+    saved.setdefault(fingerprint, {}).update(built)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_suffix(".background")
+    part.write_bytes(pickle.dumps(saved))
+    os.replace(part, path)
+    return {fingerprint: built}
+
+
+def _build_prompt(job: tuple[str, tuple, int]):
+    """The sample of cache key ``key`` (``evaluation_prompts``), as ``_niah`` and ``run_ruler`` build it with
+    ``Prompting(seed=seed)`` and the export's tokenizer (a copy of the corpus' ``tokenizer``)."""
+    from mtraining.eval.documents import Haystack
+    from mtraining.eval.niah import TASK
+    from mtraining.eval.tasks import generate
+
+    tokenizer, key, seed = job
+    count = _tokenizer(tokenizer).count
+    if key[0] == "ruler":
+        _, task, length, s = key
+        return generate(task, length, s, count, Haystack(seed=seed), max_new_tokens=None)
+    _, length, depth, s = key
+    return generate(TASK, length, s, count, Haystack(seed=seed), depth / 100, None)
+
+
+@functools.cache
+def _tokenizer(path: str):
+    """The evaluation's tokenizer (``loading.load_tokenizer``), loaded once per worker process."""
+    from mtraining.eval.loading import load_tokenizer
+
+    return load_tokenizer(path)
 
 
 def load_export(export: str, scale: Scale):

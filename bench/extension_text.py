@@ -29,7 +29,7 @@ import math
 import multiprocessing
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,6 +40,8 @@ from mtraining.eval.documents import Haystack, filler_sentences
 from mtraining.eval.tasks import _ADJECTIVES, _NOUNS, _build_niah, _build_vt, _keys, _numbers, _render
 
 if TYPE_CHECKING:
+    from extension_background import Pool
+
     from mtraining.data.tokenizer import TextTokenizer
 
 KINDS = ("niah", "niah", "niah", "vt", "recall", "recall", "recall", "recall")
@@ -155,9 +157,18 @@ def write_tokenizer(path: Path, vocab_size: int, seed: int = 0) -> Path:
         vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(documents(_SEED_BASE // 2 + 1000 * seed, 400, 120), trainer=trainer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path))
+    with _written(path) as tmp:
+        tok.save(str(tmp))
     return path
+
+
+@contextlib.contextmanager
+def _written(path: Path) -> Iterator[Path]:
+    """A temporary name next to ``path`` to write to, renamed to ``path`` once written: a file whole or absent."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    yield tmp
+    os.replace(tmp, path)
 
 
 def train_stream(
@@ -170,6 +181,7 @@ def train_stream(
     repeat: bool = False,
     kinds: tuple[str, ...] = KINDS,
     min_fill: float = 0.0,
+    pool: Pool | None = None,
 ) -> dict:
     """At least ``tokens`` tokens of training documents (EOS-separated) sized for ``seq_len``, as .npy: the
     mixture of ``kinds``, or repeated sentences (``repeat_document``) when ``repeat``; mixture documents are
@@ -183,16 +195,19 @@ def train_stream(
     since a window that cuts a document between a needle and its question teaches answers without evidence,
     the more often the farther apart they are.
 
-    Documents are generated and tokenised in chunks of ``_CHUNK`` seeds on every CPU core; the file is
-    the same whatever the number of cores (chunks are kept in seed order up to the first that reaches
-    ``tokens``)."""
+    Documents are generated and tokenised in chunks of ``_CHUNK`` seeds on every CPU core (on ``pool``'s
+    workers when given: extension_background.Pool), a small file in this process; the file is the same whatever
+    the number of cores (chunks are kept in seed order up to the first that reaches ``tokens``). It is written
+    whole, then renamed."""
     first = _SEED_BASE + 10_000_000 * stage + 100_000 * seed
     # a chunk holds roughly _CHUNK x seq_len / 2 tokens; a pool pays only for several chunks per core
-    workers = min(os.cpu_count() or 1, math.ceil(tokens / (_CHUNK * seq_len / 2)) // 4)
+    workers = min(
+        pool.workers if pool is not None else os.cpu_count() or 1, math.ceil(tokens / (_CHUNK * seq_len / 2)) // 4
+    )
     parts: list[np.ndarray] = []
     total, start = 0, first
     with contextlib.ExitStack() as stack:
-        if workers > 1:
+        if pool is None and workers > 1:
             pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")))
         while total < tokens:
             jobs = [
@@ -204,8 +219,8 @@ def train_stream(
                     parts.append(chunk)
                     total += chunk.size
     stream = np.concatenate(parts)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.save(path, stream)
+    with _written(path) as tmp, open(tmp, "wb") as f:
+        np.save(f, stream)
     kind = "repeat" if repeat else "mixture of " + ", ".join(sorted(set(kinds)))
     documents = len(parts) * _CHUNK
     return {"path": str(path), "tokens": int(stream.size), "seq_len": seq_len, "documents": documents, "kind": kind}
@@ -296,6 +311,6 @@ def heldout(path: Path, tokenizer: Path, min_tokens: int, count: int, seed: int)
             docs.append(doc)
         else:
             sentences = int(sentences * 1.2) + 1
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    with _written(path) as tmp:
+        tmp.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     return {"path": str(path), "documents": len(docs), "min_tokens": min_tokens}

@@ -28,8 +28,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 import extension  # noqa: E402
 import extension_report as report  # noqa: E402
 import extension_text  # noqa: E402
+from extension_background import Background, PreparationFailed  # noqa: E402
 from extension_corpus import Shape, Vocab, eval_set, make_document, train_stream, write_tokenizer  # noqa: E402
-from extension_settings import SCALES, Budget  # noqa: E402
+from extension_settings import SCALES, Budget, Stage  # noqa: E402
 
 from mtraining.data.tokenizer import TextTokenizer  # noqa: E402
 from mtraining.eval.ppl import position_buckets  # noqa: E402
@@ -115,6 +116,90 @@ def test_text_stages_pack_whole_documents_into_samples(tmp_path):
     assert np.array_equal(np.load(again["path"]), np.load(tmp_path / "s512.npy"))
     with pytest.raises(ValueError, match="longer seq_len"):  # a needle document cannot be whole in 64 tokens
         extension_text.train_stream(tmp_path / "short.npy", tokenizer, 1000, 64, 0, 3, kinds=("niah",))
+
+
+def _corpus_files(work: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((work / "corpus").iterdir()) if p.name != "manifest.json"}
+
+
+def _without_paths(manifest: dict) -> dict:
+    return {k: {f: x for f, x in v.items() if f != "path"} for k, v in manifest.items() if isinstance(v, dict)}
+
+
+def test_the_corpus_written_in_the_background_is_the_sequential_one_and_resumes(tmp_path):
+    """Written in the background (stage0 on a pool of two workers, the small files on its thread) the text corpus
+    is byte for byte the sequential one; a call stopped midway leaves only complete files in its manifest, and the
+    next call writes the rest."""
+    toy = SCALES["toy-text"]
+    pooled = Stage(64, 64, 16, 1e-3, kinds=("tokens",))  # 65K tokens: chunks on the pool
+    scale = replace(toy, curriculum=(pooled, *toy.curriculum), eval_docs=1)
+    sequential = extension.corpus(scale, tmp_path / "seq", seed=0)
+    with Background(workers=2) as background:
+        data = extension.open_corpus(scale, tmp_path / "bg", 0, background=background)
+        assert data["stage0"]["tokens"] == sequential["stage0"]["tokens"]  # waits for its own file only
+        finished = data.complete()
+    assert _corpus_files(tmp_path / "bg") == _corpus_files(tmp_path / "seq")
+    assert _without_paths(finished) == _without_paths(sequential) and set(finished) == set(sequential)
+    # stopped right after stage0: whatever the manifest records is complete; the next call completes the rest
+    with Background(workers=2) as background:
+        extension.open_corpus(scale, tmp_path / "stopped", 0, background=background)["stage0"]
+    manifest = json.loads((tmp_path / "stopped" / "corpus" / "manifest.json").read_text())
+    recorded = [name for name in manifest if name != "made_for"]
+    assert {"tokenizer", "stage0"} <= set(recorded)
+    for name in recorded:
+        path = Path(manifest[name] if name == "tokenizer" else manifest[name]["path"])
+        assert path.read_bytes() == (tmp_path / "seq" / "corpus" / path.name).read_bytes()
+    (tmp_path / "stopped" / "corpus" / "heldout.jsonl.part").write_text("cut short")  # a killed write
+    manifest.pop("heldout", None)
+    (tmp_path / "stopped" / "corpus" / "manifest.json").write_text(json.dumps(manifest))
+    resumed = extension.corpus(scale, tmp_path / "stopped", seed=0)
+    assert set(resumed) == set(sequential) and (tmp_path / "stopped" / "corpus" / "heldout.jsonl").exists()
+    written = _corpus_files(tmp_path / "stopped")
+    assert {k: v for k, v in written.items() if not k.endswith(".part")} == _corpus_files(tmp_path / "seq")
+
+
+def test_a_failing_background_file_raises_where_it_is_needed(tmp_path):
+    """A stage whose file cannot be written fails with its name and the cause when its training asks for it."""
+    toy = SCALES["toy-text"]
+    scale = replace(toy, curriculum=(*toy.curriculum, Stage(64, 1, 1, 1e-3, kinds=("niah",))))
+    with Background(workers=1) as background:
+        data = extension.open_corpus(scale, tmp_path, 0, background=background)
+        assert data["stage0"]["tokens"] > 0
+        with pytest.raises(PreparationFailed, match="corpus stage1.*longer seq_len"):
+            data["stage1"]
+    assert "stage1" not in json.loads((tmp_path / "corpus" / "manifest.json").read_text())
+
+
+class _Silent:
+    """An engine that answers nothing: the evaluations' own prompt building, without a model."""
+
+    def generate(self, ids, max_new_tokens, stop_ids=()):
+        return []
+
+
+def test_prompts_built_in_the_background_are_those_the_evaluation_builds(tmp_path):
+    """``build_prompts`` (on a pool) makes the very samples, under the very keys, that ``_niah`` and ``run_ruler``
+    put in the prompt cache, at every length: the evaluation finds every prompt it asks for."""
+    import extension_eval
+
+    from mtraining.eval.answers import Prompting
+    from mtraining.eval.loading import load_tokenizer
+    from mtraining.eval.ruler import run_ruler
+
+    scale = replace(SCALES["toy-text"], niah_samples=2, ruler_samples=2)
+    tokenizer = extension_text.write_tokenizer(tmp_path / "tokenizer.json", scale.text_vocab)
+    seed = 3
+    with Background(workers=1) as background:
+        built = extension_eval.build_prompts(tmp_path / "prompts.pkl", scale, seed, background.pool, tokenizer)
+    (cached,) = built.values()
+    tok, cache = load_tokenizer(tokenizer), {}
+    for n in scale.lengths:
+        extension_eval._niah(_Silent(), tok, scale, n, scale.niah_samples, seed, cache)
+        prompting = Prompting(samples=scale.ruler_samples, seed=seed, show_progress=False, cache=cache)
+        run_ruler(_Silent(), tok, scale.ruler_tasks, [n], prompting)
+    assert cached == cache and len(cache) == len(extension_eval.evaluation_prompts(scale, seed))
+    again = extension_eval.build_prompts(tmp_path / "prompts.pkl", scale, seed, None, tokenizer)  # all saved
+    assert again == {next(iter(built)): {}}
 
 
 # ---------------------------------------------------------------------------------------------- budgets, statistics
@@ -319,6 +404,15 @@ def test_pipeline_at_toy_size_recall_task_resumes(tmp_path):
 
 def test_pipeline_at_toy_size_text_task(tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
+    # a call that ends while the corpus is still being written in the background: exit 3, the next call completes it
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(ROOT / "bench" / "extension.py"), "--scale", "toy-text", "--work", str(work)]
+    stopped = subprocess.run(
+        cmd + ["--out", str(out), "--max-minutes", "0.01"], capture_output=True, text=True, env=env
+    )
+    assert stopped.returncode == 3 and "run the same command again" in stopped.stdout, stopped.stderr[-3000:]
+    assert not (work / "base" / "stage0" / "summary.json").exists() and "Traceback" not in stopped.stderr
+    (out / "extension_toy-text.log").unlink()
     _run("toy-text", work, out)
     result = _check_outputs("toy-text", work, out)
     evaluation = result["evaluations"]["dense/sparse-v10"]
@@ -347,6 +441,9 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
     assert {key[0] for key in built} == {"needle in a haystack", "ruler"} and all(
         isinstance(v, Sample) and v.prompt for v in built.values()
     )
+    assert set(built) == set(extension_eval.evaluation_prompts(SCALES["toy-text"], 0))  # all from the background
+    log = (out / "extension_toy-text.log").read_text()
+    assert log.index(f"prompts: {len(built)} built") < log.index("eval base/dense")  # before the first evaluation
     extension_eval._PROMPTS.clear()
 
     # another extension from the same base: nothing of the base is trained, checked or evaluated again
