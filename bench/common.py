@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@contextlib.contextmanager
+def written(path: Path, tag: str = "part") -> Iterator[Path]:
+    """A temporary name next to ``path`` (``<name>.<tag>``) to write to, renamed to ``path`` once the block ends
+    without error: the file is whole or absent. Writers that may overlap on one path take distinct tags."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{tag}")
+    yield tmp
+    os.replace(tmp, path)
 
 
 def commit() -> str:

@@ -62,7 +62,7 @@ import extension_corpus  # noqa: E402
 import extension_eval  # noqa: E402
 import extension_report  # noqa: E402
 import extension_text  # noqa: E402
-from common import RESULTS_DIR, commit, provenance  # noqa: E402
+from common import RESULTS_DIR, commit, provenance, written  # noqa: E402
 from extension_background import Background, Parts  # noqa: E402
 from extension_corpus import Shape  # noqa: E402
 from extension_settings import SCALES, SWEEP, Budget, Scale, Stage  # noqa: E402
@@ -91,10 +91,8 @@ def say(*parts) -> None:
 
 def write_json(path: Path, data) -> None:
     """Write atomically: a stage's output exists whole or not at all."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    with written(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def cpu_seconds(children_only: bool = False) -> float:

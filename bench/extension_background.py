@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
+from common import written
+
 
 class PreparationFailed(RuntimeError):
     """A background job (a corpus file, the prompts) failed; the message names it and its error."""
@@ -117,10 +119,8 @@ class Parts(Mapping):
     def _make(self, name: str, make: Callable[[], object]) -> None:
         """Make part ``name`` and record it (one thread makes every part: the manifest has one writer)."""
         self._entries[name] = make()
-        path = self.folder / "manifest.json"
-        tmp = path.with_name(path.name + ".part")
-        tmp.write_text(json.dumps(self._entries | {"made_for": self.made_for}, indent=1) + "\n")
-        os.replace(tmp, path)
+        with written(self.folder / "manifest.json") as tmp:
+            tmp.write_text(json.dumps(self._entries | {"made_for": self.made_for}, indent=1) + "\n")
         self._log(name, self._entries[name])
 
     def __getitem__(self, name: str):

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common import written
 from extension_corpus import eval_set
 from extension_report import accuracy
 from extension_settings import Budget, Scale
@@ -191,10 +191,8 @@ def save_prompts(path: Path) -> None:
     """Every prompt built in this process so far and those already in ``path``, for ``load_prompts`` (written
     whole, then renamed)."""
     load_prompts(path)  # the background's, if this process has not waited for them
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_suffix(".part")
-    part.write_bytes(pickle.dumps(_PROMPTS))
-    os.replace(part, path)
+    with written(path) as tmp:
+        tmp.write_bytes(pickle.dumps(_PROMPTS))
 
 
 NIAH_TITLE = "needle in a haystack"  # run_niah's title, the first field of its cache keys
@@ -231,10 +229,8 @@ def build_prompts(path: Path, scale: Scale, seed: int, pool: Pool | None, tokeni
         zip(keys, pool.map(_build_prompt, jobs) if pool is not None else map(_build_prompt, jobs), strict=True)
     )
     saved.setdefault(fingerprint, {}).update(built)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_suffix(".background")
-    part.write_bytes(pickle.dumps(saved))
-    os.replace(part, path)
+    with written(path, "background") as tmp:
+        tmp.write_bytes(pickle.dumps(saved))
     return {fingerprint: built}
 
 

@@ -29,12 +29,13 @@ import math
 import multiprocessing
 import os
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+from common import written
 
 from mtraining.eval.documents import Haystack, filler_sentences
 from mtraining.eval.tasks import _ADJECTIVES, _NOUNS, _build_niah, _build_vt, _keys, _numbers, _render
@@ -157,18 +158,9 @@ def write_tokenizer(path: Path, vocab_size: int, seed: int = 0) -> Path:
         vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(documents(_SEED_BASE // 2 + 1000 * seed, 400, 120), trainer=trainer)
-    with _written(path) as tmp:
+    with written(path) as tmp:
         tok.save(str(tmp))
     return path
-
-
-@contextlib.contextmanager
-def _written(path: Path) -> Iterator[Path]:
-    """A temporary name next to ``path`` to write to, renamed to ``path`` once written: a file whole or absent."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".part")
-    yield tmp
-    os.replace(tmp, path)
 
 
 def train_stream(
@@ -219,7 +211,7 @@ def train_stream(
                     parts.append(chunk)
                     total += chunk.size
     stream = np.concatenate(parts)
-    with _written(path) as tmp, open(tmp, "wb") as f:
+    with written(path) as tmp, open(tmp, "wb") as f:
         np.save(f, stream)
     kind = "repeat" if repeat else "mixture of " + ", ".join(sorted(set(kinds)))
     documents = len(parts) * _CHUNK
@@ -311,6 +303,6 @@ def heldout(path: Path, tokenizer: Path, min_tokens: int, count: int, seed: int)
             docs.append(doc)
         else:
             sentences = int(sentences * 1.2) + 1
-    with _written(path) as tmp:
+    with written(path) as tmp:
         tmp.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     return {"path": str(path), "documents": len(docs), "min_tokens": min_tokens}
