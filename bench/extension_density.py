@@ -30,7 +30,7 @@ import extension_eval  # noqa: E402
 import extension_report as report  # noqa: E402
 from common import RESULTS_DIR, provenance  # noqa: E402
 from extension import Clock, write_json  # noqa: E402
-from extension_settings import SCALES, SWEEP, Budget, Scale  # noqa: E402
+from extension_settings import DENSER, SCALES, SWEEP, Budget, Scale  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,7 @@ class TopK:
 
 
 _V30, _V50 = (next(b for b in SWEEP if b.name == name) for name in ("v30", "v50"))
+_V35, _V45 = DENSER
 _FULL = dict(v=1.0, s=1.0)  # caps at the whole length: a threshold alone decides
 SETTINGS = (
     Setting("v30", _V30),  # the default budget, as the experiment runs it
@@ -70,9 +71,9 @@ SETTINGS = (
     Setting("v30-q256", _V30, 256),
     Setting("v30-qall", _V30, None),
     # structure: denser budgets, more verticals or more slashes
-    Setting("v1/4", Budget("v1/4", v=1 / 4, s=1 / 16)),
+    Setting("v1/4", _V35),
     Setting("v1/2", Budget("v1/2", v=1 / 2, s=1 / 16)),
-    Setting("v1/8-s1/4", Budget("v1/8-s1/4", v=1 / 8, s=1 / 4)),
+    Setting("v1/8-s1/4", _V45),
     Setting("v1/4-s1/4", Budget("v1/4-s1/4", v=1 / 4, s=1 / 4)),
     Setting("v1/2-s1/2", Budget("v1/2-s1/2", v=1 / 2, s=1 / 2)),
     # slashes first: v50 of the experiment's sweep, then more block diagonals

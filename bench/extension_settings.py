@@ -168,6 +168,13 @@ SWEEP = (
     Budget("v50", v=1 / 32, s=3 / 8),
     Budget("t90", v=1 / 8, s=1 / 16, threshold=0.9),
 )
+# Denser budgets for the question which budget reaches parity (``--budgets``; not in any scale's default sweep):
+# v30 with more verticals (v35: 0.336 on the CPU scale's 2048, bench/results/extension_cpu_density.json) or
+# more slashes (v45: 0.481 there).
+DENSER = (
+    Budget("v35", v=1 / 4, s=1 / 16),
+    Budget("v45", v=1 / 8, s=1 / 4),
+)
 _CPU_VOCAB = Vocab()
 _TOY_VOCAB = Vocab(keys=32, values=32, words=32)
 _GPU_VOCAB = 2048
