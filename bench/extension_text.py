@@ -191,7 +191,7 @@ def train_stream(
     workers when given: extension_background.Pool), a small file in this process; the file is the same whatever
     the number of cores (chunks are kept in seed order up to the first that reaches ``tokens``). It is written
     whole, then renamed."""
-    first = _SEED_BASE + 10_000_000 * stage + 100_000 * seed
+    first = stage_seed(stage, seed)
     # a chunk holds roughly _CHUNK x seq_len / 2 tokens; a pool pays only for several chunks per core
     workers = min(
         pool.workers if pool is not None else os.cpu_count() or 1, math.ceil(tokens / (_CHUNK * seq_len / 2)) // 4
@@ -230,7 +230,6 @@ def _chunk(job: tuple[str, int, int, bool, tuple[str, ...], float]) -> np.ndarra
     tok = TextTokenizer(tokenizer)
     eos = tok.separator_id(None)
     seeds = range(first, first + _CHUNK)
-    max_sentences = max(16, seq_len // 10)  # ~12 tokens per filler sentence: documents up to about one sample
     if kinds == ("tokens",):
         docs = [token_span_document(s, seq_len - 1, tok.vocab_size) for s in seeds]
     elif not repeat and set(kinds) <= set(WHOLE_KINDS):
@@ -238,16 +237,31 @@ def _chunk(job: tuple[str, int, int, bool, tuple[str, ...], float]) -> np.ndarra
         docs = [ids[: seq_len - 1] for ids in tok.encode(documents(first, _CHUNK, seq_len // 8 + 1, kinds))]
         assert all(len(ids) == seq_len - 1 for ids in docs)
     else:
-        min_sentences = max(8, round(min_fill * max_sentences))
-
-        def render(seed: int, most: int) -> str:  # the document of ``seed`` with at most ``most`` sentences
-            if repeat:
-                return repeat_document(seed, most)
-            return make_document(document_kind(seed, kinds), seed, most, min(min_sentences, most))
-
+        render, max_sentences = packed_render(seq_len, repeat, kinds, min_fill)
         docs = [_fitting(tok, render, s, max_sentences, seq_len - 1) for s in seeds]
         return _whole_samples(docs, seq_len, eos, lambda n, i: _filler(tok, -(first + i), n))
     return np.concatenate([np.asarray(ids + [eos], dtype=np.uint16) for ids in docs])
+
+
+def stage_seed(stage: int, seed: int) -> int:
+    """The first document seed of training run ``stage`` (curriculum stage i, then the extension) of corpus ``seed``."""
+    return _SEED_BASE + 10_000_000 * stage + 100_000 * seed
+
+
+def packed_render(
+    seq_len: int, repeat: bool, kinds: tuple[str, ...], min_fill: float
+) -> tuple[Callable[[int, int], str], int]:
+    """(render, most) for a stage whose documents are packed whole into samples of ``seq_len``: ``render(seed, m)``
+    is document ``seed`` with at most ``m`` filler sentences, ``most`` the sentences it is first tried with."""
+    most = max(16, seq_len // 10)  # ~12 tokens per filler sentence: documents up to about one sample
+    min_sentences = max(8, round(min_fill * most))
+
+    def render(seed: int, m: int) -> str:
+        if repeat:
+            return repeat_document(seed, m)
+        return make_document(document_kind(seed, kinds), seed, m, min(min_sentences, m))
+
+    return render, most
 
 
 def _fitting(tok: TextTokenizer, render: Callable[[int, int], str], seed: int, most: int, limit: int) -> list[int]:

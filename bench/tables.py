@@ -454,8 +454,9 @@ def extension_tables() -> str:
     for path in sorted(RESULTS.glob("extension_*.json")):
         if path.stem.endswith(("_base_search", "_base")):  # a base alone (search, --base-only): by hand
             continue
-        if path.stem.endswith(("_losses", "_density")):
-            render = _extension_losses if path.stem.endswith("_losses") else _extension_density
+        renders = {"_losses": _extension_losses, "_density": _extension_density, "_answers": _extension_answers}
+        render = next((r for end, r in renders.items() if path.stem.endswith(end)), None)
+        if render is not None:
             lines += [render(path), ""]
             continue
         r = json.loads(path.read_text())
@@ -499,6 +500,36 @@ def _extension_losses(path: Path) -> str:
     lines += [_row(["model / attention"] + [f"NLL {k}" for k in kinds]), _row(["---"] * (len(kinds) + 1))]
     for label, parts in r["losses"].items():
         lines.append(_row([label] + [f"{parts[k]['nll']:.3f}" for k in kinds]))
+    return "\n".join(lines)
+
+
+def _extension_answers(path: Path) -> str:
+    """Where the extension corpus' answers lie in their documents, and the packed stages' filler
+    (bench/answer_positions.py)."""
+    r = json.loads(path.read_text())
+    ext = r["stages"]["extension"]
+    lines = [f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}`", ""]
+    head = ["kind", "documents", "answer tokens", f"in last {r['settings']['last_q']} rows"]
+    head += ["answer to end p10/50/90", "answer to evidence p10/50/90", "document p10/50/90"]
+    lines += [_row(head), _row(["---"] * len(head))]
+
+    def q(x: dict) -> str:
+        return "/".join(f"{x[k]:.0f}" for k in ("p10", "p50", "p90"))
+
+    for kind, f in [*ext["answers"]["kinds"].items(), ("mixture", ext["answers"]["mixture"])]:
+        share = f["answer_tokens_in_rows_share"]
+        lines.append(
+            _row(
+                [kind, str(f["documents"]), str(f["answer_tokens"]), f"{share:.3f}"]
+                + [q(f["answer_to_end_tokens"]), q(f["answer_to_evidence_tokens"]), q(f["document_positions"])]
+            )
+        )
+    lines += ["", _row(["stage", "seq_len", "documents", "samples", "filler share"]), _row(["---"] * 5)]
+    for name, st in r["stages"].items():
+        k = st["packing"]
+        lines.append(
+            _row([name, str(st["seq_len"]), str(k["documents"]), str(k["samples"]), f"{k['filler_share']:.3f}"])
+        )
     return "\n".join(lines)
 
 
