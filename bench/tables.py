@@ -448,13 +448,23 @@ def training_tables() -> str:
     return "\n".join(lines)
 
 
+def _extension_replicates(path: Path) -> str:
+    """bench/extension_replicates.py writes its tables beside its JSON."""
+    return path.with_suffix(".md").read_text().strip()
+
+
 def extension_tables() -> str:
     """Context extension, dense vs sparse (bench/extension.py): accuracy by length and the budget sweep, per scale."""
     lines = []
     for path in sorted(RESULTS.glob("extension_*.json")):
         if path.stem.endswith(("_base_search", "_base")):  # a base alone (search, --base-only): by hand
             continue
-        renders = {"_losses": _extension_losses, "_density": _extension_density, "_answers": _extension_answers}
+        renders = {
+            "_losses": _extension_losses,
+            "_density": _extension_density,
+            "_answers": _extension_answers,
+            "_replicates": _extension_replicates,
+        }
         render = next((r for end, r in renders.items() if path.stem.endswith(end)), None)
         if render is not None:
             lines += [render(path), ""]

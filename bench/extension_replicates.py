@@ -1,0 +1,175 @@
+"""Sparse against dense over several runs of the context-extension experiment: what one run's intervals miss.
+
+A run's intervals (bench/extension_report.py) resample the evaluation's prompts with the trained models
+fixed. Two runs of one recipe (same settings and seed, trained again on another machine) also differ in
+the models, and that spread is what decides whether a few points between dense and sparse mean anything.
+This reads result JSONs of bench/extension.py and reports, per run, budget and length, sparse minus dense
+(each sparse extension read with its own budget): NIAH over every depth and split by needle depth, the
+RULER-style average and last-bucket perplexity; and for runs of the same recipe (``--same``), each model's
+change from one run to the other on the same prompts.
+
+    python bench/extension_replicates.py --run end=bench/results/extension_gpu_end.json \\
+        --run mix=bench/results/extension_gpu_mix.json --run mix-again=bench/results/extension_gpu_sweep.json \\
+        --same mix,mix-again --out bench/results/extension_gpu_replicates.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import provenance, written  # noqa: E402
+from extension import write_json  # noqa: E402
+from extension_report import accuracy, difference  # noqa: E402
+
+
+def by_depth(niah: dict) -> dict[float, list[dict]]:
+    """The NIAH records of one length grouped by needle depth: the evaluation writes them depth-major, an equal
+    count per depth (checked against the grid it wrote alongside)."""
+    docs, grid = niah["documents"], niah["grid"]
+    depths, per = grid["depths"], len(niah["documents"]) // len(grid["depths"])
+    groups = {d: docs[i * per : (i + 1) * per] for i, d in enumerate(depths)}
+    if per * len(depths) != len(docs) or any(
+        abs(accuracy(g)["percent"] - s) > 1e-9 for g, s in zip(groups.values(), grid["scores"])
+    ):
+        raise ValueError("NIAH records are not depth-major with an equal count per depth; cannot split them by depth")
+    return groups
+
+
+def _pair(a: list[dict], b: list[dict]) -> dict:
+    return {**difference(a, b), "a": accuracy(a)["percent"], "b": accuracy(b)["percent"]}
+
+
+def _sparse_models(result: dict) -> list[str]:
+    """Sparse extensions read with their own budget, in the result's order."""
+    return [k for k in result["evaluations"] if k.startswith("sparse-") and k.split("/")[0] == k.split("/")[1]]
+
+
+def compare_run(result: dict) -> dict:
+    """Per sparse budget and length: sparse minus dense on NIAH (all depths, depths below 1, depth 1), RULER, and
+    last-bucket perplexity at the longest length (from the run's own report)."""
+    ev, out = result["evaluations"], {}
+    dense = ev["dense/dense"]["tasks"]
+    ppl = {e["budget"]["name"]: e["ppl_last_bucket_vs_dense"] for e in result["summary"]["sweep"]}
+    for label in _sparse_models(result):
+        sparse, rows = ev[label]["tasks"], {}
+        for length in dense["niah"]:
+            ds, ss = by_depth(dense["niah"][length]), by_depth(sparse["niah"][length])
+            far = [d for d in ds if d < 1.0]
+            rows[length] = {
+                "niah": _pair(sparse["niah"][length]["documents"], dense["niah"][length]["documents"]),
+                "niah_depth_below_1": _pair([x for d in far for x in ss[d]], [x for d in far for x in ds[d]]),
+                "niah_depth_1": _pair(ss.get(1.0, []), ds.get(1.0, [])) if 1.0 in ds else None,
+                "ruler": _pair(sparse["ruler"][length]["documents"], dense["ruler"][length]["documents"]),
+            }
+        budget = label.split("/")[0].removeprefix("sparse-")
+        out[budget] = {
+            "lengths": rows,
+            "ppl_last_bucket_vs_dense": ppl[budget],
+            "train_density": _density(result, label),
+        }
+    return out
+
+
+def _density(result: dict, label: str) -> float | None:
+    run = result["training"].get(f"extend/{label.split('/')[0]}", {})
+    return run.get("density")
+
+
+def compare_replicates(first: dict, second: dict) -> dict:
+    """Each model in both runs: its accuracy in the second run minus the first, on the same prompts (checked)."""
+    out = {}
+    for label in first["evaluations"]:
+        if label not in second["evaluations"] or label.startswith("base/"):
+            continue
+        a, b = first["evaluations"][label]["tasks"], second["evaluations"][label]["tasks"]
+        out[label] = {
+            task: {length: _pair(b[task][length]["documents"], a[task][length]["documents"]) for length in a[task]}
+            for task in ("niah", "ruler")
+        }
+    return out
+
+
+def _cell(p: dict | None) -> str:
+    if p is None:
+        return ""
+    lo, hi = p["interval"]
+    return f"{p['difference']:+.1f} [{lo:+.0f}, {hi:+.0f}]"
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# Sparse minus dense over runs of the context-extension experiment",
+        "",
+        f"Commit {result['commit']}: `{result['command']}`. Each cell: sparse (own budget) minus dense, points, paired "
+        "95% interval over that run's prompts (the trained models fixed). NIAH depth 1: the needle just before "
+        "the question (10 prompts per length); depths 0-0.75: 40.",
+        "",
+        "| run | budget | length | NIAH | NIAH depths 0-0.75 | NIAH depth 1 (dense, sparse %) | RULER-style | ppl 32K |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for run, budgets in result["runs"].items():
+        for budget, entry in budgets.items():
+            for i, (length, row) in enumerate(entry["lengths"].items()):
+                d1 = row["niah_depth_1"]
+                depth_1 = "" if d1 is None else f"{d1['b']:.0f}, {d1['a']:.0f}"
+                ppl = entry["ppl_last_bucket_vs_dense"]["change_percent"] if i == len(entry["lengths"]) - 1 else None
+                lines.append(
+                    f"| {run} | {budget} | {length} | {_cell(row['niah'])} | {_cell(row['niah_depth_below_1'])} | "
+                    f"{depth_1} | {_cell(row['ruler'])} | "
+                    f"{'' if ppl is None else f'{ppl:+.2f}%'} |"
+                )
+    for pair, models in result["replicates"].items():
+        lines += [
+            "",
+            f"## The same recipe twice: {pair} (second run minus first, same prompts)",
+            "",
+            "| model | task | " + " | ".join(next(iter(next(iter(models.values())).values()))) + " |",
+            "| --- | --- |" + " --- |" * len(next(iter(next(iter(models.values())).values()))),
+        ]
+        for label, tasks in models.items():
+            for task, per in tasks.items():
+                lines.append(f"| {label} | {task} | " + " | ".join(_cell(p) for p in per.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", action="append", required=True, help="NAME=result JSON of bench/extension.py (repeat)")
+    p.add_argument("--same", action="append", default=[], help="FIRST,SECOND: two runs of the same recipe (repeat)")
+    p.add_argument("--out", type=Path, required=True, help="result JSON (a .md of the same name beside it)")
+    args = p.parse_args()
+    runs = {}
+    for spec in args.run:
+        name, _, path = spec.partition("=")
+        if not path:
+            p.error(f"--run takes NAME=PATH, got {spec!r}")
+        runs[name] = json.loads(Path(path).read_text())
+    replicates = {}
+    for spec in args.same:
+        first, _, second = spec.partition(",")
+        if first not in runs or second not in runs:
+            p.error(f"--same {spec!r}: name two of the runs ({', '.join(runs)})")
+        replicates[f"{first} -> {second}"] = compare_replicates(runs[first], runs[second])
+    result = dict(
+        name=args.out.stem,
+        **provenance(on_gpu=False),
+        sources={
+            name: {"path": spec.partition("=")[2], "commit": runs[name]["commit"], "device": runs[name]["device"]}
+            for name, spec in zip(runs, args.run)
+        },  # fmt: skip
+        runs={name: compare_run(r) for name, r in runs.items()},
+        replicates=replicates,
+    )
+    write_json(args.out, result)
+    with written(args.out.with_suffix(".md")) as tmp:
+        tmp.write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""bench/extension_replicates.py on hand-made results whose differences are counted here: the depth split, the
+sign of sparse minus dense and of the second run minus the first, and records it cannot split by depth."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.bench.scripts import BENCH
+
+sys.path.insert(0, str(BENCH))
+import extension_replicates as rep  # noqa: E402
+
+
+def _niah(hits: list[int], depths=(0.0, 1.0)) -> dict:
+    """NIAH records, depth-major, with the grid the evaluation writes beside them."""
+    per = len(hits) // len(depths)
+    scores = [100.0 * sum(hits[i * per : (i + 1) * per]) / per for i in range(len(depths))]
+    return {
+        "documents": [{"hits": float(h), "answers": 1} for h in hits],
+        "grid": {"depths": list(depths), "scores": scores},
+    }
+
+
+def _result(dense: list[int], sparse: list[int], ruler_dense: list[float], ruler_sparse: list[float]) -> dict:
+    def tasks(niah, ruler):
+        return {
+            "niah": {"4096": _niah(niah)},
+            "ruler": {"4096": {"documents": [{"hits": h, "answers": 1} for h in ruler]}},
+        }
+
+    return {
+        "commit": "abc",
+        "device": "test",
+        "evaluations": {
+            "base/dense": {"tasks": tasks(dense, ruler_dense)},
+            "dense/dense": {"tasks": tasks(dense, ruler_dense)},
+            "sparse-v10/sparse-v10": {"tasks": tasks(sparse, ruler_sparse)},
+        },
+        "summary": {"sweep": [{"budget": {"name": "v10"}, "ppl_last_bucket_vs_dense": {"change_percent": 1.5}}]},
+        "training": {"extend/sparse-v10": {"density": 0.3}},
+    }
+
+
+def test_sparse_minus_dense_split_by_depth():
+    # depth 0: dense 4/4, sparse 3/4; depth 1: dense 0/4, sparse 4/4
+    result = _result([1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 0, 1, 1, 1, 1, 1], [1.0, 0.5], [0.5, 0.5])
+    row = rep.compare_run(result)["v10"]["lengths"]["4096"]
+    assert row["niah"]["difference"] == pytest.approx(100 * (7 - 4) / 8)
+    assert row["niah_depth_below_1"]["difference"] == pytest.approx(-25.0)
+    assert (row["niah_depth_1"]["a"], row["niah_depth_1"]["b"]) == (100.0, 0.0)  # sparse, dense
+    assert row["ruler"]["difference"] == pytest.approx(-25.0)
+    assert rep.compare_run(result)["v10"]["train_density"] == 0.3
+
+
+def test_second_run_minus_first_on_the_same_prompts():
+    first = _result([1, 1, 1, 1, 1, 1, 1, 1], [1] * 8, [1.0, 1.0], [1.0, 1.0])
+    second = _result([1, 1, 1, 1, 0, 0, 1, 1], [1] * 8, [0.0, 1.0], [1.0, 1.0])
+    out = rep.compare_replicates(first, second)
+    assert "base/dense" not in out
+    assert out["dense/dense"]["niah"]["4096"]["difference"] == pytest.approx(-25.0)
+    assert out["dense/dense"]["ruler"]["4096"]["difference"] == pytest.approx(-50.0)
+    assert out["sparse-v10/sparse-v10"]["niah"]["4096"]["difference"] == 0.0
+
+
+def test_records_out_of_depth_order_are_refused():
+    niah = _niah([1, 1, 0, 0])
+    niah["grid"]["scores"] = [0.0, 100.0]  # the records say depth 0 found both, the grid says none
+    with pytest.raises(ValueError, match="depth-major"):
+        rep.by_depth(niah)
+
+
+def test_script_writes_json_and_markdown(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_result([1] * 8, [1] * 8, [1.0, 1.0], [1.0, 1.0])))
+    b.write_text(json.dumps(_result([1, 1, 1, 1, 0, 0, 0, 0], [1] * 8, [1.0, 1.0], [1.0, 1.0])))
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(BENCH / "extension_replicates.py"), "--run", f"a={a}", "--run", f"b={b}"]
+    subprocess.run([*cmd, "--same", "a,b", "--out", str(out)], check=True, capture_output=True)
+    result = json.loads(out.read_text())
+    assert result["replicates"]["a -> b"]["dense/dense"]["niah"]["4096"]["difference"] == pytest.approx(-50.0)
+    assert "| b | v10 | 4096 | +50.0" in out.with_suffix(".md").read_text()
