@@ -106,7 +106,7 @@ def evaluate_text(export: str, scale: Scale, budget: Budget | None, heldout: Pat
         prompting = Prompting(samples=scale.ruler_samples, seed=seed, show_progress=False, cache=cache)
         ruler = run_ruler(engine, tok, scale.ruler_tasks, [n], prompting)
         out["tasks"]["ruler"][str(n)] = {
-            "documents": [{"hits": r["score"], "answers": 1} for r in ruler["records"]],
+            "documents": [prompt_record(r) for r in ruler["records"]],
             "by_task": {t: v[0] for t, v in ruler["scores"].items()},
         }
         out["ppl"][str(n)] = []
@@ -148,9 +148,22 @@ def _niah(engine, tokenizer, scale: Scale, length: int, samples: int, seed: int,
     prompting = Prompting(samples=samples, seed=seed, show_progress=False, cache=cache)
     niah = run_niah(engine, tokenizer, [length], [100 * d for d in scale.depths], prompting)
     return {
-        "documents": [{"hits": r["score"], "answers": 1} for r in niah["records"]],
+        "documents": [prompt_record(r) for r in niah["records"]],
         "grid": {"depths": scale.depths, "scores": [row[0] for row in niah["scores"]]},
         "examples": [{"answers": r["answers"], "prediction": r["prediction"]} for r in niah["records"][:5]],
+    }
+
+
+def prompt_record(record: dict) -> dict:
+    """What the report keeps of one NIAH or RULER prompt: its score as hits of one answer (the statistics' unit),
+    and for reading failures later its cell (depth or task), the expected answers and the model's prediction."""
+    cell = {k: record[k] for k in ("depth", "task") if k in record}
+    return {
+        "hits": record["score"],
+        "answers": 1,
+        **cell,
+        "expected": record["answers"],
+        "prediction": record["prediction"],
     }
 
 

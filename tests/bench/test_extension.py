@@ -417,6 +417,15 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
     result = _check_outputs("toy-text", work, out)
     evaluation = result["evaluations"]["dense/sparse-v10"]
     assert set(evaluation["tasks"]) == {"niah", "ruler"} and evaluation["density"]["1024"] < 1
+    # every prompt keeps its cell, expected answers and prediction (NIAH's hits: match_all of that prediction)
+    from mtraining.eval.scoring import match_all
+
+    niah = evaluation["tasks"]["niah"]["1024"]["documents"]
+    assert [d["depth"] for d in niah] == [100 * d for d in SCALES["toy-text"].depths]  # one prompt per depth
+    assert all(d["hits"] == match_all(d["prediction"], d["expected"]) for d in niah)
+    ruler = evaluation["tasks"]["ruler"]["1024"]["documents"]
+    assert {d["task"] for d in ruler} == set(SCALES["toy-text"].ruler_tasks)
+    assert all(d["expected"] and isinstance(d["prediction"], str) for d in ruler)
     checkpointing = {
         run: yaml.safe_load((work / run / "train.yaml").read_text())["train"]["activation_checkpointing"]
         for run in ("base/stage0", "extend/dense", "extend/sparse-v10")
