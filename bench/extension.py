@@ -33,6 +33,12 @@ the run exits with status 3, and the same command continues it. Every stage logs
     python bench/extension.py --scale gpu-smoke --out $OUT   # the GPU path in miniature, ~2 minutes
     python bench/extension.py --scale gpu --max-minutes 8.5 --out $OUT   # one H200, two calls (BENCHMARKS.md)
     python bench/extension.py --scale toy --work /tmp/w --out /tmp/o   # the pipeline in miniature
+
+A replicate (another extension pair from the same base, evaluated on the same prompts) differs in its extension data
+alone: ``--extension-seed`` seeds the extension's corpus file and data order, ``--seed`` everything else. Each
+replicate needs its own --work (a folder's extensions are those of one extension seed):
+
+    python bench/extension.py --scale gpu --base-from runs/r0 --extension-seed 1 --work runs/r1 --out runs/out_r1
 """
 
 from __future__ import annotations
@@ -74,6 +80,10 @@ EVAL_S: list[float] = []  # wall time of each evaluation of this call
 
 class OutOfTime(Exception):
     """--max-minutes passed: stop before the next stage (its outputs so far are kept)."""
+
+
+class Refused(ValueError):
+    """The command asks for something its --work or --base-from cannot give; the message names the fix."""
 
 
 class BaseDoesNotRetrieve(Exception):
@@ -123,31 +133,41 @@ class Clock:
 
 
 # ---------------------------------------------------------------------------------------------- 1: corpus
-def corpus(scale: Scale, work: Path, seed: int, base_from: Path | None = None) -> dict:
+def corpus(
+    scale: Scale, work: Path, seed: int, base_from: Path | None = None, extension_seed: int | None = None
+) -> dict:
     """Every corpus file written (here and now) and the manifest's entries: see ``open_corpus``."""
-    return open_corpus(scale, work, seed, base_from).complete()
+    return open_corpus(scale, work, seed, base_from, extension_seed=extension_seed).complete()
 
 
 def open_corpus(
-    scale: Scale, work: Path, seed: int, base_from: Path | None = None, background: Background | None = None
+    scale: Scale,
+    work: Path,
+    seed: int,
+    base_from: Path | None = None,
+    background: Background | None = None,
+    extension_seed: int | None = None,
 ) -> Parts:
     """The tokenizer and one token file per training run (curriculum stage i, the extension), and for the text task
     the held-out set, written in that order in ``background`` (None: here and now); ``corpus[name]`` waits for its
     file. ``base_from``: another work folder whose base this run reuses: its tokenizer and curriculum files are
     taken (they must have been made for this curriculum), only the extension's file and the held-out set are written.
+    ``extension_seed`` (default ``seed``) seeds the extension's file alone.
 
     ``corpus/manifest.json`` records each file once it is complete (files are written whole, then renamed), with
     ``made_for``: a call that stops midway leaves the files it finished, the next call writes the others."""
     folder = work / "corpus"
     manifest = folder / "manifest.json"
     stages = {f"stage{i}": st for i, st in enumerate(scale.curriculum)} | {"extension": scale.extension}
-    made_for = corpus_spec(scale, stages, seed)
+    extension_seed = seed if extension_seed is None else extension_seed
+    made_for = corpus_spec(scale, stages, seed, extension_seed)
     found = json.loads(manifest.read_text()) if manifest.exists() else {"made_for": made_for}
     if found.get("made_for") != made_for:
-        raise ValueError(
-            f"{folder} was generated for another curriculum, vocabulary or seed than this run's; "
+        raise Refused(
+            f"{folder} was generated for another curriculum, vocabulary, seed or extension seed than this run's; "
             f"delete {work} (its runs trained on that corpus) or pass another --work"
         )
+    seeds = {name: extension_seed if name == "extension" else seed for name in stages}
     found.pop("made_for")
     tokenizer = Path(found.get("tokenizer", folder / "tokenizer.json"))
     makers: dict[str, Callable[[], object]] = {}
@@ -157,7 +177,14 @@ def open_corpus(
             shape = None if st.repeat else Shape(st.pairs, st.pairs)
             samples = st.steps * st.batch
             makers[name] = partial(
-                extension_corpus.train_stream, folder / f"{name}.npy", scale.vocab, st.seq_len, samples, shape, seed, i
+                extension_corpus.train_stream,
+                folder / f"{name}.npy",
+                scale.vocab,
+                st.seq_len,
+                samples,
+                shape,
+                seeds[name],
+                i,
             )
     else:
         base = [name for name in ("tokenizer", *stages) if name != "extension"]
@@ -169,7 +196,7 @@ def open_corpus(
         for i, (name, st) in enumerate(stages.items()):
             tokens = st.steps * st.batch * st.seq_len + st.seq_len + 1
             kinds = st.kinds or extension_text.KINDS
-            args = (tokenizer, tokens, st.seq_len, seed, i, st.repeat, kinds, st.min_fill, pool)
+            args = (tokenizer, tokens, st.seq_len, seeds[name], i, st.repeat, kinds, st.min_fill, pool)
             makers[name] = partial(extension_text.train_stream, folder / f"{name}.npy", *args)
         makers["heldout"] = partial(
             extension_text.heldout, folder / "heldout.jsonl", tokenizer, scale.long, scale.eval_docs, seed
@@ -185,18 +212,19 @@ def _corpus_log(name: str, entry) -> None:
 def _base_corpus(base_from: Path, made_for: dict) -> dict:
     """The tokenizer and curriculum files of ``base_from``'s corpus, checked to be made for ``made_for``'s curriculum."""
     if made_for["task"] != "text":
-        raise ValueError("--base-from serves the text task (the GPU scales); the recall task's corpus is quick to make")
+        raise Refused("--base-from serves the text task (the GPU scales); the recall task's corpus is quick to make")
     path = base_from / "corpus" / "manifest.json"
     if not path.exists():
-        raise ValueError(f"--base-from {base_from}: no corpus there ({path} missing); give the work folder of a run")
+        raise Refused(f"--base-from {base_from}: no corpus there ({path} missing); give the work folder of a run")
     found = json.loads(path.read_text())
     theirs, ours = found["made_for"], made_for
     same = {k: v for k, v in theirs.items() if k != "stages"} == {k: v for k, v in ours.items() if k != "stages"}
     curriculum = [name for name in ours["stages"] if name != "extension"]
     if not same or any(theirs["stages"].get(name) != ours["stages"][name] for name in curriculum):
-        raise ValueError(
+        raise Refused(
             f"--base-from {base_from}: its base was trained on a corpus made for another curriculum, vocabulary or "
-            "seed than this run's; reuse a base only across runs that differ in the extension or its evaluation"
+            "seed than this run's; reuse a base only across runs that differ in the extension (its data, its "
+            "--extension-seed) or its evaluation"
         )
     return {name: found[name] for name in ("tokenizer", *curriculum)}
 
@@ -206,7 +234,7 @@ def reuse_base(base_from: Path, work: Path) -> None:
     prompt cache, so that this run starts at its extensions (``corpus`` takes the same base's files)."""
     base_from = base_from.resolve()
     if not (base_from / "base").is_dir():
-        raise ValueError(f"--base-from {base_from}: no base there ({base_from / 'base'} missing)")
+        raise Refused(f"--base-from {base_from}: no base there ({base_from / 'base'} missing)")
     if not (work / "base").exists():
         (work / "base").symlink_to(base_from / "base", target_is_directory=True)
     (work / "eval").mkdir(parents=True, exist_ok=True)
@@ -215,9 +243,14 @@ def reuse_base(base_from: Path, work: Path) -> None:
             shutil.copy2(base_from / "eval" / name, work / "eval" / name)
 
 
-def corpus_spec(scale: Scale, stages: dict[str, Stage], seed: int) -> dict:
-    """What a corpus's files depend on, kept in its manifest so a changed curriculum never reuses stale files."""
-    data = dict(task=scale.task, seed=seed, stages={name: vars(st) for name, st in stages.items()})
+def corpus_spec(scale: Scale, stages: dict[str, Stage], seed: int, extension_seed: int) -> dict:
+    """What a corpus's files depend on, kept in its manifest so a changed curriculum never reuses stale files.
+    An ``extension_seed`` other than ``seed`` is in the extension's entry (which ``_base_corpus`` leaves out:
+    replicates share a base); equal, it is left out, as in manifests written before there was one."""
+    stages = {name: vars(st) for name, st in stages.items()}
+    if extension_seed != seed:
+        stages["extension"] = stages["extension"] | {"extension_seed": extension_seed}
+    data = dict(task=scale.task, seed=seed, stages=stages)
     if scale.task == "recall":
         data |= dict(vocab=repr(scale.vocab))
     else:
@@ -293,8 +326,16 @@ def train(run: Path, config: dict) -> dict:
 
     Past the --max-minutes deadline the run gets SIGTERM (it saves a checkpoint and exits 143) and
     ``OutOfTime`` is raised; the next call resumes it from that checkpoint. Wall and CPU time add up
-    over the calls (``segments.jsonl``: one line per call)."""
-    summary_path = run / "summary.json"
+    over the calls (``segments.jsonl``: one line per call). A run folder trained with another seed is refused."""
+    summary_path, written_config = run / "summary.json", run / "train.yaml"
+    if written_config.exists():  # a finished or interrupted run: its data order must be this one's
+        before, now = yaml.safe_load(written_config.read_text())["train"]["seed"], config["train"]["seed"]
+        if before != now:
+            raise Refused(
+                f"{run} was trained with seed {before}, this run asks for {now}: a replicate (another "
+                "--extension-seed) needs its own --work (--base-from the first run's work reuses its base), "
+                f"or delete {run}"
+            )
     if summary_path.exists():
         return json.loads(summary_path.read_text())
     run.mkdir(parents=True, exist_ok=True)
@@ -419,7 +460,8 @@ def check_base(scale: Scale, work: Path, base: Path, seed: int, gate: bool = Tru
 
 
 def extensions(scale: Scale, work: Path, data: Mapping, base: Path, seed: int) -> dict[str, dict]:
-    """Dense and one sparse run per budget, each from the base with the raised RoPE base, identical otherwise."""
+    """Dense and one sparse run per budget, each from the base with the raised RoPE base, identical otherwise;
+    ``seed``: their data order (the extension seed)."""
     source = dict(path=str(base), rope_theta=scale.base_theta * scale.theta_factor)
     runs = {}
     for budget in (None, *scale.budgets):
@@ -494,14 +536,17 @@ def run(
     extend_anyway: bool = False,
     base_from: Path | None = None,
     base_only: bool = False,
+    extension_seed: int | None = None,
 ) -> dict:
     """Every stage (skipping those done), then the results, report and plots in ``out``. ``base_from``: the
     work folder of a run with the same curriculum whose base (and its evaluations) this run reuses.
-    ``base_only``: the base, its check and its evaluation at L0 only (``base_result``)."""
+    ``base_only``: the base, its check and its evaluation at L0 only (``base_result``). ``extension_seed``
+    (default ``seed``): the extensions' corpus file and data order; ``seed`` seeds everything else."""
+    extension_seed = seed if extension_seed is None else extension_seed
     prompts = work / "eval" / "prompts.pkl"  # the text task's prompts, kept for the next call of a resumed run
     try:
         with Background() if scale.task == "text" else contextlib.nullcontext() as background:
-            data = open_corpus(scale, work, seed, base_from, background)
+            data = open_corpus(scale, work, seed, base_from, background, extension_seed)
             if base_from is not None:
                 reuse_base(base_from, work)
             extension_eval.load_prompts(prompts)
@@ -514,7 +559,7 @@ def run(
                 return base_result(scale, work, out, data, seed)
             base, base_runs = base_model(scale, work, data, seed)
             base_checked = check_base(scale, work, base, seed, gate=not extend_anyway)
-            runs = extensions(scale, work, data, base, seed)
+            runs = extensions(scale, work, data, base, extension_seed)
             exports = {"base": base} | {name: work / "extend" / name / "export" for name in runs}
             evaluations = {
                 label: evaluate(scale, work, data, label, exports[model], budget, seed)
@@ -531,6 +576,8 @@ def run(
         wall_s=round(sum(r["wall_s"] for r in stages), 1),
         cpu_s=round(sum(r["cpu_s"] for r in stages), 1),
         parameters=_parameters(base),
+        seed=seed,
+        extension_seed=extension_seed,
         tasks=list(scale.tasks),
         lengths=scale.lengths,
         scale=asdict(scale),
@@ -619,7 +666,15 @@ def main() -> None:
     p.add_argument("--scale", choices=sorted(SCALES), default="cpu")
     p.add_argument("--work", type=Path, default=None, help="stage outputs (default: runs/extension_<scale>)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="flat folder for the results (default: bench/results)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="seeds the corpus, tokenizer, trainings, held-out documents and prompts"
+    )
+    p.add_argument(
+        "--extension-seed",
+        type=int,
+        default=None,
+        help="seeds only the extensions' corpus file and data order, for replicates from one base (default: --seed)",
+    )
     p.add_argument(
         "--budgets",
         default=None,
@@ -693,9 +748,15 @@ def main() -> None:
     LOG.append(args.out / f"extension_{scale.name}.log")
     if args.max_minutes is not None:
         Clock.deadline = T0 + 60 * args.max_minutes
-    say(f"context extension, {scale.name} scale: work dir {work}, outputs in {args.out}")
+    seeds = f"seed {args.seed}" + (f", extension seed {args.extension_seed}" if args.extension_seed is not None else "")
+    say(f"context extension, {scale.name} scale, {seeds}: work dir {work}, outputs in {args.out}")
     try:
-        result = run(scale, work, args.out, args.seed, args.extend_anyway, args.base_from, args.base_only)
+        result = run(
+            scale, work, args.out, args.seed, args.extend_anyway, args.base_from, args.base_only, args.extension_seed
+        )
+    except Refused as e:
+        say(f"refused: {e}")
+        sys.exit(2)
     except OutOfTime:
         say(f"stopped after {args.max_minutes} minutes: run the same command again to continue from {work}")
         sys.exit(3)

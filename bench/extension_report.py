@@ -258,8 +258,10 @@ def markdown(scale: Scale, result: dict, paths: dict[str, Path]) -> str:
     masking = "masked (attention and sparse pattern per document)" if masked else "not masked"
     kinds = result.get("scale", {}).get("extension", {}).get("kinds")  # text task; None: the default mixture
     mixture = f" on {', '.join(sorted(set(kinds)))} documents" if kinds else ""
+    seed, extension_seed = result.get("seed"), result.get("extension_seed")  # absent in results made before them
+    replicate = f", extension seed {extension_seed} (seed {seed})" if extension_seed != seed else ""
     lines = [
-        f"# Context extension, dense vs dynamic sparse ({scale.name} scale)",
+        f"# Context extension, dense vs dynamic sparse ({scale.name} scale{replicate})",
         "",
         f"Commit {result['commit']}, device {result['device']}, `{result['command']}`; stages took "
         f"{result['wall_s'] / 60:.1f} min wall and {result['cpu_s'] / 60:.1f} min CPU (user+sys of every process).",

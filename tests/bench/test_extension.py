@@ -250,6 +250,42 @@ def test_a_corpus_made_for_another_curriculum_is_not_reused(tmp_path):
             extension.corpus(other, tmp_path, seed=seed)
 
 
+@pytest.mark.parametrize("name", ["toy", "toy-text"])
+def test_the_extension_seed_changes_the_extension_file_alone(tmp_path, name):
+    """--extension-seed: another extension file, the same tokenizer, curriculum files and held-out set; its manifest
+    says so (a work folder of another extension seed is refused), and equal to --seed it is the default's."""
+    scale = SCALES[name]
+    first = extension.corpus(scale, tmp_path / "r0", seed=0)
+    replicate = extension.corpus(scale, tmp_path / "r1", seed=0, extension_seed=1)
+    files, other = _corpus_files(tmp_path / "r0"), _corpus_files(tmp_path / "r1")
+    assert set(files) == set(other) and "extension.npy" in files and len(files) > 2
+    assert [f for f in files if files[f] != other[f]] == ["extension.npy"]
+    shared = [
+        {k: v for k, v in _without_paths(m).items() if k not in ("extension", "made_for")} for m in (first, replicate)
+    ]
+    assert shared[0] == shared[1] and "stage0" in shared[0]
+    assert replicate["made_for"]["stages"]["extension"].pop("extension_seed") == 1  # recorded: never reused for 0
+    assert replicate["made_for"] == first["made_for"]
+    assert extension.corpus(scale, tmp_path / "r0", seed=0, extension_seed=0) == first  # manifests made before it
+    with pytest.raises(extension.Refused, match="extension seed.*another --work"):
+        extension.corpus(scale, tmp_path / "r0", seed=0, extension_seed=1)
+
+
+def test_a_run_folder_trained_with_another_seed_is_refused(tmp_path):
+    """A finished (or interrupted) run folder of another seed is not taken for this one's: the message names the fix."""
+    scale = SCALES["toy"]
+    data = extension.corpus(scale, tmp_path, seed=0)
+    run = tmp_path / "extend" / "dense"
+    source = {"path": str(tmp_path / "base"), "rope_theta": scale.base_theta}
+    configs = [extension.train_config(scale, scale.extension, run, data, "extension", source, None, s) for s in (0, 1)]
+    run.mkdir(parents=True)
+    (run / "train.yaml").write_text(yaml.safe_dump(configs[0]))
+    (run / "summary.json").write_text('{"run": "extend/dense"}')
+    assert extension.train(run, configs[0]) == {"run": "extend/dense"}
+    with pytest.raises(extension.Refused, match="seed 0, this run asks for 1.*own --work"):
+        extension.train(run, configs[1])
+
+
 def test_a_training_past_the_deadline_stops_and_resumes(tmp_path):
     """SIGTERM at the deadline, OutOfTime, then the same call again finishes and counts both calls' time."""
     scale = SCALES["toy"]
@@ -482,6 +518,48 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
     changed = replace(SCALES["toy-text"], curriculum=(replace(SCALES["toy-text"].curriculum[0], steps=4),))
     with pytest.raises(ValueError, match="another curriculum"):
         extension.corpus(changed, tmp_path / "third", 0, base_from=work)
+
+    # a replicate: the same base and evaluation prompts, another extension seed (its data and data order)
+    _check_replicate(work, tmp_path / "r1", tmp_path / "out_r1")
+
+
+def _check_replicate(work: Path, replicate: Path, out: Path) -> None:
+    """``--base-from work --extension-seed 1``: no base training, another extension file and data order, the same
+    held-out documents and prompts (the results pair across replicates); another --seed is refused."""
+    import extension_eval
+
+    stamps = {p: p.stat().st_mtime_ns for p in (work / "base").rglob("*") if p.is_file()}
+    proc = _run("toy-text", replicate, out, "--base-from", str(work), "--extension-seed", "1", "--cross", "none")
+    assert "train base" not in proc.stdout and proc.stdout.count("train extend/") == 2
+    assert stamps == {p: p.stat().st_mtime_ns for p in (work / "base").rglob("*") if p.is_file()}
+    seeds = {
+        w: yaml.safe_load((w / "extend" / name / "train.yaml").read_text())["train"]["seed"]
+        for w in (work, replicate)
+        for name in ("dense", "sparse-v10")
+    }
+    assert seeds == {work: 0, replicate: 1}
+    corpus = [work / "corpus", replicate / "corpus"]
+    assert (corpus[0] / "heldout.jsonl").read_bytes() == (corpus[1] / "heldout.jsonl").read_bytes()
+    assert (corpus[0] / "extension.npy").read_bytes() != (corpus[1] / "extension.npy").read_bytes()
+    prompts = []
+    for w in (work, replicate):
+        extension_eval._PROMPTS.clear()
+        extension_eval.load_prompts(w / "eval" / "prompts.pkl")
+        prompts.append(dict(extension_eval._PROMPTS))
+    extension_eval._PROMPTS.clear()
+    assert prompts[0] == prompts[1] and prompts[0]
+    evaluated = [json.loads((w / "eval" / "dense__dense.json").read_text())["tasks"]["niah"] for w in (work, replicate)]
+    answers = [{n: [e["answers"] for e in cell.get("examples", [])] for n, cell in ev.items()} for ev in evaluated]
+    assert answers[0] == answers[1]
+    result = json.loads((out / "extension_toy-text.json").read_text())
+    assert (result["seed"], result["extension_seed"]) == (0, 1)
+    assert "extension seed 1 (seed 0)" in (out / "extension_toy-text.md").read_text().splitlines()[0]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(ROOT / "bench" / "extension.py"), "--scale", "toy-text", "--base-from", str(work)]
+    cmd += ["--seed", "1", "--work", str(replicate.parent / "r2"), "--out", str(out.parent / "out_r2")]
+    refused = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    assert refused.returncode == 2 and "refused: --base-from" in refused.stdout and "seed" in refused.stdout
+    assert "Traceback" not in refused.stderr and not (replicate.parent / "r2" / "extend").exists()
 
 
 def test_base_only_judges_the_base_at_l0_and_stops(tmp_path):
