@@ -5,18 +5,22 @@ fixed. Two runs of one recipe (same settings and seed, trained again on another 
 the models, and that spread is what decides whether a few points between dense and sparse mean anything.
 This reads result JSONs of bench/extension.py and reports, per run, budget and length, sparse minus dense
 (each sparse extension read with its own budget): NIAH over every depth and split by needle depth, the
-RULER-style average and last-bucket perplexity; and for runs of the same recipe (``--same``), each model's
-change from one run to the other on the same prompts.
+RULER-style average and last-bucket perplexity; for runs of the same recipe (``--same``), each model's
+change from one run to the other on the same prompts; and for replicates (``--pool``: runs whose evaluations
+share their prompts, such as ``--extension-seed`` replicates from one base), sparse minus dense averaged over
+the runs with an interval that resamples the runs as well as the prompts.
 
     python bench/extension_replicates.py --run end=bench/results/extension_gpu_end.json \\
         --run mix=bench/results/extension_gpu_mix.json --run mix-again=bench/results/extension_gpu_sweep.json \\
-        --same mix,mix-again --out bench/results/extension_gpu_replicates.json
+        --same mix,mix-again --pool mix=mix,mix-again --out bench/results/extension_gpu_replicates.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -24,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import provenance, written  # noqa: E402
 from extension import write_json  # noqa: E402
-from extension_report import accuracy, difference  # noqa: E402
+from extension_report import accuracy, bootstrap, difference  # noqa: E402
 
 
 def by_depth(niah: dict) -> dict[float, list[dict]]:
@@ -94,6 +98,39 @@ def compare_replicates(first: dict, second: dict) -> dict:
     return out
 
 
+def _points(pairs: list[tuple[dict, dict]]) -> float:
+    """Percent found by the first of each (sparse, dense) record pair minus the second."""
+    return 100.0 * sum(s["hits"] - d["hits"] for s, d in pairs) / sum(s["answers"] for s, _ in pairs)
+
+
+def pooled(results: list[dict], budget: str, seed: int = 0) -> dict:
+    """Sparse (own ``budget``) minus dense averaged over replicate runs, per task and length: the mean of the runs'
+    paired differences, each run's, and a 95% interval from a two-level bootstrap (runs drawn with replacement,
+    then each drawn run's prompts, sparse and dense together), so it holds the spread between trainings as well
+    as between prompts. With few runs the run-level draw has few outcomes: the interval is then a rough floor."""
+    label, rng = f"sparse-{budget}/sparse-{budget}", random.Random(seed)
+    out: dict[str, dict] = {}
+    for task in ("niah", "ruler"):
+        out[task] = {}
+        for length in results[0]["evaluations"]["dense/dense"]["tasks"][task]:
+            runs = [
+                list(zip(*(r["evaluations"][m]["tasks"][task][length]["documents"] for m in (label, "dense/dense"))))
+                for r in results
+            ]
+            per_run = [difference([s for s, _ in p], [d for _, d in p])["difference"] for p in runs]  # checks pairing
+
+            def resampled(drawn: list[list[tuple[dict, dict]]]) -> float:
+                return statistics.fmean(_points([rng.choice(p) for _ in p]) for p in drawn)
+
+            interval = bootstrap(runs, resampled, seed=seed)
+            out[task][length] = {
+                "difference": statistics.fmean(per_run),
+                "per_run": per_run,
+                "interval": list(interval),
+            }
+    return out
+
+
 def _cell(p: dict | None) -> str:
     if p is None:
         return ""
@@ -134,6 +171,18 @@ def markdown(result: dict) -> str:
         for label, tasks in models.items():
             for task, per in tasks.items():
                 lines.append(f"| {label} | {task} | " + " | ".join(_cell(p) for p in per.values()) + " |")
+    for pool, budgets in result["pooled"].items():
+        lines += [
+            "",
+            f"## Pooled over replicates: {pool} (mean of the runs' sparse minus dense, runs and prompts resampled)",
+            "",
+        ]
+        for budget, tasks in budgets.items():
+            lengths = list(next(iter(tasks.values())))
+            lines += [f"| budget | task | {' | '.join(lengths)} |", "| --- | --- |" + " --- |" * len(lengths)]
+            for task, per in tasks.items():
+                cells = [f"{_cell(p)} (runs: {', '.join(f'{x:+.0f}' for x in p['per_run'])})" for p in per.values()]
+                lines.append(f"| {budget} | {task} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -141,6 +190,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", action="append", required=True, help="NAME=result JSON of bench/extension.py (repeat)")
     p.add_argument("--same", action="append", default=[], help="FIRST,SECOND: two runs of the same recipe (repeat)")
+    p.add_argument(
+        "--pool", action="append", default=[], help="NAME=RUN,RUN,...: replicates whose prompts are shared (repeat)"
+    )
     p.add_argument("--out", type=Path, required=True, help="result JSON (a .md of the same name beside it)")
     args = p.parse_args()
     runs = {}
@@ -155,6 +207,16 @@ def main() -> None:
         if first not in runs or second not in runs:
             p.error(f"--same {spec!r}: name two of the runs ({', '.join(runs)})")
         replicates[f"{first} -> {second}"] = compare_replicates(runs[first], runs[second])
+    pools = {}
+    for spec in args.pool:
+        name, _, members = spec.partition("=")
+        members = [m.strip() for m in members.split(",") if m.strip()]
+        if len(members) < 2 or any(m not in runs for m in members):
+            p.error(f"--pool {spec!r}: name two or more of the runs ({', '.join(runs)})")
+        chosen = [runs[m] for m in members]
+        labels = [m for m in _sparse_models(chosen[0]) if all(m in r["evaluations"] for r in chosen[1:])]
+        budgets = [m.split("/")[0].removeprefix("sparse-") for m in labels]
+        pools[name] = {b: pooled(chosen, b) for b in budgets}
     result = dict(
         name=args.out.stem,
         **provenance(on_gpu=False),
@@ -164,6 +226,7 @@ def main() -> None:
         },  # fmt: skip
         runs={name: compare_run(r) for name, r in runs.items()},
         replicates=replicates,
+        pooled=pools,
     )
     write_json(args.out, result)
     with written(args.out.with_suffix(".md")) as tmp:

@@ -79,7 +79,26 @@ def test_script_writes_json_and_markdown(tmp_path):
     b.write_text(json.dumps(_result([1, 1, 1, 1, 0, 0, 0, 0], [1] * 8, [1.0, 1.0], [1.0, 1.0])))
     out = tmp_path / "r.json"
     cmd = [sys.executable, str(BENCH / "extension_replicates.py"), "--run", f"a={a}", "--run", f"b={b}"]
-    subprocess.run([*cmd, "--same", "a,b", "--out", str(out)], check=True, capture_output=True)
+    subprocess.run([*cmd, "--same", "a,b", "--pool", "ab=a,b", "--out", str(out)], check=True, capture_output=True)
     result = json.loads(out.read_text())
     assert result["replicates"]["a -> b"]["dense/dense"]["niah"]["4096"]["difference"] == pytest.approx(-50.0)
     assert "| b | v10 | 4096 | +50.0" in out.with_suffix(".md").read_text()
+    assert result["pooled"]["ab"]["v10"]["niah"]["4096"]["per_run"] == [0.0, 50.0]
+
+
+def test_pooled_replicates_average_the_runs_and_widen_when_they_disagree():
+    agree = [_result([1, 1, 0, 0], [1, 1, 1, 0], [1.0], [1.0]) for _ in range(3)]  # +25 points in each run
+    differ = [
+        _result([1, 1, 0, 0], [1, 1, 1, 1], [1.0], [1.0]),  # +50
+        _result([1, 1, 0, 0], [1, 1, 0, 0], [1.0], [1.0]),  # 0
+        _result([1, 1, 0, 0], [1, 1, 1, 0], [1.0], [1.0]),  # +25
+    ]
+    same, spread = rep.pooled(agree, "v10")["niah"]["4096"], rep.pooled(differ, "v10")["niah"]["4096"]
+    assert same["per_run"] == [25.0] * 3 and same["difference"] == pytest.approx(25.0)
+    assert spread["per_run"] == [50.0, 0.0, 25.0] and spread["difference"] == pytest.approx(25.0)
+    width = [p["interval"][1] - p["interval"][0] for p in (same, spread)]
+    assert width[1] > width[0] and spread["interval"][0] <= 0.0  # the runs' disagreement is in the interval
+    mismatched = _result([1, 1, 0, 0], [1, 1, 1, 0], [1.0], [1.0])
+    mismatched["evaluations"]["dense/dense"]["tasks"]["niah"]["4096"]["documents"][0]["answers"] = 2
+    with pytest.raises(ValueError, match="same documents"):
+        rep.pooled([agree[0], mismatched], "v10")
