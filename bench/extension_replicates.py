@@ -92,10 +92,18 @@ def compare_replicates(first: dict, second: dict) -> dict:
             continue
         a, b = first["evaluations"][label]["tasks"], second["evaluations"][label]["tasks"]
         out[label] = {
-            task: {length: _pair(b[task][length]["documents"], a[task][length]["documents"]) for length in a[task]}
+            task: {length: _pair(_same_prompts(b, a, task, length), a[task][length]["documents"]) for length in a[task]}
             for task in ("niah", "ruler")
         }
     return out
+
+
+def _same_prompts(b: dict, a: dict, task: str, length: str) -> list[dict]:
+    """``b``'s records of a cell, checked to be of ``a``'s prompts where both kept the expected answers."""
+    theirs, ours = b[task][length]["documents"], a[task][length]["documents"]
+    if any("expected" in x and "expected" in y and x["expected"] != y["expected"] for x, y in zip(theirs, ours)):
+        raise ValueError(f"{task} at {length}: the runs were evaluated on other prompts (another --seed?)")
+    return theirs
 
 
 def _points(pairs: list[tuple[dict, dict]]) -> float:
@@ -113,11 +121,12 @@ def pooled(results: list[dict], budget: str, seed: int = 0) -> dict:
     for task in ("niah", "ruler"):
         out[task] = {}
         for length in results[0]["evaluations"]["dense/dense"]["tasks"][task]:
-            runs = [
-                list(zip(*(r["evaluations"][m]["tasks"][task][length]["documents"] for m in (label, "dense/dense"))))
+            records = [
+                [r["evaluations"][m]["tasks"][task][length]["documents"] for m in (label, "dense/dense")]
                 for r in results
             ]
-            per_run = [difference([s for s, _ in p], [d for _, d in p])["difference"] for p in runs]  # checks pairing
+            per_run = [difference(sparse, dense)["difference"] for sparse, dense in records]  # checks the pairing
+            runs = [list(zip(sparse, dense)) for sparse, dense in records]
 
             def resampled(drawn: list[list[tuple[dict, dict]]]) -> float:
                 return statistics.fmean(_points([rng.choice(p) for _ in p]) for p in drawn)

@@ -102,3 +102,15 @@ def test_pooled_replicates_average_the_runs_and_widen_when_they_disagree():
     mismatched["evaluations"]["dense/dense"]["tasks"]["niah"]["4096"]["documents"][0]["answers"] = 2
     with pytest.raises(ValueError, match="same documents"):
         rep.pooled([agree[0], mismatched], "v10")
+
+
+def test_runs_on_other_prompts_are_refused():
+    first, second = (_result([1] * 8, [1] * 8, [1.0, 1.0], [1.0, 1.0]) for _ in range(2))
+    for result, answer in ((first, "123"), (second, "456")):
+        result["evaluations"]["dense/dense"]["tasks"]["niah"]["4096"]["documents"][0]["expected"] = [answer]
+    with pytest.raises(ValueError, match="other prompts"):
+        rep.compare_replicates(first, second)
+    unequal = _result([1] * 8, [1] * 8, [1.0, 1.0], [1.0, 1.0])
+    unequal["evaluations"]["sparse-v10/sparse-v10"]["tasks"]["niah"]["4096"]["documents"].pop()
+    with pytest.raises(ValueError, match="same documents"):
+        rep.pooled([first, unequal], "v10")
