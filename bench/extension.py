@@ -39,6 +39,9 @@ alone: ``--extension-seed`` seeds the extension's corpus file and data order, ``
 replicate needs its own --work (a folder's extensions are those of one extension seed):
 
     python bench/extension.py --scale gpu --base-from runs/r0 --extension-seed 1 --work runs/r1 --out runs/out_r1
+
+``--niah-samples`` and ``--ruler-samples`` change the text task's prompt counts (more prompts, narrower intervals);
+runs compared or pooled need the same counts, and an evaluation cached with other counts is refused.
 """
 
 from __future__ import annotations
@@ -491,7 +494,7 @@ def evaluate(
     """One model with dense (``budget`` None) or sparse attention; cached in eval/<label>.json."""
     path = work / "eval" / (label.replace("/", "__") + ".json")
     if path.exists():
-        return json.loads(path.read_text())
+        return checked_evaluation(path, json.loads(path.read_text()), scale)
     with Clock(expected=max(EVAL_S, default=scale.eval_s)) as clock:  # an evaluation cannot stop midway
         if scale.task == "text":
             result = extension_eval.evaluate_text(str(export), scale, budget, Path(data["heldout"]["path"]), seed)
@@ -524,6 +527,25 @@ def evaluate(
     say(
         f"eval {label}: % found at {scale.lengths}: {'; '.join(found)} ({clock.wall_s:.0f}s wall, {clock.cpu_s:.0f}s cpu)"
     )
+    return result
+
+
+def checked_evaluation(path: Path, result: dict, scale: Scale) -> dict:
+    """A cached text evaluation, refused if it scored another number of prompts than ``scale`` asks for (one made
+    before --niah-samples or --ruler-samples changed): its records would not pair with this run's."""
+    if scale.task != "text":
+        return result
+    first = str(scale.lengths[0])
+    made = (
+        len(result["tasks"]["niah"][first]["documents"]) // len(scale.depths),
+        len(result["tasks"]["ruler"][first]["documents"]) // len(scale.ruler_tasks),
+    )
+    if made != (scale.niah_samples, scale.ruler_samples):
+        raise Refused(
+            f"{path} scored {made[0]} NIAH prompts per depth and {made[1]} RULER-style prompts per task, this run "
+            f"asks for {scale.niah_samples} and {scale.ruler_samples}: delete it to evaluate again, or give the "
+            "counts it was made with (--niah-samples, --ruler-samples)"
+        )
     return result
 
 
@@ -710,6 +732,8 @@ def main() -> None:
         default=None,
         help="text task: the extensions' document kinds, e.g. niah,vt (default: the scale's mixture)",
     )
+    p.add_argument("--niah-samples", type=int, default=None, help="text task: NIAH prompts per length and depth")
+    p.add_argument("--ruler-samples", type=int, default=None, help="text task: RULER-style prompts per task and length")
     p.add_argument(
         "--base-from",
         type=Path,
@@ -727,6 +751,12 @@ def main() -> None:
         scale = replace(scale, document_masking=args.document_masking)
     if args.cross is not None:
         scale = replace(scale, cross=args.cross)
+    for name in ("niah_samples", "ruler_samples"):
+        count = getattr(args, name)
+        if count is not None:
+            if scale.task != "text" or count < 1:
+                p.error(f"--{name.replace('_', '-')} takes a count of 1 or more at a text scale (gpu, toy-text)")
+            scale = replace(scale, **{name: count})
     if args.extension_kinds:
         kinds = tuple(k.strip() for k in args.extension_kinds.split(",") if k.strip())
         unknown = sorted(set(kinds) - set(extension_text.KINDS + ("facts", "facts_word")))

@@ -286,6 +286,25 @@ def test_a_run_folder_trained_with_another_seed_is_refused(tmp_path):
         extension.train(run, configs[1])
 
 
+def test_a_cached_evaluation_of_other_prompt_counts_is_refused(tmp_path):
+    """An evaluation cached with other --niah-samples/--ruler-samples is not paired with this run's records."""
+    scale = SCALES["toy-text"]
+    first = str(scale.lengths[0])
+
+    def made(niah: int, ruler: int) -> dict:
+        docs = lambda n: [{"hits": 1.0, "answers": 1}] * n  # noqa: E731
+        return {"tasks": {"niah": {first: {"documents": docs(niah * len(scale.depths))}},
+                          "ruler": {first: {"documents": docs(ruler * len(scale.ruler_tasks))}}}}  # fmt: skip
+
+    path = tmp_path / "dense__dense.json"
+    cached = made(scale.niah_samples, scale.ruler_samples)
+    assert extension.checked_evaluation(path, cached, scale) is cached
+    with pytest.raises(extension.Refused, match="1 NIAH prompts per depth and 4 RULER.*asks for 1 and 2"):
+        extension.checked_evaluation(path, made(scale.niah_samples, 4), replace(scale, ruler_samples=2))
+    with pytest.raises(extension.Refused, match="delete it"):
+        extension.checked_evaluation(path, cached, replace(scale, niah_samples=scale.niah_samples + 1))
+
+
 def test_a_training_past_the_deadline_stops_and_resumes(tmp_path):
     """SIGTERM at the deadline, OutOfTime, then the same call again finishes and counts both calls' time."""
     scale = SCALES["toy"]
