@@ -1,0 +1,96 @@
+"""Does sparse attention keep retrieval when the questions are not at the end? CPU scale, inference only.
+
+The vertical-slash pattern is estimated from the last ``last_q`` queries (bench/answer_positions.py: at the GPU
+scale 0.87% of recall logs' answers lie there). This scores the CPU scale's extended models on the held-out
+recall documents twice, with the same tokens at the same length: ``end``, the document's own filler moved in
+front (after its first token, the sink) so its questions end it, and ``tail``, the same filler after the
+questions, so the rows that choose the lines are filler and the questions lie ``--tail`` tokens before the end.
+Dense attention sees no difference between the two but the positions; a pattern chosen by the last rows may.
+
+    python bench/query_position.py --work runs/extension_cpu --docs 50   # bench/results/extension_cpu_query_position.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import extension_corpus  # noqa: E402
+import extension_eval  # noqa: E402
+import extension_report as report  # noqa: E402
+from common import RESULTS_DIR, provenance  # noqa: E402
+from extension import Clock, write_json  # noqa: E402
+from extension_corpus import eval_set  # noqa: E402
+from extension_settings import SCALES, Scale  # noqa: E402
+
+Doc = tuple[list[int], list[int], list[float]]  # ids, answer positions, depths (as extension_eval's recall documents)
+
+
+def placed(docs: list[Doc], tail: int, scale: Scale, seed: int) -> dict[str, list[Doc]]:
+    """``docs`` (each ``tail`` tokens short of the length) with ``tail`` filler tokens of their own after the first
+    token (``end``: the questions end the document) or after the questions (``tail``)."""
+    out: dict[str, list[Doc]] = {"end": [], "tail": []}
+    for i, (ids, answers, depths) in enumerate(docs):
+        filler = extension_corpus._filler(random.Random(f"query-position-{seed}-{i}"), scale.vocab, tail)
+        out["end"].append(([ids[0], *filler, *ids[1:]], [a + tail for a in answers], depths))
+        out["tail"].append(([*ids, *filler], list(answers), depths))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", type=Path, required=True, help="the CPU scale's work folder of bench/extension.py")
+    p.add_argument("--docs", type=int, default=50)
+    p.add_argument("--tail", type=int, default=256, help="filler tokens after the questions (> last_q)")
+    p.add_argument("--budget", default=None, help="the sparse budget (default: the scale's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "extension_cpu_query_position.json")
+    args = p.parse_args()
+    scale = SCALES["cpu"]
+    budget = scale.budget(args.budget or scale.default_budget)
+    if not scale.last_q < args.tail < scale.long // 2:
+        p.error(f"--tail must lie between last_q ({scale.last_q}) and half the length ({scale.long // 2})")
+    docs = eval_set(scale.vocab, scale.long - args.tail, args.docs, scale.eval_shape, scale.depths, args.seed)
+    variants = placed([(d.ids, d.answers, d.depths) for d in docs], args.tail, scale, args.seed)
+    sparse = f"sparse-{budget.name}"
+    # (model, attention): the dense extension read dense and sparse, the sparse extension read with its own budget
+    plan = [("dense", None), ("dense", budget), (sparse, budget)]
+    rows, differences = {}, {}
+    for model, attention in plan:
+        export = args.work / "extend" / model / "export"
+        if not (export / "model.safetensors").is_file():
+            p.error(f"no exported model in {export}: run bench/extension.py --scale cpu --work {args.work} first")
+        label = f"{model}/{'dense' if attention is None else sparse}"
+        for where, documents in variants.items():
+            with Clock() as clock:
+                result = extension_eval.evaluate_recall(str(export), scale, attention, {scale.long: documents})
+            n = str(scale.long)
+            rows[f"{label}/{where}"] = {
+                "documents": result["tasks"]["recall"][n]["documents"],
+                "retrieval": report.accuracy(result["tasks"]["recall"][n]["documents"]),
+                "grid": result["tasks"]["recall"][n]["grid"],
+                "density": result["density"][n],
+                "wall_s": clock.wall_s,
+                "cpu_s": clock.cpu_s,
+            }
+            print(f"{label}/{where}: {rows[f'{label}/{where}']['retrieval']['percent']:.1f}% ({clock.wall_s:.0f}s)")
+        differences[label] = report.difference(rows[f"{label}/tail"]["documents"], rows[f"{label}/end"]["documents"])
+    result = dict(
+        name=args.out.stem,
+        **provenance(on_gpu=False),
+        length=scale.long,
+        tail=args.tail,
+        documents=args.docs,
+        budget=budget.name,
+        rows=rows,
+        tail_minus_end=differences,
+    )
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
