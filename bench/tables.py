@@ -464,6 +464,7 @@ def extension_tables() -> str:
             "_density": _extension_density,
             "_answers": _extension_answers,
             "_replicates": _extension_replicates,
+            "_query_position": _extension_query_position,
         }
         render = next((r for end, r in renders.items() if path.stem.endswith(end)), None)
         if render is not None:
@@ -539,6 +540,21 @@ def _extension_answers(path: Path) -> str:
         k = st["packing"]
         lines.append(
             _row([name, str(st["seq_len"]), str(k["documents"]), str(k["samples"]), f"{k['filler_share']:.3f}"])
+        )
+    return "\n".join(lines)
+
+
+def _extension_query_position(path: Path) -> str:
+    """Retrieval with the questions at the end or ``tail`` tokens before it (bench/query_position.py)."""
+    r = json.loads(path.read_text())
+    lines = [f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}`", ""]
+    lines += [_row(["model / attention", "questions at the end", f"{r['tail']} tokens before it", "tail - end"])]
+    lines.append(_row(["---"] * 4))
+    for label, d in r["tail_minus_end"].items():
+        end, tail = (r["rows"][f"{label}/{w}"]["retrieval"] for w in ("end", "tail"))
+        cells = [f"{x['percent']:.1f} [{x['interval'][0]:.0f}, {x['interval'][1]:.0f}]" for x in (end, tail)]
+        lines.append(
+            _row([label, *cells, f"{d['difference']:+.1f} [{d['interval'][0]:+.1f}, {d['interval'][1]:+.1f}]"])
         )
     return "\n".join(lines)
 
