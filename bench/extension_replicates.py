@@ -28,20 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import provenance, written  # noqa: E402
 from extension import write_json  # noqa: E402
-from extension_report import accuracy, bootstrap, difference  # noqa: E402
-
-
-def by_depth(niah: dict) -> dict[float, list[dict]]:
-    """The NIAH records of one length grouped by needle depth: the evaluation writes them depth-major, an equal
-    count per depth (checked against the grid it wrote alongside)."""
-    docs, grid = niah["documents"], niah["grid"]
-    depths, per = grid["depths"], len(niah["documents"]) // len(grid["depths"])
-    groups = {d: docs[i * per : (i + 1) * per] for i, d in enumerate(depths)}
-    if per * len(depths) != len(docs) or any(
-        abs(accuracy(g)["percent"] - s) > 1e-9 for g, s in zip(groups.values(), grid["scores"])
-    ):
-        raise ValueError("NIAH records are not depth-major with an equal count per depth; cannot split them by depth")
-    return groups
+from extension_report import accuracy, bootstrap, by_depth, difference, long_range  # noqa: E402
 
 
 def _pair(a: list[dict], b: list[dict]) -> dict:
@@ -63,10 +50,9 @@ def compare_run(result: dict) -> dict:
         sparse, rows = ev[label]["tasks"], {}
         for length in dense["niah"]:
             ds, ss = by_depth(dense["niah"][length]), by_depth(sparse["niah"][length])
-            far = [d for d in ds if d < 1.0]
             rows[length] = {
                 "niah": _pair(sparse["niah"][length]["documents"], dense["niah"][length]["documents"]),
-                "niah_depth_below_1": _pair([x for d in far for x in ss[d]], [x for d in far for x in ds[d]]),
+                "niah_depth_below_1": _pair(long_range(sparse["niah"][length]), long_range(dense["niah"][length])),
                 "niah_depth_1": _pair(ss.get(1.0, []), ds.get(1.0, [])) if 1.0 in ds else None,
                 "ruler": _pair(sparse["ruler"][length]["documents"], dense["ruler"][length]["documents"]),
             }

@@ -487,6 +487,9 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
     }
     assert checkpointing == {"base/stage0": False, "extend/dense": True, "extend/sparse-v10": True}
     assert "packed documents masked" in (out / "extension_toy-text.md").read_text()
+    assert "with the needle before depth 1 (long range" in (out / "extension_toy-text.md").read_text()
+    (v10,) = result["summary"]["sweep"]
+    assert set(v10["niah_depths_below_1_minus_dense"]) == {str(n) for n in SCALES["toy-text"].lengths}
     masking = {run: yaml.safe_load((work / run / "train.yaml").read_text())["data"] for run in checkpointing}
     assert {run: d["document_masking"] for run, d in masking.items()} == {
         "base/stage0": False, "extend/dense": True, "extend/sparse-v10": True

@@ -114,3 +114,10 @@ def test_runs_on_other_prompts_are_refused():
     unequal["evaluations"]["sparse-v10/sparse-v10"]["tasks"]["niah"]["4096"]["documents"].pop()
     with pytest.raises(ValueError, match="same documents"):
         rep.pooled([first, unequal], "v10")
+
+
+def test_long_range_leaves_out_the_needles_at_depth_1():
+    from extension_report import long_range
+
+    niah = _niah([1, 0, 1, 1, 0, 0], depths=(0.0, 0.5, 1.0))
+    assert long_range(niah) == niah["documents"][:4]
