@@ -28,16 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import provenance, written  # noqa: E402
 from extension import write_json  # noqa: E402
-from extension_report import accuracy, bootstrap, by_depth, difference, long_range  # noqa: E402
+from extension_report import accuracy, bootstrap, by_depth, difference, long_range, paired_points  # noqa: E402
 
 
 def _pair(a: list[dict], b: list[dict]) -> dict:
     return {**difference(a, b), "a": accuracy(a)["percent"], "b": accuracy(b)["percent"]}
 
 
-def _sparse_models(result: dict) -> list[str]:
-    """Sparse extensions read with their own budget, in the result's order."""
-    return [k for k in result["evaluations"] if k.startswith("sparse-") and k.split("/")[0] == k.split("/")[1]]
+def _budgets(result: dict) -> list[str]:
+    """The run's sparse budgets, in its report's order (each extension read with its own budget)."""
+    return [e["budget"]["name"] for e in result["summary"]["sweep"]]
 
 
 def compare_run(result: dict) -> dict:
@@ -45,9 +45,9 @@ def compare_run(result: dict) -> dict:
     last-bucket perplexity at the longest length (from the run's own report)."""
     ev, out = result["evaluations"], {}
     dense = ev["dense/dense"]["tasks"]
-    ppl = {e["budget"]["name"]: e["ppl_last_bucket_vs_dense"] for e in result["summary"]["sweep"]}
-    for label in _sparse_models(result):
-        sparse, rows = ev[label]["tasks"], {}
+    for entry in result["summary"]["sweep"]:
+        budget = entry["budget"]["name"]
+        sparse, rows = ev[f"sparse-{budget}/sparse-{budget}"]["tasks"], {}
         for length in dense["niah"]:
             ds, ss = by_depth(dense["niah"][length]), by_depth(sparse["niah"][length])
             rows[length] = {
@@ -56,18 +56,12 @@ def compare_run(result: dict) -> dict:
                 "niah_depth_1": _pair(ss.get(1.0, []), ds.get(1.0, [])) if 1.0 in ds else None,
                 "ruler": _pair(sparse["ruler"][length]["documents"], dense["ruler"][length]["documents"]),
             }
-        budget = label.split("/")[0].removeprefix("sparse-")
         out[budget] = {
             "lengths": rows,
-            "ppl_last_bucket_vs_dense": ppl[budget],
-            "train_density": _density(result, label),
+            "ppl_last_bucket_vs_dense": entry["ppl_last_bucket_vs_dense"],
+            "train_density": entry["train_density"],
         }
     return out
-
-
-def _density(result: dict, label: str) -> float | None:
-    run = result["training"].get(f"extend/{label.split('/')[0]}", {})
-    return run.get("density")
 
 
 def compare_replicates(first: dict, second: dict) -> dict:
@@ -92,11 +86,6 @@ def _same_prompts(b: dict, a: dict, task: str, length: str) -> list[dict]:
     return theirs
 
 
-def _points(pairs: list[tuple[dict, dict]]) -> float:
-    """Percent found by the first of each (sparse, dense) record pair minus the second."""
-    return 100.0 * sum(s["hits"] - d["hits"] for s, d in pairs) / sum(s["answers"] for s, _ in pairs)
-
-
 def pooled(results: list[dict], budget: str, seed: int = 0) -> dict:
     """Sparse (own ``budget``) minus dense averaged over replicate runs, per task and length: the mean of the runs'
     paired differences, each run's, and a 95% interval from a two-level bootstrap (runs drawn with replacement,
@@ -115,7 +104,7 @@ def pooled(results: list[dict], budget: str, seed: int = 0) -> dict:
             runs = [list(zip(sparse, dense)) for sparse, dense in records]
 
             def resampled(drawn: list[list[tuple[dict, dict]]]) -> float:
-                return statistics.fmean(_points([rng.choice(p) for _ in p]) for p in drawn)
+                return statistics.fmean(paired_points([rng.choice(p) for _ in p]) for p in drawn)
 
             interval = bootstrap(runs, resampled, seed=seed)
             out[task][length] = {
@@ -209,8 +198,7 @@ def main() -> None:
         if len(members) < 2 or any(m not in runs for m in members):
             p.error(f"--pool {spec!r}: name two or more of the runs ({', '.join(runs)})")
         chosen = [runs[m] for m in members]
-        labels = [m for m in _sparse_models(chosen[0]) if all(m in r["evaluations"] for r in chosen[1:])]
-        budgets = [m.split("/")[0].removeprefix("sparse-") for m in labels]
+        budgets = [b for b in _budgets(chosen[0]) if all(b in _budgets(r) for r in chosen[1:])]
         pools[name] = {b: pooled(chosen, b) for b in budgets}
     result = dict(
         name=args.out.stem,

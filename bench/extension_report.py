@@ -58,11 +58,12 @@ def difference(a: list[dict], b: list[dict]) -> dict:
     if len(a) != len(b) or any(x["answers"] != y["answers"] for x, y in zip(a, b)):
         raise ValueError("a paired comparison needs the same documents in the same order")
     pairs = list(zip(a, b))
+    return {"difference": paired_points(pairs), "interval": list(bootstrap(pairs, paired_points))}
 
-    def diff(sample):
-        return 100.0 * sum(x["hits"] - y["hits"] for x, y in sample) / sum(x["answers"] for x, _ in sample)
 
-    return {"difference": diff(pairs), "interval": list(bootstrap(pairs, diff))}
+def paired_points(pairs: list[tuple[dict, dict]]) -> float:
+    """Percent found by the first record of each pair minus the second (the pairs share their documents)."""
+    return 100.0 * sum(x["hits"] - y["hits"] for x, y in pairs) / sum(x["answers"] for x, _ in pairs)
 
 
 def by_depth(niah: dict) -> dict[float, list[dict]]:
@@ -72,7 +73,7 @@ def by_depth(niah: dict) -> dict[float, list[dict]]:
     depths, per = grid["depths"], len(niah["documents"]) // len(grid["depths"])
     groups = {d: docs[i * per : (i + 1) * per] for i, d in enumerate(depths)}
     if per * len(depths) != len(docs) or any(
-        abs(accuracy(g)["percent"] - s) > 1e-9 for g, s in zip(groups.values(), grid["scores"])
+        abs(_percent(g) - s) > 1e-9 for g, s in zip(groups.values(), grid["scores"])
     ):
         raise ValueError("NIAH records are not depth-major with an equal count per depth; cannot split them by depth")
     return groups

@@ -40,8 +40,11 @@ def _result(dense: list[int], sparse: list[int], ruler_dense: list[float], ruler
             "dense/dense": {"tasks": tasks(dense, ruler_dense)},
             "sparse-v10/sparse-v10": {"tasks": tasks(sparse, ruler_sparse)},
         },
-        "summary": {"sweep": [{"budget": {"name": "v10"}, "ppl_last_bucket_vs_dense": {"change_percent": 1.5}}]},
-        "training": {"extend/sparse-v10": {"density": 0.3}},
+        "summary": {
+            "sweep": [
+                {"budget": {"name": "v10"}, "ppl_last_bucket_vs_dense": {"change_percent": 1.5}, "train_density": 0.3}
+            ]
+        },
     }
 
 
