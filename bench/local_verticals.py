@@ -1,0 +1,225 @@
+"""Would columns chosen per query block bring back the questions that the last rows' pattern misses? CPU, inference.
+
+The vertical-slash pattern keeps one set of vertical columns per head, chosen by the last ``last_q`` rows: a
+question asked ``--tail`` tokens before the end keeps its evidence only if those rows attend to it too
+(bench/query_position.py: v30 retrieval 99% -> 44%). This tries the remedy that DESIGN names, on the same
+documents and model: each block of ``BLOCK`` query rows also keeps ``k`` columns of its own, ranked by one of
+(score work per head: S = length, D = head dim)
+
+- ``pooled``: the block's mean query against every key (S^2 D / BLOCK);
+- ``keyblocks``: each row against each key block's mean key, softmax, summed over the block's rows: whole key
+  blocks (S^2 D / BLOCK);
+- ``bounds``: the same with each key block's upper bound of the row's score (per dimension the larger of
+  q x max k and q x min k, as Quest bounds a page of keys) (2 S^2 D / BLOCK);
+- ``keyblocksmax``, ``boundsmax``: the same two with the largest of the rows' probabilities in place of their
+  sum, so that one confident row counts as much as a diffuse block;
+- ``rows4``: the dense softmax of every 4th row, summed (S^2 D / 4);
+- ``exact``: the dense softmax of every row, summed: an upper bound on what any per-block choice finds (S^2 D).
+
+Columns the pattern already keeps at the block's last row are not picked again. Attention with the extra columns runs as a float32 masked softmax over the pattern's pairs plus the block's
+columns (a reference, not a kernel: small sizes only); density counts every kept causal pair.
+
+    python bench/local_verticals.py --work runs/extension_cpu --docs 50   # bench/results/extension_cpu_local_verticals.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import extension_eval  # noqa: E402
+import extension_report as report  # noqa: E402
+import query_position  # noqa: E402
+from common import RESULTS_DIR, provenance  # noqa: E402
+from extension import Clock, write_json  # noqa: E402
+from extension_corpus import eval_set  # noqa: E402
+from extension_settings import SCALES  # noqa: E402
+
+from mtraining.models import attention as attention_module  # noqa: E402
+from mtraining.ops.pattern import VerticalSlashPattern  # noqa: E402
+
+BLOCK = 64  # query rows per block that share their own columns (and keys per key block)
+BLOCK_METHODS = ("keyblocks", "bounds", "keyblocksmax", "boundsmax")  # the choices that score whole key blocks
+HOW = ("pooled", *BLOCK_METHODS, "rows4", "exact")
+
+
+def block_columns(q: Tensor, k: Tensor, kept: Tensor, scale: float, per_block: int, how: str) -> Tensor:
+    """Boolean [B, H, S, S]: ``per_block`` extra columns for every block of ``BLOCK`` rows, causal.
+
+    q [B, S, H, D], k [B, S, H, D] (K/V heads already repeated to the query heads); ``kept`` [B, H, S, S] the
+    pattern's pairs. Each block ranks the keys before its first row that the pattern does not keep at its last
+    row, as ``how`` says (module docstring).
+    """
+    b, s, h, _ = q.shape
+    nb = math.ceil(s / BLOCK)
+    qh, kh = q.float().transpose(1, 2), k.float().transpose(1, 2)  # [B, H, S, D]
+    pos = torch.arange(s)
+    block_start = torch.arange(nb) * BLOCK  # [nb]
+    block_last = (block_start + BLOCK - 1).clamp(max=s - 1)
+    before = pos[None, :] < block_start[:, None]  # [nb, S] keys strictly before the block
+    if how == "pooled":
+        pad = nb * BLOCK - s
+        padded = torch.nn.functional.pad(qh, (0, 0, 0, pad))
+        counts = torch.full((nb,), float(BLOCK))
+        counts[-1] = BLOCK - pad
+        pooled = padded.view(b, h, nb, BLOCK, -1).sum(3) / counts[:, None]  # [B, H, nb, D]
+        score = pooled @ kh.transpose(-1, -2) * scale  # [B, H, nb, S]
+    elif how.removesuffix("max") in ("keyblocks", "bounds"):
+        pad = nb * BLOCK - s
+        if how.startswith("keyblocks"):  # the mean key of each key block
+            counts = torch.full((nb,), float(BLOCK))
+            counts[-1] = BLOCK - pad
+            key_means = torch.nn.functional.pad(kh, (0, 0, 0, pad)).view(b, h, nb, BLOCK, -1).sum(3) / counts[:, None]
+            logits = qh @ key_means.transpose(-1, -2) * scale  # [B, H, S, nb]
+        else:  # an upper bound of each row's best score in the key block: per dimension the larger of q*max, q*min
+            blocks = torch.nn.functional.pad(kh, (0, 0, 0, pad), value=float("nan")).view(b, h, nb, BLOCK, -1)
+            k_max = blocks.nan_to_num(float("-inf")).amax(3)  # [B, H, nb, D]
+            k_min = blocks.nan_to_num(float("inf")).amin(3)
+            upper = torch.maximum(qh[:, :, :, None, :] * k_max[:, :, None], qh[:, :, :, None, :] * k_min[:, :, None])
+            logits = upper.sum(-1) * scale  # [B, H, S, nb]
+        logits = logits.masked_fill(torch.arange(nb)[None, :] >= (pos // BLOCK)[:, None], float("-inf"))
+        probs = logits.softmax(-1).nan_to_num(0.0)  # the first block's rows have no key block before them
+        per_row = torch.nn.functional.pad(probs, (0, 0, 0, pad)).view(b, h, nb, BLOCK, nb)
+        block_score = per_row.amax(3) if how.endswith("max") else per_row.sum(3)
+        score = block_score.repeat_interleave(BLOCK, dim=-1)[..., :s]  # [B, H, nb, S]
+    elif how in ("exact", "rows4"):
+        logits = qh @ kh.transpose(-1, -2) * scale  # [B, H, S, S]
+        logits = logits.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+        probs = logits.softmax(-1)
+        if how == "rows4":
+            probs = probs * (pos % 4 == 3)[:, None]
+        pad = nb * BLOCK - s
+        score = torch.nn.functional.pad(probs, (0, 0, 0, pad)).view(b, h, nb, BLOCK, s).sum(3)
+    else:
+        raise ValueError(f"how must be one of {', '.join(HOW)}, got {how!r}")
+    taken = kept[:, :, block_last, :]  # [B, H, nb, S]: the pattern's columns at each block's last row
+    score = score.masked_fill(~before | taken, float("-inf"))
+    top = score.topk(min(per_block, s), dim=-1)
+    chosen = torch.zeros(b, h, nb, s, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    rows = chosen.repeat_interleave(BLOCK, dim=2)[:, :, :s]  # [B, H, S, S]
+    return rows & (pos[None, :] <= pos[:, None])
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Float32 softmax attention over the pairs ``keep`` [B, H, S, S]: out [B, S, H, D] in q's dtype, lse [B, H, S]."""
+    logits = q.float().transpose(1, 2) @ k.float().transpose(1, 2).transpose(-1, -2) * scale
+    logits = logits.masked_fill(~keep, float("-inf"))
+    lse = logits.logsumexp(-1)
+    out = (logits - lse[..., None]).exp() @ v.float().transpose(1, 2)
+    return out.transpose(1, 2).to(q.dtype), lse
+
+
+class LocalColumns:
+    """A stand-in for ``sparse_attention`` in mtraining.models.attention: the pattern plus per-block columns."""
+
+    def __init__(self, per_block: int, how: str, original: Callable) -> None:
+        self.per_block, self.how, self.original = per_block, how, original
+        self.kept_pairs = 0.0
+        self.causal_pairs = 0.0
+
+    def __call__(self, q, k, v, pattern: VerticalSlashPattern | None, softmax_scale=None, return_lse=False, **kw):
+        if pattern is None:
+            return self.original(q, k, v, pattern, softmax_scale=softmax_scale, return_lse=return_lse, **kw)
+        documents = kw.get("documents")
+        if (documents is not None and not documents.single) or kw.get("reuse") is not None:
+            raise ValueError("local columns are measured on single documents at inference only")
+        s, groups = q.shape[1], q.shape[2] // k.shape[2]
+        scale = softmax_scale or q.shape[-1] ** -0.5
+        k_full, v_full = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+        pos = torch.arange(s)
+        keep = pattern.pair_mask(pos, pos)
+        if self.per_block > 0:
+            keep = keep | block_columns(q, k_full, keep, scale, self.per_block, self.how)
+        self.kept_pairs += float(keep.sum())
+        self.causal_pairs += keep.shape[0] * keep.shape[1] * s * (s + 1) / 2
+        out, lse = masked_attention(q, k_full, v_full, keep, scale)
+        return (out, lse) if return_lse else out
+
+    @property
+    def density(self) -> float:
+        return self.kept_pairs / self.causal_pairs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", type=Path, required=True, help="the CPU scale's work folder of bench/extension.py")
+    p.add_argument("--model", default="dense", help="which extension reads (dense or sparse-<budget>)")
+    p.add_argument("--docs", type=int, default=50)
+    p.add_argument("--tail", type=int, default=256, help="filler tokens after the questions (> last_q)")
+    p.add_argument("--per-block", default="0,16,64,128", help="extra columns per block of 64 query rows")
+    p.add_argument("--how", default=",".join(HOW), help="how each block ranks keys (module docstring)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "extension_cpu_local_verticals.json")
+    args = p.parse_args()
+    scale = SCALES["cpu"]
+    budget = scale.budget(scale.default_budget)
+    export = args.work / "extend" / args.model / "export"
+    if not (export / "model.safetensors").is_file():
+        p.error(f"no exported model in {export}: run bench/extension.py --scale cpu --work {args.work} first")
+    docs = eval_set(scale.vocab, scale.long - args.tail, args.docs, scale.eval_shape, scale.depths, args.seed)
+    variants = query_position.placed([(d.ids, d.answers, d.depths) for d in docs], args.tail, scale, args.seed)
+    # key-block methods take whole blocks: they run only where the count is a number of blocks
+    settings = [("dense", 0, "")] + [
+        (f"{budget.name}+{n}-{how}" if n else budget.name, n, how)
+        for n in (int(x) for x in args.per_block.split(","))
+        for how in (args.how.split(",") if n else [""])
+        if how not in BLOCK_METHODS or n % BLOCK == 0
+    ]
+    original = attention_module.sparse_attention
+    rows = {}
+    try:
+        for label, per_block, how in settings:
+            for where, documents in variants.items():
+                stand_in = LocalColumns(per_block, how or "pooled", original)
+                attention_module.sparse_attention = stand_in
+                with Clock() as clock:
+                    result = extension_eval.evaluate_recall(
+                        str(export), scale, None if label == "dense" else budget, {scale.long: documents}
+                    )
+                n = str(scale.long)
+                found = result["tasks"]["recall"][n]["documents"]
+                rows[f"{label}/{where}"] = {
+                    "documents": found,
+                    "retrieval": report.accuracy(found),
+                    "density": None if label == "dense" else stand_in.density,
+                    "wall_s": clock.wall_s,
+                }
+                row = rows[f"{label}/{where}"]
+                dens = "" if row["density"] is None else f", density {row['density']:.3f}"
+                print(f"{label}/{where}: {row['retrieval']['percent']:.1f}%{dens} ({clock.wall_s:.0f}s)", flush=True)
+    finally:
+        attention_module.sparse_attention = original
+    differences = {
+        label: {
+            where: report.difference(rows[f"{label}/{where}"]["documents"], rows[f"dense/{where}"]["documents"])
+            for where in variants
+        }
+        for label, _, _ in settings[1:]
+    }
+    write_json(
+        args.out,
+        dict(
+            name=args.out.stem,
+            **provenance(on_gpu=False),
+            model=args.model,
+            length=scale.long,
+            tail=args.tail,
+            documents=args.docs,
+            budget=budget.name,
+            block=BLOCK,
+            rows=rows,
+            minus_dense=differences,
+        ),
+    )
+
+
+if __name__ == "__main__":
+    main()
