@@ -465,6 +465,7 @@ def extension_tables() -> str:
             "_answers": _extension_answers,
             "_replicates": _extension_replicates,
             "_query_position": _extension_query_position,
+            "_local_verticals": _extension_local_verticals,
         }
         render = next((r for end, r in renders.items() if path.stem.endswith(end)), None)
         if render is not None:
@@ -556,6 +557,30 @@ def _extension_query_position(path: Path) -> str:
         lines.append(
             _row([label, *cells, f"{d['difference']:+.1f} [{d['interval'][0]:+.1f}, {d['interval'][1]:+.1f}]"])
         )
+    return "\n".join(lines)
+
+
+def _extension_local_verticals(path: Path) -> str:
+    """Retrieval with extra columns per query block, questions at the end or ``tail`` tokens before it
+    (bench/local_verticals.py)."""
+    r = json.loads(path.read_text())
+    lines = [
+        f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}` ({r['model']} extension, "
+        f"{r['documents']} documents of {r['length']} tokens)",
+        "",
+    ]
+    head = ["attention", "density", "questions at the end", f"{r['tail']} tokens before it", "before it - dense"]
+    lines += [_row(head), _row(["---"] * len(head))]
+    for label in dict.fromkeys(key.rsplit("/", 1)[0] for key in r["rows"]):
+        end, tail = (r["rows"][f"{label}/{w}"] for w in ("end", "tail"))
+        cells = [
+            f"{x['retrieval']['percent']:.1f} [{x['retrieval']['interval'][0]:.0f}, {x['retrieval']['interval'][1]:.0f}]"
+            for x in (end, tail)
+        ]
+        d = r["minus_dense"].get(label, {}).get("tail")
+        diff = "" if d is None else f"{d['difference']:+.1f} [{d['interval'][0]:+.1f}, {d['interval'][1]:+.1f}]"
+        density = "" if tail["density"] is None else f"{tail['density']:.3f}"
+        lines.append(_row([label, density, *cells, diff]))
     return "\n".join(lines)
 
 
