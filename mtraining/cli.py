@@ -8,14 +8,13 @@ node of a multi-node job).
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 from pathlib import Path
 
 import typer
 
 from .eval.cli import eval_app
+from .rank_exit import run_command
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Ultra-long-context training with dynamic sparse attention."
@@ -169,31 +168,5 @@ def tokenize(
         typer.echo(f"wrote {total} tokens ({np.dtype(dtype).name}) to {out}")
 
 
-def main() -> None:
-    """``python -m mtraining.cli``, the command torchrun starts on every rank.
-
-    A torchrun worker ends with ``os._exit`` once its command has closed its outputs and left the process
-    group. Python's own teardown could otherwise meet one of gloo's worker threads still releasing the
-    tensors of the last collective: that needs the GIL, which a finalizing interpreter no longer hands out,
-    and the rank dies with SIGABRT ("terminate called without an active exception") after a good run.
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        app()
-        return
-    try:
-        app()
-        code = 0
-    except SystemExit as stop:
-        if stop.code is None or isinstance(stop.code, int):
-            code = stop.code or 0
-        else:  # sys.exit("message"): print it as Python would
-            print(stop.code, file=sys.stderr)
-            code = 1
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the command torchrun starts on every rank (rank_exit.py: how it ends)
+    run_command(app)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from ..rank_exit import run_command
 from .options import SessionOptions, with_session_options
 
 if TYPE_CHECKING:
@@ -546,5 +547,5 @@ def _print_grid(out, data: dict) -> None:
     out.print(table)
 
 
-if __name__ == "__main__":
-    eval_app()
+if __name__ == "__main__":  # the command torchrun starts on every rank (rank_exit.py: how it ends)
+    run_command(eval_app)

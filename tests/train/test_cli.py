@@ -9,10 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
-
-from mtraining import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = [sys.executable, "-m", "mtraining.cli", "train", "configs/tiny_cpu.yaml"]
@@ -122,39 +119,3 @@ def test_torchrun_command_for_one_node_and_several():
     ):
         with pytest.raises(ValueError, match=expected):
             torchrun_command(*args)
-
-
-class _Exited(Exception):
-    """What the patched os._exit raises, with the code it was given."""
-
-
-@pytest.mark.parametrize("raised, code", [(SystemExit(3), 3), (SystemExit(None), 0), (SystemExit("bad"), 1), (None, 0)])
-def test_a_torchrun_worker_leaves_with_os_exit_and_the_commands_code(monkeypatch, capsys, raised, code):
-    def command() -> None:
-        print("last line")
-        if raised is not None:
-            raise raised
-
-    def exit_now(value: int) -> None:
-        raise _Exited(value)
-
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
-    monkeypatch.setattr(cli, "app", command)
-    monkeypatch.setattr(cli.os, "_exit", exit_now)
-    with pytest.raises(_Exited) as exited:
-        cli.main()
-    assert exited.value.args == (code,)
-    out, err = capsys.readouterr()
-    assert out == "last line\n" and err == ("bad\n" if code == 1 else "")
-
-
-def test_outside_torchrun_main_exits_as_python_does(monkeypatch):
-    def command() -> None:
-        raise SystemExit(4)
-
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    monkeypatch.setattr(cli, "app", command)
-    monkeypatch.setattr(cli.os, "_exit", lambda code: pytest.fail("os._exit outside torchrun"))
-    with pytest.raises(SystemExit) as stop:
-        cli.main()
-    assert stop.value.code == 4
