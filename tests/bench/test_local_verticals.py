@@ -91,3 +91,22 @@ def test_key_block_scores_take_the_whole_key_block_that_the_rows_vote_for(how):
             for r in range(rows.start, rows.stop):
                 assert set(torch.nonzero(extra[0, head, r]).flatten().tolist()) == want, (head, block, r)
         assert not extra[0, head, : lv.BLOCK].any()  # the first block has nothing before it
+
+
+def test_without_extra_columns_the_stand_in_is_the_librarys_sparse_attention():
+    from mtraining.ops.pattern import VerticalSlashPattern
+    from mtraining.ops.sparse.attention import sparse_attention
+
+    g = torch.Generator().manual_seed(2)
+    s, d = 192, 16
+    q = torch.randn(1, s, 4, d, generator=g)  # 4 query heads over 2 KV heads
+    k, v = (torch.randn(1, s, 2, d, generator=g) for _ in range(2))
+    verticals = torch.stack([torch.randperm(s, generator=g)[:12] for _ in range(4)])[None]
+    slashes = torch.tensor([[[0, 1, 70], [0, 5, 130], [0, 2, -1], [0, 64, 100]]])
+    pattern = VerticalSlashPattern.from_lines(verticals, slashes, s, 32)
+    stand_in = lv.LocalColumns(0, "pooled", sparse_attention)
+    out, lse = stand_in(q, k, v, pattern, softmax_scale=0.25, return_lse=True)
+    want, want_lse = sparse_attention(q, k, v, pattern, softmax_scale=0.25, return_lse=True, backend="torch")
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert 0 < stand_in.density < 1
