@@ -14,10 +14,15 @@ documents and model: each block of ``BLOCK`` query rows also keeps ``k`` columns
 - ``keyblocksmax``, ``boundsmax``: the same two with the largest of the rows' probabilities in place of their
   sum, so that one confident row counts as much as a diffuse block;
 - ``rows4``: the dense softmax of every 4th row, summed (S^2 D / 4);
+- ``lshTxB`` (``lsh``: 8x6): only the pairs whose query and key share a bucket in any of T random-hyperplane
+  sign hashes of B bits, each scored against the mass the pattern keeps in its row (exp(score - the row's LSE over the
+  pattern)), summed: for random vectors S^2 T / 2^B pairs (8x6: S^2 D / 8), found by sorting the codes; the
+  result records the share of causal pairs that were candidates;
 - ``exact``: the dense softmax of every row, summed: an upper bound on what any per-block choice finds (S^2 D).
 
-Columns the pattern already keeps at the block's last row are not picked again. Attention with the extra columns runs as a float32 masked softmax over the pattern's pairs plus the block's
-columns (a reference, not a kernel: small sizes only); density counts every kept causal pair.
+Columns the pattern already keeps at the block's last row are not picked again. Attention with the extra
+columns runs as a float32 masked softmax over the pattern's pairs plus the block's columns (a reference, not a
+kernel: small sizes only); density counts every kept causal pair.
 
     python bench/local_verticals.py --work runs/extension_cpu --docs 50   # bench/results/extension_cpu_local_verticals.json
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -48,7 +54,7 @@ from mtraining.ops.pattern import VerticalSlashPattern  # noqa: E402
 
 BLOCK = 64  # query rows per block that share their own columns (and keys per key block)
 BLOCK_METHODS = ("keyblocks", "bounds", "keyblocksmax", "boundsmax")  # the choices that score whole key blocks
-HOW = ("pooled", *BLOCK_METHODS, "rows4", "exact")
+HOW = ("pooled", *BLOCK_METHODS, "rows4", "exact")  # and lshTxB (module docstring)
 
 
 def block_columns(q: Tensor, k: Tensor, kept: Tensor, scale: float, per_block: int, how: str) -> Tensor:
@@ -90,14 +96,20 @@ def block_columns(q: Tensor, k: Tensor, kept: Tensor, scale: float, per_block: i
         per_row = torch.nn.functional.pad(probs, (0, 0, 0, pad)).view(b, h, nb, BLOCK, nb)
         block_score = per_row.amax(3) if how.endswith("max") else per_row.sum(3)
         score = block_score.repeat_interleave(BLOCK, dim=-1)[..., :s]  # [B, H, nb, S]
-    elif how in ("exact", "rows4"):
+    elif how in ("exact", "rows4") or how.startswith("lsh"):
         logits = qh @ kh.transpose(-1, -2) * scale  # [B, H, S, S]
         logits = logits.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
-        probs = logits.softmax(-1)
+        if how.startswith("lsh"):  # only the pairs that share a hash bucket, against the mass the pattern keeps
+            pattern_lse = logits.masked_fill(~kept, float("-inf")).logsumexp(-1, keepdim=True)
+            probs = (logits - pattern_lse).exp() * same_bucket(qh, kh, *lsh_shape(how))
+        else:
+            probs = logits.softmax(-1)
         if how == "rows4":
             probs = probs * (pos % 4 == 3)[:, None]
         pad = nb * BLOCK - s
         score = torch.nn.functional.pad(probs, (0, 0, 0, pad)).view(b, h, nb, BLOCK, s).sum(3)
+        if how.startswith("lsh"):  # a key no row of the block met is no candidate
+            score = score.masked_fill(score == 0, float("-inf"))
     else:
         raise ValueError(f"how must be one of {', '.join(HOW)}, got {how!r}")
     taken = kept[:, :, block_last, :]  # [B, H, nb, S]: the pattern's columns at each block's last row
@@ -106,6 +118,29 @@ def block_columns(q: Tensor, k: Tensor, kept: Tensor, scale: float, per_block: i
     chosen = torch.zeros(b, h, nb, s, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
     rows = chosen.repeat_interleave(BLOCK, dim=2)[:, :, :s]  # [B, H, S, S]
     return rows & (pos[None, :] <= pos[:, None])
+
+
+def lsh_shape(how: str) -> tuple[int, int]:
+    """(tables, bits) of an ``lshTxB`` method name (``lsh``: 8 tables of 6 bits)."""
+    match = re.fullmatch(r"lsh(?:(\d+)x(\d+))?", how)
+    if match is None:
+        raise ValueError(f"an lsh method is lsh or lshTxB (T tables of B bits), got {how!r}")
+    return (int(match[1]), int(match[2])) if match[1] else (8, 6)
+
+
+def same_bucket(q: Tensor, k: Tensor, tables: int = 8, bits: int = 6, seed: int = 0) -> Tensor:
+    """Boolean [B, H, S, S]: does row i's query share a bucket with key j in any of ``tables`` sign hashes of
+    ``bits`` random hyperplanes (per head)? q, k [B, H, S, D]."""
+    g = torch.Generator().manual_seed(seed)
+    planes = torch.randn(q.shape[1], tables * bits, q.shape[-1], generator=g)  # [H, T*bits, D]
+    weights = 2 ** torch.arange(bits)
+
+    def codes(x: Tensor) -> Tensor:
+        signs = (torch.einsum("bhsd,hnd->bhsn", x, planes) > 0).long()
+        return (signs.view(*x.shape[:3], tables, bits) * weights).sum(-1)  # [B, H, S, T]
+
+    cq, ck = codes(q), codes(k)
+    return (cq[:, :, :, None, :] == ck[:, :, None, :, :]).any(-1)
 
 
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -124,6 +159,7 @@ class LocalColumns:
         self.per_block, self.how, self.original = per_block, how, original
         self.kept_pairs = 0.0
         self.causal_pairs = 0.0
+        self.candidate_pairs = 0.0  # lsh methods: causal pairs that shared a bucket
 
     def __call__(self, q, k, v, pattern: VerticalSlashPattern | None, softmax_scale=None, return_lse=False, **kw):
         if pattern is None:
@@ -138,6 +174,9 @@ class LocalColumns:
         keep = pattern.pair_mask(pos, pos)
         if self.per_block > 0:
             keep = keep | block_columns(q, k_full, keep, scale, self.per_block, self.how)
+            if self.how.startswith("lsh"):
+                mates = same_bucket(q.float().transpose(1, 2), k_full.float().transpose(1, 2), *lsh_shape(self.how))
+                self.candidate_pairs += float((mates & (pos[None, :] <= pos[:, None])).sum())
         self.kept_pairs += float(keep.sum())
         self.causal_pairs += keep.shape[0] * keep.shape[1] * s * (s + 1) / 2
         out, lse = masked_attention(q, k_full, v_full, keep, scale)
@@ -173,6 +212,9 @@ def main() -> None:
         for how in (args.how.split(",") if n else [""])
         if how not in BLOCK_METHODS or n % BLOCK == 0
     ]
+    for how in args.how.split(","):
+        if how and how not in HOW:
+            lsh_shape(how)  # a bad name fails before any evaluation
     original = attention_module.sparse_attention
     rows = {}
     try:
@@ -190,6 +232,9 @@ def main() -> None:
                     "documents": found,
                     "retrieval": report.accuracy(found),
                     "density": None if label == "dense" else stand_in.density,
+                    "lsh_candidates": stand_in.candidate_pairs / stand_in.causal_pairs
+                    if how.startswith("lsh")
+                    else None,
                     "wall_s": clock.wall_s,
                 }
                 row = rows[f"{label}/{where}"]

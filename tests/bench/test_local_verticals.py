@@ -110,3 +110,33 @@ def test_without_extra_columns_the_stand_in_is_the_librarys_sparse_attention():
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
     assert 0 < stand_in.density < 1
+
+
+def test_a_vector_shares_a_bucket_with_itself_and_never_with_its_negation():
+    x = torch.randn(1, 2, 40, 8, generator=torch.Generator().manual_seed(3))
+    same = lv.same_bucket(x, torch.cat([x, -x], 2))  # [1, 2, 40, 80]
+    assert same[..., :40].diagonal(dim1=-2, dim2=-1).all()
+    assert not same[..., 40:].diagonal(dim1=-2, dim2=-1).any()
+
+
+def test_lsh_ranks_bucket_mates_by_their_mass_against_the_patterns():
+    q, k, _ = _inputs()
+    s, per_block, scale = q.shape[1], 5, 0.5
+    pos = torch.arange(s)
+    causal = pos[None, :] <= pos[:, None]
+    kept = (torch.zeros(1, 2, s, s, dtype=torch.bool) | (pos[None, :] < 4) | (pos[:, None] - pos[None, :] < 8)) & causal
+    extra = lv.block_columns(q, k, kept, scale, per_block, "lsh")
+    qh, kh = q.transpose(1, 2), k.transpose(1, 2)
+    mates = lv.same_bucket(qh, kh)[0]
+    qd, kd = qh.double()[0], kh.double()[0]
+    for head in range(2):
+        logits = (qd[head] @ kd[head].T * scale).masked_fill(~causal, float("-inf"))
+        lse = logits.masked_fill(~kept[0, head], float("-inf")).logsumexp(-1, keepdim=True)
+        mass = (logits - lse).exp() * mates[head]
+        for start in range(lv.BLOCK, s, lv.BLOCK):
+            rows = slice(start, min(start + lv.BLOCK, s))
+            score = mass[rows].sum(0)
+            free = [j for j in range(start) if not kept[0, head, rows.stop - 1, j] and score[j] > 0]
+            want = set(sorted(free, key=lambda j: -float(score[j]))[:per_block])
+            got = set(torch.nonzero(extra[0, head, rows.start]).flatten().tolist())
+            assert got == want, (head, start)
