@@ -570,6 +570,8 @@ def _extension_local_verticals(path: Path) -> str:
         "",
     ]
     head = ["attention", "density", "questions at the end", f"{r['tail']} tokens before it", "before it - dense"]
+    hashed = any(row.get("lsh_candidates") is not None for row in r["rows"].values())
+    head += ["LSH candidate pairs"] if hashed else []
     lines += [_row(head), _row(["---"] * len(head))]
     for label in dict.fromkeys(key.rsplit("/", 1)[0] for key in r["rows"]):
         end, tail = (r["rows"][f"{label}/{w}"] for w in ("end", "tail"))
@@ -580,7 +582,9 @@ def _extension_local_verticals(path: Path) -> str:
         d = r["minus_dense"].get(label, {}).get("tail")
         diff = "" if d is None else f"{d['difference']:+.1f} [{d['interval'][0]:+.1f}, {d['interval'][1]:+.1f}]"
         density = "" if tail["density"] is None else f"{tail['density']:.3f}"
-        lines.append(_row([label, density, *cells, diff]))
+        share = tail.get("lsh_candidates")
+        extra = ["" if share is None else f"{share:.3f}"] if hashed else []
+        lines.append(_row([label, density, *cells, diff, *extra]))
     return "\n".join(lines)
 
 
