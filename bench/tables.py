@@ -21,6 +21,16 @@ def _row(cells) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+def _percent(cell: dict) -> str:
+    """A percentage with its interval: ``99.6 [98, 100]``."""
+    return f"{cell['percent']:.1f} [{cell['interval'][0]:.0f}, {cell['interval'][1]:.0f}]"
+
+
+def _difference(d: dict) -> str:
+    """A paired difference in points with its interval: ``-1.2 [-3.2, +0.4]``."""
+    return f"{d['difference']:+.1f} [{d['interval'][0]:+.1f}, {d['interval'][1]:+.1f}]"
+
+
 def _runs(records: list[dict], key) -> list[tuple[object, list[dict]]]:
     """Records grouped by run, newest run first (records are appended run after run)."""
     groups: dict = {}
@@ -479,13 +489,7 @@ def extension_tables() -> str:
         lines += [_row(head), _row(["---"] * len(head))]
         for label, row in s["table"].items():
             cells = [row["tasks"][t][n] for t in tasks for n in lengths]
-            lines.append(
-                _row(
-                    [label]
-                    + [f"{c['percent']:.1f} [{c['interval'][0]:.0f}, {c['interval'][1]:.0f}]" for c in cells]
-                    + [f"{row['ppl_last_bucket'][long]:.3f}"]
-                )
-            )
+            lines.append(_row([label] + [_percent(c) for c in cells] + [f"{row['ppl_last_bucket'][long]:.3f}"]))
         head = ["budget", "train density", "train recall"] + [f"{t} {long} minus dense" for t in tasks]
         head += ["ppl vs dense", "parity"]
         lines += ["", _row(head), _row(["---"] * len(head))]
@@ -495,7 +499,7 @@ def extension_tables() -> str:
             lines.append(
                 _row(
                     [e["budget"]["name"], f"{e['train_density']:.3f}", f"{e['train_recall']:.3f}"]
-                    + [f"{d['difference']:+.1f} [{d['interval'][0]:+.1f}, {d['interval'][1]:+.1f}]" for d in diffs]
+                    + [_difference(d) for d in diffs]
                     + [f"{ppl['change_percent']:+.2f}% [{ppl['interval'][0]:+.2f}, {ppl['interval'][1]:+.2f}]"]
                     + ["yes" if e["parity"] else "no"]
                 )
@@ -553,10 +557,7 @@ def _extension_query_position(path: Path) -> str:
     lines.append(_row(["---"] * 4))
     for label, d in r["tail_minus_end"].items():
         end, tail = (r["rows"][f"{label}/{w}"]["retrieval"] for w in ("end", "tail"))
-        cells = [f"{x['percent']:.1f} [{x['interval'][0]:.0f}, {x['interval'][1]:.0f}]" for x in (end, tail)]
-        lines.append(
-            _row([label, *cells, f"{d['difference']:+.1f} [{d['interval'][0]:+.1f}, {d['interval'][1]:+.1f}]"])
-        )
+        lines.append(_row([label, _percent(end), _percent(tail), _difference(d)]))
     return "\n".join(lines)
 
 
@@ -575,12 +576,9 @@ def _extension_local_verticals(path: Path) -> str:
     lines += [_row(head), _row(["---"] * len(head))]
     for label in dict.fromkeys(key.rsplit("/", 1)[0] for key in r["rows"]):
         end, tail = (r["rows"][f"{label}/{w}"] for w in ("end", "tail"))
-        cells = [
-            f"{x['retrieval']['percent']:.1f} [{x['retrieval']['interval'][0]:.0f}, {x['retrieval']['interval'][1]:.0f}]"
-            for x in (end, tail)
-        ]
+        cells = [_percent(x["retrieval"]) for x in (end, tail)]
         d = r["minus_dense"].get(label, {}).get("tail")
-        diff = "" if d is None else f"{d['difference']:+.1f} [{d['interval'][0]:+.1f}, {d['interval'][1]:+.1f}]"
+        diff = "" if d is None else _difference(d)
         density = "" if tail["density"] is None else f"{tail['density']:.3f}"
         share = tail.get("lsh_candidates")
         extra = ["" if share is None else f"{share:.3f}"] if hashed else []
@@ -611,7 +609,7 @@ def _extension_density(path: Path) -> str:
                     "–"
                     if change is None
                     else f"{change['change_percent']:+.2f}% [{change['interval'][0]:+.2f}, {change['interval'][1]:+.2f}]",
-                    f"{found['percent']:.1f} [{found['interval'][0]:.0f}, {found['interval'][1]:.0f}]",
+                    _percent(found),
                     f"{e['cpu_s']:.0f}",
                 ]
             )
