@@ -57,12 +57,29 @@ BLOCK_METHODS = ("keyblocks", "bounds", "keyblocksmax", "boundsmax")  # the choi
 HOW = ("pooled", *BLOCK_METHODS, "rows4", "exact")  # and lshTxB (module docstring)
 
 
-def block_columns(q: Tensor, k: Tensor, kept: Tensor, scale: float, per_block: int, how: str) -> Tensor:
+def _by_block(x: Tensor, fill: float = 0.0) -> Tensor:
+    """x [B, H, S, ...] as [B, H, nb, BLOCK, ...]: dim 2 cut into blocks of BLOCK, the last padded with ``fill``."""
+    s = x.shape[2]
+    pad = math.ceil(s / BLOCK) * BLOCK - s
+    padded = torch.cat([x, x.new_full((*x.shape[:2], pad, *x.shape[3:]), fill)], dim=2)
+    return padded.view(*x.shape[:2], -1, BLOCK, *x.shape[3:])
+
+
+def _block_means(x: Tensor) -> Tensor:
+    """The mean of each block of rows of x [B, H, S, D]: [B, H, nb, D] (the last block over its real rows)."""
+    counts = _by_block(torch.ones(1, 1, x.shape[2])).sum(3)[0, 0]  # [nb]
+    return _by_block(x).sum(3) / counts[:, None]
+
+
+def block_columns(
+    q: Tensor, k: Tensor, kept: Tensor, scale: float, per_block: int, how: str, mates: Tensor | None = None
+) -> Tensor:
     """Boolean [B, H, S, S]: ``per_block`` extra columns for every block of ``BLOCK`` rows, causal.
 
     q [B, S, H, D], k [B, S, H, D] (K/V heads already repeated to the query heads); ``kept`` [B, H, S, S] the
     pattern's pairs. Each block ranks the keys before its first row that the pattern does not keep at its last
-    row, as ``how`` says (module docstring).
+    row, as ``how`` says (module docstring); lsh methods take their bucket mates ([B, H, S, S], ``same_bucket``)
+    from ``mates`` when the caller has them.
     """
     b, s, h, _ = q.shape
     nb = math.ceil(s / BLOCK)
@@ -72,42 +89,33 @@ def block_columns(q: Tensor, k: Tensor, kept: Tensor, scale: float, per_block: i
     block_last = (block_start + BLOCK - 1).clamp(max=s - 1)
     before = pos[None, :] < block_start[:, None]  # [nb, S] keys strictly before the block
     if how == "pooled":
-        pad = nb * BLOCK - s
-        padded = torch.nn.functional.pad(qh, (0, 0, 0, pad))
-        counts = torch.full((nb,), float(BLOCK))
-        counts[-1] = BLOCK - pad
-        pooled = padded.view(b, h, nb, BLOCK, -1).sum(3) / counts[:, None]  # [B, H, nb, D]
-        score = pooled @ kh.transpose(-1, -2) * scale  # [B, H, nb, S]
+        score = _block_means(qh) @ kh.transpose(-1, -2) * scale  # [B, H, nb, S]
     elif how.removesuffix("max") in ("keyblocks", "bounds"):
-        pad = nb * BLOCK - s
         if how.startswith("keyblocks"):  # the mean key of each key block
-            counts = torch.full((nb,), float(BLOCK))
-            counts[-1] = BLOCK - pad
-            key_means = torch.nn.functional.pad(kh, (0, 0, 0, pad)).view(b, h, nb, BLOCK, -1).sum(3) / counts[:, None]
-            logits = qh @ key_means.transpose(-1, -2) * scale  # [B, H, S, nb]
+            logits = qh @ _block_means(kh).transpose(-1, -2) * scale  # [B, H, S, nb]
         else:  # an upper bound of each row's best score in the key block: per dimension the larger of q*max, q*min
-            blocks = torch.nn.functional.pad(kh, (0, 0, 0, pad), value=float("nan")).view(b, h, nb, BLOCK, -1)
-            k_max = blocks.nan_to_num(float("-inf")).amax(3)  # [B, H, nb, D]
-            k_min = blocks.nan_to_num(float("inf")).amin(3)
+            k_max = _by_block(kh, float("-inf")).amax(3)  # [B, H, nb, D]
+            k_min = _by_block(kh, float("inf")).amin(3)
             upper = torch.maximum(qh[:, :, :, None, :] * k_max[:, :, None], qh[:, :, :, None, :] * k_min[:, :, None])
             logits = upper.sum(-1) * scale  # [B, H, S, nb]
         logits = logits.masked_fill(torch.arange(nb)[None, :] >= (pos // BLOCK)[:, None], float("-inf"))
         probs = logits.softmax(-1).nan_to_num(0.0)  # the first block's rows have no key block before them
-        per_row = torch.nn.functional.pad(probs, (0, 0, 0, pad)).view(b, h, nb, BLOCK, nb)
+        per_row = _by_block(probs)  # [B, H, nb, BLOCK, nb]
         block_score = per_row.amax(3) if how.endswith("max") else per_row.sum(3)
         score = block_score.repeat_interleave(BLOCK, dim=-1)[..., :s]  # [B, H, nb, S]
     elif how in ("exact", "rows4") or how.startswith("lsh"):
         logits = qh @ kh.transpose(-1, -2) * scale  # [B, H, S, S]
         logits = logits.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
         if how.startswith("lsh"):  # only the pairs that share a hash bucket, against the mass the pattern keeps
+            if mates is None:
+                mates = same_bucket(qh, kh, *lsh_shape(how))
             pattern_lse = logits.masked_fill(~kept, float("-inf")).logsumexp(-1, keepdim=True)
-            probs = (logits - pattern_lse).exp() * same_bucket(qh, kh, *lsh_shape(how))
+            probs = (logits - pattern_lse).exp() * mates
         else:
             probs = logits.softmax(-1)
         if how == "rows4":
             probs = probs * (pos % 4 == 3)[:, None]
-        pad = nb * BLOCK - s
-        score = torch.nn.functional.pad(probs, (0, 0, 0, pad)).view(b, h, nb, BLOCK, s).sum(3)
+        score = _by_block(probs).sum(3)  # [B, H, nb, S]
         if how.startswith("lsh"):  # a key no row of the block met is no candidate
             score = score.masked_fill(score == 0, float("-inf"))
     else:
@@ -173,10 +181,11 @@ class LocalColumns:
         pos = torch.arange(s)
         keep = pattern.pair_mask(pos, pos)
         if self.per_block > 0:
-            keep = keep | block_columns(q, k_full, keep, scale, self.per_block, self.how)
+            mates = None
             if self.how.startswith("lsh"):
                 mates = same_bucket(q.float().transpose(1, 2), k_full.float().transpose(1, 2), *lsh_shape(self.how))
                 self.candidate_pairs += float((mates & (pos[None, :] <= pos[:, None])).sum())
+            keep = keep | block_columns(q, k_full, keep, scale, self.per_block, self.how, mates)
         self.kept_pairs += float(keep.sum())
         self.causal_pairs += keep.shape[0] * keep.shape[1] * s * (s + 1) / 2
         out, lse = masked_attention(q, k_full, v_full, keep, scale)
