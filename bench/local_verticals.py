@@ -41,12 +41,10 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import extension_eval  # noqa: E402
 import extension_report as report  # noqa: E402
 import query_position  # noqa: E402
 from common import RESULTS_DIR, provenance  # noqa: E402
-from extension import Clock, write_json  # noqa: E402
-from extension_corpus import eval_set  # noqa: E402
+from extension import write_json  # noqa: E402
 from extension_settings import SCALES  # noqa: E402
 
 from mtraining.models import attention as attention_module  # noqa: E402
@@ -209,11 +207,11 @@ def main() -> None:
     args = p.parse_args()
     scale = SCALES["cpu"]
     budget = scale.budget(scale.default_budget)
-    export = args.work / "extend" / args.model / "export"
-    if not (export / "model.safetensors").is_file():
-        p.error(f"no exported model in {export}: run bench/extension.py --scale cpu --work {args.work} first")
-    docs = eval_set(scale.vocab, scale.long - args.tail, args.docs, scale.eval_shape, scale.depths, args.seed)
-    variants = query_position.placed([(d.ids, d.answers, d.depths) for d in docs], args.tail, scale, args.seed)
+    try:
+        export = query_position.exported(args.work, args.model)
+        variants = query_position.held_out(scale, args.docs, args.tail, args.seed)
+    except ValueError as err:
+        p.error(str(err))
     # key-block methods take whole blocks: they run only where the count is a number of blocks
     settings = [("dense", 0, "")] + [
         (f"{budget.name}+{n}-{how}" if n else budget.name, n, how)
@@ -231,24 +229,14 @@ def main() -> None:
             for where, documents in variants.items():
                 stand_in = LocalColumns(per_block, how or "pooled", original)
                 attention_module.sparse_attention = stand_in
-                with Clock() as clock:
-                    result = extension_eval.evaluate_recall(
-                        str(export), scale, None if label == "dense" else budget, {scale.long: documents}
-                    )
-                n = str(scale.long)
-                found = result["tasks"]["recall"][n]["documents"]
-                rows[f"{label}/{where}"] = {
-                    "documents": found,
-                    "retrieval": report.accuracy(found),
-                    "density": None if label == "dense" else stand_in.density,
-                    "lsh_candidates": stand_in.candidate_pairs / stand_in.causal_pairs
-                    if how.startswith("lsh")
-                    else None,
-                    "wall_s": clock.wall_s,
-                }
-                row = rows[f"{label}/{where}"]
+                row = query_position.score(export, scale, None if label == "dense" else budget, documents)
+                row["density"] = None if label == "dense" else stand_in.density  # the pattern's and the block's pairs
+                row["lsh_candidates"] = (
+                    stand_in.candidate_pairs / stand_in.causal_pairs if how.startswith("lsh") else None
+                )
+                rows[f"{label}/{where}"] = row
                 dens = "" if row["density"] is None else f", density {row['density']:.3f}"
-                print(f"{label}/{where}: {row['retrieval']['percent']:.1f}%{dens} ({clock.wall_s:.0f}s)", flush=True)
+                print(f"{label}/{where}: {row['retrieval']['percent']:.1f}%{dens} ({row['wall_s']:.0f}s)", flush=True)
     finally:
         attention_module.sparse_attention = original
     differences = {

@@ -25,7 +25,7 @@ import extension_report as report  # noqa: E402
 from common import RESULTS_DIR, provenance  # noqa: E402
 from extension import Clock, write_json  # noqa: E402
 from extension_corpus import eval_set  # noqa: E402
-from extension_settings import SCALES, Scale  # noqa: E402
+from extension_settings import SCALES, Budget, Scale  # noqa: E402
 
 Doc = tuple[list[int], list[int], list[float]]  # ids, answer positions, depths (as extension_eval's recall documents)
 
@@ -41,6 +41,40 @@ def placed(docs: list[Doc], tail: int, scale: Scale, seed: int) -> dict[str, lis
     return out
 
 
+def held_out(scale: Scale, documents: int, tail: int, seed: int) -> dict[str, list[Doc]]:
+    """The ``end`` and ``tail`` placements (``placed``) of ``documents`` held-out recall documents at the scale's
+    length; ValueError unless ``tail`` lies between last_q and half the length."""
+    if not scale.last_q < tail < scale.long // 2:
+        raise ValueError(f"--tail must lie between last_q ({scale.last_q}) and half the length ({scale.long // 2})")
+    docs = eval_set(scale.vocab, scale.long - tail, documents, scale.eval_shape, scale.depths, seed)
+    return placed([(d.ids, d.answers, d.depths) for d in docs], tail, scale, seed)
+
+
+def exported(work: Path, model: str) -> Path:
+    """The export of extension ``model`` in bench/extension.py's ``work`` folder; ValueError naming the fix."""
+    export = work / "extend" / model / "export"
+    if not (export / "model.safetensors").is_file():
+        raise ValueError(f"no exported model in {export}: run bench/extension.py --scale cpu --work {work} first")
+    return export
+
+
+def score(export: Path, scale: Scale, attention: Budget | None, documents: list[Doc]) -> dict:
+    """Retrieval of one placement read with ``attention`` (None: dense): hits per document, the percent found,
+    the depth grid, the pattern's density and the time taken."""
+    with Clock() as clock:
+        result = extension_eval.evaluate_recall(str(export), scale, attention, {scale.long: documents})
+    n = str(scale.long)
+    found = result["tasks"]["recall"][n]["documents"]
+    return {
+        "documents": found,
+        "retrieval": report.accuracy(found),
+        "grid": result["tasks"]["recall"][n]["grid"],
+        "density": result["density"][n],
+        "wall_s": clock.wall_s,
+        "cpu_s": clock.cpu_s,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, required=True, help="the CPU scale's work folder of bench/extension.py")
@@ -52,32 +86,20 @@ def main() -> None:
     args = p.parse_args()
     scale = SCALES["cpu"]
     budget = scale.budget(args.budget or scale.default_budget)
-    if not scale.last_q < args.tail < scale.long // 2:
-        p.error(f"--tail must lie between last_q ({scale.last_q}) and half the length ({scale.long // 2})")
-    docs = eval_set(scale.vocab, scale.long - args.tail, args.docs, scale.eval_shape, scale.depths, args.seed)
-    variants = placed([(d.ids, d.answers, d.depths) for d in docs], args.tail, scale, args.seed)
     sparse = f"sparse-{budget.name}"
     # (model, attention): the dense extension read dense and sparse, the sparse extension read with its own budget
     plan = [("dense", None), ("dense", budget), (sparse, budget)]
+    try:
+        variants = held_out(scale, args.docs, args.tail, args.seed)
+        exports = {model: exported(args.work, model) for model, _ in plan}
+    except ValueError as err:
+        p.error(str(err))
     rows, differences = {}, {}
     for model, attention in plan:
-        export = args.work / "extend" / model / "export"
-        if not (export / "model.safetensors").is_file():
-            p.error(f"no exported model in {export}: run bench/extension.py --scale cpu --work {args.work} first")
         label = f"{model}/{'dense' if attention is None else sparse}"
         for where, documents in variants.items():
-            with Clock() as clock:
-                result = extension_eval.evaluate_recall(str(export), scale, attention, {scale.long: documents})
-            n = str(scale.long)
-            rows[f"{label}/{where}"] = {
-                "documents": result["tasks"]["recall"][n]["documents"],
-                "retrieval": report.accuracy(result["tasks"]["recall"][n]["documents"]),
-                "grid": result["tasks"]["recall"][n]["grid"],
-                "density": result["density"][n],
-                "wall_s": clock.wall_s,
-                "cpu_s": clock.cpu_s,
-            }
-            print(f"{label}/{where}: {rows[f'{label}/{where}']['retrieval']['percent']:.1f}% ({clock.wall_s:.0f}s)")
+            rows[f"{label}/{where}"] = row = score(exports[model], scale, attention, documents)
+            print(f"{label}/{where}: {row['retrieval']['percent']:.1f}% ({row['wall_s']:.0f}s)")
         differences[label] = report.difference(rows[f"{label}/tail"]["documents"], rows[f"{label}/end"]["documents"])
     result = dict(
         name=args.out.stem,
