@@ -239,13 +239,16 @@ def main() -> None:
                 print(f"{label}/{where}: {row['retrieval']['percent']:.1f}%{dens} ({row['wall_s']:.0f}s)", flush=True)
     finally:
         attention_module.sparse_attention = original
-    differences = {
-        label: {
-            where: report.difference(rows[f"{label}/{where}"]["documents"], rows[f"dense/{where}"]["documents"])
-            for where in variants
-        }
-        for label, _, _ in settings[1:]
-    }
+    differences, ppl_changes = {}, {}
+    for label, _, _ in settings[1:]:
+        pairs = {where: (rows[f"{label}/{where}"], rows[f"dense/{where}"]) for where in variants}
+        differences[label] = {w: report.difference(a["documents"], b["documents"]) for w, (a, b) in pairs.items()}
+        ppl_changes[label] = {w: report.ppl_change(a["ppl"], b["ppl"]) for w, (a, b) in pairs.items()}
+        print(
+            f"{label}: last-bucket perplexity vs dense "
+            + ", ".join(f"{w} {c['change_percent']:+.2f}%" for w, c in ppl_changes[label].items()),
+            flush=True,
+        )
     write_json(
         args.out,
         dict(
@@ -259,6 +262,7 @@ def main() -> None:
             block=BLOCK,
             rows=rows,
             minus_dense=differences,
+            ppl_vs_dense=ppl_changes,
         ),
     )
 

@@ -60,7 +60,7 @@ def exported(work: Path, model: str) -> Path:
 
 def score(export: Path, scale: Scale, attention: Budget | None, documents: list[Doc]) -> dict:
     """Retrieval of one placement read with ``attention`` (None: dense): hits per document, the percent found,
-    the depth grid, the pattern's density and the time taken."""
+    the depth grid, each document's loss per position bucket (``ppl``), the pattern's density and the time taken."""
     with Clock() as clock:
         result = extension_eval.evaluate_recall(str(export), scale, attention, {scale.long: documents})
     n = str(scale.long)
@@ -69,6 +69,7 @@ def score(export: Path, scale: Scale, attention: Budget | None, documents: list[
         "documents": found,
         "retrieval": report.accuracy(found),
         "grid": result["tasks"]["recall"][n]["grid"],
+        "ppl": result["ppl"][n],
         "density": result["density"][n],
         "wall_s": clock.wall_s,
         "cpu_s": clock.cpu_s,

@@ -31,6 +31,11 @@ def _difference(d: dict) -> str:
     return f"{d['difference']:+.1f} [{d['interval'][0]:+.1f}, {d['interval'][1]:+.1f}]"
 
 
+def _ppl_change(c: dict) -> str:
+    """A perplexity change in percent with its interval: ``+2.71% [+2.38, +3.03]``."""
+    return f"{c['change_percent']:+.2f}% [{c['interval'][0]:+.2f}, {c['interval'][1]:+.2f}]"
+
+
 def _runs(records: list[dict], key) -> list[tuple[object, list[dict]]]:
     """Records grouped by run, newest run first (records are appended run after run)."""
     groups: dict = {}
@@ -500,7 +505,7 @@ def extension_tables() -> str:
                 _row(
                     [e["budget"]["name"], f"{e['train_density']:.3f}", f"{e['train_recall']:.3f}"]
                     + [_difference(d) for d in diffs]
-                    + [f"{ppl['change_percent']:+.2f}% [{ppl['interval'][0]:+.2f}, {ppl['interval'][1]:+.2f}]"]
+                    + [_ppl_change(ppl)]
                     + ["yes" if e["parity"] else "no"]
                 )
             )
@@ -573,6 +578,8 @@ def _extension_local_verticals(path: Path) -> str:
     head = ["attention", "density", "questions at the end", f"{r['tail']} tokens before it", "before it - dense"]
     hashed = any(row.get("lsh_candidates") is not None for row in r["rows"].values())
     head += ["LSH candidate pairs"] if hashed else []
+    ppl = r.get("ppl_vs_dense")  # last-bucket perplexity against dense, where the run measured it
+    head += ["ppl vs dense, at the end", "before it"] if ppl else []
     lines += [_row(head), _row(["---"] * len(head))]
     for label in dict.fromkeys(key.rsplit("/", 1)[0] for key in r["rows"]):
         end, tail = (r["rows"][f"{label}/{w}"] for w in ("end", "tail"))
@@ -582,6 +589,8 @@ def _extension_local_verticals(path: Path) -> str:
         density = "" if tail["density"] is None else f"{tail['density']:.3f}"
         share = tail.get("lsh_candidates")
         extra = ["" if share is None else f"{share:.3f}"] if hashed else []
+        if ppl:
+            extra += [_ppl_change(ppl[label][w]) if label in ppl else "" for w in ("end", "tail")]
         lines.append(_row([label, density, *cells, diff, *extra]))
     return "\n".join(lines)
 
@@ -606,9 +615,7 @@ def _extension_density(path: Path) -> str:
                     _density_setting(p),
                     "1" if e["density"] is None else f"{e['density']:.3f}",
                     f"{e['ppl_last_bucket']:.3f}",
-                    "–"
-                    if change is None
-                    else f"{change['change_percent']:+.2f}% [{change['interval'][0]:+.2f}, {change['interval'][1]:+.2f}]",
+                    "–" if change is None else _ppl_change(change),
                     _percent(found),
                     f"{e['cpu_s']:.0f}",
                 ]
