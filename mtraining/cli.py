@@ -168,5 +168,11 @@ def tokenize(
         typer.echo(f"wrote {total} tokens ({np.dtype(dtype).name}) to {out}")
 
 
-if __name__ == "__main__":  # the command torchrun starts on every rank (rank_exit.py: how it ends)
+def main() -> None:
+    """The ``mtraining`` script and ``python -m mtraining.cli`` (torchrun's command on every rank): the app,
+    ended as rank_exit.py says."""
     run_command(app)
+
+
+if __name__ == "__main__":
+    main()
