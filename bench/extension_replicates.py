@@ -28,7 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import provenance, written  # noqa: E402
 from extension import write_json  # noqa: E402
-from extension_report import accuracy, bootstrap, by_depth, difference, long_range, paired_points  # noqa: E402
+from extension_report import (  # noqa: E402
+    accuracy,
+    bootstrap,
+    by_depth,
+    difference,
+    long_range,
+    paired_points,
+    ppl_percent,
+)
 
 
 def _pair(a: list[dict], b: list[dict]) -> dict:
@@ -112,6 +120,16 @@ def pooled(results: list[dict], budget: str, seed: int = 0) -> dict:
                 "per_run": per_run,
                 "interval": list(interval),
             }
+    # last-bucket perplexity at the longest length, in percent, pooled the same way (documents for prompts)
+    long = list(results[0]["evaluations"]["dense/dense"]["ppl"])[-1]
+    runs = [list(zip(*(r["evaluations"][m]["ppl"][long] for m in (label, "dense/dense")))) for r in results]
+    per_run = [ppl_percent(pairs) for pairs in runs]
+    interval = bootstrap(
+        runs, lambda drawn: statistics.fmean(ppl_percent([rng.choice(p) for _ in p]) for p in drawn), seed=seed
+    )
+    out["ppl_last_bucket"] = {
+        long: {"difference": statistics.fmean(per_run), "per_run": per_run, "interval": list(interval)}
+    }
     return out
 
 
@@ -162,11 +180,22 @@ def markdown(result: dict) -> str:
             "",
         ]
         for budget, tasks in budgets.items():
+            tasks = dict(tasks)
+            ppl = tasks.pop("ppl_last_bucket", None)  # results written before it lack it
             lengths = list(next(iter(tasks.values())))
             lines += [f"| budget | task | {' | '.join(lengths)} |", "| --- | --- |" + " --- |" * len(lengths)]
             for task, per in tasks.items():
                 cells = [f"{_cell(p)} (runs: {', '.join(f'{x:+.0f}' for x in p['per_run'])})" for p in per.values()]
                 lines.append(f"| {budget} | {task} | " + " | ".join(cells) + " |")
+            for length, p in (ppl or {}).items():
+                lo, hi = p["interval"]
+                runs = ", ".join(f"{x:+.2f}" for x in p["per_run"])
+                lines += [
+                    "",
+                    f"{budget}: last-bucket perplexity at {length}, sparse vs dense: {p['difference']:+.2f}% "
+                    f"[{lo:+.2f}, {hi:+.2f}] (runs: {runs})",
+                    "",
+                ]
     return "\n".join(lines) + "\n"
 
 

@@ -99,15 +99,16 @@ def ppl_curve(docs: list[dict]) -> list[dict]:
     return out
 
 
+def ppl_percent(pairs: list[tuple[dict, dict]]) -> float:
+    """Last-bucket perplexity of the first of each pair of document records against the second, in percent."""
+    tokens = sum(_bucket_tokens(x, -1) for x, _ in pairs)
+    return 100.0 * (math.exp(sum(x["nll"][-1] - y["nll"][-1] for x, y in pairs) / tokens) - 1.0)
+
+
 def ppl_change(a: list[dict], b: list[dict]) -> dict:
     """Last-bucket perplexity of ``a`` against ``b`` in percent (same documents), paired bootstrap 95% interval."""
     pairs = list(zip(a, b))
-
-    def change(sample):
-        tokens = sum(_bucket_tokens(x, -1) for x, _ in sample)
-        return 100.0 * (math.exp(sum(x["nll"][-1] - y["nll"][-1] for x, y in sample) / tokens) - 1.0)
-
-    return {"change_percent": change(pairs), "interval": list(bootstrap(pairs, change))}
+    return {"change_percent": ppl_percent(pairs), "interval": list(bootstrap(pairs, ppl_percent))}
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -140,15 +141,30 @@ def summarise(scale: Scale, evaluations: dict[str, dict], runs: dict[str, dict])
     goal["informative"] = all(g["passed"] for g in goal["base_retrieves_at_l0"].values()) and all(
         g["clearly"] for g in goal["dense_beats_base_at_long"].values()
     )
-    sweep = []
-    for budget in scale.budgets:
-        name = f"sparse-{budget.name}"
-        ev, run = evaluations[f"{name}/{name}"], runs[name]
-        minus_dense = {
+
+    def against_dense(ev: dict) -> dict:
+        """``ev`` minus the dense extension read dense: points per task and length, last-bucket perplexity, and
+        whether it is within the goal's margins (a loss of at most POINTS points, PPL_PERCENT perplexity)."""
+        minus = {
             t: {n: difference(ev["tasks"][t][n]["documents"], dense["tasks"][t][n]["documents"]) for n in lengths}
             for t in scale.tasks
         }
         ppl = ppl_change(ev["ppl"][long], dense["ppl"][long])
+        within_points = all(d["difference"] >= -POINTS for per in minus.values() for d in per.values())
+        within_ppl = ppl["change_percent"] <= PPL_PERCENT
+        return {
+            "minus_dense": minus,
+            "ppl_last_bucket_vs_dense": ppl,
+            "within_points": within_points,
+            "within_ppl": within_ppl,
+            "parity": goal["informative"] and within_points and within_ppl,
+        }
+
+    sweep = []
+    for budget in scale.budgets:
+        name = f"sparse-{budget.name}"
+        ev, run = evaluations[f"{name}/{name}"], runs[name]
+        read_sparse = against_dense(ev)
         if "niah" in scale.tasks:  # depth 1 varies from run to run for dense and sparse alike (BENCHMARKS.md)
             minus_dense_long_range = {
                 n: difference(long_range(ev["tasks"]["niah"][n]), long_range(dense["tasks"]["niah"][n]))
@@ -165,17 +181,17 @@ def summarise(scale: Scale, evaluations: dict[str, dict], runs: dict[str, dict])
             "train_final_loss": run["final_loss"],
             "eval_density": ev["density"],
             "accuracy": table[f"{name}/{name}"]["tasks"],
-            "minus_dense": minus_dense,
+            **read_sparse,
             "niah_depths_below_1_minus_dense": minus_dense_long_range,
-            "ppl_last_bucket_vs_dense": ppl,
-            "within_points": all(d["difference"] >= -POINTS for per in minus_dense.values() for d in per.values()),
-            "within_ppl": ppl["change_percent"] <= PPL_PERCENT,
+            # the sparse extension read dense: what the sparse training alone changed (with cross evaluations)
+            "read_dense": against_dense(evaluations[f"{name}/dense"]) if f"{name}/dense" in evaluations else None,
         }
-        entry["parity"] = goal["informative"] and entry["within_points"] and entry["within_ppl"]
         sweep.append(entry)
     default = next(e for e in sweep if e["budget"]["name"] == scale.default_budget)
     goal["sparse_default_parity"] = {k: default[k] for k in ("train_density", "within_points", "within_ppl", "parity")}
     goal["sparse_default_parity"]["budget"] = scale.default_budget
+    read_dense = default["read_dense"]
+    goal["sparse_default_parity"]["read_dense_parity"] = None if read_dense is None else read_dense["parity"]
     goal["budgets_at_parity"] = [e["budget"]["name"] for e in sweep if e["parity"]]
     return {"table": table, "goal": goal, "sweep": sweep}
 
@@ -334,9 +350,24 @@ def markdown(scale: Scale, result: dict, paths: dict[str, Path]) -> str:
             + ", ".join(f"{n}: {_diff(d)}" for n, d in default["niah_depths_below_1_minus_dense"].items())
         )
     r = default["ppl_last_bucket_vs_dense"]
-    lines += [
+    lines.append(
         f"- last-bucket perplexity at {long}, sparse vs dense: {r['change_percent']:+.2f}% "
-        f"[{r['interval'][0]:+.2f}, {r['interval'][1]:+.2f}]",
+        f"[{r['interval'][0]:+.2f}, {r['interval'][1]:+.2f}]"
+    )
+    if default.get("read_dense"):
+        rd = default["read_dense"]
+        lines += [
+            f"- the sparse extension read dense (what the sparse training alone changed) minus dense, {TASK_TITLES[t]}, "
+            "points: " + ", ".join(f"{n}: {_diff(d)}" for n, d in per.items())
+            for t, per in rd["minus_dense"].items()
+        ]
+        r = rd["ppl_last_bucket_vs_dense"]
+        lines.append(
+            f"- its last-bucket perplexity at {long} vs dense: {r['change_percent']:+.2f}% "
+            f"[{r['interval'][0]:+.2f}, {r['interval'][1]:+.2f}]; the sparse training at parity (read dense): "
+            f"{'yes' if rd['parity'] else 'NO'}"
+        )
+    lines += [
         f"- default budget at parity (within {POINTS:g} points everywhere and {PPL_PERCENT:g}% perplexity): "
         f"{'yes' if default['parity'] else 'NO'}; budgets at parity: {', '.join(goal['budgets_at_parity']) or 'none'}",
         "",

@@ -399,6 +399,14 @@ def _check_outputs(scale_name: str, work: Path, out: Path) -> dict:
     assert entry["train_density"] == pytest.approx(sum(densities) / len(densities))
     assert 0 < entry["train_density"] < 1
     md = (out / f"{prefix}.md").read_text()
+    # the sparse extension read dense (cross evaluations) is checked against dense on its own
+    name, long, ev = f"sparse-{entry['budget']['name']}", str(scale.long), result["evaluations"]
+    if f"{name}/dense" in ev:
+        change = report.ppl_change(ev[f"{name}/dense"]["ppl"][long], ev["dense/dense"]["ppl"][long])
+        assert entry["read_dense"]["ppl_last_bucket_vs_dense"] == change
+        assert "the sparse extension read dense" in md
+    else:
+        assert entry["read_dense"] is None and "read dense" not in md
     table = result["summary"]["table"]
     task = scale.tasks[0]
     assert f"{table['dense/dense']['ppl_last_bucket'][str(scale.long)]:.3f}" in md

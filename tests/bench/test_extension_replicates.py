@@ -4,6 +4,7 @@ sign of sparse minus dense and of the second run minus the first, and records it
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -25,7 +26,14 @@ def _niah(hits: list[int], depths=(0.0, 1.0)) -> dict:
     }
 
 
-def _result(dense: list[int], sparse: list[int], ruler_dense: list[float], ruler_sparse: list[float]) -> dict:
+def _ppl(nll_per_token: float, documents: int = 4) -> dict:
+    """Per-document bucket losses at 4096: two buckets of 8 tokens, ``nll_per_token`` in each."""
+    return {"4096": [{"buckets": [[1, 8], [9, 16]], "nll": [8 * nll_per_token] * 2} for _ in range(documents)]}
+
+
+def _result(
+    dense: list[int], sparse: list[int], ruler_dense: list[float], ruler_sparse: list[float], sparse_nll: float = 1.0
+) -> dict:
     def tasks(niah, ruler):
         return {
             "niah": {"4096": _niah(niah)},
@@ -36,9 +44,9 @@ def _result(dense: list[int], sparse: list[int], ruler_dense: list[float], ruler
         "commit": "abc",
         "device": "test",
         "evaluations": {
-            "base/dense": {"tasks": tasks(dense, ruler_dense)},
-            "dense/dense": {"tasks": tasks(dense, ruler_dense)},
-            "sparse-v10/sparse-v10": {"tasks": tasks(sparse, ruler_sparse)},
+            "base/dense": {"tasks": tasks(dense, ruler_dense), "ppl": _ppl(2.0)},
+            "dense/dense": {"tasks": tasks(dense, ruler_dense), "ppl": _ppl(1.0)},
+            "sparse-v10/sparse-v10": {"tasks": tasks(sparse, ruler_sparse), "ppl": _ppl(sparse_nll)},
         },
         "summary": {
             "sweep": [
@@ -124,3 +132,22 @@ def test_long_range_leaves_out_the_needles_at_depth_1():
 
     niah = _niah([1, 0, 1, 1, 0, 0], depths=(0.0, 0.5, 1.0))
     assert long_range(niah) == niah["documents"][:4]
+
+
+def test_pooled_perplexity_averages_the_runs_changes():
+    runs = [_result([1] * 4, [1] * 4, [1.0], [1.0], sparse_nll=nll) for nll in (1.0, 1.1, 1.2)]
+    ppl = rep.pooled(runs, "v10")["ppl_last_bucket"]["4096"]
+    expected = [100 * (math.exp(d) - 1) for d in (0.0, 0.1, 0.2)]
+    assert ppl["per_run"] == pytest.approx(expected)
+    assert ppl["difference"] == pytest.approx(sum(expected) / 3)
+    assert ppl["interval"][0] <= expected[1] <= ppl["interval"][1] and ppl["interval"][0] >= 0.0
+    md = rep.markdown(
+        {
+            "commit": "abc",
+            "command": "x",
+            "runs": {},
+            "replicates": {},
+            "pooled": {"p": {"v10": rep.pooled(runs, "v10")}},
+        }
+    )
+    assert f"v10: last-bucket perplexity at 4096, sparse vs dense: {sum(expected) / 3:+.2f}%" in md
