@@ -296,8 +296,10 @@ def markdown(scale: Scale, result: dict, paths: dict[str, Path]) -> str:
     """The report: setup, goal checks, accuracy and perplexity tables, the budget sweep, training runs."""
     s, goal = result["summary"], result["summary"]["goal"]
     lengths, long = [str(n) for n in scale.lengths], str(scale.long)
-    ext = scale.extension
     # from the result, not the scale's current settings (a report may be re-rendered after they change)
+    run = result.get("scale") or asdict(scale)
+    ext = run["extension"]
+    curriculum = " -> ".join(f"{st['steps']} x {st['batch']} x {st['seq_len']}" for st in run["curriculum"])
     masked = result.get("scale", {}).get("document_masking", False)
     masking = "masked (attention and sparse pattern per document)" if masked else "not masked"
     kinds = result.get("scale", {}).get("extension", {}).get("kinds")  # text task; None: the default mixture
@@ -310,12 +312,12 @@ def markdown(scale: Scale, result: dict, paths: dict[str, Path]) -> str:
         f"Commit {result['commit']}, device {result['device']}, `{result['command']}`; stages took "
         f"{result['wall_s'] / 60:.1f} min wall and {result['cpu_s'] / 60:.1f} min CPU (user+sys of every process).",
         "",
-        f"Base: {scale.model['num_hidden_layers']}-layer, {scale.model['hidden_size']}-wide Qwen2 "
-        f"({result['parameters']:,} parameters), dense attention, trained at L0 = {scale.l0} "
-        f"(curriculum {' -> '.join(f'{st.steps} x {st.batch} x {st.seq_len}' for st in scale.curriculum)}), "
-        f"RoPE base {scale.base_theta:g}. Extensions to {scale.long} tokens, RoPE base x{scale.theta_factor:g}, "
-        f"{ext.steps} steps of {ext.batch} x {ext.seq_len} tokens{mixture}, same seed and data order, "
-        f"{scale.ranks} context-parallel rank(s) (striped layout), layer 0 dense, packed documents "
+        f"Base: {run['model']['num_hidden_layers']}-layer, {run['model']['hidden_size']}-wide Qwen2 "
+        f"({result['parameters']:,} parameters), dense attention, trained at L0 = {run['l0']} "
+        f"(curriculum {curriculum}), "
+        f"RoPE base {run['base_theta']:g}. Extensions to {scale.long} tokens, RoPE base x{run['theta_factor']:g}, "
+        f"{ext['steps']} steps of {ext['batch']} x {ext['seq_len']} tokens{mixture}, same seed and data order, "
+        f"{run['ranks']} context-parallel rank(s) (striped layout), layer 0 dense, packed documents "
         f"{masking}. Labels read `<model>/<attention at evaluation>`; intervals are 95%.",
         "",
         "## Goal checks",

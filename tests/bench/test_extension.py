@@ -430,6 +430,13 @@ def test_pipeline_at_toy_size_recall_task_resumes(tmp_path):
     # a result JSON re-renders the same report elsewhere (a GPU run's, on the CPU)
     extension.report_from(out / "extension_toy.json", tmp_path / "again")
     assert (tmp_path / "again" / "extension_toy.md").read_text() == (out / "extension_toy.md").read_text()
+    # ... with the settings the run recorded, not the scale's current ones
+    recorded = json.loads((out / "extension_toy.json").read_text())
+    recorded["scale"]["curriculum"][0]["steps"], recorded["scale"]["extension"]["steps"] = 12345, 678
+    (tmp_path / "changed.json").write_text(json.dumps(recorded))
+    extension.report_from(tmp_path / "changed.json", tmp_path / "changed")
+    md = (tmp_path / "changed" / "extension_toy.md").read_text()
+    assert f"curriculum 12345 x {recorded['scale']['curriculum'][0]['batch']} x" in md and "678 steps of" in md
 
     # the training loss split by token kind, from the same exports
     env = dict(os.environ, PYTHONPATH=str(ROOT))
