@@ -94,12 +94,14 @@ def _same_prompts(b: dict, a: dict, task: str, length: str) -> list[dict]:
     return theirs
 
 
-def pooled(results: list[dict], budget: str, seed: int = 0) -> dict:
-    """Sparse (own ``budget``) minus dense averaged over replicate runs, per task and length: the mean of the runs'
-    paired differences, each run's, and a 95% interval from a two-level bootstrap (runs drawn with replacement,
-    then each drawn run's prompts, sparse and dense together), so it holds the spread between trainings as well
-    as between prompts. With few runs the run-level draw has few outcomes: the interval is then a rough floor."""
-    label, rng = f"sparse-{budget}/sparse-{budget}", random.Random(seed)
+def pooled(results: list[dict], budget: str, seed: int = 0, read_dense: bool = False) -> dict:
+    """Sparse (own ``budget``; ``read_dense``: the sparse extension read dense) minus dense averaged over replicate
+    runs, per task and length: the mean of the runs' paired differences, each run's, and a 95% interval from a
+    two-level bootstrap (runs drawn with replacement, then each drawn run's prompts, sparse and dense together),
+    so it holds the spread between trainings as well as between prompts. With few runs the run-level draw has
+    few outcomes: the interval is then a rough floor."""
+    label = f"sparse-{budget}/{'dense' if read_dense else f'sparse-{budget}'}"
+    rng = random.Random(seed)
     out: dict[str, dict] = {}
     for task in ("niah", "ruler"):
         out[task] = {}
@@ -229,6 +231,9 @@ def main() -> None:
         chosen = [runs[m] for m in members]
         budgets = [b for b in _budgets(chosen[0]) if all(b in _budgets(r) for r in chosen[1:])]
         pools[name] = {b: pooled(chosen, b) for b in budgets}
+        for b in budgets:  # what the sparse training alone changed, where every run read its model dense too
+            if all(f"sparse-{b}/dense" in r["evaluations"] for r in chosen):
+                pools[name][f"{b} read dense"] = pooled(chosen, b, read_dense=True)
     result = dict(
         name=args.out.stem,
         **provenance(on_gpu=False),

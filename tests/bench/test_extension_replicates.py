@@ -151,3 +151,22 @@ def test_pooled_perplexity_averages_the_runs_changes():
         }
     )
     assert f"v10: last-bucket perplexity at 4096, sparse vs dense: {sum(expected) / 3:+.2f}%" in md
+
+
+def test_runs_with_cross_evaluations_also_pool_the_sparse_model_read_dense(tmp_path):
+    paths = []
+    for i, nll in enumerate((1.1, 1.2)):
+        result = _result([1, 1, 0, 0], [1, 1, 1, 0], [1.0], [1.0], sparse_nll=nll)
+        read_dense = _result([1, 1, 0, 0], [1, 1, 0, 0], [1.0], [1.0])["evaluations"]["dense/dense"]  # as dense
+        result["evaluations"]["sparse-v10/dense"] = {**read_dense, "ppl": _ppl(1.0 + nll / 100)}
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(result))
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(BENCH / "extension_replicates.py"), "--run", f"a={paths[0]}", "--run", f"b={paths[1]}"]
+    subprocess.run([*cmd, "--pool", "ab=a,b", "--out", str(out)], check=True, capture_output=True)
+    pool = json.loads(out.read_text())["pooled"]["ab"]
+    assert pool["v10"]["niah"]["4096"]["per_run"] == [25.0, 25.0]  # read sparse: one more needle found
+    assert pool["v10 read dense"]["niah"]["4096"]["per_run"] == [0.0, 0.0]  # read dense: the same as dense
+    expected = [100 * (math.exp(x / 100) - 1) for x in (1.1, 1.2)]
+    assert pool["v10 read dense"]["ppl_last_bucket"]["4096"]["per_run"] == pytest.approx(expected)
+    assert "v10 read dense: last-bucket perplexity at 4096" in out.with_suffix(".md").read_text()
