@@ -297,12 +297,12 @@ def markdown(scale: Scale, result: dict, paths: dict[str, Path]) -> str:
     s, goal = result["summary"], result["summary"]["goal"]
     lengths, long = [str(n) for n in scale.lengths], str(scale.long)
     # from the result, not the scale's current settings (a report may be re-rendered after they change)
-    run = result.get("scale") or asdict(scale)
+    run = result["scale"]
     ext = run["extension"]
     curriculum = " -> ".join(f"{st['steps']} x {st['batch']} x {st['seq_len']}" for st in run["curriculum"])
-    masked = result.get("scale", {}).get("document_masking", False)
+    masked = run.get("document_masking", False)  # absent in results made before it
     masking = "masked (attention and sparse pattern per document)" if masked else "not masked"
-    kinds = result.get("scale", {}).get("extension", {}).get("kinds")  # text task; None: the default mixture
+    kinds = ext.get("kinds")  # text task; None: the default mixture
     mixture = f" on {', '.join(sorted(set(kinds)))} documents" if kinds else ""
     seed, extension_seed = result.get("seed"), result.get("extension_seed")  # absent in results made before them
     replicate = f", extension seed {extension_seed} (seed {seed})" if extension_seed != seed else ""
