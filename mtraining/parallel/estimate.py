@@ -33,6 +33,7 @@ from ..ops.pattern import VerticalSlashPattern
 from ..ops.pattern.estimate import (
     PatternConfig,
     PositionPlan,
+    block_columns_of,
     document_scores,
     last_query_partial_lse,
     line_scores,
@@ -102,12 +103,46 @@ def estimate_pattern_cp(
     if config.last_q > n:
         raise ValueError(f"last_q ({config.last_q}) exceeds the sequence length {n}; lower last_q to at most {n}")
     config.head_budgets(layer_idx, q.shape[2], n)  # fail on budgets before any communication
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     documents = resolve_documents(documents, q.shape[0], n)
     if documents is not None:
         check_ranks_agree(group, q.device, "estimate_pattern_cp", {"documents": documents.digest()})
-        return _estimate_documents(q, k, config, group, layout, layer_idx, scale, documents)
+        lines = _estimate_documents(q, k, config, group, layout, layer_idx, scale, documents)
+    else:
+        lines = _estimate_lines(q, k, config, group, layout, layer_idx, scale)
+    if not config.block_columns:
+        return lines
+    return lines.with_block_columns(_block_columns_cp(q, k, lines, config, group, layout, layer_idx, scale, documents))
+
+
+def _block_columns_cp(
+    q: Tensor,
+    k: Tensor,
+    lines: VerticalSlashPattern,
+    config: PatternConfig,
+    group,
+    layout: Layout,
+    layer_idx: int,
+    scale: float,
+    documents: Documents | None,
+) -> Tensor:
+    """The per-block columns of the whole sequence: each rank ranks the query blocks of its rows against every
+    key (gathered), leaving the others' blocks padding (seq_len), and an all-reduce (min) joins them."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    shards = [torch.empty_like(k) for _ in range(world)]
+    dist.all_gather(shards, k.contiguous(), group=group)
+    q_pos = layout.positions(rank).to(q.device)
+    columns = block_columns_of(q, layout.gather(shards), lines, config, scale, layer_idx, q_pos, documents)
+    dist.all_reduce(columns, op=dist.ReduceOp.MIN, group=group)
+    return columns
+
+
+def _estimate_lines(
+    q: Tensor, k: Tensor, config: PatternConfig, group, layout: Layout, layer_idx: int, scale: float
+) -> VerticalSlashPattern:
+    """``estimate_pattern_cp``'s vertical-slash lines without documents."""
+    n = layout.seq_len
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     k_pos, last_pos, mine, local, every, plan = _rank_positions(layout, rank, config.last_q, q.device)
     # the globally last queries on every rank: each row is non-zero on its owner only, so the sum is exact
     q_last = torch.where(mine, q.index_select(1, local), 0.0)

@@ -31,6 +31,7 @@ from torch import Tensor
 from ..checks import check_qkv, default_positions, resolve_scale
 from ..documents import Documents, resolve_documents
 from ..numerics import acc_dtype, matmul_acc
+from .block_columns import select_block_columns
 from .budgets import Budgets, load_budgets
 from .vertical_slash import VerticalSlashPattern, line_lists
 
@@ -54,6 +55,9 @@ class PatternConfig:
             score mass reaches this fraction of the head's total, separately for verticals and
             slashes, capped by the budgets.
         budgets: per-layer/per-head budgets (``budgets.py``); when set they replace v_size/s_size.
+        block_columns: key columns chosen per query block of ``block_size`` rows on top of the lines
+            (``block_columns.py``; the torch path only); 0: none.
+        column_tables, column_bits: the sign hashes whose bucket mates are the block columns' candidates.
     """
 
     v_size: int = 1024
@@ -64,11 +68,15 @@ class PatternConfig:
     local_window: int = 128
     threshold: float | None = None
     budgets: Budgets | None = None
+    block_columns: int = 0
+    column_tables: int = 8
+    column_bits: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("v_size", "s_size", "last_q", "local_window", "block_size"):
+        for name in ("v_size", "s_size", "last_q", "local_window", "block_size", "column_tables", "column_bits"):
             _check_int(getattr(self, name), name, minimum=1)
         _check_int(self.sink_tokens, "sink_tokens", minimum=0)
+        _check_int(self.block_columns, "block_columns", minimum=0)
         g = self.block_size
         if g < 16 or g & (g - 1):
             raise ValueError(f"block_size must be a power of two >= 16 (the kernel block), got {g}")
@@ -389,9 +397,51 @@ def estimate_pattern(
     positions the position plan is known on the host: one device sync in all (``select_lines``).
     With packed ``documents`` (default positions, Sq = S) the last ``last_q`` rows of every document score
     against their own document's keys (``scoring_rows``) and every document's first sinks are forced.
+    With ``config.block_columns`` every query block also gets its own columns (``block_columns.py``; every
+    query of the sequence at default positions).
     """
     if not isinstance(config, PatternConfig):
         raise ValueError(f"config must be a PatternConfig, got {type(config).__name__}")
+    if config.block_columns and (q_pos is not None or k_pos is not None or q.shape[1] != k.shape[1]):
+        raise ValueError(
+            "per-block columns (block_columns) rank every query block, so they need q and k of the whole sequence at "
+            "default positions; under context parallelism use estimate_pattern_cp"
+        )
+    lines = _estimate_lines(q, k, config, q_pos, k_pos, layer_idx, softmax_scale, documents)
+    if not config.block_columns:
+        return lines
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    documents = resolve_documents(documents, q.shape[0], k.shape[1])
+    return lines.with_block_columns(block_columns_of(q, k, lines, config, scale, layer_idx, documents=documents))
+
+
+def block_columns_of(
+    q: Tensor,
+    k: Tensor,
+    lines: VerticalSlashPattern,
+    config: PatternConfig,
+    scale: float,
+    layer_idx: int,
+    q_pos: Tensor | None = None,
+    documents: Documents | None = None,
+) -> Tensor:
+    """``select_block_columns`` with the config's column settings (hashes seeded by the layer)."""
+    return select_block_columns(
+        q, k, lines, config.block_columns, scale, q_pos, documents, config.column_tables, config.column_bits, layer_idx
+    )
+
+
+def _estimate_lines(
+    q: Tensor,
+    k: Tensor,
+    config: PatternConfig,
+    q_pos: Tensor | None,
+    k_pos: Tensor | None,
+    layer_idx: int,
+    softmax_scale: float | None,
+    documents: Documents | None,
+) -> VerticalSlashPattern:
+    """``estimate_pattern``'s vertical-slash lines."""
     check_qkv(q, k, k)
     b, sq, hq, d = q.shape
     seq_len, last_q = k.shape[1], config.last_q

@@ -1,0 +1,101 @@
+"""Per-block columns: key columns chosen for each block of G query rows, on top of a vertical-slash pattern.
+
+The pattern's verticals are chosen by the last queries of each document, so a question asked mid-document
+keeps its evidence only if those rows attend to it too. Here every query block ranks the keys before it by
+the attention its own rows would give them beyond the pattern, and keeps the ``per_block`` best
+(``VerticalSlashPattern.with_block_columns``). Ranking every row against every key is the quadratic work
+sparse attention avoids, and cheaper proxies (pooled queries, key-block bounds, every 4th row) miss the
+evidence, which is one row's attention to one key (DESIGN.md, bench/local_verticals.py). So only the pairs
+whose query and key share a bucket of a random-hyperplane sign hash (in any of ``tables`` hashes of ``bits``
+bits) are scored, each as the probability the row would give the key next to the mass the pattern keeps in
+the row, exp(score - the row's LSE over the pattern), summed over the block's rows.
+
+This is the reference estimator: it forms every row's scores in chunks of query blocks and masks them to
+the hash mates (the candidates a sort of the codes would list), so its work grows with the square of the
+length; it serves the torch path at small sizes. Under context parallelism each rank ranks the blocks of
+its own rows against the gathered keys, and one all-reduce (min) assembles the global columns.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..documents import Documents
+from .vertical_slash import VerticalSlashPattern
+
+_CHUNK_ELEMENTS = 1 << 24  # scores held at once per chunk of query blocks
+
+
+def hash_planes(heads: int, head_dim: int, tables: int, bits: int, seed: int = 0) -> Tensor:
+    """Float32 [heads, tables * bits, head_dim] random hyperplanes (CPU): the same on every rank for a seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(heads, tables * bits, head_dim, generator=generator)
+
+
+def hash_codes(x: Tensor, planes: Tensor, bits: int) -> Tensor:
+    """int64 [B, H, S, tables]: the bucket of every row of x [B, H, S, D] in each sign hash of ``planes``."""
+    signs = torch.einsum("bhsd,hnd->bhsn", x, planes.to(x.device, x.dtype)) > 0
+    weights = 2 ** torch.arange(bits, device=x.device)
+    return (signs.view(*x.shape[:3], -1, bits).long() * weights).sum(-1)
+
+
+@torch.no_grad()
+def select_block_columns(
+    q: Tensor,
+    k: Tensor,
+    pattern: VerticalSlashPattern,
+    per_block: int,
+    scale: float,
+    q_pos: Tensor | None = None,
+    documents: Documents | None = None,
+    tables: int = 8,
+    bits: int = 8,
+    seed: int = 0,
+) -> Tensor:
+    """int32 [B, H, num_blocks, per_block]: the columns of every query block that holds a row of ``q``
+    (ascending, padded with seq_len; the other blocks all padding), for ``pattern.with_block_columns``.
+
+    q [B, Sq, Hq, D] at global positions ``q_pos`` (default 0..Sq-1; whole query blocks), k [B, N, Hkv, D]
+    the whole sequence's keys in position order (Hq a multiple of Hkv). A block's candidates are the keys
+    before its first row that the pattern does not keep for it, within the document of some row of the block,
+    sharing a hash bucket with one of its rows; a key no row of the block meets is never chosen.
+    """
+    b, sq, hq, d = q.shape
+    n, hkv = k.shape[1], k.shape[2]
+    g = pattern.block_size
+    if q_pos is None:
+        q_pos = torch.arange(sq, device=q.device)
+    k_pos = torch.arange(n, device=q.device)
+    columns = torch.full((b, hq, pattern.num_blocks, max(per_block, 1)), n, dtype=torch.int32, device=q.device)
+    if per_block == 0 or sq == 0:
+        return columns[..., :per_block]
+    planes = hash_planes(hq, d, tables, bits, seed)
+    kh = k.float().transpose(1, 2).repeat_interleave(hq // hkv, dim=1)  # [B, H, N, D]
+    k_codes = hash_codes(kh, planes, bits)  # [B, H, N, T]
+    qh = q.float().transpose(1, 2)  # [B, H, Sq, D]
+    q_codes = hash_codes(qh, planes, bits)
+    rows_per_chunk = max(g, _CHUNK_ELEMENTS // max(b * hq * n * tables, 1) // g * g)
+    for start in range(0, sq, rows_per_chunk):
+        rows = slice(start, min(start + rows_per_chunk, sq))
+        pos = q_pos[rows]
+        seen = (k_pos[None, :] <= pos[:, None])[None, None]  # [B or 1, 1, R, N]: causal, within the document
+        if documents is not None:
+            seen = seen & (k_pos[None, None, None, :] >= documents.left_bounds(pos).long()[:, None, :, None])
+        kept = pattern.pair_mask(pos, k_pos) & seen  # [B, H, R, N]: the pattern's pairs
+        logits = torch.matmul(qh[:, :, rows], kh.transpose(-1, -2)).mul_(scale)
+        pattern_lse = logits.masked_fill(~kept, float("-inf")).logsumexp(-1, keepdim=True)
+        # a row the pattern leaves without keys weighs its candidates against all the keys it may see
+        pattern_lse = torch.where(
+            pattern_lse > float("-inf"), pattern_lse, logits.masked_fill(~seen, float("-inf")).logsumexp(-1, True)
+        )
+        mates = (q_codes[:, :, rows, None, :] == k_codes[:, :, None, :, :]).any(-1)  # [B, H, R, N]
+        before = k_pos[None, :] < (pos // g * g)[:, None]  # keys before the row's block
+        candidate = mates & before & seen & ~kept
+        probs = (logits - pattern_lse).exp_().masked_fill_(~candidate, 0.0)
+        held, block_of_row = torch.unique(pos // g, return_inverse=True)  # the chunk's blocks, ascending
+        score = probs.new_zeros(b, hq, held.shape[0], n).index_add_(2, block_of_row, probs)  # [B, H, blocks, N]
+        top = score.topk(min(per_block, n), dim=-1)
+        chosen = torch.where(top.values > 0, top.indices, n).sort(-1).values
+        columns[:, :, held, : chosen.shape[-1]] = chosen.to(torch.int32)
+    return columns
