@@ -52,6 +52,7 @@ class Budget:
     v: float
     s: float
     threshold: float | None = None
+    columns: int = 0  # key columns chosen per query block of G rows (PatternConfig.block_columns; torch backend)
 
     def pattern(self, length: int, scale: Scale) -> dict:
         """PatternConfig fields (budgets, window, estimation queries) for a sequence of ``length``."""
@@ -64,6 +65,8 @@ class Budget:
         )
         if self.threshold is not None:
             fields["threshold"] = self.threshold
+        if self.columns:
+            fields["block_columns"] = self.columns
         return fields
 
 
@@ -174,6 +177,13 @@ SWEEP = (
 DENSER = (
     Budget("v35", v=1 / 4, s=1 / 16),
     Budget("v45", v=1 / 8, s=1 / 4),
+)
+# v30 with per-block columns for the questions the last rows' lines miss (``--budgets``, torch backend): 16 or 64
+# key columns per block of G rows (at the CPU scale's G = 16, as many columns per row as 64 or 256 per 64-row
+# block in bench/local_verticals.py).
+COLUMNS = (
+    Budget("v30c16", v=1 / 8, s=1 / 16, columns=16),
+    Budget("v30c64", v=1 / 8, s=1 / 16, columns=64),
 )
 _CPU_VOCAB = Vocab()
 _TOY_VOCAB = Vocab(keys=32, values=32, words=32)

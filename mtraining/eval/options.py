@@ -42,6 +42,9 @@ class SessionOptions:
     threshold: Annotated[
         float | None, typer.Option("--threshold", help="Sparse: keep lines up to this score mass.")
     ] = None
+    block_columns: Annotated[
+        int | None, typer.Option("--block-columns", help="Sparse: key columns per query block (backend torch).")
+    ] = None
     budgets: Annotated[Path | None, typer.Option("--budgets", help="Sparse: per-layer/head budgets YAML.")] = None
     dense_layers: Annotated[
         str | None,
@@ -64,7 +67,7 @@ class SessionOptions:
 
     def pattern(self) -> dict:
         """The sparse pattern options given (``PatternConfig.from_settings`` fields; the budgets file as a path)."""
-        names = ("v_size", "s_size", "last_q", "local_window", "threshold")
+        names = ("v_size", "s_size", "last_q", "local_window", "threshold", "block_columns")
         pattern = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.budgets is not None:
             pattern["budgets"] = str(self.budgets)

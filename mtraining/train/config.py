@@ -132,6 +132,9 @@ class AttentionSection(_Section):
     """Keep the fewest lines reaching this estimated attention mass instead of fixed budgets."""
     budgets: str | None = None
     """Pattern file with per-layer/per-head budgets (mtraining.ops.pattern.budgets)."""
+    block_columns: int = Field(0, ge=0)
+    """Key columns chosen per query block of block_size rows on top of the lines (questions asked
+    mid-document keep their evidence); backend torch only for now. 0: none."""
     dense_layers: list[int] = []
     """Layers that always run dense attention."""
     min_sparse_len: int = Field(0, ge=0)
@@ -154,6 +157,7 @@ class AttentionSection(_Section):
             sink_tokens=self.sink_tokens,
             local_window=self.local_window,
             threshold=self.threshold,
+            block_columns=self.block_columns,
         )
 
 
@@ -469,6 +473,11 @@ class Config(_Section):
         for name, value in sizes.items():
             if value > seq:
                 raise ValueError(f"attention.{name} ({value}) exceeds data.seq_len ({seq}); lower it to at most {seq}")
+        if att.block_columns and att.backend != "torch":
+            raise ValueError(
+                "attention.block_columns runs on the torch backend only (the Triton kernels do not walk per-block "
+                "columns yet): set attention.backend: torch, or attention.block_columns: 0"
+            )
         try:
             att.pattern_config()
         except ValueError as err:
