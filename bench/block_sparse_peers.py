@@ -53,6 +53,11 @@ CHECK_TOLERANCE = 2e-2  # relative error of bf16 attention against a float32 ora
 # ----------------------------------------------------------------------------- rounding
 def vertical_blocks(pattern: VerticalSlashPattern) -> Tensor:
     """Boolean [B, H, num_blocks]: does key block kb hold a vertical of the pattern."""
+    if pattern.block_cols is not None:
+        raise ValueError(
+            "the block-sparse rounding covers verticals and block diagonals only, not per-block columns "
+            "(pattern.block_cols): pass the pattern without them"
+        )
     g, nb = pattern.block_size, pattern.num_blocks
     verticals = F.pad(pattern.vertical_mask(), (0, nb * g - pattern.seq_len))
     return verticals.view(pattern.batch, pattern.heads, nb, g).any(-1)

@@ -94,6 +94,11 @@ def imbalance_report(
     pattern: VerticalSlashPattern, layout: Layout, documents: Documents | None = None
 ) -> ImbalanceReport:
     """Exact pairs per (rank, step) of ``pattern`` in the flat ring over ``layout`` (within ``documents``)."""
+    if pattern.block_cols is not None:
+        raise ValueError(
+            "imbalance_report counts verticals and block diagonals only, not per-block columns "
+            "(pattern.block_cols): pass the pattern without them"
+        )
     if pattern.seq_len != layout.seq_len:
         raise ValueError(
             f"pattern is for seq_len {pattern.seq_len} but the layout for {layout.seq_len}; use the layout "

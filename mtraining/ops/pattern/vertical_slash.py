@@ -5,11 +5,14 @@ defined on *global* token positions so that one pattern means the same thing on 
 in every context-parallel layout:
 
     pair (i, j) is kept  <=>  j <= i  and  ( j is a vertical of the head
-                                             or  i // G - j // G is a selected block diagonal )
+                                             or  i // G - j // G is a selected block diagonal
+                                             or  j is one of block_cols[i // G], the columns of i's block )
 
 ``G`` is the pattern's ``block_size`` (the kernel block). Slash lines (fixed offsets ``i - j = d``)
 are stored as the block diagonals they cross, so the block part is computed block by block on the
-global G-grid and verticals are computed column by column, each pair exactly once.
+global G-grid and verticals are computed column by column, each pair exactly once. Per-block columns
+(optional, ``with_block_columns``) are key columns kept for the rows of one query block only, all of
+them before the block's first row; only the torch backend computes them for now.
 """
 
 from __future__ import annotations
@@ -147,6 +150,8 @@ class VerticalSlashPattern:
         num_diags: int32 [B, H], how many entries of ``block_diags`` are real.
         vertical_pos: int32 [B, H, Vmax], vertical key positions ascending, padded with seq_len.
         num_verticals: int32 [B, H], how many entries of ``vertical_pos`` are real.
+        block_cols: int32 [B, H, num_blocks, K] or None: per query block r, key columns kept for the
+            block's rows only (``with_block_columns``), ascending, distinct, each < r * G, padded with seq_len.
     """
 
     seq_len: int
@@ -155,6 +160,7 @@ class VerticalSlashPattern:
     num_diags: Tensor
     vertical_pos: Tensor
     num_verticals: Tensor
+    block_cols: Tensor | None = None
     index_cache: ChunkPairCache = field(default_factory=ChunkPairCache, compare=False, repr=False)
     """The kernels' walks of each chunk pair this pattern met (ops/sparse/launch.py); lives with the pattern."""
 
@@ -194,6 +200,53 @@ class VerticalSlashPattern:
             self.num_diags.to(device),
             self.vertical_pos.to(device),
             self.num_verticals.to(device),
+            None if self.block_cols is None else self.block_cols.to(device),
+        )
+
+    def with_block_columns(self, cols: Tensor) -> VerticalSlashPattern:
+        """This pattern plus per-block columns: row i also keeps key j when j is one of cols[b, h, i // G].
+
+        ``cols``: integer [B, H, num_blocks, K], any order; entries < 0 or >= seq_len are padding. Every
+        real column of block r must be < r * G (before the block's first row, so all its rows see it)
+        and appear once in its block. Sorted, padded with seq_len and checked in one device sync;
+        returns a new pattern (with an empty index cache), without columns when none is real.
+        """
+        n, g, nb = self.seq_len, self.block_size, self.num_blocks
+        if not isinstance(cols, Tensor) or cols.dtype == torch.bool or cols.is_floating_point() or cols.is_complex():
+            raise ValueError(f"block columns must be an integer tensor, got {getattr(cols, 'dtype', type(cols))}")
+        if cols.dim() != 4 or tuple(cols.shape[:3]) != (self.batch, self.heads, nb):
+            raise ValueError(
+                f"block columns must be [B, H, num_blocks, K] = [{self.batch}, {self.heads}, {nb}, K] for this "
+                f"pattern (num_blocks = ceil({n} / {g})), got {tuple(cols.shape)}"
+            )
+        cols = cols.to(self.device, torch.int64)
+        cols = cols.masked_fill((cols < 0) | (cols >= n), n).sort(-1).values
+        real = cols < n
+        starts = torch.arange(nb, device=self.device)[:, None] * g
+        late = real & (cols >= starts)
+        repeated = real[..., 1:] & (cols[..., 1:] == cols[..., :-1])
+        any_real, any_late, any_repeated = torch.stack([real.any(), late.any(), repeated.any()]).tolist()  # one sync
+        if any_late:
+            b, h, r, k = (int(x) for x in late.nonzero()[0])
+            raise ValueError(
+                f"block columns must lie before their query block's first row: block {r} (first row {r * g}) of "
+                f"batch {b}, head {h} holds column {int(cols[b, h, r, k])}, which not all of its rows may see; keep "
+                "such keys with block diagonals or verticals, and pad with -1"
+            )
+        if any_repeated:
+            b, h, r, k = (int(x) for x in repeated.nonzero()[0])
+            raise ValueError(
+                f"block columns repeat column {int(cols[b, h, r, k + 1])} in block {r} of batch {b}, head {h}; "
+                "list each column once per block (pad with -1)"
+            )
+        return VerticalSlashPattern(
+            n,
+            g,
+            self.block_diags,
+            self.num_diags,
+            self.vertical_pos,
+            self.num_verticals,
+            cols.int().contiguous() if any_real else None,
         )
 
     # ----------------------------------------------------------------- constructors
@@ -247,8 +300,14 @@ class VerticalSlashPattern:
         causal = k_pos[None, :] <= q_pos[:, None]
         delta = (q_pos[:, None] // self.block_size - k_pos[None, :] // self.block_size).clamp(0, self.num_blocks - 1)
         in_block = self.diag_mask()[:, :, delta]  # [B, H, Sq, Sk]
-        is_vertical = self.vertical_mask()[:, :, k_pos.clamp(0, self.seq_len - 1)][:, :, None, :]
-        return causal & (in_block | is_vertical)
+        k_col = k_pos.clamp(0, self.seq_len - 1)
+        kept = in_block | self.vertical_mask()[:, :, k_col][:, :, None, :]
+        if self.block_cols is not None:  # is k_pos[b] in the ascending column list of q_pos[a]'s block
+            lists = self.block_cols[:, :, (q_pos // self.block_size).clamp(0, self.num_blocks - 1)]  # [B, H, Sq, K]
+            keys = k_col.to(lists.dtype).expand(*lists.shape[:-1], -1).contiguous()
+            slot = torch.searchsorted(lists, keys).clamp_(max=lists.shape[-1] - 1)
+            kept |= lists.gather(-1, slot) == keys
+        return causal & kept
 
     def kept_pairs(self, documents: Documents | None = None) -> Tensor:
         """Float64 [B, H]: number of causal (i, j) pairs the pattern keeps on the full sequence (with packed
@@ -285,7 +344,26 @@ class VerticalSlashPattern:
         )
         own_rows = unselected[..., :1] * torch.minimum((kb + 1) * g, ends).sub(cols).double()
         vertical_pairs = ((far_rows + own_rows) * real).sum(-1)
-        return block_pairs + vertical_pairs
+        return block_pairs + vertical_pairs + self._block_column_pairs(documents)
+
+    def _block_column_pairs(self, documents: Documents | None) -> Tensor:
+        """Float64 [B, H]: pairs that only ``block_cols`` keeps. Column j of query block r adds nothing when
+        it is a vertical or diagonal r - j // G is selected, else the rows of block r before the end of
+        j's document (the sequence's end without documents): all rows of r lie after j."""
+        if self.block_cols is None:
+            return torch.zeros(self.batch, self.heads, dtype=torch.float64, device=self.device)
+        n, g, nb = self.seq_len, self.block_size, self.num_blocks
+        cols = self.block_cols.long().clamp(max=n - 1)  # [B, H, nb, K]
+        blocks = torch.arange(nb, device=self.device)[:, None]
+        row_end = ((blocks + 1) * g).clamp(max=n)  # the last block may be partial
+        if documents is not None:
+            row_end = torch.minimum(row_end, _document_ends(documents, cols))
+        rows = (row_end - blocks * g).clamp(min=0)
+        delta = blocks - cols // g  # >= 1 for real columns
+        covered = self.diag_mask().gather(-1, delta.clamp(min=0).flatten(2)).view_as(cols)
+        covered |= self.vertical_mask().gather(-1, cols.flatten(2)).view_as(cols)
+        adds = (self.block_cols < n) & ~covered
+        return (rows * adds).sum((-2, -1), dtype=torch.float64)
 
     def density(self, documents: Documents | None = None) -> Tensor:
         """Float64 [B, H]: kept causal pairs / all causal pairs of the full sequence (with packed
@@ -317,8 +395,8 @@ def _document_pairs_per_diagonal(bounds: Tensor, g: int, nb: int) -> Tensor:
 
 
 def _document_ends(documents: Documents, cols: Tensor) -> Tensor:
-    """int64 [B, H, V]: where the document of each vertical position cols [B, H, V] ends (exclusive)."""
+    """int64 shaped like cols [B, ...]: where the document of each key position in cols ends (exclusive)."""
     ends = documents.ends(torch.arange(documents.seq_len, device=cols.device))  # [B or 1, N]
     if ends.shape[0] == 1:
         return ends[0][cols]
-    return ends[torch.arange(cols.shape[0], device=cols.device)[:, None, None], cols]
+    return ends[torch.arange(cols.shape[0], device=cols.device).view(-1, *(1,) * (cols.dim() - 1)), cols]
