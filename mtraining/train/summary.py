@@ -38,6 +38,8 @@ def attention_plan(cfg: Config, num_layers: int) -> str:
     lines = f"{budgets}, last_q {att.last_q}, sinks {att.sink_tokens}, window {att.local_window}"
     if att.threshold is not None:
         lines += f", mass threshold {att.threshold}"
+    if att.block_columns:
+        lines += f", {att.block_columns} columns per {att.block_size}-row block"
     fallback = f"; a step runs a layer dense above density {att.max_density}" if att.max_density else ""
     plan = f"{_layers(sparse)} sparse ({lines}, re-estimated every step{fallback})" if sparse else ""
     if sparse:  # what the lines are estimated from when a sample packs several documents

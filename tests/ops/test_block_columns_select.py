@@ -3,6 +3,8 @@ device and over gloo ranks."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,7 +12,7 @@ import torch.distributed as dist
 from mtraining.ops import PatternConfig, estimate_pattern
 from mtraining.ops.pattern.block_columns import hash_codes, hash_planes, select_block_columns
 from mtraining.parallel import make_layout
-from mtraining.parallel.estimate import _block_columns_cp
+from mtraining.parallel.estimate import _block_columns_cp, estimate_pattern_cp
 from tests.factories import make_documents
 from tests.rings import LAYOUTS, SEQ, G
 
@@ -131,3 +133,24 @@ def test_distributed_columns_equal_single_device(pool, world, layout_name, docs_
     want = select_block_columns(q, k, lines, 3, 0.25, documents=docs, tables=TABLES, bits=BITS)
     for got in pool.run(columns_case, world, layout_name, q, k, config, docs):
         assert torch.equal(got, want)
+
+
+def estimate_case(group, layout_name, q, k, config, docs):
+    """Worker: the distributed estimate (lines and columns) from this rank's shards."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    layout = make_layout(layout_name, q.shape[1], world, G)
+    p = estimate_pattern_cp(layout.shard(q, rank), layout.shard(k, rank), config, group, layout, documents=docs)
+    return p.block_cols, p.density(docs)
+
+
+@pytest.mark.parametrize("docs_kind", [None, "mixed"])
+def test_estimates_carry_the_columns_alike_on_one_device_and_over_ranks(pool, docs_kind):
+    n = SEQ[2]
+    q, k = inputs(9, 1, n, 4, 2)
+    docs = None if docs_kind is None else make_documents(docs_kind, n, G, 6, 1)
+    config = PatternConfig(v_size=8, s_size=6, last_q=16, block_size=G, local_window=4, block_columns=3)
+    lines = estimate_pattern(q, k, replace(config, block_columns=0), documents=docs)
+    single = estimate_pattern(q, k, config, documents=docs)
+    assert single.block_cols is not None and bool((single.density(docs) > lines.density(docs)).all())
+    for cols, density in pool.run(estimate_case, 2, "striped", q, k, config, docs):
+        assert torch.equal(cols, single.block_cols) and torch.equal(density, single.density(docs))

@@ -18,3 +18,9 @@ def test_attention_plan_says_whether_packed_documents_estimate_their_own_lines()
     assert masked.endswith("packed documents masked, each estimating its own lines")
     dense = attention_plan(load_config(TINY, ["attention.sparse=false"]), 4)
     assert dense == "dense causal in all 4 layers"  # no lines, nothing to say about documents
+
+
+def test_attention_plan_names_the_block_columns():
+    assert "columns" not in attention_plan(load_config(TINY), 4)
+    plan = attention_plan(load_config(TINY, ["attention.block_columns=8"]), 4)
+    assert "8 columns per 32-row block" in plan
