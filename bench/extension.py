@@ -74,7 +74,7 @@ import extension_text  # noqa: E402
 from common import RESULTS_DIR, commit, provenance, written  # noqa: E402
 from extension_background import Background, Parts  # noqa: E402
 from extension_corpus import Shape  # noqa: E402
-from extension_settings import COLUMNS, DENSER, SCALES, SWEEP, Budget, Scale, Stage  # noqa: E402
+from extension_settings import SCALES, Budget, Scale, Stage  # noqa: E402
 
 LOG: list[Path] = []
 T0 = time.time()
@@ -765,11 +765,11 @@ def main() -> None:
         scale = replace(scale, extension=replace(scale.extension, kinds=kinds))
     if args.budgets:
         names = [b.strip() for b in args.budgets.split(",") if b.strip()]
-        known = {b.name: b for b in (*SWEEP, *DENSER, *COLUMNS, *scale.budgets)}
-        unknown = [n for n in names if n not in known]
-        if unknown:
-            p.error(f"unknown budgets {unknown}; use some of {sorted(known)}")
-        scale = replace(scale, budgets=tuple(known[n] for n in names))
+        try:
+            chosen = tuple(scale.budget(n) for n in names)
+        except ValueError as err:
+            p.error(str(err))
+        scale = replace(scale, budgets=chosen)
         if scale.default_budget not in names:
             scale = replace(scale, default_budget=names[0])
     work = (args.work or ROOT / "runs" / f"extension_{scale.name}").resolve()  # configs resolve paths from their folder

@@ -139,10 +139,11 @@ class Scale:
         return self.l0 // 2
 
     def budget(self, name: str) -> Budget:
-        for b in self.budgets:
-            if b.name == name:
-                return b
-        raise ValueError(f"no budget {name!r} at the {self.name} scale; use one of {[b.name for b in self.budgets]}")
+        """The scale's budget ``name``, else the named one of every scale's choices (``--budgets``)."""
+        named = {b.name: b for b in (*SWEEP, *DENSER, *COLUMNS, *self.budgets)}
+        if name not in named:
+            raise ValueError(f"no budget {name!r} at the {self.name} scale; use one of {sorted(named)}")
+        return named[name]
 
 
 def qwen2(hidden: int, layers: int, heads: int, kv_heads: int, vocab_size: int, max_positions: int) -> dict:

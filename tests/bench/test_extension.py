@@ -218,6 +218,16 @@ def test_budgets_scale_with_the_length_and_make_valid_patterns(scale):
     assert Budget("t", 0.1, 0.1, threshold=0.9).pattern(s.long, s)["threshold"] == 0.9
 
 
+def test_named_budgets_reach_every_scale_and_columns_reach_the_pattern():
+    cpu = SCALES["cpu"]
+    columns = cpu.budget("v30c16")  # not in the CPU scale's sweep: one of the named choices (--budgets)
+    fields = columns.pattern(cpu.long, cpu)
+    assert fields["block_columns"] == 16 and "block_columns" not in cpu.budget("v30").pattern(cpu.long, cpu)
+    assert PatternConfig(block_size=cpu.block_size, **fields).block_columns == 16
+    with pytest.raises(ValueError, match="no budget 'v99' at the cpu scale; use one of .*'v30c16'"):
+        cpu.budget("v99")
+
+
 def test_gpu_scales():
     """The GPU scale meets the issue's sizes; its smoke test is the CPU-tested toy-text path on the GPU."""
     gpu = SCALES["gpu"]
