@@ -179,12 +179,13 @@ DENSER = (
     Budget("v35", v=1 / 4, s=1 / 16),
     Budget("v45", v=1 / 8, s=1 / 4),
 )
-# v30 with per-block columns for the questions the last rows' lines miss (``--budgets``, torch backend): 16 or 64
-# key columns per block of G rows (at the CPU scale's G = 16, as many columns per row as 64 or 256 per 64-row
-# block in bench/local_verticals.py).
+# v30 with per-block columns for the questions the last rows' lines miss (``--budgets``, torch backend): 16, 64 or
+# 128 key columns per block of G rows (at the CPU scale's G = 16, as many columns per row as 64, 256 or 512 per
+# 64-row block in bench/local_verticals.py).
 COLUMNS = (
     Budget("v30c16", v=1 / 8, s=1 / 16, columns=16),
     Budget("v30c64", v=1 / 8, s=1 / 16, columns=64),
+    Budget("v30c128", v=1 / 8, s=1 / 16, columns=128),
 )
 _CPU_VOCAB = Vocab()
 _TOY_VOCAB = Vocab(keys=32, values=32, words=32)
