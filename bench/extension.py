@@ -665,7 +665,8 @@ def report_from(path: Path, out: Path) -> None:
     """Re-render a result JSON's report and plots (e.g. on the CPU from a GPU run's JSON), its summary recomputed."""
     result = json.loads(path.read_text())
     scale = SCALES[result["name"].removeprefix("extension_")]
-    scale = replace(scale, budgets=tuple(Budget(**b["budget"]) for b in result["summary"]["sweep"]))
+    budgets = tuple(Budget(**b["budget"]) for b in result["summary"]["sweep"])
+    scale = replace(scale, budgets=budgets, default_budget=result["scale"]["default_budget"])
     result["summary"] = extension_report.summarise(scale, result["evaluations"], _extension_runs(result))
     paths = extension_report.plots(scale, result["evaluations"], result["summary"], out)
     (out / f"{result['name']}.md").write_text(extension_report.markdown(scale, result, paths))

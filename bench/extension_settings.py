@@ -290,11 +290,11 @@ SCALES = {
         extension=Stage(2048, 120, 2, 5e-4, pairs=16, warmup=15),
         base_theta=10_000.0,
         theta_factor=16.0,
-        budgets=SWEEP,
-        # the sparsest within 3 points of dense retrieval at every length (density 0.25 in training); no
-        # budget is within 1% on perplexity (bench/results/extension_cpu.md), nor any setting below density
-        # 0.976 at inference (bench/results/extension_cpu_density.json)
-        default_budget="v30",
+        budgets=(*SWEEP, COLUMNS[-1]),
+        # v30 with 128 columns per query block: the one setting within 3 points of dense retrieval at every length
+        # and within 1% on perplexity (density 0.37 in training, bench/results/extension_cpu_columns.md); lines
+        # alone reach 1% only above density 0.976 (bench/results/extension_cpu_density.json)
+        default_budget="v30c128",
         base_check=100,
     ),
     "gpu": _GPU,
