@@ -29,7 +29,7 @@ call: at that time a training gets SIGTERM (it saves a checkpoint and stops), an
 that would end later (an evaluation is expected to take as long as the longest one of this call);
 the run exits with status 3, and the same command continues it. Every stage logs its wall time.
 
-    python bench/extension.py --scale cpu                    # 107 CPU-minutes; writes bench/results/
+    python bench/extension.py --scale cpu                    # ~128 CPU-minutes (v30c128 included); writes bench/results/
     python bench/extension.py --scale gpu-smoke --out $OUT   # the GPU path in miniature, ~2 minutes
     python bench/extension.py --scale gpu --max-minutes 8.5 --out $OUT   # one H200, two calls (BENCHMARKS.md)
     python bench/extension.py --scale toy --work /tmp/w --out /tmp/o   # the pipeline in miniature
