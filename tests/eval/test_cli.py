@@ -335,3 +335,14 @@ def test_default_labels_tell_checkpoints_apart(tmp_path, monkeypatch):
     assert checkpoint_name(Path("runs/b/export")) == "runs_b_export"
     assert checkpoint_name(tmp_path / "runs" / "b" / "export") == "runs_b_export"
     assert checkpoint_name(Path("/models/Qwen2.5-3B")) == "models_Qwen2.5-3B"
+
+
+def test_block_columns_reach_the_sparse_pattern(tiny, tmp_path):
+    """--block-columns (attention.block_columns of training) adds per-block columns: recorded, denser, other NLL."""
+    base = ["--data", CORPUS, "--pack", "--lengths", "256", *FAST, *SPARSE, "--backend", "torch"]
+    ok("ppl", tiny, *base, "--out-dir", tmp_path / "lines")
+    ok("ppl", tiny, *base, "--block-columns", "8", "--out-dir", tmp_path / "columns")
+    lines, columns = (json.loads((tmp_path / n / "ppl.json").read_text()) for n in ("lines", "columns"))
+    assert columns["pattern"]["block_columns"] == 8 and "block_columns" not in lines["pattern"]
+    assert columns["sparse_density"] > lines["sparse_density"]
+    assert columns["result"][0]["nll"] != lines["result"][0]["nll"]
