@@ -13,20 +13,7 @@ from .checks import check_pattern, check_qkv, default_positions, position_span, 
 from .documents import Documents, resolve_documents
 from .numerics import acc_dtype, finite_keys, mask_scores
 from .pattern import VerticalSlashPattern
-
-
-def attention_mask(
-    q_pos: Tensor, k_pos: Tensor, pattern: VerticalSlashPattern | None, q_bound: Tensor | None = None
-) -> Tensor:
-    """Boolean [B or 1, H or 1, Sq, Sk] of the pairs computed: causal by position, then the pattern, then
-    (``q_bound`` [B or 1, Sq]: the left bound of each row's keys, ``Documents.left_bounds``) the documents."""
-    if pattern is None:
-        allowed = (k_pos[None, :].long() <= q_pos[:, None].long())[None, None]
-    else:
-        allowed = pattern.pair_mask(q_pos, k_pos)
-    if q_bound is not None:
-        allowed = allowed & (k_pos.long()[None, None, None, :] >= q_bound.long()[:, None, :, None])
-    return allowed
+from .pattern.vertical_slash import attention_mask
 
 
 def attention_oracle(

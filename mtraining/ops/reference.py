@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from .numerics import acc_dtype, finite_keys, mask_scores, merge_partial
-from .oracle import attention_mask
 from .pattern import VerticalSlashPattern
+from .pattern.vertical_slash import attention_mask
 
 _ROW_CHUNK = 1024
 

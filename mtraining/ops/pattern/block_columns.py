@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..documents import Documents
-from .vertical_slash import VerticalSlashPattern
+from .vertical_slash import VerticalSlashPattern, attention_mask
 
 _CHUNK_ELEMENTS = 1 << 24  # scores held at once per chunk of query blocks
 
@@ -79,10 +79,9 @@ def select_block_columns(
     for start in range(0, sq, rows_per_chunk):
         rows = slice(start, min(start + rows_per_chunk, sq))
         pos = q_pos[rows]
-        seen = (k_pos[None, :] <= pos[:, None])[None, None]  # [B or 1, 1, R, N]: causal, within the document
-        if documents is not None:
-            seen = seen & (k_pos[None, None, None, :] >= documents.left_bounds(pos).long()[:, None, :, None])
-        kept = pattern.pair_mask(pos, k_pos) & seen  # [B, H, R, N]: the pattern's pairs
+        bound = None if documents is None else documents.left_bounds(pos)
+        seen = attention_mask(pos, k_pos, None, bound)  # [B or 1, 1, R, N]: causal, within the document
+        kept = attention_mask(pos, k_pos, pattern, bound)  # [B, H, R, N]: the pattern's pairs
         logits = torch.matmul(qh[:, :, rows], kh.transpose(-1, -2)).mul_(scale)
         pattern_lse = logits.masked_fill(~kept, float("-inf")).logsumexp(-1, keepdim=True)
         # a row the pattern leaves without keys weighs its candidates against all the keys it may see

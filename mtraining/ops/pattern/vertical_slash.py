@@ -375,6 +375,20 @@ class VerticalSlashPattern:
         return self.kept_pairs(documents) / total[:, None]
 
 
+def attention_mask(
+    q_pos: Tensor, k_pos: Tensor, pattern: VerticalSlashPattern | None, q_bound: Tensor | None = None
+) -> Tensor:
+    """Boolean [B or 1, H or 1, Sq, Sk] of the pairs computed: causal by position, then the pattern, then
+    (``q_bound`` [B or 1, Sq]: the left bound of each row's keys, ``Documents.left_bounds``) the documents."""
+    if pattern is None:
+        allowed = (k_pos[None, :].long() <= q_pos[:, None].long())[None, None]
+    else:
+        allowed = pattern.pair_mask(q_pos, k_pos)
+    if q_bound is not None:
+        allowed = allowed & (k_pos.long()[None, None, None, :] >= q_bound.long()[:, None, :, None])
+    return allowed
+
+
 def _document_pairs_per_diagonal(bounds: Tensor, g: int, nb: int) -> Tensor:
     """Float64 [B, nb]: pairs (i, j) with bound(i) <= j <= i on each block diagonal, from the left bounds
     [B, N] of every position. Row i meets diagonal 0 from max(bound, its block's start) to i, the
