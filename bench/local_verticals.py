@@ -49,7 +49,7 @@ from extension_settings import SCALES  # noqa: E402
 
 from mtraining.models import attention as attention_module  # noqa: E402
 from mtraining.ops.pattern import VerticalSlashPattern  # noqa: E402
-from mtraining.ops.pattern.block_columns import hash_codes, hash_planes  # noqa: E402
+from mtraining.ops.pattern.block_columns import bucket_mates, hash_codes, hash_planes  # noqa: E402
 
 BLOCK = 64  # query rows per block that share their own columns (and keys per key block)
 BLOCK_METHODS = ("keyblocks", "bounds", "keyblocksmax", "boundsmax")  # the choices that score whole key blocks
@@ -139,8 +139,7 @@ def same_bucket(q: Tensor, k: Tensor, tables: int = 8, bits: int = 6, seed: int 
     """Boolean [B, H, S, S]: does row i's query share a bucket with key j in any of ``tables`` sign hashes of
     ``bits`` random hyperplanes (per head; the library's, mtraining/ops/pattern/block_columns.py)? q, k [B, H, S, D]."""
     planes = hash_planes(q.shape[1], q.shape[-1], tables, bits, seed)
-    cq, ck = hash_codes(q, planes, bits), hash_codes(k, planes, bits)
-    return (cq[:, :, :, None, :] == ck[:, :, None, :, :]).any(-1)
+    return bucket_mates(hash_codes(q, planes, bits), hash_codes(k, planes, bits))
 
 
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> tuple[Tensor, Tensor]:

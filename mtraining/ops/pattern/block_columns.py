@@ -40,6 +40,11 @@ def hash_codes(x: Tensor, planes: Tensor, bits: int) -> Tensor:
     return (signs.view(*x.shape[:3], -1, bits).long() * weights).sum(-1)
 
 
+def bucket_mates(q_codes: Tensor, k_codes: Tensor) -> Tensor:
+    """Boolean [B, H, R, N]: does row r share a bucket with key n in any hash (codes [B, H, R or N, tables])."""
+    return (q_codes[:, :, :, None, :] == k_codes[:, :, None, :, :]).any(-1)
+
+
 @torch.no_grad()
 def select_block_columns(
     q: Tensor,
@@ -88,7 +93,7 @@ def select_block_columns(
         pattern_lse = torch.where(
             pattern_lse > float("-inf"), pattern_lse, logits.masked_fill(~seen, float("-inf")).logsumexp(-1, True)
         )
-        mates = (q_codes[:, :, rows, None, :] == k_codes[:, :, None, :, :]).any(-1)  # [B, H, R, N]
+        mates = bucket_mates(q_codes[:, :, rows], k_codes)  # [B, H, R, N]
         before = k_pos[None, :] < (pos // g * g)[:, None]  # keys before the row's block
         candidate = mates & before & seen & ~kept
         probs = (logits - pattern_lse).exp_().masked_fill_(~candidate, 0.0)
