@@ -287,6 +287,16 @@ def _diff(d: dict) -> str:
     return f"{d['difference']:+.1f} [{d['interval'][0]:+.1f}, {d['interval'][1]:+.1f}]"
 
 
+def _by_length(per: dict[str, dict]) -> str:
+    """Differences per length: ``4096: +1.0 [-2.0, +4.0], ...``."""
+    return ", ".join(f"{n}: {_diff(d)}" for n, d in per.items())
+
+
+def _ppl(r: dict) -> str:
+    """A perplexity change with its interval: ``+2.71% [+2.38, +3.03]``."""
+    return f"{r['change_percent']:+.2f}% [{r['interval'][0]:+.2f}, {r['interval'][1]:+.2f}]"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     return lines + ["| " + " | ".join(r) + " |" for r in rows]
@@ -343,31 +353,24 @@ def markdown(scale: Scale, result: dict, paths: dict[str, Path]) -> str:
     for t, per in default["minus_dense"].items():
         lines.append(
             f"- sparse ({scale.default_budget}, training density {default['train_density']:.3f}) minus dense, "
-            f"{TASK_TITLES[t]}, points: " + ", ".join(f"{n}: {_diff(d)}" for n, d in per.items())
+            f"{TASK_TITLES[t]}, points: " + _by_length(per)
         )
     if default.get("niah_depths_below_1_minus_dense"):
         lines.append(
             "- the same, needle in a haystack with the needle before depth 1 (long range; depth 1 sits by the "
-            "question), points: "
-            + ", ".join(f"{n}: {_diff(d)}" for n, d in default["niah_depths_below_1_minus_dense"].items())
+            "question), points: " + _by_length(default["niah_depths_below_1_minus_dense"])
         )
-    r = default["ppl_last_bucket_vs_dense"]
-    lines.append(
-        f"- last-bucket perplexity at {long}, sparse vs dense: {r['change_percent']:+.2f}% "
-        f"[{r['interval'][0]:+.2f}, {r['interval'][1]:+.2f}]"
-    )
+    lines.append(f"- last-bucket perplexity at {long}, sparse vs dense: {_ppl(default['ppl_last_bucket_vs_dense'])}")
     if default.get("read_dense"):
         rd = default["read_dense"]
         lines += [
             f"- the sparse extension read dense (what the sparse training alone changed) minus dense, {TASK_TITLES[t]}, "
-            "points: " + ", ".join(f"{n}: {_diff(d)}" for n, d in per.items())
+            "points: " + _by_length(per)
             for t, per in rd["minus_dense"].items()
         ]
-        r = rd["ppl_last_bucket_vs_dense"]
         lines.append(
-            f"- its last-bucket perplexity at {long} vs dense: {r['change_percent']:+.2f}% "
-            f"[{r['interval'][0]:+.2f}, {r['interval'][1]:+.2f}]; the sparse training at parity (read dense): "
-            f"{'yes' if rd['parity'] else 'NO'}"
+            f"- its last-bucket perplexity at {long} vs dense: {_ppl(rd['ppl_last_bucket_vs_dense'])}; the sparse "
+            f"training at parity (read dense): {'yes' if rd['parity'] else 'NO'}"
         )
     lines += [
         f"- default budget at parity (within {POINTS:g} points everywhere and {PPL_PERCENT:g}% perplexity): "
