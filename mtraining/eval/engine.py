@@ -207,12 +207,7 @@ class Engine:
         scores = self._token_scores(hidden, self._local(labels[None].to(self.device), seq_len)[0])
         if self.group is not None:  # gathered on the device (NCCL needs device tensors)
             layout = self._layout(seq_len)
-            gathered = []
-            for local in scores:
-                shards = [torch.empty_like(local) for _ in range(self.world_size)]
-                dist.all_gather(shards, local, group=self.group)
-                gathered.append(layout.gather(shards, dim=0))
-            scores = tuple(gathered)
+            scores = tuple(layout.all_gather(local, self.group, dim=0) for local in scores)
         return scores[0][:-1].cpu(), scores[1][:-1].cpu()
 
     def token_nll(self, ids: Tensor) -> Tensor:

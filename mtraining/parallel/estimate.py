@@ -128,11 +128,8 @@ def _block_columns_cp(
 ) -> Tensor:
     """The per-block columns of the whole sequence: each rank ranks the query blocks of its rows against every
     key (gathered), leaving the others' blocks padding (seq_len), and an all-reduce (min) joins them."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    shards = [torch.empty_like(k) for _ in range(world)]
-    dist.all_gather(shards, k.contiguous(), group=group)
-    q_pos = layout.positions(rank).to(q.device)
-    columns = block_columns_of(q, layout.gather(shards), lines, config, scale, layer_idx, q_pos, documents)
+    q_pos = layout.positions(dist.get_rank(group)).to(q.device)
+    columns = block_columns_of(q, layout.all_gather(k, group), lines, config, scale, layer_idx, q_pos, documents)
     dist.all_reduce(columns, op=dist.ReduceOp.MIN, group=group)
     return columns
 

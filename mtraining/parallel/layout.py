@@ -14,6 +14,7 @@ All maps are closed-form integer arithmetic on tensors, so they run on any devic
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 
@@ -84,6 +85,12 @@ class Layout:
         stacked = torch.cat(list(shards), dim=dim)  # rank-major: row rank * local_len + local index
         rank, local = self._global_to_owner(torch.arange(self.seq_len, device=stacked.device))
         return stacked.index_select(dim, rank * self.local_len + local)
+
+    def all_gather(self, shard: Tensor, group: dist.ProcessGroup | None, dim: int = 1) -> Tensor:
+        """The full-sequence tensor on every rank of ``group`` from each rank's ``shard`` (collective)."""
+        shards = [torch.empty_like(shard) for _ in range(self.world_size)]
+        dist.all_gather(shards, shard.contiguous(), group=group)
+        return self.gather(shards, dim=dim)
 
     def check_pattern_block(self, block_size: int) -> None:
         """ValueError unless a pattern on a ``block_size`` grid fits this layout's runs (G_pattern | G_layout)."""
