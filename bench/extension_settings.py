@@ -52,7 +52,7 @@ class Budget:
     v: float
     s: float
     threshold: float | None = None
-    columns: int = 0  # key columns chosen per query block of G rows (PatternConfig.block_columns; torch backend)
+    columns: int = 0  # key columns chosen per query block of G rows (PatternConfig.block_columns)
 
     def pattern(self, length: int, scale: Scale) -> dict:
         """PatternConfig fields (budgets, window, estimation queries) for a sequence of ``length``."""

@@ -6,7 +6,9 @@ configuration, for bench/ptx_compare.py (the PTX of two commits, compared withou
 The attention kernels compile with the bf16 tiles of ``launch.tile_config`` at G = 128, D = 128, each
 without packed documents (their arguments constexpr None, as launched without documents) and the
 forward, dQ, dK/dV and walk kernels also with them (labels ``*_docs``); a kernel without a DOCS
-argument (an older commit's) compiles without documents only.
+argument (an older commit's) compiles without documents only. Likewise per-block columns: the forward and
+dQ kernels compile without them (COLUMNS False, their arguments constexpr None) and with them
+(``*_columns``), and the column dK/dV kernel, where the commit has them.
 """
 
 from __future__ import annotations
@@ -50,9 +52,14 @@ INT_POINTERS = {
     "VFirst",
     "VEndRow",
     "DocExtra",
+    # per-block columns
+    "ColRows",
+    "ColCount",
 }
 # The arguments of the document path: constexpr None when a kernel runs without documents.
 DOCUMENT_ARGS = ("QBound", "Unmasked", "VFirst", "VEndRow", "DocExtra", "stride_bb")
+# The arguments of the per-block columns in the forward and dQ kernels: constexpr None without them.
+COLUMN_ARGS = ("ColRows", "ColCount", "stride_xb", "stride_xh", "stride_xt")
 FP32_POINTERS = {"Lse", "Delta", "DQ", "DK", "DV"}
 DATA_POINTERS = {"Q", "K", "V", "Out", "DO"}
 FLOAT_SCALARS = {"qk_scale", "sm_scale"}
@@ -66,8 +73,10 @@ ATTENTION = [
     ("dkdv_block_dq", "_bwd_dkdv_block_kernel", dict(BLOCK_M=64, BLOCK_N=128, DQ_MODE=1), 4, 2),
     ("dkdv_vertical", "_bwd_dkdv_vertical_kernel", dict(BLOCK_M=64, BLOCK_V=64, DQ_MODE=0), 4, 2),
     ("dkdv_vertical_dq", "_bwd_dkdv_vertical_kernel", dict(BLOCK_M=64, BLOCK_V=64, DQ_MODE=1), 4, 2),
+    ("dkdv_column", "_bwd_dkdv_column_kernel", dict(BLOCK_M=64, BLOCK_V=64, DQ_MODE=0), 4, 2),
 ]
-DOCUMENTS = ("fwd", "dq", "dkdv_block", "dkdv_vertical")  # also compiled with packed documents
+DOCUMENTS = ("fwd", "dq", "dkdv_block", "dkdv_vertical", "dkdv_column")  # also compiled with packed documents
+COLUMNS = ("fwd", "dq")  # also compiled with per-block columns
 # The row-delta kernel and the index builders launch with Triton's defaults (4 warps, 3 stages).
 ROW_DELTA = ("row_delta", "_row_delta_kernel", dict(BLOCK_R=64, HEAD_DIM=128))
 BUILDERS = [
@@ -133,12 +142,18 @@ def main() -> None:
     target = GPUTarget("cuda", 90, 32)
     kernels, builders = _modules()
     for label, name, extra, warps, stages in ATTENTION:
-        fn = getattr(kernels, name)
+        fn = getattr(kernels, name, None)
+        if fn is None:  # an older commit's kernels
+            continue
         for docs in (False, True) if label in DOCUMENTS else (False,):
-            constexprs = documents(fn, dict(G=128, HEAD_DIM=128, **extra), docs)
-            if constexprs is not None:
-                options = dict(num_warps=warps, num_stages=stages)
-                compile_one(label + "_docs" * docs, fn, constexprs, target, options, args.ptx_dir)
+            for cols in (False, True) if label in COLUMNS else (False,):
+                constexprs = documents(fn, dict(G=128, HEAD_DIM=128, **extra), docs)
+                constexprs = constexprs and columns(fn, constexprs, cols)
+                if constexprs is not None:
+                    options = dict(num_warps=warps, num_stages=stages)
+                    compile_one(
+                        label + "_docs" * docs + "_columns" * cols, fn, constexprs, target, options, args.ptx_dir
+                    )
     label, name, constexprs = ROW_DELTA
     compile_one(label, getattr(kernels, name), constexprs, target, dict(num_warps=4, num_stages=3), args.ptx_dir)
     for label, name, extra in BUILDERS:
@@ -176,6 +191,16 @@ def documents(fn, constexprs: dict, docs: bool) -> dict | None:
     if docs:
         return dict(constexprs, DOCS=True)
     return dict(constexprs, DOCS=False, **{name: None for name in DOCUMENT_ARGS if name in fn.arg_names})
+
+
+def columns(fn, constexprs: dict, cols: bool) -> dict | None:
+    """The constexprs of ``fn`` with per-block columns or without (their arguments None); None where the
+    kernel has no column stage (an older commit's) and ``cols`` asks for one."""
+    if "COLUMNS" not in fn.arg_names:
+        return None if cols else constexprs
+    if cols:
+        return dict(constexprs, COLUMNS=True)
+    return dict(constexprs, COLUMNS=False, **{name: None for name in COLUMN_ARGS})
 
 
 def compile_one(label: str, fn, constexprs: dict, target, options: dict, ptx_dir: Path | None) -> None:

@@ -43,7 +43,7 @@ class SessionOptions:
         float | None, typer.Option("--threshold", help="Sparse: keep lines up to this score mass.")
     ] = None
     block_columns: Annotated[
-        int | None, typer.Option("--block-columns", help="Sparse: key columns per query block (backend torch).")
+        int | None, typer.Option("--block-columns", help="Sparse: key columns per query block.")
     ] = None
     budgets: Annotated[Path | None, typer.Option("--budgets", help="Sparse: per-layer/head budgets YAML.")] = None
     dense_layers: Annotated[

@@ -473,11 +473,6 @@ class Config(_Section):
         for name, value in sizes.items():
             if value > seq:
                 raise ValueError(f"attention.{name} ({value}) exceeds data.seq_len ({seq}); lower it to at most {seq}")
-        if att.block_columns and att.backend != "torch":
-            raise ValueError(
-                "attention.block_columns runs on the torch backend only (the Triton kernels do not walk per-block "
-                "columns yet): set attention.backend: torch, or attention.block_columns: 0"
-            )
         try:
             att.pattern_config()
         except ValueError as err:

@@ -1,22 +1,23 @@
 """Per-block columns (``VerticalSlashPattern.block_cols``): row i also keeps key j when j is one of its
 query block's columns. The pattern's mask and pair counts against a mask built here from the raw parts,
 and the torch backend on one device and in the gloo ring against a plain float64 masked softmax of that
-mask, forward and backward; the Triton path refuses such patterns.
+mask, forward and backward; the Triton kernels (in the interpreter: float32, float16) likewise, on one device
+(both ways of making dQ, tiles smaller than the block) and in the gloo ring.
 """
 
 from __future__ import annotations
 
 import pickle
 import re
+from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from bench.imbalance import imbalance_report
 from mtraining.ops import Documents, VerticalSlashPattern, sparse_attention
-from mtraining.ops.sparse import attention
-from mtraining.parallel import make_layout, ring_attention
+from mtraining.ops.sparse import launch
+from mtraining.parallel import make_layout
 from tests.bench.scripts import load_script
 from tests.factories import make_qkv
 from tests.numerics import assert_close
@@ -28,16 +29,16 @@ TOL = 1e-10
 PADDING = (-1, -7, 10_000)  # anything < 0 or >= seq_len
 
 
-def random_columns(b: int, h: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """int64 [b, h, num_blocks, k]: per query block r up to k distinct columns < r * G, in random slots
+def random_columns(b: int, h: int, n: int, k: int, gen: torch.Generator, g: int = G) -> torch.Tensor:
+    """int64 [b, h, num_blocks, k]: per query block r up to k distinct columns < r * g, in random slots
     among padding of every kind."""
-    nb = -(-n // G)
+    nb = -(-n // g)
     cols = torch.empty(b, h, nb, k, dtype=torch.int64)
     for bi in range(b):
         for hi in range(h):
             for r in range(nb):
-                count = min(int(torch.randint(0, k + 1, (1,), generator=gen)), r * G)
-                real = torch.randperm(r * G, generator=gen)[:count].tolist()
+                count = min(int(torch.randint(0, k + 1, (1,), generator=gen)), r * g)
+                real = torch.randperm(r * g, generator=gen)[:count].tolist()
                 pad = [PADDING[int(x)] for x in torch.randint(0, len(PADDING), (k - count,), generator=gen)]
                 slots = torch.randperm(k, generator=gen).tolist()
                 cols[bi, hi, r] = torch.tensor(real + pad)[slots]
@@ -57,24 +58,27 @@ class Case:
     """A random pattern built from its raw parts (diagonal and vertical masks, per-block column lists), and
     the brute-force mask of those parts, built without the pattern."""
 
-    def __init__(self, b: int, h: int, n: int, seed: int, k: int = 6, documents: Documents | None = None) -> None:
+    def __init__(
+        self, b: int, h: int, n: int, seed: int, k: int = 6, documents: Documents | None = None, g: int = G
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
-        nb = -(-n // G)
+        nb = -(-n // g)
         self.diag = torch.rand(b, h, nb, generator=gen) < 0.3
         self.vert = torch.rand(b, h, n, generator=gen) < 0.08
         self.diag[:, 0, 0] = False  # head 0: no local block and late verticals: rows that see only columns or nothing
         self.vert[:, 0, : n // 2] = False
-        self.cols = random_columns(b, h, n, k, gen)
-        self.lines = VerticalSlashPattern.from_masks(self.diag, self.vert, G)
+        self.cols = random_columns(b, h, n, k, gen, g)
+        self.lines = VerticalSlashPattern.from_masks(self.diag, self.vert, g)
         self.pattern = self.lines.with_block_columns(self.cols)
-        self.n, self.documents = n, documents
+        self.n, self.documents, self.g = n, documents, g
 
     def mask(self, columns: bool = True) -> torch.Tensor:
         """Boolean [B, H, N, N]: the kept pairs (within documents), from the raw parts."""
         b, h, nb = self.diag.shape
+        g = self.g
         i = torch.arange(self.n)[:, None]
         j = torch.arange(self.n)[None, :]
-        kept = self.diag[:, :, (i // G - j // G).clamp(min=0)] | self.vert[:, :, None, :]
+        kept = self.diag[:, :, (i // g - j // g).clamp(min=0)] | self.vert[:, :, None, :]
         if columns:
             listed = torch.zeros(b, h, nb, self.n, dtype=torch.bool)  # listed[b, h, r, j]: j is a column of block r
             for bi in range(b):
@@ -83,7 +87,7 @@ class Case:
                         for c in self.cols[bi, hi, r].tolist():
                             if 0 <= c < self.n:
                                 listed[bi, hi, r, c] = True
-            kept = kept | listed[:, :, torch.arange(self.n) // G]
+            kept = kept | listed[:, :, torch.arange(self.n) // g]
         kept = kept & (j <= i)
         if self.documents is not None:
             ids = document_ids(self.documents, b, self.n)
@@ -263,38 +267,77 @@ def test_ring_torch_matches_the_masked_softmax(pool, world, documents):
     assert_gathered_close(results, "striped", ref, TOL, f" ({world} ranks)")
 
 
-# --------------------------------------------------------------------------- Triton refuses
-REFUSAL = re.escape("per-block columns (pattern.block_cols) run on backend='torch' only")
+# --------------------------------------------------------------------------- the Triton kernels
+DOCS = {
+    None: None,
+    "shared": Documents.from_lengths([12, 40, 3, N - 55]),
+    "per_row": Documents.from_lengths([[50, N - 50], [9, 9, N - 18]]),
+}
+TRITON_TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
 
 
-def test_sparse_attention_triton_refuses_block_columns(monkeypatch):
-    case = Case(1, 2, N, seed=6)
-    q, k, v, _ = make_qkv(1, N, N, 2, 1, D, torch.float32)
-    with pytest.raises(ValueError, match=REFUSAL):
-        sparse_attention(q, k, v, case.pattern, backend="triton")
-    sparse_attention(q, k, v, case.lines, backend="torch")  # the same pattern without columns is fine
-    real = attention.resolve_backend
-    monkeypatch.setattr(attention, "resolve_backend", lambda backend, device: real(backend, torch.device("cuda")))
-    with pytest.raises(ValueError, match=REFUSAL):  # "auto" on CUDA resolves to Triton
-        sparse_attention(q, k, v, case.pattern)
+@pytest.fixture(params=["kernel", "atomic"])
+def dq_mode(request, monkeypatch):
+    """Each way of making dQ: its own kernel (which walks the columns) or added by the dK/dV kernels."""
+    default = launch.tile_config
+
+    def with_mode(block_size, head_dim, device, dtype):
+        cfg = default(block_size, head_dim, device, dtype)
+        return launch.TileConfig(cfg.fwd, cfg.dq, replace(cfg.dkdv, dq_mode=request.param))
+
+    monkeypatch.setattr(launch, "tile_config", with_mode)
+    return request.param
 
 
-def triton_ring_case(group, pattern):
-    """Worker: the ValueError message of a Triton ring call with ``pattern`` (before any communication)."""
-    world = dist.get_world_size(group)
-    layout = make_layout("striped", pattern.seq_len, world, G)
-    q, k, v = (torch.zeros(pattern.batch, layout.local_len, h, D) for h in (pattern.heads, 1, 1))
-    try:
-        ring_attention(q, k, v, group, layout, pattern=pattern, backend="triton")
-    except ValueError as e:
-        return str(e)
-    return "no error"
+def check_triton(case: Case, inputs, rows: slice, dtype: torch.dtype) -> None:
+    """The Triton backend in ``dtype`` on the query ``rows`` against the float64 masked softmax of the case."""
+    ref = oracle(inputs, case.mask(), rows)
+    without = oracle(inputs, case.mask(columns=False), rows)
+    assert (ref[0] - without[0]).abs().max() > 1e-2 and (ref[3] - without[3]).abs().max() > 1e-2  # columns matter
+    q, k, v = (t.to(dtype).requires_grad_() for t in (inputs[0][:, rows], inputs[1], inputs[2]))
+    out, lse = sparse_attention(q, k, v, case.pattern, return_lse=True, backend="triton", documents=case.documents)
+    out.backward(inputs[3][:, rows].to(dtype))
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, q.grad, k.grad, v.grad), ref):
+        assert_close(name, got, want, TRITON_TOL[dtype])
 
 
-def test_ring_triton_refuses_block_columns(pool):
-    case = Case(1, 2, SEQ[2], seed=7)
-    for got in pool.run(triton_ring_case, 2, case.pattern):
-        assert re.search(REFUSAL, got), got
+@pytest.mark.parametrize(
+    "b,hq,hkv,documents,sq,dtype",
+    [
+        (2, 4, 2, None, N, torch.float32),  # GQA
+        (1, 4, 1, None, 37, torch.float32),  # the last 37 rows only: from inside a block
+        (2, 4, 2, "shared", N, torch.float32),
+        (2, 2, 2, "per_row", N, torch.float16),
+    ],
+)
+def test_sparse_attention_triton_matches_the_masked_softmax(dq_mode, b, hq, hkv, documents, sq, dtype):
+    case = Case(b, hq, N, seed=25 + hq + sq, documents=DOCS[documents])
+    check_triton(case, make_qkv(b, N, N, hq, hkv, D, torch.float64, gen=hq + sq), slice(N - sq, N), dtype)
+
+
+def test_triton_tiles_smaller_than_the_block(monkeypatch):
+    """Blocks of G = 32 walked by 16-row and 16-key tiles: every tile of a block reads the block's columns."""
+    monkeypatch.setattr(launch, "tile_config", lambda *_: launch.TileConfig(*[launch.Tiles(16, 16, 16, 4, 1)] * 3))
+    n = 4 * 32 + 9
+    case = Case(2, 2, n, seed=9, k=10, documents=Documents.from_lengths([40, 70, n - 110]), g=32)
+    check_triton(case, make_qkv(2, n, n, 2, 1, D, torch.float64, gen=9), slice(None), torch.float32)
+
+
+def triton_ring_case(group, inputs, pattern, documents):
+    """Worker: ``ring_case`` on the Triton backend in float32."""
+    return ring_case(
+        group, "striped", [t.float() for t in inputs], pattern, None, None, "triton", False, None, documents
+    )
+
+
+@pytest.mark.parametrize("world,documents", [(2, False), (3, True)])
+def test_ring_triton_matches_the_masked_softmax(pool, world, documents):
+    n = SEQ[world]
+    docs = Documents.from_lengths([7, 60, G, n - 67 - G]) if documents else None
+    case = Case(1, 4, n, seed=20 + world, documents=docs)
+    inputs = make_qkv(1, n, n, 4, 2, D, torch.float64, gen=20 + world)
+    results = pool.run(triton_ring_case, world, inputs, case.pattern, docs)
+    assert_gathered_close(results, "striped", oracle(inputs, case.mask()), 2e-5, f" ({world} ranks)")
 
 
 def test_benchmarks_that_count_only_lines_refuse_block_columns():

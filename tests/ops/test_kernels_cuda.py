@@ -146,3 +146,27 @@ def test_dense_with_documents_equals_sdpa_per_document():
             refs.append(torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2))
             start += n
     assert rel_err(out, torch.cat(refs, 1)) < 1e-2
+
+
+def random_block_columns(b: int, h: int, seq: int, g: int, per_block: int, gen: torch.Generator) -> torch.Tensor:
+    """int64 [b, h, num_blocks, per_block] on CUDA: per query block r, random distinct columns < r * g
+    (padding >= seq where fewer exist)."""
+    nb = -(-seq // g)
+    scores = torch.rand(b, h, nb, seq, generator=gen).cuda()
+    before = torch.arange(seq, device="cuda")[None, :] < (torch.arange(nb, device="cuda") * g)[:, None]
+    top = scores.masked_fill(~before, -1.0).topk(per_block, dim=-1)
+    return torch.where(top.values >= 0, top.indices, seq)
+
+
+@pytest.mark.parametrize("seq,batch,documents", [(8192 - 45, 2, False), (32768, 1, False), (16384, 1, True)])
+def test_block_columns_bf16_match_fp32_reference(seq, batch, documents, dq_mode):
+    """Per-block columns (512 per 128-row block) on top of lines: the column stage of the forward and dQ
+    kernels and the column dK/dV kernel in bf16 against the torch backend in float32."""
+    gen = torch.Generator().manual_seed(seq + documents)
+    hq, hkv, d, g = 4, 2, 128, 128
+    q, k, v = (torch.randn(batch, seq, h, d, generator=gen).cuda() for h in (hq, hkv, hkv))
+    lines = make_pattern("local_far", batch, hq, seq, g, gen, diags=8, verticals=256).to("cuda")
+    pattern = lines.with_block_columns(random_block_columns(batch, hq, seq, g, 512, gen))
+    assert float(pattern.density().mean()) > float(lines.density().mean()) + 0.01
+    docs = make_documents("mixed", seq, g, gen, batch) if documents else None
+    _check_triton_bf16_against_torch_fp32(q, k, v, pattern, gen, docs)

@@ -183,11 +183,10 @@ def test_budgets_file_gives_per_layer_per_head_budgets(tmp_path):
         parse_config(with_file, ["attention.last_q=2048"])
 
 
-def test_block_columns_reach_the_pattern_config_and_need_the_torch_backend():
-    cfg = parse_config(BASE, ["attention.block_columns=8", "attention.backend=torch"])
-    assert cfg.attention.pattern_config().block_columns == 8
+def test_block_columns_reach_the_pattern_config_on_every_backend():
+    for backend in ("torch", "triton", "auto"):
+        cfg = parse_config(BASE, ["attention.block_columns=8", f"attention.backend={backend}"])
+        assert cfg.attention.pattern_config().block_columns == 8
     assert parse_config(BASE).attention.pattern_config().block_columns == 0
-    with pytest.raises(ConfigError, match="block_columns runs on the torch backend only.*attention.backend: torch"):
-        parse_config(BASE, ["attention.block_columns=8"])
     with pytest.raises(ConfigError, match="block_columns"):
-        parse_config(BASE, ["attention.block_columns=-1", "attention.backend=torch"])
+        parse_config(BASE, ["attention.block_columns=-1"])

@@ -218,15 +218,8 @@ def plan_chunk(
     ``dense_pattern``: for a pattern-free pair the backend runs, the dense pattern it runs with (the
     rings pass one on the layout's grid, whose kernel indices then live across calls); None: the
     backend's own dense path. ``q_bound``: packed documents, the rows' left bounds (``attention_forward``).
-    Every single-device call and ring step passes here with its final pattern (a ring's estimate included)
-    before any compute or communication, so this is where a backend refuses what it cannot run.
     """
     if pattern is not None:
-        if backend == "triton" and pattern.block_cols is not None:
-            raise ValueError(
-                "per-block columns (pattern.block_cols) run on backend='torch' only; the Triton kernels do not "
-                "walk them yet: pass backend='torch' (backend='auto' picks Triton on CUDA)"
-            )
         return ChunkPlan(pattern, q_pos, k_pos, scale, backend, None, q_bound)
     blocks_path = dense.dense_blocks(q, k, backend, blocks)
     if blocks_path is None and dense_pattern is not None:
@@ -346,7 +339,7 @@ def sparse_attention(
 
     Raises:
         ValueError naming the fix for inputs that do not fit (shapes, dtypes, positions, a pattern of
-        another sequence, batch or heads, per-block columns on the Triton backend).
+        another sequence, batch or heads).
     """
     plan = _plan_call(q, k, v, pattern, q_pos, k_pos, softmax_scale, backend, documents)
     check_reuse(reuse, q)

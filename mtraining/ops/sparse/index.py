@@ -29,6 +29,12 @@ Positions must come in *aligned runs*, ascending: every G rows of a chunk (from 
 consecutive global positions starting at a multiple of G (the last run may be shorter), and the
 runs rise with the local row (both builders search the positions). All layouts in
 ``mtraining.parallel`` produce such chunks.
+
+Per-block columns (``pattern.block_cols``): each query block also lists the local key rows of its own
+columns that lie in this key chunk and that the lines do not keep for it already (a vertical of the head,
+or a key on a selected block diagonal: no pair counts twice), ascending (``ColumnWalk``, built in torch
+ops on every device: one gather and search per listed column). A column lies before its block's first row,
+so every row of the block sees it but for packed documents, which the kernels test per row.
 """
 
 from __future__ import annotations
@@ -193,6 +199,38 @@ class ChunkPair:
     diag_mask: Tensor
     vcols: Tensor
     vcol_pos: Tensor
+
+
+@dataclass(frozen=True)
+class ColumnWalk:
+    """Each query block's own columns in this key chunk (forward, dQ, and the column dK/dV kernel); int32.
+
+    rows [B, H, nQB, K]: local key rows of the block's columns that only the columns keep, ascending,
+    padded with Sk; count [B, H, nQB]: how many.
+    """
+
+    rows: Tensor
+    count: Tensor
+
+
+def column_walk_torch(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ColumnWalk:
+    """The per-block columns of ``pattern`` (``block_cols``, required) that a chunk pair holds, seen from the
+    query blocks: those present in the key chunk and not kept by a vertical or a selected block diagonal."""
+    g, n = pattern.block_size, pattern.seq_len
+    sk = k_pos.shape[0]
+    q_gblock = _local_gblock(q_pos, g).long()
+    cols = pattern.block_cols[:, :, q_gblock]  # [B, H, nQB, K] global positions, padded with n
+    k_pos = k_pos.to(cols.dtype)
+    local = torch.searchsorted(k_pos, cols.flatten(2)).view_as(cols).clamp(max=sk - 1)
+    keep = (cols < n) & (k_pos[local] == cols)
+    real = cols.clamp(max=n - 1)
+    delta = (q_gblock[:, None] - real // g).clamp(min=0).long()  # >= 1 for real columns
+    keep &= ~pattern.diag_mask().gather(-1, delta.flatten(2)).view_as(cols)
+    verticals = pattern.vertical_pos  # ascending, padded with n: a real column never equals the padding
+    slot = torch.searchsorted(verticals, real.flatten(2)).clamp(max=verticals.shape[-1] - 1)
+    keep &= verticals.gather(-1, slot).view_as(cols) != real
+    rows, count = compact(local, keep, sk, width=cols.shape[-1])
+    return ColumnWalk(rows, count)
 
 
 def chunk_pair_torch(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ChunkPair:

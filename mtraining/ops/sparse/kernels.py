@@ -15,6 +15,8 @@ whatever the tile size (a tile of BLOCK_M rows is one of the G // BLOCK_M tiles 
 - ``_bwd_dkdv_vertical_kernel``, program (chunk of BLOCK_V vertical columns, b * H + h, split of the
   query tiles): dK, dV of the vertical columns, added atomically (a GQA group's query heads share
   the keys, and long columns are split over programs).
+- ``_bwd_dkdv_column_kernel``, program (query block x chunk of BLOCK_V of its columns, b * H + h): dK, dV
+  of a block's own columns (per-block columns), added atomically (blocks share keys).
 - ``_row_delta_kernel``: delta = rowsum(dO * O), the softmax backward's row term.
 
 A query tile walks its keys in three stages (``_query_tile_walk``, shared by the forward and dQ):
@@ -22,7 +24,10 @@ A query tile walks its keys in three stages (``_query_tile_walk``, shared by the
    key tiles each, read through tensor descriptors (TMA on Hopper); every pair is causal: no mask;
 2. diagonal: the causal-diagonal block, G // BLOCK_N key tiles masked by position;
 3. vertical: the vertical columns of this key chunk, BLOCK_V at a time, except those whose block
-   diagonal is selected (stages 1 and 2 saw them: no pair counts twice), masked by position.
+   diagonal is selected (stages 1 and 2 saw them: no pair counts twice), masked by position;
+4. columns (COLUMNS, a constexpr: without it the kernels compile as before): the block's own columns in
+   this key chunk (a ``ColumnWalk``: only those no line keeps), BLOCK_V at a time; all lie before the
+   block, so only padding (and documents) need a mask.
 The dK/dV block kernel walks stages 1 and 2 from the keys' side. A masked pair counts where
 ``_visible`` holds (written out in ``_dkdv_step``, see there). Scores are kept in base 2
 (``qk_scale`` includes log2(e), ``exp2``); the LSE written out is natural-log.
@@ -47,6 +52,17 @@ import triton.language as tl
 LOG2E = 1.4426950408889634  # log2(e): the launcher folds it into qk_scale
 _LOG2E = tl.constexpr(LOG2E)
 INT_MAX = tl.constexpr(2147483647)  # position of a key no query sees
+# strides of the query walk's lists (Starts, VCols, ColRows), whose sizes change with every pattern and ring step
+_QUERY_WALK_STRIDES = [
+    "stride_sb",
+    "stride_sh",
+    "stride_st",
+    "stride_wb",
+    "stride_wh",
+    "stride_xb",
+    "stride_xh",
+    "stride_xt",
+]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -179,17 +195,19 @@ def _query_tile_walk(
     KDesc, VDesc, k_base, v_base, KPos,  # the KV head's keys and values (k_base, v_base: its row 0)
     QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,  # the QueryWalk
     Unmasked, VFirst,  # the QueryWalk's document part (DOCS)
+    ColRows, ColCount,  # the ColumnWalk (COLUMNS; ColCount with Count's strides)
     stride_ks, stride_vs,
     stride_sb, stride_sh, stride_st,  # Starts
     stride_mb, stride_mh,  # DiagMask
     stride_wb, stride_wh,  # VCols
+    stride_xb, stride_xh, stride_xt,  # ColRows
     qk_scale, Sk, b, h, hk, d,
     blk, tile_off,  # the query block of the tile, its entry of the [B, H, nQB] walk tables
     STAGE: tl.constexpr, DQ: tl.constexpr,
     G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, HEAD_DIM: tl.constexpr, DOCS: tl.constexpr,
 ):  # fmt: skip
     """Stage STAGE of a query tile's walk (module docstring): 1 off-diagonal blocks, 2 the diagonal
-    block, 3 vertical columns; returns the updated (acc, m_i, l_i)."""
+    block, 3 vertical columns, 4 the block's own columns; returns the updated (acc, m_i, l_i)."""
     if STAGE == 1:
         # off-diagonal: step j visits tile j % (G // BLOCK_N) of the (j // (G // BLOCK_N))-th listed block
         starts = Starts + b * stride_sb + h * stride_sh + blk * stride_st
@@ -229,7 +247,7 @@ def _query_tile_walk(
                 v = _load_v(v_base, cols, col_ok, stride_vs, d, DQ)
                 s = tl.where(_visible(q_pos, k_pos, q_bound, DOCS), tl.dot(q, k_t) * qk_scale, float("-inf"))
                 acc, m_i, l_i = _query_tile_update(acc, m_i, l_i, q, do, k_t, v, s, DQ)
-    else:
+    elif STAGE == 3:
         # vertical: BLOCK_V at a time of the n columns (ascending) the block may see
         q_block = tl.load(QGBlock + blk)
         n = tl.load(VCountQ + tile_off)
@@ -245,10 +263,23 @@ def _query_tile_walk(
             v = _load_v(v_base, cols, use, stride_vs, d, DQ)
             s = tl.where(_visible(q_pos, k_pos, q_bound, DOCS), tl.dot(q, k_t) * qk_scale, float("-inf"))
             acc, m_i, l_i = _query_tile_update(acc, m_i, l_i, q, do, k_t, v, s, DQ)
+    else:
+        # the block's own columns: BLOCK_V at a time of the n listed (all before the block's first row)
+        n = tl.load(ColCount + tile_off)
+        col_row = ColRows + b * stride_xb + h * stride_xh + blk * stride_xt
+        for c in range(0, n, BLOCK_V):
+            idx = c + tl.arange(0, BLOCK_V)
+            use = idx < n
+            cols = tl.load(col_row + idx, mask=use, other=0)
+            k_pos = tl.load(KPos + cols, mask=use, other=INT_MAX)
+            k_t = tl.load(k_base + cols[None, :] * stride_ks + d[:, None], mask=use[None, :], other=0.0)  # [D, V]
+            v = _load_v(v_base, cols, use, stride_vs, d, DQ)
+            s = tl.where(_visible(q_pos, k_pos, q_bound, DOCS), tl.dot(q, k_t) * qk_scale, float("-inf"))
+            acc, m_i, l_i = _query_tile_update(acc, m_i, l_i, q, do, k_t, v, s, DQ)
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["stride_sb", "stride_sh", "stride_st", "stride_wb", "stride_wh"])
+@triton.jit(do_not_specialize=_QUERY_WALK_STRIDES)
 def _fwd_kernel(
     Q, K, V,  # [B, Sq, H, D], [B, Sk, Hkv, D], [B, Sk, Hkv, D]
     KDesc, VDesc,  # K and V as tensor descriptors of [1, BLOCK_N, 1, D] tiles
@@ -256,6 +287,7 @@ def _fwd_kernel(
     QPos, KPos,  # global positions [Sq], [Sk]
     QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,  # the QueryWalk (index.py)
     QBound, Unmasked, VFirst,  # DOCS: the rows' left bounds [B, Sq]; the QueryWalk's document part
+    ColRows, ColCount,  # COLUMNS: the ColumnWalk [B, H, nQB, K], [B, H, nQB] (index.py)
     qk_scale, Sq, Sk, H, GROUP,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -263,12 +295,13 @@ def _fwd_kernel(
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh,
     stride_sb, stride_sh, stride_st,  # Starts [B, H, nQB, W]
-    stride_cb, stride_ch,  # Count, DiagStart, VCountQ [B, H, nQB]
+    stride_cb, stride_ch,  # Count, DiagStart, VCountQ (and ColCount) [B, H, nQB]
     stride_mb, stride_mh,  # DiagMask [B, H, nb]
     stride_wb, stride_wh,  # VCols [B, H, Vk]
+    stride_xb, stride_xh, stride_xt,  # ColRows [B, H, nQB, K]
     stride_bb,  # QBound
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    HEAD_DIM: tl.constexpr, MERGE: tl.constexpr, DOCS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MERGE: tl.constexpr, DOCS: tl.constexpr, COLUMNS: tl.constexpr,
 ):  # fmt: skip
     """(out, lse) of one query tile; MERGE: Out/Lse already hold a partial result over other keys
     (an earlier ring step) and this tile's result is merged into them by LSE, in place."""
@@ -285,13 +318,14 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     blk = tile // (G // BLOCK_M)
     tile_off = b * stride_cb + h * stride_ch + blk
-    for stage in tl.static_range(1, 4):  # off-diagonal blocks, the diagonal block, vertical columns
+    # off-diagonal blocks, the diagonal block, vertical columns (and the block's own columns)
+    for stage in tl.static_range(1, 5 if COLUMNS else 4):
         acc, m_i, l_i = _query_tile_walk(
             acc, m_i, l_i, q, q_pos, q_bound, None,
             KDesc, VDesc, k_base, v_base, KPos,
-            QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ, Unmasked, VFirst,
+            QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ, Unmasked, VFirst, ColRows, ColCount,
             stride_ks, stride_vs, stride_sb, stride_sh, stride_st, stride_mb, stride_mh, stride_wb, stride_wh,
-            qk_scale, Sk, b, h, hk, d, blk, tile_off,
+            stride_xb, stride_xh, stride_xt, qk_scale, Sk, b, h, hk, d, blk, tile_off,
             stage, False, G, BLOCK_N, BLOCK_V, HEAD_DIM, DOCS,
         )  # fmt: skip
 
@@ -315,7 +349,7 @@ def _fwd_kernel(
     tl.store(lse_ptr, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["stride_sb", "stride_sh", "stride_st", "stride_wb", "stride_wh"])
+@triton.jit(do_not_specialize=_QUERY_WALK_STRIDES)
 def _bwd_dq_kernel(
     Q, K, V,  # [B, Sq, H, D], [B, Sk, Hkv, D], [B, Sk, Hkv, D]
     KDesc, VDesc,  # K and V as tensor descriptors of [1, BLOCK_N, 1, D] tiles
@@ -324,6 +358,7 @@ def _bwd_dq_kernel(
     QPos, KPos,  # global positions [Sq], [Sk]
     QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ,  # the QueryWalk (index.py)
     QBound, Unmasked, VFirst,  # DOCS: the rows' left bounds [B, Sq]; the QueryWalk's document part
+    ColRows, ColCount,  # COLUMNS: the ColumnWalk [B, H, nQB, K], [B, H, nQB] (index.py)
     qk_scale, sm_scale, Sq, Sk, H, GROUP,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -331,12 +366,13 @@ def _bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh,  # Lse and Delta
     stride_sb, stride_sh, stride_st,  # Starts [B, H, nQB, W]
-    stride_cb, stride_ch,  # Count, DiagStart, VCountQ [B, H, nQB]
+    stride_cb, stride_ch,  # Count, DiagStart, VCountQ (and ColCount) [B, H, nQB]
     stride_mb, stride_mh,  # DiagMask [B, H, nb]
     stride_wb, stride_wh,  # VCols [B, H, Vk]
+    stride_xb, stride_xh, stride_xt,  # ColRows [B, H, nQB, K]
     stride_bb,  # QBound
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DOCS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DOCS: tl.constexpr, COLUMNS: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query tile over the same walk as the forward."""
     tile, b, h, hk, rows, row_ok, d = _query_tile(Sq, H, GROUP, BLOCK_M, HEAD_DIM)
@@ -352,13 +388,14 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     blk = tile // (G // BLOCK_M)
     tile_off = b * stride_cb + h * stride_ch + blk
-    for stage in tl.static_range(1, 4):  # off-diagonal blocks, the diagonal block, vertical columns
+    # off-diagonal blocks, the diagonal block, vertical columns (and the block's own columns)
+    for stage in tl.static_range(1, 5 if COLUMNS else 4):
         dq, lse2, delta = _query_tile_walk(
             dq, lse2, delta, q, q_pos, q_bound, do,
             KDesc, VDesc, k_base, v_base, KPos,
-            QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ, Unmasked, VFirst,
+            QGBlock, Starts, Count, DiagStart, DiagMask, VCols, VCountQ, Unmasked, VFirst, ColRows, ColCount,
             stride_ks, stride_vs, stride_sb, stride_sh, stride_st, stride_mb, stride_mh, stride_wb, stride_wh,
-            qk_scale, Sk, b, h, hk, d, blk, tile_off,
+            stride_xb, stride_xh, stride_xt, qk_scale, Sk, b, h, hk, d, blk, tile_off,
             stage, True, G, BLOCK_N, BLOCK_V, HEAD_DIM, DOCS,
         )  # fmt: skip
     tl.store(DQ + q_off, dq * sm_scale, mask=row_ok[:, None])
@@ -564,6 +601,63 @@ def _bwd_dkdv_vertical_kernel(
                 dk, dv, k, v, k_pos_use, Q, DO, Lse, Delta, QPos, DQ, t * BLOCK_M, b, h, QBound, qk_scale, sm_scale,
                 Sq, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
                 stride_bb, BLOCK_M, HEAD_DIM, True, DQ_MODE, DOCS,
+            )  # fmt: skip
+        out_off = b * stride_dkb + cols[:, None] * stride_dks + hk * stride_dkh + d[None, :]
+        tl.atomic_add(DK + out_off, dk * sm_scale, mask=valid[:, None])
+        tl.atomic_add(DV + out_off, dv, mask=valid[:, None])
+
+
+@triton.jit(do_not_specialize=["stride_xb", "stride_xh", "stride_xt", "NCHUNK"])
+def _bwd_dkdv_column_kernel(
+    Q, K, V,  # [B, Sq, H, D], [B, Sk, Hkv, D], [B, Sk, Hkv, D]
+    DO, Lse, Delta,  # [B, Sq, H, D]; [B, H, Sq] f32 both
+    DK, DV, DQ,  # [B, Sk, Hkv, D] f32 both (added to); DQ (DQ_MODE 1) [B, Sq, H, D] f32 with Q's strides
+    QPos, KPos,  # global positions [Sq], [Sk]
+    ColRows, ColCount,  # the ColumnWalk (index.py): [B, H, nQB, K] local key rows, [B, H, nQB]
+    QBound,  # DOCS: the rows' left bounds [B, Sq]
+    qk_scale, sm_scale, Sq, Sk, H, GROUP,
+    NCHUNK,  # chunks of BLOCK_V columns per query block: cdiv(K, BLOCK_V)
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_lh,  # Lse and Delta
+    stride_dkb, stride_dks, stride_dkh,  # DK and DV
+    stride_xb, stride_xh, stride_xt,  # ColRows
+    stride_cb, stride_ch,  # ColCount
+    stride_bb,  # QBound
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DQ_MODE: tl.constexpr, DOCS: tl.constexpr,
+):  # fmt: skip
+    """dK/dV of one chunk of BLOCK_V of a query block's own columns against the block's G // BLOCK_M query
+    tiles (local rows blk * G ..: aligned runs); added atomically, since blocks share column keys."""
+    blk = tl.program_id(0) // NCHUNK
+    chunk = tl.program_id(0) % NCHUNK
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // GROUP
+    n = tl.load(ColCount + b * stride_cb + h * stride_ch + blk)
+    if chunk * BLOCK_V < n:
+        idx = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+        valid = idx < n
+        cols = tl.load(ColRows + b * stride_xb + h * stride_xh + blk * stride_xt + idx, mask=valid, other=0)
+        d = tl.arange(0, HEAD_DIM)
+        # the chunk's columns as a key tile [BLOCK_V, D], its values and positions (INT_MAX: padding)
+        k = tl.load(
+            K + b * stride_kb + cols[:, None] * stride_ks + hk * stride_kh + d[None, :], mask=valid[:, None], other=0.0
+        )
+        v = tl.load(
+            V + b * stride_vb + cols[:, None] * stride_vs + hk * stride_vh + d[None, :], mask=valid[:, None], other=0.0
+        )
+        k_pos = tl.load(KPos + cols, mask=valid, other=INT_MAX)
+        dk = tl.zeros([BLOCK_V, HEAD_DIM], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_V, HEAD_DIM], dtype=tl.float32)
+        for sub in tl.static_range(G // BLOCK_M):  # rows past Sq of a partial last block add nothing
+            dk, dv = _dkdv_step(
+                dk, dv, k, v, k_pos, Q, DO, Lse, Delta, QPos, DQ, blk * G + sub * BLOCK_M, b, h, QBound, qk_scale,
+                sm_scale, Sq, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb,
+                stride_lh, stride_bb, BLOCK_M, HEAD_DIM, True, DQ_MODE, DOCS,
             )  # fmt: skip
         out_off = b * stride_dkb + cols[:, None] * stride_dks + hk * stride_dkh + d[None, :]
         tl.atomic_add(DK + out_off, dk * sm_scale, mask=valid[:, None])

@@ -16,7 +16,17 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..pattern import VerticalSlashPattern
 from . import kernels
-from .index import DENSE_BLOCK, ChunkPair, KeyWalk, QueryWalk, chunk_pair_torch, key_walk_torch, query_walk_torch
+from .index import (
+    DENSE_BLOCK,
+    ChunkPair,
+    ColumnWalk,
+    KeyWalk,
+    QueryWalk,
+    chunk_pair_torch,
+    column_walk_torch,
+    key_walk_torch,
+    query_walk_torch,
+)
 from .index_kernels import chunk_pair_triton, key_walk_triton, query_walk_triton
 
 
@@ -97,6 +107,14 @@ def key_walk(
     )
 
 
+def column_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ColumnWalk | None:
+    """The query blocks' own columns in a chunk pair (None without ``pattern.block_cols``), built once per
+    pattern and chunk pair, in torch ops on every device."""
+    if pattern.block_cols is None:
+        return None
+    return pattern.index_cache.get(("column",), q_pos, k_pos, lambda: column_walk_torch(pattern, q_pos, k_pos))
+
+
 # ----------------------------------------------------------------------------- launch arguments
 def _strides(name: str, t: Tensor, dims: str) -> dict[str, int]:
     """Keyword strides of the leading dims of ``t``: ``_strides("q", q, "bsh")`` -> stride_qb, stride_qs, stride_qh."""
@@ -144,6 +162,15 @@ def _query_walk_args(w: QueryWalk) -> dict:
         **_strides("m", w.diag_mask, "bh"),
         **_strides("w", w.vcols, "bh"),
     )
+
+
+def _column_args(columns: ColumnWalk | None, walk: QueryWalk) -> dict:
+    """The ColumnWalk arguments of the forward and dQ kernels (None: no per-block columns; the COLUMNS
+    constexpr); its counts take the QueryWalk's count strides (the kernels index both alike)."""
+    if columns is None:
+        return dict(ColRows=None, ColCount=None, stride_xb=None, stride_xh=None, stride_xt=None, COLUMNS=False)
+    count = torch.empty_like(walk.count).copy_(columns.count)
+    return dict(ColRows=columns.rows, ColCount=count, **_strides("x", columns.rows, "bht"), COLUMNS=True)
 
 
 def _bound_args(q_bound: Tensor | None) -> dict:
@@ -196,6 +223,7 @@ def forward(
     b, sq, hq, d = q.shape
     t = tile_config(pattern.block_size, d, q.device, q.dtype).fwd
     walk = query_walk(pattern, q_pos, k_pos, q_bound)
+    columns = column_walk(pattern, q_pos, k_pos)
     if merge_into is not None:
         out, lse = merge_into
     else:
@@ -204,6 +232,7 @@ def forward(
     kernels._fwd_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
         **_query_tile_args(q, k, v, q_pos, k_pos, t.block_n),
         **_query_walk_args(walk),
+        **_column_args(columns, walk),
         **_bound_args(q_bound),
         Out=out,
         Lse=lse,
@@ -264,11 +293,14 @@ def backward(
         **_strides("do", do, "bsh"),
         **_strides("l", lse, "bh"),
     )
+    columns = column_walk(pattern, q_pos, k_pos)
     if own_kernel:
         t = cfg.dq
+        q_walk = query_walk(pattern, q_pos, k_pos, q_bound)
         kernels._bwd_dq_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
             **_query_tile_args(q, k, v, q_pos, k_pos, t.block_n),
-            **_query_walk_args(query_walk(pattern, q_pos, k_pos, q_bound)),
+            **_query_walk_args(q_walk),
+            **_column_args(columns, q_walk),
             **_bound_args(q_bound),
             **rows,
             DQ=dq,
@@ -335,6 +367,17 @@ def backward(
         **_strides("t", walk.vstart, "bh"),
         BLOCK_V=t.block_v,
     )
+    if columns is not None:
+        chunks = triton.cdiv(columns.rows.shape[-1], t.block_v)
+        kernels._bwd_dkdv_column_kernel[(columns.rows.shape[2] * chunks, b * hq)](
+            **shared,
+            ColRows=columns.rows,
+            ColCount=columns.count,
+            NCHUNK=chunks,
+            **_strides("x", columns.rows, "bht"),
+            **_strides("c", columns.count, "bh"),
+            BLOCK_V=t.block_v,
+        )
     return dq.to(dq_out), dk, dv
 
 
