@@ -10,10 +10,15 @@ whose query and key share a bucket of a random-hyperplane sign hash (in any of `
 bits) are scored, each as the probability the row would give the key next to the mass the pattern keeps in
 the row, exp(score - the row's LSE over the pattern), summed over the block's rows.
 
-This is the reference estimator: it forms every row's scores in chunks of query blocks and masks them to
-the hash mates (the candidates a sort of the codes would list), so its work grows with the square of the
-length; it serves the torch path at small sizes. Under context parallelism each rank ranks the blocks of
-its own rows against the gathered keys, and one all-reduce (min) assembles the global columns.
+The choice is two steps, each defined once: the scores of every (query block, key), per chunk of query
+blocks, and the top ``per_block`` of each block's scores (``top_columns``). Two scorers compute the same
+scores: ``column_scores_reference`` in torch, which forms every row's scores, masks and hash compares in
+chunks of query blocks (the torch path, at small sizes), and the Triton kernel of column_kernels.py, which
+walks each block's keys in tiles with the rows' LSE from the sparse forward and holds only the blocks'
+scores (the CUDA path; ``select_block_columns``'s ``scorer``). Both do work that grows with the square of
+the length: every key before a block is scored against its rows. Under context parallelism each rank
+ranks the blocks of its own rows against the gathered keys, and one all-reduce (min) assembles the global
+columns.
 """
 
 from __future__ import annotations
