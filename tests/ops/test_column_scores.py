@@ -80,6 +80,8 @@ def test_refusals():
     q, k, pattern = inputs(1)
     with pytest.raises(ValueError, match="scorer must be"):
         select_block_columns(q, k, pattern, 3, SCALE, scorer="cuda")
+    with pytest.raises(ValueError, match="dtype torch.float64 is not supported"):
+        next(column_scores_triton(q.double(), k.double(), pattern, SCALE, torch.arange(N), None, 4, 3, SEED))
     with pytest.raises(ValueError, match="bits must be <= 31"):
         next(column_scores_triton(q, k, pattern, SCALE, torch.arange(N), None, 1, 32, SEED))
     cols = torch.full((B, HQ, pattern.num_blocks, 1), -1)

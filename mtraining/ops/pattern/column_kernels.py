@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ..documents import Documents
 from ..sparse import attention_forward
+from ..sparse.attention import check_backend_inputs
 from ..sparse.index import check_aligned_positions
 from ..sparse.kernels import LOG2E
 from ..sparse.launch import _bound_args, _strides, _unit_stride
@@ -54,6 +55,7 @@ def _column_score_kernel(
     TABLES: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOCS: tl.constexpr,
 ):  # fmt: skip
     """Scores of one query block of G rows (local block block0 + program 0) against the keys before it."""
+    tl.static_assert(G % BLOCK_N == 0)
     blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -83,7 +85,8 @@ def _column_score_kernel(
     mask_row = DiagMask + b * stride_mb + h * stride_mh
     score_row = Score + b * stride_ob + h * stride_oh + blk * stride_ot
     for col0 in range(lo, first, BLOCK_N):  # every key < first < N: no bounds mask
-        if tl.load(mask_row + (q_block - col0 // G)) == 0:  # a selected diagonal: the pattern keeps the tile
+        # a tile lies in one key block (BLOCK_N divides G); on a selected block diagonal the pattern keeps it all
+        if tl.load(mask_row + (q_block - col0 // G)) == 0:
             cols = col0 + tl.arange(0, BLOCK_N)
             k_t = tl.load(k_base + cols[None, :] * stride_ks + d[:, None])  # [D, N]
             s = tl.dot(q, k_t) * qk_scale  # [G, N]
@@ -123,6 +126,7 @@ def column_scores_triton(
     b, sq, hq, d = q.shape
     n = k.shape[1]
     g = pattern.block_size
+    check_backend_inputs(q, k, k, "triton")  # the kernels' dtypes and head dims
     if pattern.block_cols is not None:
         raise ValueError("the Triton column scorer scores on a pattern without block columns (its lines)")
     if bits > 31:
@@ -135,8 +139,7 @@ def column_scores_triton(
     q_codes = q_codes.to(torch.int32).transpose(-1, -2).contiguous()  # [B, H, T, Sq]
     k_codes = k_codes.to(torch.int32).transpose(-1, -2).contiguous()  # [B, H, T, N]
     k_pos = torch.arange(n, dtype=torch.int32, device=q.device)
-    with torch.no_grad():
-        _, lse = attention_forward(q, k, k, pattern, q_pos, k_pos, scale, backend="triton", q_bound=q_bound)
+    _, lse = attention_forward(q, k, k, pattern, q_pos, k_pos, scale, backend="triton", q_bound=q_bound)
     vmask = pattern.vertical_mask().to(torch.int8)
     dmask = pattern.diag_mask().to(torch.int8)
     blocks = triton.cdiv(sq, g)
