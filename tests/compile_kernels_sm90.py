@@ -3,6 +3,7 @@
 Run as a script in a process without TRITON_INTERPRET (tests/ops/test_kernels_compile.py does).
 ``--ptx-dir DIR`` also writes each kernel's PTX to DIR/<label>.ptx, one file per compiled
 configuration, for bench/ptx_compare.py (the PTX of two commits, compared without a GPU).
+The column scorer compiles as launched at G = 128, D = 64, with and without documents.
 The attention kernels compile with the bf16 tiles of ``launch.tile_config`` at G = 128, D = 128, each
 without packed documents (their arguments constexpr None, as launched without documents) and the
 forward, dQ, dK/dV and walk kernels also with them (labels ``*_docs``); a kernel without a DOCS
@@ -55,12 +56,16 @@ INT_POINTERS = {
     # per-block columns
     "ColRows",
     "ColCount",
+    # column scorer (ops/pattern/column_kernels.py)
+    "QCodes",
+    "KCodes",
 }
 # The arguments of the document path: constexpr None when a kernel runs without documents.
 DOCUMENT_ARGS = ("QBound", "Unmasked", "VFirst", "VEndRow", "DocExtra", "stride_bb")
 # The arguments of the per-block columns in the forward and dQ kernels: constexpr None without them.
 COLUMN_ARGS = ("ColRows", "ColCount", "stride_xb", "stride_xh", "stride_xt")
-FP32_POINTERS = {"Lse", "Delta", "DQ", "DK", "DV"}
+FP32_POINTERS = {"Lse", "Delta", "DQ", "DK", "DV", "Score"}
+BYTE_MASKS = {"DiagMask", "VMask"}
 DATA_POINTERS = {"Q", "K", "V", "Out", "DO"}
 FLOAT_SCALARS = {"qk_scale", "sm_scale"}
 DESCRIPTORS = {"KDesc", "VDesc"}
@@ -84,6 +89,8 @@ BUILDERS = [
     ("query_walk", "_walk_kernel", lambda b: dict(QUERY=True, BLOCK_R=b["rows"], BLOCK_D=b["diags"])),
     ("key_walk", "_walk_kernel", lambda b: dict(QUERY=False, BLOCK_R=b["rows"], BLOCK_D=b["diags"])),
 ]
+# The column scorer as select_block_columns launches it at G = 128, D = 64 (8 tables), 4 warps.
+COLUMNS = ("column_scores", "_column_score_kernel", dict(G=128, HEAD_DIM=64, BLOCK_N=64, TABLES=8))
 
 
 def _modules():
@@ -97,6 +104,14 @@ def _modules():
         return importlib.import_module("mtraining.ops.triton_kernels"), importlib.import_module(
             "mtraining.ops.walk_kernels"
         )
+
+
+def _column_module():
+    """The column scorer's kernels, None in a commit before them."""
+    try:
+        return importlib.import_module("mtraining.ops.pattern.column_kernels")
+    except ModuleNotFoundError:
+        return None
 
 
 def _source() -> dict:
@@ -117,7 +132,7 @@ def signature(fn, constexprs: dict) -> dict:
             sig[name] = "constexpr"
         elif name in INT_POINTERS:
             sig[name] = "*i32"
-        elif name == "DiagMask":
+        elif name in BYTE_MASKS:
             sig[name] = "*i8"
         elif name in FP32_POINTERS:
             sig[name] = "*fp32"
@@ -163,6 +178,13 @@ def main() -> None:
             if constexprs is not None:
                 options = dict(num_warps=4, num_stages=3)
                 compile_one(label + "_docs" * docs, fn, constexprs, target, options, args.ptx_dir)
+    columns = _column_module()
+    if columns is not None:
+        label, name, constexprs = COLUMNS
+        fn = getattr(columns, name)
+        for docs in (False, True):
+            options = dict(num_warps=4, num_stages=3)
+            compile_one(label + "_docs" * docs, fn, documents(fn, constexprs, docs), target, options, args.ptx_dir)
     # the loss's rows kernel: float32 logits, bf16 gradient
     ce_signature = {
         "logits_ptr": "*fp32",
