@@ -90,7 +90,7 @@ BUILDERS = [
     ("key_walk", "_walk_kernel", lambda b: dict(QUERY=False, BLOCK_R=b["rows"], BLOCK_D=b["diags"])),
 ]
 # The column scorer as select_block_columns launches it at G = 128, D = 64 (8 tables), 4 warps.
-COLUMNS = ("column_scores", "_column_score_kernel", dict(G=128, HEAD_DIM=64, BLOCK_N=64, TABLES=8))
+SCORER = ("column_scores", "_column_score_kernel", dict(G=128, HEAD_DIM=64, BLOCK_N=64, TABLES=8))
 
 
 def _modules():
@@ -106,7 +106,7 @@ def _modules():
         )
 
 
-def _column_module():
+def _scorer_module():
     """The column scorer's kernels, None in a commit before them."""
     try:
         return importlib.import_module("mtraining.ops.pattern.column_kernels")
@@ -178,10 +178,10 @@ def main() -> None:
             if constexprs is not None:
                 options = dict(num_warps=4, num_stages=3)
                 compile_one(label + "_docs" * docs, fn, constexprs, target, options, args.ptx_dir)
-    columns = _column_module()
-    if columns is not None:
-        label, name, constexprs = COLUMNS
-        fn = getattr(columns, name)
+    scorer = _scorer_module()
+    if scorer is not None:
+        label, name, constexprs = SCORER
+        fn = getattr(scorer, name)
         for docs in (False, True):
             options = dict(num_warps=4, num_stages=3)
             compile_one(label + "_docs" * docs, fn, documents(fn, constexprs, docs), target, options, args.ptx_dir)
