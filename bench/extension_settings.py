@@ -140,7 +140,7 @@ class Scale:
 
     def budget(self, name: str) -> Budget:
         """The scale's budget ``name``, else the named one of every scale's choices (``--budgets``)."""
-        named = {b.name: b for b in (*SWEEP, *DENSER, *COLUMNS, *self.budgets)}
+        named = {b.name: b for b in (*SWEEP, *DENSER, *COLUMNS, *GPU_COLUMNS, *self.budgets)}
         if name not in named:
             raise ValueError(f"no budget {name!r} at the {self.name} scale; use one of {sorted(named)}")
         return named[name]
@@ -179,13 +179,19 @@ DENSER = (
     Budget("v35", v=1 / 4, s=1 / 16),
     Budget("v45", v=1 / 8, s=1 / 4),
 )
-# v30 with per-block columns for the questions the last rows' lines miss (``--budgets``, torch backend): 16, 64 or
+# v30 with per-block columns for the questions the last rows' lines miss (``--budgets``): 16, 64 or
 # 128 key columns per block of G rows (at the CPU scale's G = 16, as many columns per row as 64, 256 or 512 per
 # 64-row block in bench/local_verticals.py).
 COLUMNS = (
     Budget("v30c16", v=1 / 8, s=1 / 16, columns=16),
     Budget("v30c64", v=1 / 8, s=1 / 16, columns=64),
     Budget("v30c128", v=1 / 8, s=1 / 16, columns=128),
+)
+# The same at the GPU scale's G = 128: 2048 columns per 128-row block are 1/16 of its longest sequence (32K), as
+# v30c128's 128 are of the CPU scale's 2048, and add at most as large a share of every row's keys; 512 a quarter.
+GPU_COLUMNS = (
+    Budget("v30c512", v=1 / 8, s=1 / 16, columns=512),
+    Budget("v30c2048", v=1 / 8, s=1 / 16, columns=2048),
 )
 _CPU_VOCAB = Vocab()
 _TOY_VOCAB = Vocab(keys=32, values=32, words=32)
