@@ -56,7 +56,7 @@ class PatternConfig:
             slashes, capped by the budgets.
         budgets: per-layer/per-head budgets (``budgets.py``); when set they replace v_size/s_size.
         block_columns: key columns chosen per query block of ``block_size`` rows on top of the lines
-            (``block_columns.py``; the torch path only); 0: none.
+            (``block_columns.py``); 0: none.
         column_tables, column_bits: the sign hashes whose bucket mates are the block columns' candidates.
     """
 
