@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pickle
 import re
-from dataclasses import replace
 
 import pytest
 import torch
@@ -274,19 +273,6 @@ DOCS = {
     "per_row": Documents.from_lengths([[50, N - 50], [9, 9, N - 18]]),
 }
 TRITON_TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
-
-
-@pytest.fixture(params=["kernel", "atomic"])
-def dq_mode(request, monkeypatch):
-    """Each way of making dQ: its own kernel (which walks the columns) or added by the dK/dV kernels."""
-    default = launch.tile_config
-
-    def with_mode(block_size, head_dim, device, dtype):
-        cfg = default(block_size, head_dim, device, dtype)
-        return launch.TileConfig(cfg.fwd, cfg.dq, replace(cfg.dkdv, dq_mode=request.param))
-
-    monkeypatch.setattr(launch, "tile_config", with_mode)
-    return request.param
 
 
 def check_triton(case: Case, inputs, rows: slice, dtype: torch.dtype) -> None:

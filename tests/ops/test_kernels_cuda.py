@@ -18,23 +18,6 @@ from tests.numerics import rel_err
 pytestmark = pytest.mark.cuda
 
 
-@pytest.fixture(params=["kernel", "atomic"])
-def dq_mode(request, monkeypatch):
-    """Run the test with each way of making dQ (its own kernel, or added by the dK/dV kernels)."""
-    from dataclasses import replace
-
-    from mtraining.ops.sparse import launch as tb
-
-    default = tb.tile_config
-
-    def with_mode(block_size, head_dim, device, dtype):
-        cfg = default(block_size, head_dim, device, dtype)
-        return tb.TileConfig(cfg.fwd, cfg.dq, replace(cfg.dkdv, dq_mode=request.param))
-
-    monkeypatch.setattr(tb, "tile_config", with_mode)
-    return request.param
-
-
 @pytest.mark.parametrize("seq", [4096 - 45, 16384, 32768 - 77])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_bf16_matches_fp32_reference(seq, head_dim, dq_mode):
