@@ -258,8 +258,11 @@ _GPU = Scale(
     document_masking=True,
     base_theta=10_000.0,
     theta_factor=16.0,
-    budgets=(SWEEP[2],),  # the CPU scale's default only (the sweep is the CPU scale's)
-    default_budget="v30",
+    # v30 plus 2048 columns per 128-row block, as the CPU scale's default: v30 alone kept retrieval but read its
+    # last bucket +2.9% [+2.4, +3.4] over seven runs (bench/results/extension_gpu_replicates.md); with the
+    # columns +0.28% [+0.12, +0.42] over two, retrieval at parity (bench/results/extension_gpu_columns_replicates.md)
+    budgets=(GPU_COLUMNS[1],),
+    default_budget="v30c2048",
     block_size=128,
     local_window=128,
     base_ranks=1,

@@ -226,6 +226,9 @@ def test_named_budgets_reach_every_scale_and_columns_reach_the_pattern():
     assert PatternConfig(block_size=cpu.block_size, **fields).block_columns == 16
     with pytest.raises(ValueError, match="no budget 'v99' at the cpu scale; use one of .*'v30c16'"):
         cpu.budget("v99")
+    gpu = SCALES["gpu"]  # the GPU scale's default has columns sized to its G = 128; v30 alone stays a named choice
+    assert gpu.budget(gpu.default_budget).pattern(gpu.long, gpu)["block_columns"] == 2048
+    assert "block_columns" not in gpu.budget("v30").pattern(gpu.long, gpu)
 
 
 def test_gpu_scales():
