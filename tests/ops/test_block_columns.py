@@ -255,15 +255,18 @@ def test_sparse_attention_torch_matches_the_masked_softmax(b, hq, hkv, documents
 
 
 # --------------------------------------------------------------------------- the ring on gloo
-@pytest.mark.parametrize("world,documents", [(2, False), (3, False), (3, True)])
-def test_ring_torch_matches_the_masked_softmax(pool, world, documents):
+@pytest.mark.parametrize(
+    "world,documents,ring",
+    [(2, False, None), (3, False, None), (3, True, None), (4, True, dict(ring="hierarchical", inner_size=2))],
+)
+def test_ring_torch_matches_the_masked_softmax(pool, world, documents, ring):
     n = SEQ[world]
     docs = Documents.from_lengths([7, 60, G, n - 67 - G]) if documents else None
     case = Case(2, 4, n, seed=10 + world, documents=docs)
     inputs = make_qkv(2, n, n, 4, 2, D, torch.float64, gen=world)
     ref = oracle(inputs, case.mask())
-    results = pool.run(ring_case, world, "striped", inputs, case.pattern, None, None, "torch", False, None, docs)
-    assert_gathered_close(results, "striped", ref, TOL, f" ({world} ranks)")
+    results = pool.run(ring_case, world, "striped", inputs, case.pattern, None, ring, "torch", False, None, docs)
+    assert_gathered_close(results, "striped", ref, TOL, f" ({world} ranks, {ring or 'flat'})")
 
 
 # --------------------------------------------------------------------------- the Triton kernels
