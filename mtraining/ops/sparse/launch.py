@@ -169,7 +169,9 @@ def _column_args(columns: ColumnWalk | None, walk: QueryWalk) -> dict:
     constexpr); its counts take the QueryWalk's count strides (the kernels index both alike)."""
     if columns is None:
         return dict(ColRows=None, ColCount=None, stride_xb=None, stride_xh=None, stride_xt=None, COLUMNS=False)
-    count = torch.empty_like(walk.count).copy_(columns.count)
+    count = columns.count
+    if count.stride() != walk.count.stride():
+        count = torch.empty_like(walk.count).copy_(count)
     return dict(ColRows=columns.rows, ColCount=count, **_strides("x", columns.rows, "bht"), COLUMNS=True)
 
 
