@@ -359,11 +359,19 @@ class VerticalSlashPattern:
         if documents is not None:
             row_end = torch.minimum(row_end, _document_ends(documents, cols))
         rows = (row_end - blocks * g).clamp(min=0)
-        delta = blocks - cols // g  # >= 1 for real columns
-        covered = self.diag_mask().gather(-1, delta.clamp(min=0).flatten(2)).view_as(cols)
-        covered |= self.vertical_mask().gather(-1, cols.flatten(2)).view_as(cols)
-        adds = (self.block_cols < n) & ~covered
+        adds = (self.block_cols < n) & ~self.lines_keep(torch.arange(nb, device=self.device), cols)
         return (rows * adds).sum((-2, -1), dtype=torch.float64)
+
+    def lines_keep(self, q_block: Tensor, cols: Tensor) -> Tensor:
+        """Boolean like ``cols`` [B, H, R, K]: do the lines already keep key position cols[..., r, :] (< seq_len,
+        before the block) for the rows of global query block q_block[r]: a vertical of the head, or a key on a
+        selected block diagonal (q_block - col // G). A per-block column there adds no pair."""
+        delta = (q_block[:, None] - cols // self.block_size).clamp(min=0).long()
+        on_diagonal = self.diag_mask().gather(-1, delta.flatten(2)).view_as(cols)
+        verticals = self.vertical_pos  # ascending, padded with seq_len: a real column never equals the padding
+        flat = cols.flatten(2).to(verticals.dtype)
+        slot = torch.searchsorted(verticals, flat).clamp(max=verticals.shape[-1] - 1)
+        return on_diagonal | (verticals.gather(-1, slot) == flat).view_as(cols)
 
     def density(self, documents: Documents | None = None) -> Tensor:
         """Float64 [B, H]: kept causal pairs / all causal pairs of the full sequence (with packed

@@ -223,12 +223,7 @@ def column_walk_torch(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tenso
     k_pos = k_pos.to(cols.dtype)
     local = torch.searchsorted(k_pos, cols.flatten(2)).view_as(cols).clamp(max=sk - 1)
     keep = (cols < n) & (k_pos[local] == cols)
-    real = cols.clamp(max=n - 1)
-    delta = (q_gblock[:, None] - real // g).clamp(min=0).long()  # >= 1 for real columns
-    keep &= ~pattern.diag_mask().gather(-1, delta.flatten(2)).view_as(cols)
-    verticals = pattern.vertical_pos  # ascending, padded with n: a real column never equals the padding
-    slot = torch.searchsorted(verticals, real.flatten(2)).clamp(max=verticals.shape[-1] - 1)
-    keep &= verticals.gather(-1, slot).view_as(cols) != real
+    keep &= ~pattern.lines_keep(q_gblock, cols.clamp(max=n - 1))
     rows, count = compact(local, keep, sk, width=cols.shape[-1])
     return ColumnWalk(rows, count)
 
