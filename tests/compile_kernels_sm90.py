@@ -162,8 +162,8 @@ def main() -> None:
             continue
         for docs in (False, True) if label in DOCUMENTS else (False,):
             for cols in (False, True) if label in COLUMNS else (False,):
-                constexprs = documents(fn, dict(G=128, HEAD_DIM=128, **extra), docs)
-                constexprs = constexprs and columns(fn, constexprs, cols)
+                constexprs = optional_path(fn, dict(G=128, HEAD_DIM=128, **extra), "DOCS", DOCUMENT_ARGS, docs)
+                constexprs = constexprs and optional_path(fn, constexprs, "COLUMNS", COLUMN_ARGS, cols)
                 if constexprs is not None:
                     options = dict(num_warps=warps, num_stages=stages)
                     compile_one(
@@ -174,7 +174,7 @@ def main() -> None:
     for label, name, extra in BUILDERS:
         fn = getattr(builders, name)
         for docs in (False, True) if label != "pair" else (False,):
-            constexprs = documents(fn, dict(G=128, **extra(builders.BLOCKS)), docs)
+            constexprs = optional_path(fn, dict(G=128, **extra(builders.BLOCKS)), "DOCS", DOCUMENT_ARGS, docs)
             if constexprs is not None:
                 options = dict(num_warps=4, num_stages=3)
                 compile_one(label + "_docs" * docs, fn, constexprs, target, options, args.ptx_dir)
@@ -184,7 +184,8 @@ def main() -> None:
         fn = getattr(scorer, name)
         for docs in (False, True):
             options = dict(num_warps=4, num_stages=3)
-            compile_one(label + "_docs" * docs, fn, documents(fn, constexprs, docs), target, options, args.ptx_dir)
+            constexprs_docs = optional_path(fn, constexprs, "DOCS", DOCUMENT_ARGS, docs)
+            compile_one(label + "_docs" * docs, fn, constexprs_docs, target, options, args.ptx_dir)
     # the loss's rows kernel: float32 logits, bf16 gradient
     ce_signature = {
         "logits_ptr": "*fp32",
@@ -205,24 +206,15 @@ def main() -> None:
     _report("cross_entropy_rows", compiled, args.ptx_dir)
 
 
-def documents(fn, constexprs: dict, docs: bool) -> dict | None:
-    """The constexprs of ``fn`` with packed documents or without (the document arguments None); None
-    where the kernel has no document path (an older commit's) and ``docs`` asks for one."""
-    if "DOCS" not in fn.arg_names:
-        return None if docs else constexprs
-    if docs:
-        return dict(constexprs, DOCS=True)
-    return dict(constexprs, DOCS=False, **{name: None for name in DOCUMENT_ARGS if name in fn.arg_names})
-
-
-def columns(fn, constexprs: dict, cols: bool) -> dict | None:
-    """The constexprs of ``fn`` with per-block columns or without (their arguments None); None where the
-    kernel has no column stage (an older commit's) and ``cols`` asks for one."""
-    if "COLUMNS" not in fn.arg_names:
-        return None if cols else constexprs
-    if cols:
-        return dict(constexprs, COLUMNS=True)
-    return dict(constexprs, COLUMNS=False, **{name: None for name in COLUMN_ARGS})
+def optional_path(fn, constexprs: dict, flag: str, args: tuple[str, ...], on: bool) -> dict | None:
+    """The constexprs of ``fn`` with its optional path ``flag`` (DOCS: packed documents, COLUMNS: per-block
+    columns) on, or off with the path's ``args`` None; None where the kernel has no such path (an older
+    commit's) and ``on`` asks for it."""
+    if flag not in fn.arg_names:
+        return None if on else constexprs
+    if on:
+        return dict(constexprs, **{flag: True})
+    return dict(constexprs, **{flag: False}, **{name: None for name in args if name in fn.arg_names})
 
 
 def compile_one(label: str, fn, constexprs: dict, target, options: dict, ptx_dir: Path | None) -> None:
