@@ -7,7 +7,7 @@ taken from the 4xH200 ring records (sparse striped and dense zigzag, the longest
 as total pairs / (GPUs x time), so it includes the ring's per-step overheads on NVLink. Everything
 else is ASSUMED and printed: the pattern density at the target length (the measured one), the
 A100/H100 throughput relative to H200 (ratio of dense bf16 peaks), link bandwidths and latencies.
-The model itself is bench/ring_model.py.
+The model itself is mtraining/parallel/cost.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.ring_model import (  # noqa: E402
+from mtraining.parallel.cost import (  # noqa: E402
     AttentionShape,
     Cluster,
     Link,

@@ -63,6 +63,45 @@ def test_relative_paths_are_relative_to_the_config_file(tmp_path):
     assert cfg.log.dir == str(Path.home() / "logs") and cfg.checkpoint.export_dir == "out"
 
 
+def test_a_wrong_path_says_what_it_is_relative_to(tmp_path, monkeypatch):
+    """A path written relative in the file is relative to the file's folder; one given on the command line to the
+    working directory: messages about a wrong path say which (Config.path_note)."""
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    monkeypatch.chdir(tmp_path)
+    raw = {**BASE, "data": {**BASE["data"], "sources": ["a.jsonl", "/abs/b.jsonl"]}, "checkpoint": {"dir": "ck"}}
+    (folder / "c.yaml").write_text(yaml.safe_dump(raw))
+    cfg = load_config(folder / "c.yaml", ["log.dir=logs"])
+    assert cfg.path_note("data.sources[0]") == (
+        f" (written relative in c.yaml: relative paths in a config are relative to its folder, {folder})"
+    )
+    assert cfg.path_note("data.sources[1]") == "" and "relative to its folder" in cfg.path_note("checkpoint.dir")
+    assert cfg.path_note("log.dir") == f" (given on the command line: relative to the working directory, {tmp_path})"
+    cfg = load_config(folder / "c.yaml", ["data.sources=[x.jsonl]", "checkpoint.dir=/abs/ck"])
+    assert "command line" in cfg.path_note("data.sources[0]") and cfg.path_note("checkpoint.dir") == ""
+
+
+def test_every_config_problem_is_listed_and_checking_goes_on_without_the_bad_keys():
+    """parse_config_partly (mtraining check): all problems of every round; the config without the bad keys."""
+    from mtraining.train.config import apply_overrides, parse_config_partly
+
+    bad = ["train.stepz=1", "atention={}", "log.wandb={projct: x}", "data.sources=[{path: a, weight: -1}]"]
+    cfg, problems = parse_config_partly(apply_overrides(BASE, bad))
+    assert cfg is not None and cfg.train.steps == 10 and cfg.log.wandb is None
+    assert [p.split(":")[0] for p in problems] == [
+        "data.sources[0].weight",
+        "train.stepz",
+        "log.wandb.project",
+        "log.wandb.projct",
+        "atention",
+    ]
+    cfg, problems = parse_config_partly(apply_overrides(BASE, ["train.steps=null", "train.stepz=1"]))
+    assert cfg is None and problems == [
+        "train.steps: Input should be a valid integer",
+        "train.stepz: unknown key; remove it or fix its spelling; did you mean train.steps?",
+    ]
+
+
 def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
     cfg = parse_config(
         BASE, ["train.steps=3", "attention.dense_layers=[0, 1]", "model.config.hidden_size=64", "checkpoint.dir=null"]
@@ -75,8 +114,14 @@ def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["train.stepz=1"], "train.stepz: unknown key"),
-        (["attention.blocksize=64"], "attention.blocksize: unknown key"),
+        (["train.stepz=1"], "train.stepz: unknown key; remove it or fix its spelling; did you mean train.steps?"),
+        (["attention.blocksize=64"], "attention.blocksize: unknown key; remove it or fix its spelling; did you mean "),
+        (
+            ["log.wandb={projct: x}"],
+            "log.wandb.projct: unknown key; remove it or fix its spelling; did you mean log.wandb.project?",
+        ),
+        (["data.sources=[{path: a, wieght: 1}]"], "did you mean data.sources[0].weight?"),
+        (["optim.zzz=1"], "optim.zzz: unknown key; remove it or fix its spelling\n"),
         (["data.seq_len=1000"], "use a multiple of 512, e.g. 1024"),
         (["attention.layout=zigzag", "data.seq_len=512"], "use a multiple of 1024"),
         (["attention.layout=diagonal"], "'contiguous', 'zigzag' or 'striped'"),
@@ -89,7 +134,7 @@ def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
         (["attention.threshold=1.5"], "attention.threshold"),
         (["attention.dense_layers=[-1]"], "layer indices >= 0"),
         (["data.sources=[{path: a, weight: 1}, b]"], "give every source a weight or none"),
-        (["data.sources=[{path: a, weight: -1}]"], "data.sources.0.SourceSpec.weight"),
+        (["data.sources=[{path: a, weight: -1}]"], "data.sources[0].weight: Input should be greater than 0"),
         (["data.global_batch_tokens=1000"], "must be a multiple of the tokens of one micro-batch"),
         (["parallel.inner_size=2"], "set both"),
         (["data.reset_position_ids=true"], "only exist with data.document_masking: true"),
@@ -112,7 +157,7 @@ def test_bad_configs_fail_with_the_fix(overrides, expected):
         return
     with pytest.raises(ConfigError) as err:
         parse_config(BASE, overrides)
-    assert expected in str(err.value)
+    assert expected in str(err.value) + "\n"
 
 
 def test_world_size_must_be_data_times_context():

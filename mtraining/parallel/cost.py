@@ -1,7 +1,9 @@
 """Cost model of flat and hierarchical ring attention: predicted forward + backward time per layer.
 
+Used by ``mtraining check`` (train/estimate.py: the time of a training step) and ``bench/cost_model.py``.
+
 Inputs are per-step compute times (one ring step's attention, forward and backward, on one GPU)
-and links (``links.Link``: bandwidth per direction per GPU, latency per transfer). Ranks advance in lock step, and
+and links (``Link``: bandwidth per direction per GPU, latency per transfer). Ranks advance in lock step, and
 a step whose transfer is overlapped with compute costs max(compute, transfer). The schedules are
 the ones the engines run (ring.py, hierarchical.py):
 
@@ -26,7 +28,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.links import Link
+
+@dataclass(frozen=True)
+class Link:
+    """A link of ``bandwidth`` bytes/s per direction (per GPU) and ``latency`` seconds per transfer."""
+
+    bandwidth: float
+    latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise ValueError(f"a link needs bandwidth > 0 bytes/s (e.g. 25e9 for 25 GB/s), got {self.bandwidth!r}")
+        if not self.latency >= 0:
+            raise ValueError(f"a link needs latency >= 0 seconds (e.g. 5e-6), got {self.latency!r}")
+
+    def seconds(self, nbytes: float) -> float:
+        """Modelled time of one transfer of ``nbytes`` (none: 0)."""
+        return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
+
+    @property
+    def label(self) -> str:
+        return f"emulated {self.bandwidth / 1e9:g} GB/s, {self.latency * 1e6:g} us"
 
 
 @dataclass(frozen=True)
