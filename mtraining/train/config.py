@@ -512,7 +512,7 @@ class Config(_Section):
                 fit = f"a divisor of {world_size}" if world_size > 1 else "1"
                 hint = f"{launch}, or set parallel.context to {fit}"
             raise ValueError(
-                f"{world_size} ranks were launched but parallel.data x parallel.context = {p.data} x {p.context} "
+                f"the launch has {world_size} ranks but parallel.data x parallel.context = {p.data} x {p.context} "
                 f"= {self.world_size}; {hint}"
             )
 

@@ -1,0 +1,461 @@
+"""Everything about a run that can be checked without GPUs, all at once: ``mtraining check``.
+
+``check_run`` looks at the config as it will be launched (``Launch``: ranks per node and nodes) and
+collects every problem instead of stopping at the first: the world and ring shape, the output folders,
+optional packages, the model folder (config.json, the safetensors headers against the parameter shapes of
+the config, read without loading a weight), the tokenizer, every data source (exists, readable, the first
+record of its first text file, token files against the vocabulary), the resume (the newest checkpoint's
+recorded run against this one: a changed schedule is refused here), free disk, and on several nodes where
+the shared storage must be. The launcher (``mtraining train --nproc``) and every rank of a run started by
+torchrun directly (train/trainer.py) run it before building the model, so all problems are one message.
+
+Problems make a run impossible (exit 2); warnings are printed and the run goes on. ``mtraining check``
+also prints the estimates of train/estimate.py (memory per GPU, time per step).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..data.documents import file_kind, find_files, read_documents
+from .config import Config
+
+CHECKED_ENV = "MTRAINING_CHECKED"
+"""Set to 1 by the ``--nproc`` launcher once these checks passed on its node: its ranks need not repeat them."""
+_HEADER_LIMIT = 100 << 20  # a safetensors header larger than this is not one
+# filesystems that live on one machine: a folder there is not shared between nodes
+_LOCAL_FILESYSTEMS = ("ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "ramfs")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the run will be started: ``nproc`` ranks on each of ``nnodes`` nodes."""
+
+    nproc: int
+    nnodes: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+
+@dataclass
+class Report:
+    """What ``check_run`` found: problems (the run cannot start), warnings and notes (printed)."""
+
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def run(self, check: Callable[..., Any], *args: Any, where: str = "") -> Any:
+        """``check(*args)``, or None with its ValueError recorded as a problem (prefixed ``where: ``)."""
+        try:
+            return check(*args)
+        except ValueError as err:
+            self.problems.append(f"{where}: {err}" if where else str(err))
+            return None
+
+    def raise_problems(self) -> None:
+        """ValueError listing every problem (one message for the command line), if there is one."""
+        if len(self.problems) == 1:
+            raise ValueError(self.problems[0])
+        if self.problems:
+            raise ValueError(f"{len(self.problems)} problems:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+@dataclass
+class Findings:
+    """What the checks learnt along the way, for the later checks and the estimates."""
+
+    hf_config: Any = None
+    model: Any = None  # the model on the meta device
+    tokenizer: Any = None
+    max_token_id: int = -1
+    uncached_text: list[Path] = field(default_factory=list)
+
+
+def check_run(cfg: Config, launch: Launch) -> tuple[Report, Findings]:
+    """Every check of the module docstring; never raises for a problem it can name."""
+    report, found = Report(), Findings()
+    report.run(_world, cfg, launch)
+    _outputs(cfg, report)
+    _packages(cfg, report)
+    found.hf_config = report.run(_hf_config, cfg)
+    if found.hf_config is not None:
+        found.model = report.run(_meta_model, found.hf_config)
+        report.run(_model_fits_mtraining, cfg, found.hf_config)
+        if cfg.model.path is not None and found.model is not None:
+            _weights(Path(cfg.model.path), found.model, found.hf_config, report)
+    found.tokenizer = _tokenizer(cfg, report)
+    _data(cfg, found, report)
+    if found.hf_config is not None and found.max_token_id >= found.hf_config.vocab_size:
+        report.problems.append(
+            f"the data holds token id {found.max_token_id} but the model's vocab_size is {found.hf_config.vocab_size}; "
+            "tokenise with the model's own tokenizer (data.tokenizer) or raise model.config.vocab_size"
+        )
+    if found.model is not None:
+        _resume(cfg, found, report)
+        _free_space(cfg, found.model, report)
+    if launch.nnodes > 1:
+        _shared_storage(cfg, report)
+    return report, found
+
+
+# ---------------------------------------------------------------------------------------------- the world
+def _world(cfg: Config, launch: Launch) -> None:
+    cfg.check_world_size(launch.world_size)
+    cfg.inner_size(launch.nproc)
+
+
+def _writable(path: str) -> str | None:
+    """Why the run could not write into ``path`` (created if missing), or None; creates nothing."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        return "is a file, not a folder"
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"cannot be created: {existing} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return "is not writable" if existing == folder else f"cannot be created: {existing} is not writable"
+    return None
+
+
+def _outputs(cfg: Config, report: Report) -> None:
+    for key, path in (
+        ("checkpoint.dir", cfg.checkpoint.dir),
+        ("checkpoint.export_dir", cfg.checkpoint.export_dir),
+        ("log.dir", cfg.log.dir),
+        ("data.cache_dir", cfg.data.cache_dir),
+    ):
+        if path is not None and (why := _writable(path)):
+            report.problems.append(f"{key}={path}{cfg.path_note(key)} {why}; set {key} to a writable folder")
+
+
+def _packages(cfg: Config, report: Report) -> None:
+    wanted = []
+    if cfg.log.wandb is not None:
+        wanted.append(("wandb", "log.wandb", "wandb"))
+    if cfg.train.fused_kernels == "liger":
+        wanted.append(("liger_kernel", "train.fused_kernels=liger", "liger"))
+    if cfg.train.loss_impl == "liger":
+        wanted.append(("liger_kernel", "train.loss_impl=liger", "liger"))
+    for module, key, extra in wanted:
+        if importlib.util.find_spec(module) is None:
+            name = key.split("=")[0]
+            report.problems.append(f'{key} needs the {module} package: pip install -e ".[{extra}]" (or change {name})')
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def _hf_config(cfg: Config):
+    from ..models.loader import build_config
+
+    path = cfg.model.path
+    if path is not None:
+        folder = Path(path)
+        if not folder.exists():
+            raise ValueError(f"model.path: {path} does not exist{cfg.path_note('model.path')}")
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"model.path: {path} is not a Hugging Face model folder: it has no config.json")
+        try:
+            json.loads((folder / "config.json").read_text())
+        except (ValueError, OSError) as err:
+            raise ValueError(f"model.path: {folder / 'config.json'} is not valid JSON ({err}); copy it again") from None
+    try:
+        return build_config(**cfg.model.hf_kwargs())
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{'model.path' if path else 'model.config'}: {err}") from None
+
+
+def _meta_model(hf_config):
+    """The model on the meta device: parameter names and shapes without memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+def _model_fits_mtraining(cfg: Config, hf_config) -> None:
+    from .preflight import check_model
+
+    check_model(cfg, hf_config, -1)
+    cfg.check_layers(hf_config.num_hidden_layers)
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (tensor names, dtypes, shapes), read without the tensors."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ValueError("shorter than a header")
+            (size,) = struct.unpack("<Q", raw)
+            if size > _HEADER_LIMIT:
+                raise ValueError(f"header of {size} bytes")
+            header = json.loads(f.read(size))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, OSError) as err:
+        raise ValueError(f"{path} is not a readable safetensors file ({err}); copy it again") from None
+    if path.stat().st_size < 8 + size + end:
+        raise ValueError(f"{path} is truncated: its header describes {8 + size + end} bytes, the file has fewer")
+    return header
+
+
+def _weights(folder: Path, model, hf_config, report: Report) -> None:
+    """The weights in ``folder`` against the model's parameters: every one present, of the right shape."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        report.problems.append(f"model.path: {folder} has no *.safetensors weights; export or convert the model")
+        return
+    shapes: dict[str, list[int]] = {}
+    for file in files:
+        header = report.run(safetensors_header, file, where="model.path")
+        if header is None:
+            return
+        shapes.update({k: t["shape"] for k, t in header.items() if k != "__metadata__"})
+    expected = {name: list(p.shape) for name, p in model.state_dict().items()}
+    if getattr(hf_config, "tie_word_embeddings", False):
+        head = model.get_output_embeddings()
+        expected = {n: s for n, s in expected.items() if not (head is not None and n.startswith("lm_head."))}
+    missing = [n for n in expected if n not in shapes]
+    reshaped = [n for n in expected if n in shapes and shapes[n] != expected[n]]
+    unexpected = [n for n in shapes if n not in expected and not n.startswith("lm_head.")]
+    if missing:
+        report.problems.append(
+            f"model.path: {folder} lacks {len(missing)} of the model's {len(expected)} weights (e.g. {missing[0]}); "
+            "they would start random: check that config.json belongs to these weights"
+        )
+    if reshaped:
+        n = reshaped[0]
+        report.problems.append(
+            f"model.path: {len(reshaped)} weights in {folder} do not have the shapes config.json (with model.overrides) "
+            f"gives, e.g. {n}: {shapes[n]} in the files, {expected[n]} from the config; fix config.json or the overrides"
+        )
+    if unexpected:
+        report.warnings.append(
+            f"model.path: {len(unexpected)} tensors in {folder} are not weights of the model (e.g. {unexpected[0]}); "
+            "they are ignored"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer and data
+def _tokenizer_source(cfg: Config) -> tuple[str | None, str]:
+    """(tokenizer path, the key it comes from) : data.tokenizer, else model.path."""
+    if cfg.data.tokenizer is not None:
+        return cfg.data.tokenizer, "data.tokenizer"
+    return cfg.model.path, "model.path"
+
+
+def _tokenizer(cfg: Config, report: Report):
+    from ..data.tokenizer import TextTokenizer
+
+    path, key = _tokenizer_source(cfg)
+    if path is None:
+        return None
+    if key == "model.path":
+        if not Path(path).is_dir():
+            return None  # the model check says what is wrong with model.path
+        if not (Path(path) / "tokenizer.json").is_file():
+            report.problems.append(
+                f"data.tokenizer is not set, so the tokenizer comes from model.path, and {path} has no tokenizer.json; "
+                "set data.tokenizer to a tokenizer.json or a folder holding one"
+            )
+            return None
+    elif not Path(path).exists():
+        report.problems.append(f"data.tokenizer: {path} does not exist{cfg.path_note('data.tokenizer')}")
+        return None
+    tokenizer = report.run(TextTokenizer, path, where=key)
+    if tokenizer is not None and (cfg.data.document_masking or cfg.data.separator is not None):
+        report.run(tokenizer.separator_id, cfg.data.separator, where=key)
+    return tokenizer
+
+
+def _probe(path: Path, text_field: str) -> None:
+    """DataError if the first document of a text file cannot be read (format, UTF-8, the text field)."""
+    next(iter(read_documents(path, text_field)), None)
+
+
+def _data(cfg: Config, found: Findings, report: Report) -> None:
+    """Every source: its files exist and are readable; the first text file's first document reads; token
+    files open and their largest id is known (scanned once, remembered by the token cache); the tokens a
+    source holds, where known, make at least one sample."""
+    from ..data.cache import TokenCache
+    from ..data.tokens import open_token_file
+    from .data import document_separator
+
+    d = cfg.data
+    cache = TokenCache(d.cache_dir)
+    separator = None
+    if found.tokenizer is not None:
+        separator = report.run(found.tokenizer.separator_id, d.separator, where="data.separator")
+    for i, spec in enumerate(d.source_specs):
+        key = f"data.sources[{i}]"
+        if not glob.has_magic(spec.path) and not Path(spec.path).exists():
+            report.problems.append(f"{key}: {spec.path} does not exist{cfg.path_note(key)}")
+            continue
+        files = report.run(find_files, spec.path, where=f"{key}{cfg.path_note(key)}")
+        if files is None:
+            continue
+        unreadable = [f for f in files if not os.access(f, os.R_OK)]
+        if unreadable:
+            report.problems.append(
+                f"{key}: {len(unreadable)} files cannot be read, e.g. {unreadable[0]}; fix permissions"
+            )
+            continue
+        text = [f for f in files if file_kind(f) != "tokens"]
+        tokens, known = 0, True
+        if text:
+            field_name = spec.text_field or d.text_field
+            report.run(_probe, text[0], field_name, where=key)
+            if found.tokenizer is None:
+                if _tokenizer_source(cfg)[0] is None:
+                    report.problems.append(
+                        f"{key}: {text[0]} is text: set data.tokenizer (a tokenizer.json or a model folder) so it "
+                        "can be tokenised"
+                    )
+                continue
+            for f in text:
+                entry = cache.lookup(f, found.tokenizer, field_name, separator) if separator is not None else None
+                if entry is None:
+                    found.uncached_text.append(f)
+                    known = False
+                else:
+                    tokens += entry.tokens
+                    found.max_token_id = max(found.max_token_id, entry.max_id)
+        for f in (f for f in files if file_kind(f) == "tokens"):
+            array = report.run(open_token_file, f, d.token_dtype, where=key)
+            max_id = report.run(cache.max_token_id, f, d.token_dtype, where=key) if array is not None else None
+            if array is None or max_id is None:
+                known = False
+                continue
+            tokens += len(array)
+            found.max_token_id = max(found.max_token_id, max_id)
+        if known and tokens < d.seq_len + 1:
+            report.problems.append(
+                f"{key} holds {tokens} tokens, fewer than one sample of data.seq_len + 1 = {d.seq_len + 1}; "
+                "add data or lower data.seq_len"
+            )
+    if d.document_masking and found.tokenizer is None and _tokenizer_source(cfg)[0] is None:
+        report.run(document_separator, cfg)
+    if found.uncached_text:
+        size = sum(f.stat().st_size for f in found.uncached_text)
+        report.notes.append(
+            f"data: {len(found.uncached_text)} text files ({size / 1e9:.2f} GB) are not in the token cache yet; the "
+            "launcher tokenises them before the ranks start (or run `mtraining tokenize CONFIG` ahead); their largest "
+            "token id is checked then"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- resume and disks
+def _resume(cfg: Config, found: Findings, report: Report) -> None:
+    """The newest checkpoint's recorded run against this one (check_resume: a changed schedule, another
+    model or tokenizer are refused); its files are verified by the run itself, before it loads them."""
+    from .checkpoint import CheckpointError, checkpoints, read_manifest
+    from .loss import CausalLMLoss
+    from .resume import check_resume, describe_run, model_identity
+
+    ck = cfg.checkpoint
+    if not ck.resume or not (found_dirs := checkpoints(ck.dir)):
+        return
+    for path in found_dirs:
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError as err:
+            report.warnings.append(f"checkpoint.dir: {err}; the run skips it")
+            continue
+        identity = model_identity(found.hf_config, CausalLMLoss(found.model).state_dict())
+        current = describe_run(cfg, identity, cfg.parallel.data, cfg.parallel.context)
+        notes = report.run(check_resume, manifest["run"], current, manifest["step"], cfg, path.name, where="resume")
+        size = sum(f["bytes"] for f in manifest["files"].values())
+        report.notes.append(
+            f"resume: from {path} (step {manifest['step']}, {size / 1e9:.1f} GB; its files are verified by the run "
+            "before it loads them)"
+        )
+        report.notes += [f"resume: {n}" for n in notes or []]
+        return
+
+
+def checkpoint_bytes(model) -> int:
+    """Bytes of one checkpoint: float32 weights and AdamW's two moments."""
+    return 12 * sum(p.numel() for p in model.parameters())
+
+
+def _free_space(cfg: Config, model, report: Report) -> None:
+    ck = cfg.checkpoint
+    if ck.dir is None:
+        return
+    existing = Path(ck.dir)
+    while not existing.exists():
+        existing = existing.parent
+    free, need = shutil.disk_usage(existing).free, checkpoint_bytes(model)
+    if free < need:
+        report.problems.append(
+            f"checkpoint.dir={ck.dir} has {free / 1e9:.1f} GB free but one checkpoint takes about {need / 1e9:.1f} GB; "
+            "free space there or set checkpoint.dir to a larger disk"
+        )
+        return
+    keep = getattr(ck, "keep", None)
+    held = keep + 1 if keep else cfg.train.steps // (ck.every or cfg.train.steps) + 1
+    if free < held * need:
+        report.warnings.append(
+            f"checkpoint.dir={ck.dir} has {free / 1e9:.0f} GB free; this run keeps up to {held} checkpoints of about "
+            f"{need / 1e9:.1f} GB" + ("" if keep else " (set checkpoint.keep to keep only the newest)")
+        )
+
+
+def _filesystem(path: str) -> tuple[str, str]:
+    """(mount point, filesystem type) of the nearest existing folder of ``path`` (from /proc/mounts)."""
+    existing = Path(path).resolve()
+    while not existing.exists():
+        existing = existing.parent
+    best = ("/", "unknown")
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount = parts[1].replace("\\040", " ")
+        if (str(existing) == mount or str(existing).startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best[0]):
+            best = (mount, parts[2])
+    return best
+
+
+def _shared_storage(cfg: Config, report: Report) -> None:
+    """On several nodes every rank writes its checkpoint shards into one checkpoint.dir, and every node reads
+    the model, the tokenizer, the data and the token cache: those must be storage all nodes share."""
+    must = [("checkpoint.dir", cfg.checkpoint.dir, "every rank writes its shards of each checkpoint there")]
+    should = [
+        ("data.cache_dir", cfg.data.cache_dir, "each node would otherwise tokenise the text again"),
+        ("model.path", cfg.model.path, "every node loads the weights"),
+        ("log.dir", cfg.log.dir, "rank 0 writes it; resume reads the run id back"),
+        ("checkpoint.export_dir", cfg.checkpoint.export_dir, "rank 0 writes the export there"),
+    ]
+    should += [(f"data.sources[{i}]", s.path, "every node reads the data") for i, s in enumerate(cfg.data.source_specs)]
+    lines = []
+    for key, path, why in must + should:
+        if path is None:
+            continue
+        mount, fs = _filesystem(path)
+        local = fs in _LOCAL_FILESYSTEMS
+        lines.append(f"{key}: {path} ({fs} at {mount}{', local to this machine' if local else ''}): {why}")
+        if local and key == "checkpoint.dir":
+            report.warnings.append(
+                f"checkpoint.dir={path} is on a {fs} filesystem ({mount}), local to this machine, but on "
+                "several nodes every rank writes its shards into it: put it on storage all nodes share "
+                "(NFS, Lustre, GPFS, ...), or the checkpoints of other nodes' ranks are lost"
+            )
+    report.notes.append("shared storage (several nodes):\n" + "\n".join(f"  {line}" for line in lines))
