@@ -24,6 +24,7 @@ Context parallelism (``group`` with W > 1 ranks, e.g. under torchrun):
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,8 @@ class AttentionSpec:
         pattern: ``PatternConfig.from_settings`` fields given (v_size, s_size, last_q, threshold, budgets: a
             file's path, ...) for sparse runs.
         min_sparse_len: sequences shorter than this run dense even when ``sparse``.
+        max_density: a layer whose estimated pattern keeps more than this fraction of the causal pairs runs
+            dense (``attention.max_density`` in training); None: always sparse.
         dense_layers: layers that run dense even when ``sparse`` (as ``attention.dense_layers`` in training).
         ring: "flat" or "hierarchical" context-parallel ring (``parallel.ring`` in training).
         inner_size: ranks per inner ring of the hierarchical ring (default: LOCAL_WORLD_SIZE).
@@ -69,6 +72,7 @@ class AttentionSpec:
     backend: str = "auto"
     pattern: dict = field(default_factory=dict)
     min_sparse_len: int = 0
+    max_density: float | None = None
     prefill_granule: int = 2048
     dense_layers: tuple[int, ...] = ()
     ring: str = "flat"
@@ -88,6 +92,14 @@ def layout_unit(layout: str, world_size: int, block_size: int) -> int:
     if world_size == 1:
         return block_size
     return (2 if layout == "zigzag" else 1) * world_size * block_size
+
+
+def _with_cache(forward, cache) -> dict:
+    """The keyword that hands ``cache`` to a Hugging Face forward: ``cache`` (transformers names it so from 5.2x;
+    ``past_key_values``, which it replaces, is removed in 5.40), ``past_key_values`` where the forward has no
+    ``cache``."""
+    name = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    return {name: cache}
 
 
 @contextlib.contextmanager
@@ -145,6 +157,7 @@ class Engine:
             pattern_config=self.pattern_config,
             dense_layers=frozenset(self.spec.dense_layers),
             min_sparse_len=self.spec.min_sparse_len,
+            max_density=self.spec.max_density,
             backend=self.spec.backend,
             ring=self.spec.ring,
             inner_size=self.spec.inner_size,
@@ -170,8 +183,8 @@ class Engine:
             out = self.model.base_model(
                 input_ids=self._local(ids[None].to(self.device), seq_len),
                 position_ids=self._local(positions[None], seq_len),
-                past_key_values=cache,
                 use_cache=cache is not None,
+                **_with_cache(self.model.base_model.forward, cache),
             )
         stats = attention.end_step()
         if stats.density is not None:
@@ -244,9 +257,9 @@ class Engine:
             for start in range(0, tail_ids.shape[1], _TAIL_CHUNK):
                 out = self.model(
                     input_ids=tail_ids[:, start : start + _TAIL_CHUNK],
-                    past_key_values=cache,
                     use_cache=True,
                     logits_to_keep=1,
+                    **_with_cache(self.model.forward, cache),
                 )
             for _ in range(max_new_tokens):
                 token = int(out.logits[0, -1].argmax())
@@ -254,7 +267,9 @@ class Engine:
                 if token in stop_ids or len(answer) == max_new_tokens:
                     break
                 step = torch.tensor([[token]], device=self.device)
-                out = self.model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out = self.model(
+                    input_ids=step, use_cache=True, logits_to_keep=1, **_with_cache(self.model.forward, cache)
+                )
         return answer
 
     @torch.no_grad()

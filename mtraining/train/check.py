@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..data.documents import file_kind, find_files, read_documents
+from ..data.documents import DataError, file_kind, find_files, read_documents
 from .config import Config
 
 CHECKED_ENV = "MTRAINING_CHECKED"
@@ -171,10 +171,15 @@ def _hf_config(cfg: Config):
             json.loads((folder / "config.json").read_text())
         except (ValueError, OSError) as err:
             raise ValueError(f"model.path: {folder / 'config.json'} is not valid JSON ({err}); copy it again") from None
+    key = "model.path" if path else "model.config"
     try:
         return build_config(**cfg.model.hf_kwargs())
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"{'model.path' if path else 'model.config'}: {err}") from None
+    except ValueError as err:
+        raise ValueError(f"{key}: {err}") from None
+    except Exception as err:  # transformers validates configs with errors of its own kinds
+        cause = str(getattr(err, "__cause__", None) or err).strip().splitlines()[-1]
+        where = f"{path}/config.json" if path else "model.config"
+        raise ValueError(f"{key}: {where} is not a consistent Hugging Face config ({cause}); fix it") from None
 
 
 def _meta_model(hf_config):
@@ -304,8 +309,10 @@ def _data(cfg: Config, found: Findings, report: Report) -> None:
         if not glob.has_magic(spec.path) and not Path(spec.path).exists():
             report.problems.append(f"{key}: {spec.path} does not exist{cfg.path_note(key)}")
             continue
-        files = report.run(find_files, spec.path, where=f"{key}{cfg.path_note(key)}")
-        if files is None:
+        try:
+            files = find_files(spec.path)
+        except DataError as err:
+            report.problems.append(f"{key}: {err}{cfg.path_note(key)}")
             continue
         unreadable = [f for f in files if not os.access(f, os.R_OK)]
         if unreadable:
@@ -351,7 +358,7 @@ def _data(cfg: Config, found: Findings, report: Report) -> None:
     if found.uncached_text:
         size = sum(f.stat().st_size for f in found.uncached_text)
         report.notes.append(
-            f"data: {len(found.uncached_text)} text files ({size / 1e9:.2f} GB) are not in the token cache yet; the "
+            f"data: {len(found.uncached_text)} text files ({size / 1e6:,.1f} MB) are not in the token cache yet; the "
             "launcher tokenises them before the ranks start (or run `mtraining tokenize CONFIG` ahead); their largest "
             "token id is checked then"
         )
@@ -361,19 +368,19 @@ def _data(cfg: Config, found: Findings, report: Report) -> None:
 def _resume(cfg: Config, found: Findings, report: Report) -> None:
     """The newest checkpoint's recorded run against this one (check_resume: a changed schedule, another
     model or tokenizer are refused); its files are verified by the run itself, before it loads them."""
-    from .checkpoint import CheckpointError, checkpoints, read_manifest
+    from .checkpoint import checkpoints, read_manifest
     from .loss import CausalLMLoss
     from .resume import check_resume, describe_run, model_identity
+    from .retention import sizes_match
 
     ck = cfg.checkpoint
     if not ck.resume or not (found_dirs := checkpoints(ck.dir)):
         return
     for path in found_dirs:
-        try:
-            manifest = read_manifest(path)
-        except CheckpointError as err:
-            report.warnings.append(f"checkpoint.dir: {err}; the run skips it")
+        if why := sizes_match(path):
+            report.warnings.append(f"checkpoint.dir: {path.name} does not verify ({why}); the run skips it")
             continue
+        manifest = read_manifest(path)
         identity = model_identity(found.hf_config, CausalLMLoss(found.model).state_dict())
         current = describe_run(cfg, identity, cfg.parallel.data, cfg.parallel.context)
         notes = report.run(check_resume, manifest["run"], current, manifest["step"], cfg, path.name, where="resume")
@@ -405,7 +412,7 @@ def _free_space(cfg: Config, model, report: Report) -> None:
             "free space there or set checkpoint.dir to a larger disk"
         )
         return
-    keep = getattr(ck, "keep", None)
+    keep = ck.keep
     held = keep + 1 if keep else cfg.train.steps // (ck.every or cfg.train.steps) + 1
     if free < held * need:
         report.warnings.append(

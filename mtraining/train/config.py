@@ -324,6 +324,9 @@ class CheckpointSection(_Section):
     """Save every N steps (and always after the last step when dir is set)."""
     resume: bool = True
     """Continue from the newest checkpoint in dir if there is one."""
+    keep: PositiveInt | None = None
+    """Keep only the newest N checkpoints that verify: older ones are deleted after each save (train/retention.py);
+    one that does not verify is never deleted. None: keep every checkpoint."""
     export_dir: str | None = None
     """Write the final weights as a HF directory here."""
     allow_changed_schedule: bool = False
@@ -407,8 +410,8 @@ class Config(_Section):
             raise ValueError(
                 f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps}); lower it"
             )
-        if self.checkpoint.every is not None and self.checkpoint.dir is None:
-            raise ValueError("checkpoint.every is set but checkpoint.dir is not; set checkpoint.dir")
+        if self.checkpoint.dir is None and (unused := [k for k in ("every", "keep") if getattr(self.checkpoint, k)]):
+            raise ValueError(f"checkpoint.{unused[0]} is set but checkpoint.dir is not; set checkpoint.dir")
         if any(layer < 0 for layer in att.dense_layers):
             raise ValueError(f"attention.dense_layers must be layer indices >= 0, got {att.dense_layers}")
         layers = self.model.overrides.get("num_hidden_layers", (self.model.config or {}).get("num_hidden_layers"))

@@ -42,6 +42,7 @@ from .packing import PackedSamples, first_draw, shard_batch
 from .preflight import check_before_ranks, check_model, check_sources, rope_warning
 from .profile import step_profiler, write_profile
 from .resume import describe_run, model_identity, resume
+from .retention import prune_checkpoints
 from .saved_outputs import device_memory, plan_saved_outputs, saved_outputs_bytes
 from .signals import StopSignal
 from .summary import startup_summary
@@ -323,6 +324,9 @@ class Trainer:
         path = save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, self.run_info)
         self.last_checkpoint = path
         self.monitor.write(f"saved checkpoint {path}")
+        if self.par.is_main and self.cfg.checkpoint.keep:
+            for line in prune_checkpoints(self.cfg.checkpoint.dir, self.cfg.checkpoint.keep):
+                self.monitor.write(line)
         return path
 
     def export(self, out_dir: str | Path) -> Path:

@@ -194,7 +194,7 @@ def test_cli_tokenize_fills_the_cache_and_writes_the_token_stream(tmp_path):
     from mtraining.train.data import load_sources
 
     out = tmp_path / "tokens.npy"
-    args = ["tokenize", str(ROOT / "configs" / "tiny_cpu.yaml"), str(out), "--set", f"data.cache_dir={tmp_path}"]
+    args = ["tokenize", str(ROOT / "configs" / "tiny_cpu.yaml"), str(out), f"data.cache_dir={tmp_path}"]
     result = CliRunner().invoke(app, args)  # from any folder: the config's paths are relative to it
     assert result.exit_code == 0, result.output
     assert "tokenising" in result.output and "141,281 tokens" in result.output
@@ -204,6 +204,23 @@ def test_cli_tokenize_fills_the_cache_and_writes_the_token_stream(tmp_path):
     assert saved.dtype == np.uint16 and np.array_equal(saved, expected)
     again = CliRunner().invoke(app, args[:2] + args[3:])  # cached: nothing tokenised
     assert again.exit_code == 0 and "tokenising" not in again.output
+    twice = CliRunner().invoke(app, [*args, str(tmp_path / "other.npy")])
+    assert twice.exit_code == 2 and "tokenize takes one OUT file" in twice.output
+
+
+def test_every_command_takes_overrides_as_train_does(tmp_path, monkeypatch):
+    """section.key=value after the positional arguments, for train, check, export and tokenize alike; anything else
+    there is named; export names a --checkpoint that does not exist (not "an interrupted save")."""
+    config = str(ROOT / "configs" / "tiny_cpu.yaml")
+    for args in (["train", config], ["check", config], ["export", config, str(tmp_path / "hf")]):
+        result = CliRunner().invoke(app, [*args, "train.stepz=1"])
+        assert result.exit_code == 2 and "did you mean train.steps?" in result.output, result.output
+        result = CliRunner().invoke(app, [*args, "steps"])
+        assert result.exit_code == 2 and "'steps' is not a section.key=value override" in result.output, result.output
+    missing = tmp_path / "ck" / "step_00000020"
+    result = CliRunner().invoke(app, ["export", config, str(tmp_path / "hf"), "--checkpoint", str(missing)])
+    assert result.exit_code == 2 and f"--checkpoint {missing} does not exist" in result.output
+    assert "interrupted save" not in result.output and "Traceback" not in result.output
 
 
 def test_budgets_file_gives_per_layer_per_head_budgets(tmp_path):

@@ -356,7 +356,7 @@ def test_export_and_eval_verify_the_checkpoint(trained, tmp_path):
     from mtraining.eval.loading import load
 
     with pytest.raises(ValueError, match="does not verify: __0_0.distcp does not match its SHA-256"):
-        load(ck / "step_00000002", config=config)
+        load(ck / "step_00000002", config=load_config(config))
 
 
 # ---------------------------------------------------------------------------------------------- 4 a stuck peer
