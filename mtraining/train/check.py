@@ -28,6 +28,7 @@ from typing import Any
 
 from ..data.documents import DataError, file_kind, find_files, read_documents
 from .config import Config
+from .estimate import size_text
 
 CHECKED_ENV = "MTRAINING_CHECKED"
 """Set to 1 by the ``--nproc`` launcher once these checks passed on its node: its ranks need not repeat them."""
@@ -80,7 +81,8 @@ class Findings:
     model: Any = None  # the model on the meta device
     tokenizer: Any = None
     max_token_id: int = -1
-    uncached_text: list[Path] = field(default_factory=list)
+    """The largest id of the token files (text is tokenised later)."""
+    text_files: list[Path] = field(default_factory=list)
 
 
 def check_run(cfg: Config, launch: Launch) -> tuple[Report, Findings]:
@@ -97,11 +99,8 @@ def check_run(cfg: Config, launch: Launch) -> tuple[Report, Findings]:
             _weights(Path(cfg.model.path), found.model, found.hf_config, report)
     found.tokenizer = _tokenizer(cfg, report)
     _data(cfg, found, report)
-    if found.hf_config is not None and found.max_token_id >= found.hf_config.vocab_size:
-        report.problems.append(
-            f"the data holds token id {found.max_token_id} but the model's vocab_size is {found.hf_config.vocab_size}; "
-            "tokenise with the model's own tokenizer (data.tokenizer) or raise model.config.vocab_size"
-        )
+    if found.hf_config is not None:
+        _vocabularies(found, report)
     if found.model is not None:
         _resume(cfg, found, report)
         _free_space(cfg, found.model, report)
@@ -117,7 +116,8 @@ def _world(cfg: Config, launch: Launch) -> None:
 
 
 def _writable(path: str) -> str | None:
-    """Why the run could not write into ``path`` (created if missing), or None; creates nothing."""
+    """Why the run could not write into ``path`` (created if missing), or None. Creates nothing but a probe file,
+    removed at once, in ``path`` or its nearest existing folder (permission bits do not tell root's writes)."""
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
         return "is a file, not a folder"
@@ -126,8 +126,16 @@ def _writable(path: str) -> str | None:
         existing = existing.parent
     if not existing.is_dir():
         return f"cannot be created: {existing} is a file"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return "is not writable" if existing == folder else f"cannot be created: {existing} is not writable"
+    probe = existing / f".mtraining-check-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        return (
+            f"is not writable ({err.strerror})"
+            if existing == folder
+            else f"cannot be created: {existing} is not writable"
+        )
     return None
 
 
@@ -280,10 +288,7 @@ def _tokenizer(cfg: Config, report: Report):
     elif not Path(path).exists():
         report.problems.append(f"data.tokenizer: {path} does not exist{cfg.path_note('data.tokenizer')}")
         return None
-    tokenizer = report.run(TextTokenizer, path, where=key)
-    if tokenizer is not None and (cfg.data.document_masking or cfg.data.separator is not None):
-        report.run(tokenizer.separator_id, cfg.data.separator, where=key)
-    return tokenizer
+    return report.run(TextTokenizer, path, where=key)
 
 
 def _probe(path: Path, text_field: str) -> None:
@@ -292,18 +297,16 @@ def _probe(path: Path, text_field: str) -> None:
 
 
 def _data(cfg: Config, found: Findings, report: Report) -> None:
-    """Every source: its files exist and are readable; the first text file's first document reads; token
-    files open and their largest id is known (scanned once, remembered by the token cache); the tokens a
-    source holds, where known, make at least one sample."""
+    """Every source: its files exist and are readable; the first document of its first text file reads; token
+    files open and their largest id is known (scanned once, remembered by the token cache), and a source of
+    token files makes at least one sample. Text is not read further here: the launcher tokenises it (or
+    ``mtraining tokenize``) and checks its sources' samples and largest id then."""
     from ..data.cache import TokenCache
     from ..data.tokens import open_token_file
     from .data import document_separator
 
     d = cfg.data
     cache = TokenCache(d.cache_dir)
-    separator = None
-    if found.tokenizer is not None:
-        separator = report.run(found.tokenizer.separator_id, d.separator, where="data.separator")
     for i, spec in enumerate(d.source_specs):
         key = f"data.sources[{i}]"
         if not glob.has_magic(spec.path) and not Path(spec.path).exists():
@@ -321,46 +324,53 @@ def _data(cfg: Config, found: Findings, report: Report) -> None:
             )
             continue
         text = [f for f in files if file_kind(f) != "tokens"]
-        tokens, known = 0, True
         if text:
-            field_name = spec.text_field or d.text_field
-            report.run(_probe, text[0], field_name, where=key)
-            if found.tokenizer is None:
-                if _tokenizer_source(cfg)[0] is None:
-                    report.problems.append(
-                        f"{key}: {text[0]} is text: set data.tokenizer (a tokenizer.json or a model folder) so it "
-                        "can be tokenised"
-                    )
-                continue
-            for f in text:
-                entry = cache.lookup(f, found.tokenizer, field_name, separator) if separator is not None else None
-                if entry is None:
-                    found.uncached_text.append(f)
-                    known = False
-                else:
-                    tokens += entry.tokens
-                    found.max_token_id = max(found.max_token_id, entry.max_id)
+            report.run(_probe, text[0], spec.text_field or d.text_field, where=key)
+            found.text_files += text
+            if _tokenizer_source(cfg)[0] is None:
+                report.problems.append(
+                    f"{key}: {text[0]} is text: set data.tokenizer (a tokenizer.json or a model folder) so it can "
+                    "be tokenised"
+                )
+        tokens = 0
         for f in (f for f in files if file_kind(f) == "tokens"):
             array = report.run(open_token_file, f, d.token_dtype, where=key)
             max_id = report.run(cache.max_token_id, f, d.token_dtype, where=key) if array is not None else None
             if array is None or max_id is None:
-                known = False
+                text = [f]  # unknown: not counted below
                 continue
             tokens += len(array)
             found.max_token_id = max(found.max_token_id, max_id)
-        if known and tokens < d.seq_len + 1:
+        if not text and tokens < d.seq_len + 1:
             report.problems.append(
                 f"{key} holds {tokens} tokens, fewer than one sample of data.seq_len + 1 = {d.seq_len + 1}; "
                 "add data or lower data.seq_len"
             )
-    if d.document_masking and found.tokenizer is None and _tokenizer_source(cfg)[0] is None:
+    if found.tokenizer is not None and (found.text_files or d.document_masking):  # documents end with it
+        report.run(found.tokenizer.separator_id, d.separator, where="data.separator")
+    elif d.document_masking and _tokenizer_source(cfg)[0] is None:
         report.run(document_separator, cfg)
-    if found.uncached_text:
-        size = sum(f.stat().st_size for f in found.uncached_text)
+    if found.text_files:
+        size = sum(f.stat().st_size for f in found.text_files)
         report.notes.append(
-            f"data: {len(found.uncached_text)} text files ({size / 1e6:,.1f} MB) are not in the token cache yet; the "
-            "launcher tokenises them before the ranks start (or run `mtraining tokenize CONFIG` ahead); their largest "
-            "token id is checked then"
+            f"data: {len(found.text_files)} text files ({size / 1e6:,.1f} MB); the launcher tokenises what the token "
+            "cache lacks before the ranks start (or run `mtraining tokenize CONFIG` ahead), then checks each "
+            "source's samples and largest token id"
+        )
+
+
+def _vocabularies(found: Findings, report: Report) -> None:
+    """The data's largest token id (token files) and the tokenizer's size against the model's vocabulary."""
+    vocab = found.hf_config.vocab_size
+    if found.max_token_id >= vocab:
+        report.problems.append(
+            f"the data holds token id {found.max_token_id} but the model's vocab_size is {vocab}; tokenise with the "
+            "model's own tokenizer (data.tokenizer) or raise model.config.vocab_size"
+        )
+    if found.tokenizer is not None and found.text_files and found.tokenizer.vocab_size > vocab:
+        report.warnings.append(
+            f"the tokenizer {found.tokenizer.path} has {found.tokenizer.vocab_size} tokens, more than the model's "
+            f"vocab_size {vocab}: is it the model's own? Text holding the others would fail after tokenising"
         )
 
 
@@ -386,7 +396,7 @@ def _resume(cfg: Config, found: Findings, report: Report) -> None:
         notes = report.run(check_resume, manifest["run"], current, manifest["step"], cfg, path.name, where="resume")
         size = sum(f["bytes"] for f in manifest["files"].values())
         report.notes.append(
-            f"resume: from {path} (step {manifest['step']}, {size / 1e9:.1f} GB; its files are verified by the run "
+            f"resume: from {path} (step {manifest['step']}, {size_text(size)}; its files are verified by the run "
             "before it loads them)"
         )
         report.notes += [f"resume: {n}" for n in notes or []]
@@ -408,7 +418,7 @@ def _free_space(cfg: Config, model, report: Report) -> None:
     free, need = shutil.disk_usage(existing).free, checkpoint_bytes(model)
     if free < need:
         report.problems.append(
-            f"checkpoint.dir={ck.dir} has {free / 1e9:.1f} GB free but one checkpoint takes about {need / 1e9:.1f} GB; "
+            f"checkpoint.dir={ck.dir} has {size_text(free)} free but one checkpoint takes about {size_text(need)}; "
             "free space there or set checkpoint.dir to a larger disk"
         )
         return
@@ -416,8 +426,8 @@ def _free_space(cfg: Config, model, report: Report) -> None:
     held = keep + 1 if keep else cfg.train.steps // (ck.every or cfg.train.steps) + 1
     if free < held * need:
         report.warnings.append(
-            f"checkpoint.dir={ck.dir} has {free / 1e9:.0f} GB free; this run keeps up to {held} checkpoints of about "
-            f"{need / 1e9:.1f} GB" + ("" if keep else " (set checkpoint.keep to keep only the newest)")
+            f"checkpoint.dir={ck.dir} has {size_text(free)} free; this run keeps up to {held} checkpoints of about "
+            f"{size_text(need)}" + ("" if keep else " (set checkpoint.keep to keep only the newest)")
         )
 
 

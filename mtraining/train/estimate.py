@@ -45,7 +45,8 @@ from .saved_outputs import DEFAULT_FRACTION, saved_outputs_bytes
 GB = 1e9
 
 
-def _size(nbytes: float) -> str:
+def size_text(nbytes: float) -> str:
+    """Bytes as decimal GB (as peak_mem_gb), or MB below 0.1 GB."""
     return f"{nbytes / GB:.2f} GB" if nbytes >= 0.1 * GB else f"{nbytes / 1e6:.1f} MB"
 
 
@@ -205,8 +206,8 @@ def memory_per_gpu(cfg: Config, m: ModelShape, gpu: Gpu) -> Estimate:
             f"{m.layers} x {t:,} x {m.heads} x ({m.head_dim} x {b} + 4) B",
         ),
     ]
-    lines = [f"memory per GPU, estimated: {_size(total)} of the {gpu.name}'s {gpu.memory / GB:.0f} GB"]
-    lines += [f"  {name}: {_size(value)} ({how})" for name, value, how in terms]
+    lines = [f"memory per GPU, estimated: {size_text(total)} of the {gpu.name}'s {gpu.memory / GB:.0f} GB"]
+    lines += [f"  {name}: {size_text(value)} ({how})" for name, value, how in terms]
     lines.append(
         "  peak = max(weights and moments + compute copy + activations + loss + ring [+ saved outputs], weights, "
         "moments and gradients + compute copy); not counted: CUDA context, fragmentation, estimation buffers"
@@ -244,7 +245,7 @@ def time_per_step(cfg: Config, m: ModelShape, gpu: Gpu, gpus_per_node: int) -> E
     if context > 1:  # per pair and query head: 4 x head_dim FLOPs forward, 8 x head_dim backward
         shape = AttentionShape(m.heads, m.kv_heads, m.head_dim)
         work = step_work(shape, n, context, density, rate / (4 * m.head_dim), rate / (8 * m.head_dim))
-        inner = cfg.inner_size(gpus_per_node)
+        inner = cfg.innersize_text(gpus_per_node)
         predict = hierarchical_ring_time if cfg.parallel.ring == "hierarchical" else flat_ring_time
         inter = gpu.inter if context > gpus_per_node else gpu.intra
         cluster, ideal = (

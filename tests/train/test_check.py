@@ -185,17 +185,23 @@ def test_estimates_are_printed_for_gpu_runs(tmp_path, model_dir):
     assert "estimates: none for train.device=cpu" in " ".join(_check(_write(tmp_path / "d.yaml", RAW))[1].split())
 
 
-def test_the_ranks_of_a_direct_torchrun_launch_run_the_same_checks(tmp_path):
-    """Without the launcher (torchrun by hand; here one process) the trainer refuses the run with every problem
-    in one message before it builds the model."""
+def _build_trainer(cfg) -> None:
     from mtraining.train.trainer import Trainer
 
+    Trainer(cfg).close()
+
+
+def test_the_ranks_of_a_direct_torchrun_launch_run_the_same_checks(tmp_path):
+    """Without the launcher (torchrun by hand; here two gloo ranks) the trainer refuses the run with every problem
+    in one message before it builds the model."""
+    from mtraining.train.launch import run_local
+
     bad = [f"data.sources=[{tmp_path / 'a.jsonl'}, {tmp_path / 'b.jsonl'}]", f"data.tokenizer={tmp_path / 't.json'}"]
-    cfg = load_config(_write(tmp_path / "c.yaml", RAW), bad)
-    with pytest.raises(ValueError) as err:
-        Trainer(cfg)
+    cfg = load_config(_write(tmp_path / "c.yaml", RAW), [*bad, "parallel.data=2"])
+    with pytest.raises(RuntimeError) as err:
+        run_local(_build_trainer, 2, cfg)
     msg = str(err.value)
-    assert msg.startswith("3 problems:") and "data.tokenizer:" in msg and "data.sources[1]:" in msg, msg
+    assert "3 problems:" in msg and "data.tokenizer:" in msg and "data.sources[1]:" in msg, msg
 
 
 def test_check_run_collects_instead_of_raising(tmp_path):
