@@ -88,8 +88,8 @@ def train(
     One node: `mtraining train CONFIG --nproc 8`. Several: on node n of N, `mtraining train CONFIG --nproc 8
     --nnodes N --node-rank n --rdzv-endpoint NODE0:29500` (torchrun with the same options works too:
     `torchrun --nnodes N --node-rank n --rdzv-endpoint NODE0:29500 --nproc-per-node 8 -m mtraining.cli train
-    CONFIG`). Before starting the ranks the launcher checks the config, output folders, data, tokenizer and
-    model once and tokenises text sources into the token cache.
+    CONFIG`). Before starting the ranks the launcher runs the checks of `mtraining check` (every problem at
+    once, exit 2) and tokenises text sources into the token cache.
 
     SIGTERM (preemption) makes the ranks finish the current step, save a checkpoint and exit 143.
     """

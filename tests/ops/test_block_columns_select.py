@@ -118,6 +118,7 @@ def columns_case(group, layout_name, q, k, config, docs):
     return _block_columns_cp(layout.shard(q, rank), layout.shard(k, rank), lines, config, group, layout, 0, 0.25, docs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("layout_name", LAYOUTS)
 @pytest.mark.parametrize("docs_kind", [None, "mixed"])

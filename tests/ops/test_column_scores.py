@@ -48,6 +48,7 @@ def all_scores(chunks, nb: int) -> torch.Tensor:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", ["all", "strided"])
 @pytest.mark.parametrize("docs", list(DOCUMENTS))
 def test_triton_scores_and_columns_equal_the_reference(docs, rows):
@@ -64,6 +65,7 @@ def test_triton_scores_and_columns_equal_the_reference(docs, rows):
     assert torch.equal(select_block_columns(q, k, pattern, 3, SCALE, scorer="triton", **kwargs), torch_columns)
 
 
+@pytest.mark.slow
 def test_rows_without_pattern_keys_add_nothing():
     """No diagonal and no vertical: every row's LSE over the pattern is -inf, so no score (the reference
     weighs such rows against all the keys they see instead)."""

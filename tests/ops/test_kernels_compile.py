@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper(tmp_path):
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
