@@ -142,7 +142,8 @@ def tokenize(
     """Tokenise the config's text sources into the token cache now (e.g. on a login node before a job), so
     ranks only memory-map them; with OUT, also write all sources end to end as one token file."""
     from .train.config import load_config
-    from .train.data import load_sources
+    from .train.data import load_sources, write_token_file
+    from .train.errors import SaveFailed
 
     try:
         cfg = load_config(config, overrides)
@@ -152,20 +153,11 @@ def tokenize(
     for s in sources:
         typer.echo(f"{s.name}: {s.files} files, {len(s.stream):,} tokens, largest id {s.max_id}")
     if out is not None:
-        import numpy as np
-
-        dtype = np.uint16 if max(s.max_id for s in sources) < 1 << 16 else np.uint32
-        total = sum(len(s.stream) for s in sources)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        target = np.lib.format.open_memmap(out, mode="w+", dtype=dtype, shape=(total,))
-        done = 0
-        for s in sources:
-            for start in range(0, len(s.stream), 1 << 24):
-                window = s.stream.read(start, min(len(s.stream), start + (1 << 24)))
-                target[done : done + len(window)] = window
-                done += len(window)
-        target.flush()
-        typer.echo(f"wrote {total} tokens ({np.dtype(dtype).name}) to {out}")
+        try:
+            dtype = write_token_file(sources, out)
+        except SaveFailed as err:
+            _fail(err, err.exit_code)
+        typer.echo(f"wrote {sum(len(s.stream) for s in sources)} tokens ({dtype.name}) to {out}")
 
 
 def main() -> None:

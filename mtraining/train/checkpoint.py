@@ -15,7 +15,6 @@ continuing gives the same next step as never stopping.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -38,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ..data.cache import file_digest
 from .agree import all_gather, from_rank0
 from .errors import SaveFailed
 
@@ -45,7 +45,7 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PARTIAL = ".partial"
-_HASH_CHUNK = 16 << 20
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust libraries (safetensors) quote an OS error
 
 
 class CheckpointError(ValueError):
@@ -71,16 +71,6 @@ def _rank_world() -> tuple[int, int]:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def file_digest(path: Path) -> str:
-    """SHA-256 of a file, read in chunks."""
-    digest, buffer = hashlib.sha256(), bytearray(_HASH_CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
 
 
 def _describe(path: Path) -> dict[str, Any]:
@@ -145,14 +135,24 @@ def _commit(partial: Path, final: Path) -> None:
         os.close(fd)
 
 
+def _errno(err: BaseException) -> int | None:
+    """The OS error number of a failed write: an OSError's, or the one a library quotes ("(os error 13)")."""
+    if isinstance(err, OSError):
+        return err.errno
+    found = _OS_ERROR.search(str(err))
+    return int(found.group(1)) if found else None
+
+
 def write_error(err: BaseException, target: Path, what: str) -> BaseException:
-    """A clear SaveFailed for a full disk or a permission problem; other errors pass through unchanged."""
+    """A clear SaveFailed for a write the file system refused (full disk, permissions, a read-only or missing
+    folder); other errors pass through unchanged."""
     causes = list(err.failures.values()) if isinstance(err, CheckpointException) else [(err, None)]
     errors = [e for e, _ in causes]
     text = " ".join(str(e) for e in errors)
     folder = target.parent
     free = shutil.disk_usage(folder).free if folder.exists() else None
-    full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in errors)
+    codes = [code for e in errors if (code := _errno(e)) is not None]
+    full = any(code in (errno.ENOSPC, errno.EDQUOT) for code in codes)
     # torch's zip writer reports a failed write as "unexpected pos"; the disk being full is then the cause
     full = full or "No space left" in text or ("unexpected pos" in text and free is not None and free < 64 << 20)
     shutil.rmtree(target.with_name(target.name + _PARTIAL), ignore_errors=True)
@@ -161,10 +161,11 @@ def write_error(err: BaseException, target: Path, what: str) -> BaseException:
             f"{what} {target} failed: no space left on the disk of {folder} ({_size(free)} free); "
             "free space there or point checkpoint.dir / checkpoint.export_dir at a larger disk"
         )
-    if any(isinstance(e, PermissionError) for e in errors):
-        return SaveFailed(
-            f"{what} {target} failed: {folder} is not writable; fix its permissions or choose another folder"
-        )
+    if codes:
+        where = next((e.filename for e in errors if isinstance(e, OSError) and e.filename), target)
+        denied = codes[0] in (errno.EACCES, errno.EPERM, errno.EROFS)
+        fix = "fix its permissions or choose another folder" if denied else "choose another folder"
+        return SaveFailed(f"{what} {target} failed: {os.strerror(codes[0])} ({where}); {fix}")
     if isinstance(err, CheckpointException):  # DCP's wrapper is a BaseException: hand on the first cause
         return RuntimeError(f"{what} {target} failed: {errors[0]!r}")
     return err

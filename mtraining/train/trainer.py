@@ -199,7 +199,7 @@ class Trainer:
         if cfg.train.fused_kernels == "liger" and self.par.device.type != "cuda":
             raise ValueError("train.fused_kernels=liger runs on CUDA only: set train.fused_kernels=none on the CPU")
         hf = build_model(**cfg.model.hf_kwargs(), init=cfg.model.init)
-        check_model(cfg, hf.config, max(s.max_id for s in self.sources))
+        check_model(cfg, hf.config, self.sources)
         cfg.check_layers(hf.config.num_hidden_layers)
         return hf
 

@@ -481,14 +481,63 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
     assert result.exit_code == 2 and "line 3" in result.output and "Traceback" not in result.output
 
 
+def _read_only(tmp_path: Path) -> Path:
+    """A folder nobody can write into: sysfs for root (who writes through permission bits), else a 0o500 one."""
+    if os.geteuid() == 0:
+        return Path("/sys")
+    (tmp_path / "ro").mkdir(mode=0o500)
+    return tmp_path / "ro"
+
+
+def test_files_that_are_not_utf8_are_named(tmp_path):
+    """A config or budgets file with invalid UTF-8 names the file (the message was the codec's alone)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"train:\n  steps: \xff\xfe\n")
+    result = CliRunner().invoke(app, ["train", str(bad)])
+    assert result.exit_code == 2 and f"{bad} is not UTF-8 text" in result.output, result.output
+    budgets = tmp_path / "budgets.yaml"
+    budgets.write_bytes(b"default: {v_size: 4, s_size: \xff}\n")
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**RAW, "attention": {**RAW["attention"], "budgets": str(budgets)}}))
+    result = CliRunner().invoke(app, ["train", str(config)])
+    assert result.exit_code == 2 and f"budgets file {budgets} cannot be read as UTF-8 text" in result.output
+    assert "Traceback" not in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ('{"model_type": "qwen2", broken', "is not a Hugging Face config (a JSON object): unreadable"),
+        ("[1, 2]", "is not a Hugging Face config (a JSON object): [1, 2]"),
+        ('{"model_type": "qwen2", "hidden_size": "big"}', "config.json: hidden_size must be a positive integer"),
+        (
+            '{"model_type": "qwen2", "rope_scaling": 5}',
+            "config.json (with model.overrides) does not make a qwen2 config",
+        ),
+    ],
+)
+def test_a_corrupt_config_json_names_the_file(tmp_path, content, expected):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(content)
+    config = _write_config(tmp_path / "c.yaml", "model.config=null", f"model.path={tmp_path / 'model'}")
+    code, out = run_local(_invoke, 1, ["train", config])[0]
+    assert code == 2 and expected in out and "Traceback" not in out, out
+
+
+def test_export_and_tokenize_into_a_folder_that_cannot_be_written_exit_5(trained, tmp_path):
+    read_only = _read_only(tmp_path)
+    config = _write_config(tmp_path / "c.yaml", "train.steps=2", f"checkpoint.dir={trained}")
+    for command in (["export", config, read_only / "out"], ["tokenize", config, read_only / "out.npy"]):
+        result = CliRunner().invoke(app, [str(a) for a in command])
+        assert result.exit_code == 5, result.output
+        assert "fix its permissions or choose another folder" in result.output, result.output
+        assert "Traceback" not in result.output
+
+
 def test_output_folders_are_checked_at_start(tmp_path):
     """A file or a read-only folder as checkpoint.dir fails before torchrun starts (not at the first save)."""
     (tmp_path / "file").write_text("")
-    if os.geteuid() == 0:  # root writes through permission bits; sysfs refuses new files to anyone
-        read_only = Path("/sys")
-    else:
-        read_only = tmp_path / "ro"
-        read_only.mkdir(mode=0o500)
+    read_only = _read_only(tmp_path)
     for folder, expected in ((tmp_path / "file", "is a file, not a folder"), (read_only, "is not writable")):
         config = _write_config(tmp_path / "c.yaml", f"checkpoint.dir={folder}", "parallel.context=2")
         result = CliRunner().invoke(app, ["train", str(config), "--nproc", "2"])
