@@ -24,3 +24,21 @@ def check_finite(step: int, loss: float, grad_norm: float, last_checkpoint: Path
         f"holds it; {where}. Lower optim.lr, lengthen optim.warmup_steps or set optim.grad_clip and run again "
         "(resuming with changed optim settings needs checkpoint.allow_changed_schedule=true)"
     )
+
+
+def check_finite_weights(step: int, weight_norm: float, last_checkpoint: Path | None) -> None:
+    """Raise ``Diverged`` unless the weights after (1-based) ``step``'s update have a finite norm.
+
+    ``check_finite`` guards each update before it is applied, from the loss and gradients of the weights
+    before it; nothing runs on the weights after the last update, so call this before a checkpoint or the
+    export stores them. The norm is float32, as the gradient norm: weights whose squares overflow it
+    (about 1e19 and above) overflow the model's own products too.
+    """
+    if math.isfinite(weight_norm):
+        return
+    where = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved yet"
+    raise Diverged(
+        f"step {step} diverged: its update made the weights' norm {weight_norm}. Neither a checkpoint nor the export "
+        f"holds these weights; {where}. Lower optim.lr, lengthen optim.warmup_steps or set optim.grad_clip and run "
+        "again (resuming with changed optim settings needs checkpoint.allow_changed_schedule=true)"
+    )

@@ -30,7 +30,7 @@ from .checkpoint import full_model_state, save_checkpoint
 from .config import Config
 from .data import document_separator, open_sources
 from .distributed import ParallelState, init_parallel
-from .divergence import check_finite
+from .divergence import check_finite, check_finite_weights
 from .errors import Preempted, RunStopped
 from .export import DTYPES, export_model
 from .loss import IGNORE_INDEX, CausalLMLoss
@@ -315,13 +315,17 @@ class Trainer:
         """Collective: a distributed checkpoint of the current step."""
         if self.cfg.checkpoint.dir is None:
             raise ValueError("checkpoint.dir is not set; set it to save checkpoints")
-        path = save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, self.run_info)
+        self._check_weights()
+        path = save_checkpoint(
+            self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, self.run_info, self.monitor.write
+        )
         self.last_checkpoint = path
         self.monitor.write(f"saved checkpoint {path}")
         return path
 
     def export(self, out_dir: str | Path) -> Path:
         """Collective: write the current weights as a HF directory (rank 0 writes)."""
+        self._check_weights()
         state = full_model_state(self.model)
         failure = None
         if self.par.is_main:
@@ -336,6 +340,11 @@ class Trainer:
         if failure is not None:
             raise failure
         return Path(out_dir)
+
+    def _check_weights(self) -> None:
+        """Collective: Diverged unless the weights' norm is finite (divergence.check_finite_weights)."""
+        norm = torch.nn.utils.get_total_norm([p.detach() for p in self.model.parameters()])
+        check_finite_weights(self.step, _to_float(norm), self.last_checkpoint)
 
     def run(self) -> list[dict[str, float]]:
         """Train to ``train.steps``, checkpointing and exporting as configured; returns every step's metrics.

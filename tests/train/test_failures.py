@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,7 +25,14 @@ import yaml
 from typer.testing import CliRunner
 
 from mtraining.cli import app
-from mtraining.train.checkpoint import MANIFEST, newest_verified, read_manifest, save_checkpoint, verify_checkpoint
+from mtraining.train.checkpoint import (
+    MANIFEST,
+    newest_verified,
+    pick_checkpoint,
+    read_manifest,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from mtraining.train.config import ConfigError, load_config, parse_config
 from mtraining.train.errors import Diverged, RankStalled, SaveFailed
 from mtraining.train.launch import run_local
@@ -123,6 +131,25 @@ def test_a_diverging_run_stops_with_exit_code_3_and_writes_no_nan(tmp_path):
 
     model, _ = load_trained_model(load_config(config), ck, report=print)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_weights_blown_up_by_the_last_update_are_neither_saved_nor_exported(tmp_path):
+    """lr=1e35: step 1's loss and gradients are finite, and its update makes weights of about 1e35, which the
+    check before an update never sees when it is the last one (the run exported them with exit 0)."""
+    ck, hf = tmp_path / "ck", tmp_path / "hf"
+    config = _write_config(
+        tmp_path / "blowup.yaml",
+        "optim.lr=1e35",
+        "optim.warmup_steps=0",
+        "train.steps=1",
+        f"checkpoint.dir={ck}",
+        f"checkpoint.export_dir={hf}",
+    )
+    code, out = run_local(_invoke, 1, ["train", config])[0]
+    assert code == Diverged.exit_code, out
+    assert "step 1 diverged: its update made the weights' norm inf" in out and "Traceback" not in out
+    assert "no checkpoint was saved yet" in out
+    assert not list(ck.iterdir()) and not (hf / "model.safetensors").exists()
 
 
 def _finite_checks(cfg) -> tuple[list[tuple[int, float]], list[dict]]:
@@ -264,8 +291,6 @@ CORRUPTIONS = [
     (_flip, "__0_0.distcp does not match its SHA-256"),
     (_truncate, "__0_0.distcp has"),
     (_shard_of_another_save, "__0_0.distcp does not match its SHA-256"),
-    (_no_manifest, "has no manifest.json (an older format)"),
-    (_no_metadata, ".metadata is missing"),
     (_garbled_manifest, "manifest.json is unreadable"),
 ]
 
@@ -278,6 +303,66 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(trained, tmp_
     path, manifest = newest_verified(ck, notes.append)
     assert path.name == "step_00000001" and manifest["step"] == 1
     assert len(notes) == 1 and notes[0].startswith(f"skipping checkpoint {ck / 'step_00000002'}: ") and why in notes[0]
+
+
+def _no_shard(folder: Path) -> None:
+    (folder / SHARD).unlink()
+
+
+# checkpoints that may be whole but cannot be verified here: refused with the fix, never skipped (a run that
+# skipped one restarted from an older step and its first save overwrote it)
+def _other_format(folder: Path) -> None:
+    manifest = json.loads((folder / MANIFEST).read_text())
+    (folder / MANIFEST).write_text(json.dumps({**manifest, "format": 2}))
+
+
+UNVERIFIABLE = [
+    (_no_manifest, "step_00000002 has no manifest.json (an older format: a checkpoint of an earlier version"),
+    (_other_format, "step_00000002 has manifest format 2, this version reads 1: it was written by another version"),
+    (_no_shard, "step_00000002 lacks __0_0.distcp, listed in its manifest.json"),
+    (_no_metadata, "step_00000002 lacks .metadata, listed in its manifest.json"),
+]
+
+
+@pytest.mark.parametrize("damage, why", UNVERIFIABLE, ids=lambda v: getattr(v, "__name__", ""))
+def test_a_checkpoint_that_cannot_be_verified_is_refused_not_skipped(trained, tmp_path, damage, why):
+    ck = shutil.copytree(trained, tmp_path / "ck")
+    damage(ck / "step_00000002")
+    with pytest.raises(ValueError, match=re.escape(why)):
+        newest_verified(ck, print)
+    with pytest.raises(ValueError, match=re.escape(why)):
+        pick_checkpoint(ck, print)  # the export's and evaluation's pick
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_an_older_format_checkpoint_is_kept_and_can_be_adopted(trained, tmp_path):
+    """The run refuses it, naming the fix, and writes nothing; once adopted it is the one resumed from."""
+    ck = shutil.copytree(trained, tmp_path / "ck")
+    _no_manifest(ck / "step_00000002")
+    before = _files(ck)
+    cfg = _config(*SMALL_BUDGET, "train.steps=3", "checkpoint.every=1", f"checkpoint.dir={ck}")
+    msg = str(pytest.raises(RuntimeError, run_local, _train, 1, cfg).value)
+    assert "It is neither loaded nor replaced: move it out of" in msg and "mtraining.train.checkpoint adopt" in msg
+    assert _files(ck) == before
+    from mtraining.train.checkpoint import main as checkpoint_main
+
+    assert checkpoint_main(["adopt", str(ck / "step_00000002")]) == 0
+    assert checkpoint_main(["adopt", str(ck / "step_00000002")]) == 2  # it has a manifest now
+    assert run_local(_resume_step, 1, cfg)[0] == (2, "step_00000002")
+
+
+def test_a_save_keeps_the_corrupt_checkpoint_it_replaces(trained, tmp_path, capfd):
+    """Resumed from step_1 past a corrupt step_2, the save of step 2 keeps the corrupt one aside."""
+    ck = shutil.copytree(trained, tmp_path / "ck")
+    _flip(ck / "step_00000002")
+    corrupt = (ck / "step_00000002" / SHARD).read_bytes()
+    run_local(_train, 1, _config(*SMALL_BUDGET, "train.steps=2", "checkpoint.every=1", f"checkpoint.dir={ck}"))
+    assert (ck / "step_00000002.unverified" / SHARD).read_bytes() == corrupt
+    assert verify_checkpoint(ck / "step_00000002") is None
+    assert "kept step_00000002, which did not verify, as step_00000002.unverified" in capfd.readouterr().out
 
 
 def test_leftovers_of_interrupted_saves_are_ignored(trained, tmp_path):
@@ -311,7 +396,7 @@ def _killed_while_saving(cfg) -> None:
     """A checkpoint.resume=false run killed at the commit of its first save (step 1)."""
     import mtraining.train.checkpoint as checkpoint
 
-    checkpoint._commit = lambda partial, final: os._exit(9)
+    checkpoint._commit = lambda *args: os._exit(9)
     _train(cfg)
 
 
@@ -481,6 +566,16 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
     assert result.exit_code == 2 and "line 3" in result.output and "Traceback" not in result.output
 
 
+def test_output_folders_are_checked_at_start(tmp_path):
+    """A file or a read-only folder as checkpoint.dir fails before torchrun starts (not at the first save)."""
+    (tmp_path / "file").write_text("")
+    read_only = _read_only(tmp_path)
+    for folder, expected in ((tmp_path / "file", "is a file, not a folder"), (read_only, "is not writable")):
+        config = _write_config(tmp_path / "c.yaml", f"checkpoint.dir={folder}", "parallel.context=2")
+        result = CliRunner().invoke(app, ["train", str(config), "--nproc", "2"])
+        assert result.exit_code == 2 and f"checkpoint.dir={folder} {expected}" in result.output, result.output
+
+
 def _read_only(tmp_path: Path) -> Path:
     """A folder nobody can write into: sysfs for root (who writes through permission bits), else a 0o500 one."""
     if os.geteuid() == 0:
@@ -532,16 +627,6 @@ def test_export_and_tokenize_into_a_folder_that_cannot_be_written_exit_5(trained
         assert result.exit_code == 5, result.output
         assert "fix its permissions or choose another folder" in result.output, result.output
         assert "Traceback" not in result.output
-
-
-def test_output_folders_are_checked_at_start(tmp_path):
-    """A file or a read-only folder as checkpoint.dir fails before torchrun starts (not at the first save)."""
-    (tmp_path / "file").write_text("")
-    read_only = _read_only(tmp_path)
-    for folder, expected in ((tmp_path / "file", "is a file, not a folder"), (read_only, "is not writable")):
-        config = _write_config(tmp_path / "c.yaml", f"checkpoint.dir={folder}", "parallel.context=2")
-        result = CliRunner().invoke(app, ["train", str(config), "--nproc", "2"])
-        assert result.exit_code == 2 and f"checkpoint.dir={folder} {expected}" in result.output, result.output
 
 
 def test_a_full_disk_at_save_says_so(tmp_path, monkeypatch):
