@@ -67,6 +67,7 @@ def train(
     SIGTERM (preemption) makes the ranks finish the current step, save a checkpoint and exit 143.
     """
     from .train.config import load_config
+    from .train.errors import EXIT_INTERRUPTED, Preempted, RankStalled, RunStopped
 
     overrides = overrides or []
     try:
@@ -74,17 +75,23 @@ def train(
         launcher = nproc > 1 or nnodes > 1 or node_rank is not None or rdzv_endpoint is not None
         if launcher and "RANK" not in os.environ:
             from .train.preflight import preflight
+            from .train.rendezvous import meet_nodes
             from .train.torchrun import launch, torchrun_command
 
             args = torchrun_command(nproc, nnodes, node_rank, rdzv_endpoint)
             for warning in preflight(cfg, nproc * nnodes, nproc):
                 typer.secho(warning, fg=typer.colors.YELLOW, err=True)
+            if nnodes > 1:
+                meet_nodes(rdzv_endpoint, nnodes, node_rank, cfg.parallel.timeout_minutes * 60, say=typer.echo)
             args += ["-m", "mtraining.cli", "train", str(config), *overrides]
             raise typer.Exit(launch(args))
     except ValueError as err:
         _fail(err)
+    except RunStopped as err:  # a node missing at the rendezvous
+        _fail(err, err.exit_code)
+    except KeyboardInterrupt:
+        _fail("interrupted before the ranks started; nothing was trained", EXIT_INTERRUPTED, "stopped")
     from .train.distributed import shutdown
-    from .train.errors import EXIT_INTERRUPTED, Preempted, RankStalled, RunStopped
     from .train.trainer import Trainer
 
     try:

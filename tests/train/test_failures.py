@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -444,6 +445,168 @@ def test_export_and_eval_verify_the_checkpoint(trained, tmp_path):
         load(ck / "step_00000002", config=config)
 
 
+# ---------------------------------------------------------------------------------------------- multi-node launches
+def _check_same(values: list[dict]) -> None:
+    from mtraining.train.agree import check_same
+
+    check_same(values[torch.distributed.get_rank()], "configs", "start every node with the same config")
+
+
+def test_ranks_with_different_values_are_refused_naming_each_key_and_its_ranks():
+    same = {"optim.lr": 0.1, "data.seq_len": 128, "train.seed": 0}
+    values = [same, same, same, {**same, "train.seed": 1, "data.seq_len": 64}]
+    msg = str(pytest.raises(RuntimeError, run_local, _check_same, 4, values).value)
+    assert "the ranks run with different configs (data.seq_len: 128 on ranks 0-2; 64 on ranks 3 | train.seed: " in msg
+    assert "0 on ranks 0-2; 1 on ranks 3); start every node with the same config" in msg
+    run_local(_check_same, 2, [same, dict(reversed(same.items()))])  # the same values in another order
+
+
+def _train_with_the_rank_as_seed(overrides: list[str]) -> list[dict]:
+    return _train(_config(*overrides, f"train.seed={torch.distributed.get_rank()}"))
+
+
+def test_a_trainer_refuses_ranks_of_different_configs():
+    """Two ranks of another train.seed drew different samples into one step (exit 0 on spliced data)."""
+    overrides = [*SMALL_BUDGET, "parallel.context=2", "train.steps=1"]
+    msg = str(pytest.raises(RuntimeError, run_local, _train_with_the_rank_as_seed, 2, overrides).value)
+    assert "SharedError: the ranks run with different configs (train.seed: 0 on ranks 0; 1 on ranks 1)" in msg
+
+
+def _shared(folders: list[str]) -> None:
+    from mtraining.train.outputs import check_shared_dir
+
+    check_shared_dir(folders[torch.distributed.get_rank()], "checkpoint.dir")
+
+
+def test_a_checkpoint_dir_that_is_not_shared_is_refused(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run_local(_shared, 2, [str(tmp_path / "a")] * 2)
+    msg = str(pytest.raises(RuntimeError, run_local, _shared, 2, [str(tmp_path / "a"), str(tmp_path / "b")]).value)
+    assert f"checkpoint.dir={tmp_path / 'a'} is not one folder for every rank: ranks 1 do not see" in msg
+    assert "set checkpoint.dir to a folder on storage every node mounts" in msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"] and not list((tmp_path / "a").iterdir())
+
+
+def _newest(roots: list[str]) -> str:
+    return newest_verified(roots[torch.distributed.get_rank()], print)[0].name
+
+
+def test_a_checkpoint_whose_shards_lie_on_another_disk_names_them(trained, tmp_path):
+    """Rank 1 lists no checkpoint in its own folder: every rank walks rank 0's list (the walks once paired
+    different collectives and crashed with a TypeError) and the files rank 1 lacks are named."""
+    (tmp_path / "elsewhere").mkdir()
+    msg = str(pytest.raises(RuntimeError, run_local, _newest, 2, [str(trained), str(tmp_path / "elsewhere")]).value)
+    assert "step_00000002 lacks __0_0.distcp, listed in its manifest.json" in msg and "TypeError" not in msg
+
+
+def _meet(port: int, nnodes: int, node: int, timeout_s: float) -> str:
+    """meet_nodes in a thread: "met", or the error's type and message."""
+    from mtraining.train.rendezvous import meet_nodes
+
+    try:
+        meet_nodes(f"localhost:{port}", nnodes, node, timeout_s, say=lambda _: None)
+        return "met"
+    except (ValueError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+
+
+def test_nodes_meet_once_each_and_free_the_port():
+    """A second launcher claiming node 1 is refused, the three nodes meet; node 0 frees the port when the
+    meeting ends (torchrun hosts its own store there next). A node 1 without node 0 times out (exit 4)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    port = _free_port()
+    with ThreadPoolExecutor(4) as pool:
+        host, first = pool.submit(_meet, port, 3, 0, 60), pool.submit(_meet, port, 3, 1, 60)
+        time.sleep(2.0)  # both in the meeting, which waits for node 2
+        second = pool.submit(_meet, port, 3, 1, 60)
+        refused = second.result()
+        last = pool.submit(_meet, port, 3, 2, 60)
+        assert [host.result(), first.result(), last.result()] == ["met"] * 3
+    assert refused.startswith("ValueError: --node-rank 1 is taken by the launcher on ") and "(pid " in refused
+    torch.distributed.TCPStore("localhost", port, is_master=True, wait_for_workers=False)  # the port is free
+    alone = _meet(_free_port(), 2, 1, 1.0)
+    assert alone.startswith("NodesMissing: node 0 did not open the rendezvous at localhost:") and "within 1 s" in alone
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _node(tmp_path: Path, node: int, port: int, *overrides: str) -> subprocess.Popen:
+    """``mtraining train --nproc 1 --nnodes 2`` as node ``node`` of a job whose rendezvous is localhost:PORT."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "mtraining.cli",
+        "train",
+        str(_write_config(tmp_path / "nodes.yaml", "parallel.context=2")),
+    ]
+    cmd += ["--nproc", "1", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"localhost:{port}"]
+    out = open(tmp_path / f"node{node}.txt", "w")  # closed with the test's folder
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731 (a test harness may ignore it)
+    return subprocess.Popen(
+        [*cmd, *overrides], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=default_sigint
+    )
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[int]:
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.parametrize("case", ["another seed", "own checkpoint dirs"])
+def test_two_nodes_that_differ_are_refused_before_training(tmp_path, case):
+    """Two launchers as two nodes, each with its own checkpoint.dir (a folder on each node's disk): they meet,
+    torchrun starts one rank each, and the ranks refuse: another train.seed on node 1 is named first; with the
+    same config, the unshared checkpoint.dir (both saved "whole" checkpoints missing each other's shards)."""
+    port = _free_port()
+    seed = ["train.seed=1"] if case == "another seed" else []
+    procs = [_node(tmp_path, n, port, f"checkpoint.dir={tmp_path / f'ck{n}'}", *(seed if n else [])) for n in (0, 1)]
+    codes = _finish(procs)
+    out = (tmp_path / "node0.txt").read_text()
+    assert codes == [2, 2], out + (tmp_path / "node1.txt").read_text()
+    if case == "another seed":
+        assert "the ranks run with different configs (train.seed: 0 on ranks 0 (node 0); 1 on ranks 1 (node 1))" in out
+    else:
+        assert f"checkpoint.dir={tmp_path / 'ck0'} is not one folder for every rank: ranks 1 (node 1) do not see" in out
+    assert not list((tmp_path / "ck0").iterdir()) and not list((tmp_path / "ck1").iterdir())
+
+
+def test_a_node_that_never_comes_stops_the_other_with_exit_4(tmp_path):
+    """parallel.timeout_minutes=0.05 (3 s): node 0 says whom it waits for, then exits 4 naming node 1."""
+    start = time.monotonic()
+    code = _finish([_node(tmp_path, 0, _free_port(), "parallel.timeout_minutes=0.05")])[0]
+    out = (tmp_path / "node0.txt").read_text()
+    assert code == 4, out
+    assert "1 of 2 nodes arrived; missing node(s) 1" in out
+    assert "node(s) 1 did not reach the rendezvous at localhost:" in out and "within 3 s" in out
+    assert time.monotonic() - start < 120 and "Traceback" not in out
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_ctrl_c_stops_a_node_waiting_for_the_others(tmp_path, node):
+    """Node 0 waits for node 1, node 1 for node 0 to open the rendezvous: the first Ctrl-C ends either (130)."""
+    proc = _node(tmp_path, node, _free_port())
+    log = tmp_path / f"node{node}.txt"
+    deadline = time.monotonic() + 180
+    while "waiting" not in log.read_text() and time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    code = _finish([proc], timeout=30)[0]
+    assert code == 130 and time.monotonic() - start < 10, log.read_text()
+    assert "stopped: interrupted before the ranks started" in log.read_text()
+
+
 # ---------------------------------------------------------------------------------------------- 4 a stuck peer
 def _pause_rank1_at_step3(cfg) -> list[dict]:
     import torch.distributed as dist
@@ -485,11 +648,11 @@ def test_the_timeout_setting_reaches_the_process_group(monkeypatch):
 
     seen = []
 
-    def init_parallel(data, context, device, timeout_s):
+    def join_group(device, timeout_s):
         seen.append(timeout_s)
         raise ValueError("stop here")
 
-    monkeypatch.setattr(trainer, "init_parallel", init_parallel)
+    monkeypatch.setattr(trainer, "join_group", join_group)
     with pytest.raises(ValueError, match="stop here"):
         trainer.Trainer(_config(*SMALL_BUDGET, "parallel.timeout_minutes=2.5"))
     assert seen == [150.0]
