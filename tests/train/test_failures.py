@@ -108,24 +108,23 @@ def test_check_finite_names_the_step_the_quantity_and_the_last_checkpoint():
     assert "the gradient norm is nan" in msg and "loss is" not in msg and "no checkpoint was saved yet" in msg
 
 
+def _diverge(tmp_path: Path, *overrides: str) -> tuple[Path, Path, Path, str]:
+    """(checkpoint.dir, export_dir, config, output) of a run with ``overrides`` that must stop with exit 3."""
+    ck, hf = tmp_path / "ck", tmp_path / "hf"
+    settings = ["optim.warmup_steps=0", f"checkpoint.dir={ck}", f"checkpoint.export_dir={hf}", *overrides]
+    config = _write_config(tmp_path / "diverge.yaml", *settings)
+    code, out = run_local(_invoke, 1, ["train", config])[0]
+    assert code == Diverged.exit_code and "Traceback" not in out, out
+    return ck, hf, config, out
+
+
 def test_a_diverging_run_stops_with_exit_code_3_and_writes_no_nan(tmp_path):
     """lr=1e6 without clipping: the gradient norm turns NaN at step 3; the step is not applied, the run
     exits 3 naming step 3 and the last good checkpoint, and neither step_3 nor the export is written."""
-    ck, hf = tmp_path / "ck", tmp_path / "hf"
-    config = _write_config(
-        tmp_path / "diverge.yaml",
-        "optim.lr=1e6",
-        "optim.grad_clip=null",
-        "optim.warmup_steps=0",
-        "train.steps=6",
-        f"checkpoint.dir={ck}",
-        "checkpoint.every=1",
-        f"checkpoint.export_dir={hf}",
+    ck, hf, config, out = _diverge(
+        tmp_path, "optim.lr=1e6", "optim.grad_clip=null", "train.steps=6", "checkpoint.every=1"
     )
-    code, out = run_local(_invoke, 1, ["train", config])[0]
-    assert code == Diverged.exit_code, out
     assert "step 3 diverged: the gradient norm is nan" in out and f"{ck / 'step_00000002'}" in out
-    assert "Traceback" not in out
     assert sorted(p.name for p in ck.iterdir()) == ["step_00000001", "step_00000002"]
     assert not (hf / "model.safetensors").exists()
     from mtraining.train.export import load_trained_model
@@ -137,19 +136,8 @@ def test_a_diverging_run_stops_with_exit_code_3_and_writes_no_nan(tmp_path):
 def test_weights_blown_up_by_the_last_update_are_neither_saved_nor_exported(tmp_path):
     """lr=1e35: step 1's loss and gradients are finite, and its update makes weights of about 1e35, which the
     check before an update never sees when it is the last one (the run exported them with exit 0)."""
-    ck, hf = tmp_path / "ck", tmp_path / "hf"
-    config = _write_config(
-        tmp_path / "blowup.yaml",
-        "optim.lr=1e35",
-        "optim.warmup_steps=0",
-        "train.steps=1",
-        f"checkpoint.dir={ck}",
-        f"checkpoint.export_dir={hf}",
-    )
-    code, out = run_local(_invoke, 1, ["train", config])[0]
-    assert code == Diverged.exit_code, out
-    assert "step 1 diverged: its update made the weights' norm inf" in out and "Traceback" not in out
-    assert "no checkpoint was saved yet" in out
+    ck, hf, _, out = _diverge(tmp_path, "optim.lr=1e35", "train.steps=1")
+    assert "step 1 diverged: its update made the weights' norm inf" in out and "no checkpoint was saved yet" in out
     assert not list(ck.iterdir()) and not (hf / "model.safetensors").exists()
 
 
@@ -288,51 +276,43 @@ def _leftovers(folder: Path) -> None:
     (folder.parent / "step_00000004").mkdir()  # a step folder with nothing in it
 
 
-CORRUPTIONS = [
-    (_flip, "__0_0.distcp does not match its SHA-256"),
-    (_truncate, "__0_0.distcp has"),
-    (_shard_of_another_save, "__0_0.distcp does not match its SHA-256"),
-    (_garbled_manifest, "manifest.json is unreadable"),
-]
-
-
-@pytest.mark.parametrize("corrupt, why", CORRUPTIONS, ids=lambda v: getattr(v, "__name__", ""))
-def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(trained, tmp_path, corrupt, why):
-    ck = shutil.copytree(trained, tmp_path / "ck")
-    corrupt(ck / "step_00000002")
-    notes: list[str] = []
-    path, manifest = newest_verified(ck, notes.append)
-    assert path.name == "step_00000001" and manifest["step"] == 1
-    assert len(notes) == 1 and notes[0].startswith(f"skipping checkpoint {ck / 'step_00000002'}: ") and why in notes[0]
-
-
 def _no_shard(folder: Path) -> None:
     (folder / SHARD).unlink()
 
 
-# checkpoints that may be whole but cannot be verified here: refused with the fix, never skipped (a run that
-# skipped one restarted from an older step and its first save overwrote it)
 def _other_format(folder: Path) -> None:
     manifest = json.loads((folder / MANIFEST).read_text())
     (folder / MANIFEST).write_text(json.dumps({**manifest, "format": 2}))
 
 
-UNVERIFIABLE = [
-    (_no_manifest, "step_00000002 has no manifest.json (an older format: a checkpoint of an earlier version"),
-    (_other_format, "step_00000002 has manifest format 2, this version reads 1: it was written by another version"),
-    (_no_shard, "step_00000002 lacks __0_0.distcp, listed in its manifest.json"),
-    (_no_metadata, "step_00000002 lacks .metadata, listed in its manifest.json"),
+# (damage to the newest checkpoint, what the message says, refused): a corrupt one is skipped for the one
+# before; one that may be whole but cannot be verified here is refused with the fix, never skipped (a run
+# that skipped one restarted from an older step and its first save overwrote it)
+DAMAGES = [
+    (_flip, "__0_0.distcp does not match its SHA-256", False),
+    (_truncate, "__0_0.distcp has", False),
+    (_shard_of_another_save, "__0_0.distcp does not match its SHA-256", False),
+    (_garbled_manifest, "manifest.json is unreadable", False),
+    (_no_manifest, "step_00000002 has no manifest.json (an older format: a checkpoint of an earlier version", True),
+    (_other_format, "step_00000002 has manifest format 2, this version reads 1: it was written by another", True),
+    (_no_shard, "step_00000002 lacks __0_0.distcp, listed in its manifest.json", True),
+    (_no_metadata, "step_00000002 lacks .metadata, listed in its manifest.json", True),
 ]
 
 
-@pytest.mark.parametrize("damage, why", UNVERIFIABLE, ids=lambda v: getattr(v, "__name__", ""))
-def test_a_checkpoint_that_cannot_be_verified_is_refused_not_skipped(trained, tmp_path, damage, why):
+@pytest.mark.parametrize("damage, why, refused", DAMAGES, ids=lambda v: getattr(v, "__name__", ""))
+def test_a_damaged_newest_checkpoint_is_skipped_or_refused(trained, tmp_path, damage, why, refused):
     ck = shutil.copytree(trained, tmp_path / "ck")
     damage(ck / "step_00000002")
-    with pytest.raises(ValueError, match=re.escape(why)):
-        newest_verified(ck, print)
-    with pytest.raises(ValueError, match=re.escape(why)):
-        pick_checkpoint(ck, print)  # the export's and evaluation's pick
+    if refused:
+        for pick in (newest_verified, pick_checkpoint):  # resume's, and the export's and evaluation's
+            with pytest.raises(ValueError, match=re.escape(why)):
+                pick(ck, print)
+        return
+    notes: list[str] = []
+    path, manifest = newest_verified(ck, notes.append)
+    assert path.name == "step_00000001" and manifest["step"] == 1
+    assert len(notes) == 1 and notes[0].startswith(f"skipping checkpoint {ck / 'step_00000002'}: ") and why in notes[0]
 
 
 def _files(folder: Path) -> dict[str, bytes]:
