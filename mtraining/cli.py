@@ -1,4 +1,5 @@
 """Command line: ``mtraining train CONFIG.yaml [key=value ...]``, ``mtraining export``, ``mtraining tokenize``,
+``mtraining convert`` (GGUF -> Hugging Face folder)
 and the evaluation suite under ``mtraining eval`` (ppl, niah, ruler, infinitebench, report).
 
 Run under torchrun for several ranks (``torchrun --nproc_per_node 4 -m mtraining.cli train ...``)
@@ -166,6 +167,30 @@ def tokenize(
                 done += len(window)
         target.flush()
         typer.echo(f"wrote {total} tokens ({np.dtype(dtype).name}) to {out}")
+
+
+@app.command()
+def convert(
+    gguf_file: Path = typer.Argument(
+        ..., help="A .gguf checkpoint (llama.cpp's format): Llama, Qwen2, Qwen3 or Mistral."
+    ),
+    out_dir: Path = typer.Argument(..., help="New Hugging Face folder to write (must not exist or be empty)."),
+    dtype: str = typer.Option(
+        "float32",
+        "--dtype",
+        help="Weights' dtype on disk: float32 (the dequantized values exactly), bfloat16, float16.",
+    ),
+) -> None:
+    """Write a GGUF checkpoint as a Hugging Face folder (config.json, model.safetensors, tokenizer files) that
+    model.path and `mtraining eval` accept: quantized weights are dequantized, the tokenizer is rebuilt from the
+    file's vocabulary. Needs the gguf and accelerate packages (pip install -e ".[gguf]")."""
+    from .models.convert import convert_gguf, summary
+
+    try:
+        result = convert_gguf(gguf_file, out_dir, dtype, report=lambda line: typer.echo(line, err=True))
+    except ValueError as err:
+        _fail(err)
+    typer.echo(summary(result))
 
 
 def main() -> None:
