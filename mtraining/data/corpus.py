@@ -92,10 +92,15 @@ def _piece(path: str, text: str) -> str:
 
 
 def _scan(doc: TreeDocument) -> list[tuple[str, str]]:
-    """(status, sha256 of the bytes) of each file of ``doc``: status 'ok', 'binary or not UTF-8' or 'empty'."""
+    """(status, sha256 of the bytes) of each file of ``doc``: status 'ok', 'unreadable', 'binary or not UTF-8' or
+    'empty'."""
     out = []
     for f in doc.files:
-        data = f.read()
+        try:
+            data = f.read()
+        except OSError:
+            out.append(("unreadable", ""))
+            continue
         text = _decode(data)
         status = "binary or not UTF-8" if text is None else ("empty" if not text.strip() else "ok")
         out.append((status, hashlib.sha256(data).hexdigest()))

@@ -205,6 +205,14 @@ def test_bad_input_names_the_fix(tmp_path, site):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_file_that_cannot_be_read_is_skipped(tmp_path):
+    from mtraining.data.corpus import _scan
+    from mtraining.data.trees import TreeDocument, TreeFile
+
+    doc = TreeDocument("code/x", "code", str(tmp_path), [TreeFile("x/a.py", disk=str(tmp_path))])  # a folder
+    assert _scan(doc) == [("unreadable", "")]
+
+
 def test_package_licenses_and_trees_read_metadata(site):
     assert package_licenses(site) == {"alpha": "alpha 1.0: MIT", "beta": "beta 2.0: BSD License"}
     tree = read_tree(site, "code", (".py",))
