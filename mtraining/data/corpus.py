@@ -158,13 +158,12 @@ class _Progress:
     def __init__(self, total_docs: int, log: Callable[[str], None]) -> None:
         self.total, self.log, self.start, self.last = total_docs, log, time.perf_counter(), 0.0
 
-    def update(self, docs: int, tokens: int, force: bool = False) -> float:
+    def update(self, docs: int, tokens: int, force: bool = False) -> None:
         now = time.perf_counter()
-        rate = tokens / max(now - self.start, 1e-9)
         if force or now - self.last >= 5:
             self.last = now
+            rate = tokens / max(now - self.start, 1e-9)
             self.log(f"tokenised {docs}/{self.total} documents, {tokens:,} tokens, {rate:,.0f} tokens/s")
-        return rate
 
 
 def _dedupe(docs: list[TreeDocument], scans: list[list[tuple[str, str]]], skipped: dict[str, dict[str, int]]):
@@ -230,6 +229,7 @@ def build_corpus(
         raise DataError(
             f"held-out documents {unknown} are not in the corpus; names look like code/torch, prose/library"
         )
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(workers, initializer=_init_worker, initargs=(str(tok.path),)) as pool:
         scans = pool.map(_scan, docs, chunksize=1)
@@ -240,9 +240,10 @@ def build_corpus(
         tasks = [(i, part) for i, k in enumerate(kept) for part in _parts(k)]
         encoded = pool.imap(_encode, [part for _, part in tasks], chunksize=1)
         result = _collect(docs, kept, tasks, encoded, separator, dtype, options, _Progress(len(docs), log))
-    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the workers, ended and waited for by the pool
+    seconds = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     manifest = _write(out_dir, result, docs, kept, tree_records, skipped, tok, separator, dtype, options, command)
-    totals, seconds = manifest["totals"], cpu.ru_utime + cpu.ru_stime
+    totals = manifest["totals"]
     log(
         f"wrote {out_dir}: {totals['documents']} documents, {totals['tokens']:,} tokens "
         f"({totals['heldout_tokens']:,} held out) in {time.perf_counter() - start:.1f} s with {workers} workers "
