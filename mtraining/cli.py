@@ -205,7 +205,12 @@ def corpus(
     prose: list[Path] = typer.Option(
         [], "--prose", help="A folder or tar archive of text files: a document per top-level entry (a book)."
     ),
-    heldout_fraction: float = typer.Option(0.05, "--heldout-fraction", help="Share of documents held out."),
+    heldout_fraction: float = typer.Option(
+        0.05, "--heldout-fraction", help="Share of the documents within the held-out token range held out."
+    ),
+    heldout_min_tokens: int = typer.Option(
+        0, "--heldout-min-tokens", help="Shorter documents always train (e.g. 131072 to hold out 128K-long ones)."
+    ),
     heldout_max_tokens: int = typer.Option(
         2_000_000, "--heldout-max-tokens", help="Longer documents always train (the largest packages, big manuals)."
     ),
@@ -233,6 +238,7 @@ def corpus(
             raise ValueError("give at least one --code, --python or --prose source")
         options = CorpusOptions(
             heldout_fraction=heldout_fraction,
+            heldout_min_tokens=heldout_min_tokens,
             heldout_max_tokens=heldout_max_tokens,
             min_tokens=min_tokens,
             seed=seed,

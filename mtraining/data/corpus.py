@@ -14,8 +14,10 @@ writes into a new folder:
   was skipped and why, the tokenizer, the options and the command.
 
 A document is held out when a hash of the seed and its name falls below ``heldout_fraction`` (a
-property of the name alone: adding packages does not move other documents), among documents of at most
-``heldout_max_tokens`` tokens (the largest ones, torch's sources or a reference manual, stay training data).
+property of the name alone: adding packages does not move other documents), among documents of
+``heldout_min_tokens`` to ``heldout_max_tokens`` tokens (evaluation at 128K needs documents that long;
+the largest ones, torch's sources or a reference manual, stay training data), or when it is named in
+``heldout``.
 
 Text: each file is decoded as UTF-8 (files with NUL bytes or invalid UTF-8 are skipped), files whose
 bytes appeared earlier in the corpus are dropped (the first copy, in document order, stays), and each
@@ -55,6 +57,7 @@ class CorpusOptions:
     """How documents are chosen and split (recorded in the manifest)."""
 
     heldout_fraction: float = 0.05
+    heldout_min_tokens: int = 0
     heldout_max_tokens: int = 2_000_000
     min_tokens: int = 0
     seed: int = 0
@@ -66,8 +69,8 @@ class CorpusOptions:
     def check(self) -> None:
         if not 0 <= self.heldout_fraction <= 1:
             raise DataError(f"heldout_fraction {self.heldout_fraction} must lie in [0, 1]")
-        if self.heldout_max_tokens < 0 or self.min_tokens < 0 or self.max_file_bytes <= 0:
-            raise DataError("heldout_max_tokens and min_tokens must be >= 0, max_file_bytes > 0")
+        if min(self.heldout_min_tokens, self.heldout_max_tokens, self.min_tokens) < 0 or self.max_file_bytes <= 0:
+            raise DataError("heldout_min_tokens, heldout_max_tokens and min_tokens must be >= 0, max_file_bytes > 0")
 
 
 def held_out(name: str, seed: int, fraction: float) -> bool:
@@ -277,7 +280,8 @@ def _collect(docs, kept, tasks, encoded, separator, dtype, options, progress) ->
         if len(ids) < options.min_tokens:
             result.split[i] = "dropped (under min_tokens)"
         elif docs[i].name in options.heldout or (
-            len(ids) <= options.heldout_max_tokens and held_out(docs[i].name, options.seed, options.heldout_fraction)
+            options.heldout_min_tokens <= len(ids) <= options.heldout_max_tokens
+            and held_out(docs[i].name, options.seed, options.heldout_fraction)
         ):
             result.split[i] = "heldout"
         else:

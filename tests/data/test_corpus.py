@@ -164,8 +164,10 @@ def test_held_out_documents_are_whole_and_stable(tmp_path, site, books):
     # the split of a name depends on the seed and the name alone
     assert [held_out(f"code/p{i}", 0, 0.3) for i in range(200)].count(True) in range(40, 81)
     assert not any(held_out(f"code/p{i}", 0, 0.0) for i in range(50)) and all(held_out("x", s, 1.0) for s in range(9))
-    big = _build(tmp_path / "big", trees, heldout_fraction=1.0, heldout_max_tokens=10)
-    assert {d["split"] for d in big["documents"] if d["tokens"] > 10} == {"train"}
+    ranged = _build(tmp_path / "ranged", trees, heldout_fraction=1.0, heldout_min_tokens=30, heldout_max_tokens=120)
+    for d in ranged["documents"]:
+        assert d["split"] == ("heldout" if 30 <= d["tokens"] <= 120 else "train"), d
+    assert {d["split"] for d in ranged["documents"]} == {"heldout", "train"}
 
 
 def test_the_same_inputs_give_the_same_bytes_whatever_the_workers(tmp_path, site, books, monkeypatch):
