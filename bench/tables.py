@@ -464,12 +464,12 @@ def training_tables() -> str:
 
 
 def _extension_replicates(path: Path) -> str:
-    """bench/extension_replicates.py writes its tables beside its JSON."""
+    """experiments/extension/replicates.py writes its tables beside its JSON."""
     return path.with_suffix(".md").read_text().strip()
 
 
 def extension_tables() -> str:
-    """Context extension, dense vs sparse (bench/extension.py): accuracy by length and the budget sweep, per scale."""
+    """Context extension, dense vs sparse (experiments/extension/pipeline.py): accuracy by length and the budget sweep, per scale."""
     lines = []
     for path in sorted(RESULTS.glob("extension_*.json")):
         if path.stem.endswith(("_base_search", "_base")):  # a base alone (search, --base-only): by hand
@@ -514,7 +514,7 @@ def extension_tables() -> str:
 
 
 def _extension_losses(path: Path) -> str:
-    """Mean NLL by token kind per extended model and attention (bench/extension_losses.py)."""
+    """Mean NLL by token kind per extended model and attention (experiments/extension/losses.py)."""
     r = json.loads(path.read_text())
     lines = [f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}`", ""]
     kinds = ("answer", "queried key", "rest", "all")
@@ -526,7 +526,7 @@ def _extension_losses(path: Path) -> str:
 
 def _extension_answers(path: Path) -> str:
     """Where the extension corpus' answers lie in their documents, and the packed stages' filler
-    (bench/answer_positions.py)."""
+    (experiments/extension/answer_positions.py)."""
     r = json.loads(path.read_text())
     ext = r["stages"]["extension"]
     lines = [f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}`", ""]
@@ -555,7 +555,7 @@ def _extension_answers(path: Path) -> str:
 
 
 def _extension_query_position(path: Path) -> str:
-    """Retrieval with the questions at the end or ``tail`` tokens before it (bench/query_position.py)."""
+    """Retrieval with the questions at the end or ``tail`` tokens before it (experiments/extension/query_position.py)."""
     r = json.loads(path.read_text())
     lines = [f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}`", ""]
     lines += [_row(["model / attention", "questions at the end", f"{r['tail']} tokens before it", "tail - end"])]
@@ -568,7 +568,7 @@ def _extension_query_position(path: Path) -> str:
 
 def _extension_local_verticals(path: Path) -> str:
     """Retrieval with extra columns per query block, questions at the end or ``tail`` tokens before it
-    (bench/local_verticals.py)."""
+    (experiments/extension/local_verticals.py)."""
     r = json.loads(path.read_text())
     lines = [
         f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}` ({r['model']} extension, "
@@ -596,7 +596,7 @@ def _extension_local_verticals(path: Path) -> str:
 
 
 def _extension_density(path: Path) -> str:
-    """One extended model's last-bucket perplexity and retrieval at each pattern setting (bench/extension_density.py)."""
+    """One extended model's last-bucket perplexity and retrieval at each pattern setting (experiments/extension/density.py)."""
     r = json.loads(path.read_text())
     lines = [
         f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}` ({r['model']} extension, "

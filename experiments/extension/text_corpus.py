@@ -1,4 +1,4 @@
-"""The text corpus of the GPU scale of bench/extension.py: documents in the formats that ``mtraining eval
+"""The text corpus of the GPU scale of pipeline.py: documents in the formats that ``mtraining eval
 niah`` and ``ruler`` ask about, and a BPE tokenizer trained on them.
 
 The mixture (each document a pure function of its kind and seed; training seeds never reach the
@@ -35,15 +35,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from common import written
 
-from mtraining.eval.documents import Haystack, filler_sentences
-from mtraining.eval.tasks import _ADJECTIVES, _NOUNS, _build_niah, _build_vt, _keys, _numbers, _render
+from bench.common import written
+from mtraining.eval.documents import filler_sentences
+from mtraining.eval.tasks import KEY_WORDS, needle_keys, needle_numbers, sized_prompt
 
 if TYPE_CHECKING:
-    from extension_background import Pool
+    from mtraining.data import TextTokenizer
 
-    from mtraining.data.tokenizer import TextTokenizer
+    from .background import Pool
 
 KINDS = ("niah", "niah", "niah", "vt", "recall", "recall", "recall", "recall")
 _NIAH = ("niah_single", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
@@ -59,8 +59,8 @@ def recall_log(seed: int, sentences: int, rate: float = 0.05, word_keys: bool = 
     """Filler with facts stated at random points and asked again later, answered (any distance back).
     ``word_keys``: keys are single words (one token each) instead of the eval's adjective-noun pairs."""
     rng = random.Random(f"recall-{seed}")
-    keys = rng.sample(_ADJECTIVES + _NOUNS, len(_ADJECTIVES + _NOUNS)) if word_keys else _keys(rng, 300)
-    values = _numbers(rng, 300)
+    keys = rng.sample(KEY_WORDS, len(KEY_WORDS)) if word_keys else needle_keys(rng, 300)
+    values = needle_numbers(rng, 300)
     stated: list[int] = []
     out = []
     for sentence in filler_sentences(sentences, seed):
@@ -84,7 +84,7 @@ def repeat_document(seed: int, sentences: int) -> str:
     induction circuit retrieval needs, from a dense signal: the curriculum's first stage)."""
     rng = random.Random(f"repeat-{seed}")
     period = filler_sentences(rng.randint(2, 6), seed)
-    period += [f"The secret number of {k} is {v}." for k, v in zip(_keys(rng, 2), _numbers(rng, 2))]
+    period += [f"The secret number of {k} is {v}." for k, v in zip(needle_keys(rng, 2), needle_numbers(rng, 2))]
     rng.shuffle(period)
     return " ".join((period * (sentences // len(period) + 1))[:sentences])
 
@@ -94,8 +94,8 @@ def copy_document(seed: int, sentences: int) -> str:
     occurrence every token is predicted only by copying (a denser induction signal than ``repeat_document``)."""
     rng = random.Random(f"copy-{seed}")
     pool = sorted({w.strip(".,").lower() for s in filler_sentences(200, seed % 7) for w in s.split()})
-    pool += list(_ADJECTIVES + _NOUNS)
-    span = [rng.choice(pool) if rng.random() < 0.8 else _numbers(rng, 1)[0] for _ in range(rng.randint(4, 24))]
+    pool += list(KEY_WORDS)
+    span = [rng.choice(pool) if rng.random() < 0.8 else needle_numbers(rng, 1)[0] for _ in range(rng.randint(4, 24))]
     words = sentences * 8
     return " ".join((span * (words // len(span) + 1))[:words])
 
@@ -114,11 +114,11 @@ def make_document(kind: str, seed: int, max_sentences: int, min_sentences: int =
     rng = random.Random(f"text-{kind}-{seed}")
     knob = int(math.exp(rng.uniform(math.log(min(min_sentences, max_sentences)), math.log(max_sentences))))
     if kind == "niah":
-        parts = _build_niah(rng.choice(_NIAH), seed, knob, Haystack(seed=seed), None)
-        return _render(parts) + " " + _listing(parts.answers) + "."
+        prompt, answers = sized_prompt(rng.choice(_NIAH), seed, knob)
+        return prompt + " " + _listing(answers) + "."
     if kind == "vt":
-        parts = _build_vt(seed, knob, Haystack(seed=seed))
-        return _render(parts) + " " + _listing(parts.answers) + "."
+        prompt, answers = sized_prompt("vt", seed, knob)
+        return prompt + " " + _listing(answers) + "."
     if kind in ("facts", "facts_word"):
         return recall_log(seed, knob, rate=0.3, word_keys=kind == "facts_word")
     if kind == "copy":
@@ -188,7 +188,7 @@ def train_stream(
     the more often the farther apart they are.
 
     Documents are generated and tokenised in chunks of ``_CHUNK`` seeds on every CPU core (on ``pool``'s
-    workers when given: extension_background.Pool), a small file in this process; the file is the same whatever
+    workers when given: background.Pool), a small file in this process; the file is the same whatever
     the number of cores (chunks are kept in seed order up to the first that reaches ``tokens``). It is written
     whole, then renamed."""
     first = stage_seed(stage, seed)
@@ -225,7 +225,7 @@ WHOLE_KINDS = ("tokens", "copy")  # induction stages: one document of seq_len to
 def _chunk(job: tuple[str, int, int, bool, tuple[str, ...], float]) -> np.ndarray:
     """``_CHUNK`` documents from seed ``first`` on, tokenised, each followed by EOS (one pool task)."""
     tokenizer, first, seq_len, repeat, kinds, min_fill = job
-    from mtraining.data.tokenizer import TextTokenizer
+    from mtraining.data import TextTokenizer
 
     tok = TextTokenizer(tokenizer)
     eos = tok.separator_id(None)
@@ -306,7 +306,7 @@ def _whole_samples(
 
 def heldout(path: Path, tokenizer: Path, min_tokens: int, count: int, seed: int) -> dict:
     """JSONL of ``count`` held-out recall logs of at least ``min_tokens`` tokens (perplexity by position)."""
-    from mtraining.data.tokenizer import TextTokenizer
+    from mtraining.data import TextTokenizer
 
     tok = TextTokenizer(tokenizer)
     docs, s, sentences = [], 0, min_tokens // 10

@@ -1,6 +1,6 @@
-"""bench/extension.py: the generated corpora, the budgets, the statistics, and the whole pipeline at toy size.
+"""experiments/extension/pipeline.py: the generated corpora, the budgets, the statistics, and the whole pipeline at toy size.
 
-The pipeline tests run ``bench/extension.py --scale toy`` (word-level recall, 2 gloo ranks, the
+The pipeline tests run ``python -m experiments.extension --scale toy`` (word-level recall, 2 gloo ranks, the
 striped ring) and ``--scale toy-text`` (the GPU path: BPE text corpus, NIAH/RULER, one process) on
 the CPU, then check that every stage wrote what the next one reads, that the report's figures are
 recomputed from the records the stages wrote, and that a second run resumes without training again.
@@ -22,19 +22,17 @@ import numpy as np
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+from experiments.extension import pipeline, report, text_corpus
+from experiments.extension.background import Background, PreparationFailed
+from experiments.extension.recall_corpus import Shape, Vocab, eval_set, make_document, train_stream, write_tokenizer
+from experiments.extension.settings import SCALES, Budget, Stage
+from mtraining.data.tokenizer import TextTokenizer
+from mtraining.eval.ppl import position_buckets
+from mtraining.ops import PatternConfig
 
-import extension  # noqa: E402
-import extension_report as report  # noqa: E402
-import extension_text  # noqa: E402
-from extension_background import Background, PreparationFailed  # noqa: E402
-from extension_corpus import Shape, Vocab, eval_set, make_document, train_stream, write_tokenizer  # noqa: E402
-from extension_settings import SCALES, Budget, Stage  # noqa: E402
+pytestmark = pytest.mark.slow
 
-from mtraining.data.tokenizer import TextTokenizer  # noqa: E402
-from mtraining.eval.ppl import position_buckets  # noqa: E402
-from mtraining.ops import PatternConfig  # noqa: E402
+ROOT = Path(__file__).resolve().parents[3]
 
 V = Vocab(keys=64, values=64, words=64)
 
@@ -84,16 +82,16 @@ def test_word_tokenizer_round_trips(tmp_path):
 
 
 def test_text_corpus_is_deterministic_and_in_the_eval_format(tmp_path):
-    doc = extension_text.make_document("niah", 1_000_003, 40)
+    doc = text_corpus.make_document("niah", 1_000_003, 40)
     assert doc.startswith("Some facts are hidden in the text below.") and "\n\nQuestion: What" in doc
-    assert extension_text.documents(5, 4, 30) == extension_text.documents(5, 4, 30)
-    tokenizer = extension_text.write_tokenizer(tmp_path / "tok.json", 384)
-    info = extension_text.train_stream(tmp_path / "t.npy", tokenizer, 5000, 512, seed=0, stage=0)
+    assert text_corpus.documents(5, 4, 30) == text_corpus.documents(5, 4, 30)
+    tokenizer = text_corpus.write_tokenizer(tmp_path / "tok.json", 384)
+    info = text_corpus.train_stream(tmp_path / "t.npy", tokenizer, 5000, 512, seed=0, stage=0)
     assert info["tokens"] >= 5000 and np.load(tmp_path / "t.npy").max() < 384
-    gpu = TextTokenizer(extension_text.write_tokenizer(tmp_path / "gpu.json", SCALES["gpu"].text_vocab))
+    gpu = TextTokenizer(text_corpus.write_tokenizer(tmp_path / "gpu.json", SCALES["gpu"].text_vocab))
     ids = gpu.encode(["The secret number of amber-heron is 1234567."])[0]
     assert len(ids) <= 18 and [gpu.decode([i]) for i in ids[-8:-1]] == list("1234567")  # digits one per token
-    held = extension_text.heldout(tmp_path / "h.jsonl", tokenizer, 600, 2, seed=0)
+    held = text_corpus.heldout(tmp_path / "h.jsonl", tokenizer, 600, 2, seed=0)
     texts = [json.loads(line)["text"] for line in (tmp_path / "h.jsonl").read_text().splitlines()]
     assert held["documents"] == 2 and all(len(TextTokenizer(tokenizer).encode([t])[0]) > 600 for t in texts)
 
@@ -102,20 +100,20 @@ def test_text_stages_pack_whole_documents_into_samples(tmp_path):
     """No mixture document crosses a sample boundary (a cut between a needle and its question teaches answers
     without evidence): every sample ends with EOS, documents too long for one are written shorter, and a
     sample's unused end is filler text."""
-    tokenizer = extension_text.write_tokenizer(tmp_path / "tok.json", 384)
+    tokenizer = text_corpus.write_tokenizer(tmp_path / "tok.json", 384)
     tok = TextTokenizer(tokenizer)
     for seq_len, repeat in ((512, False), (256, True)):
-        info = extension_text.train_stream(tmp_path / f"s{seq_len}.npy", tokenizer, 4000, seq_len, 0, 3, repeat)
+        info = text_corpus.train_stream(tmp_path / f"s{seq_len}.npy", tokenizer, 4000, seq_len, 0, 3, repeat)
         samples = np.load(info["path"]).reshape(-1, seq_len)  # whole samples only
         assert (samples[:, -1] == 0).all() and len(samples) >= 4000 // seq_len
         texts = [tok.decode(d.tolist()) for s in samples for d in np.split(s, np.flatnonzero(s == 0) + 1) if len(d)]
         if not repeat:  # every retrieval document is whole: the text ends with its answer's period
             asked = [t for t in texts if "\n\nQuestion:" in t]
             assert asked and all(t.removesuffix("<|endoftext|>").endswith(".") for t in asked)
-    again = extension_text.train_stream(tmp_path / "again.npy", tokenizer, 4000, 512, 0, 3)
+    again = text_corpus.train_stream(tmp_path / "again.npy", tokenizer, 4000, 512, 0, 3)
     assert np.array_equal(np.load(again["path"]), np.load(tmp_path / "s512.npy"))
     with pytest.raises(ValueError, match="longer seq_len"):  # a needle document cannot be whole in 64 tokens
-        extension_text.train_stream(tmp_path / "short.npy", tokenizer, 1000, 64, 0, 3, kinds=("niah",))
+        text_corpus.train_stream(tmp_path / "short.npy", tokenizer, 1000, 64, 0, 3, kinds=("niah",))
 
 
 def _corpus_files(work: Path) -> dict[str, bytes]:
@@ -133,16 +131,16 @@ def test_the_corpus_written_in_the_background_is_the_sequential_one_and_resumes(
     toy = SCALES["toy-text"]
     pooled = Stage(64, 64, 16, 1e-3, kinds=("tokens",))  # 65K tokens: chunks on the pool
     scale = replace(toy, curriculum=(pooled, *toy.curriculum), eval_docs=1)
-    sequential = extension.corpus(scale, tmp_path / "seq", seed=0)
+    sequential = pipeline.corpus(scale, tmp_path / "seq", seed=0)
     with Background(workers=2) as background:
-        data = extension.open_corpus(scale, tmp_path / "bg", 0, background=background)
+        data = pipeline.open_corpus(scale, tmp_path / "bg", 0, background=background)
         assert data["stage0"]["tokens"] == sequential["stage0"]["tokens"]  # waits for its own file only
         finished = data.complete()
     assert _corpus_files(tmp_path / "bg") == _corpus_files(tmp_path / "seq")
     assert _without_paths(finished) == _without_paths(sequential) and set(finished) == set(sequential)
     # stopped right after stage0: whatever the manifest records is complete; the next call completes the rest
     with Background(workers=2) as background:
-        extension.open_corpus(scale, tmp_path / "stopped", 0, background=background)["stage0"]
+        pipeline.open_corpus(scale, tmp_path / "stopped", 0, background=background)["stage0"]
     manifest = json.loads((tmp_path / "stopped" / "corpus" / "manifest.json").read_text())
     recorded = [name for name in manifest if name != "made_for"]
     assert {"tokenizer", "stage0"} <= set(recorded)
@@ -152,7 +150,7 @@ def test_the_corpus_written_in_the_background_is_the_sequential_one_and_resumes(
     (tmp_path / "stopped" / "corpus" / "heldout.jsonl.part").write_text("cut short")  # a killed write
     manifest.pop("heldout", None)
     (tmp_path / "stopped" / "corpus" / "manifest.json").write_text(json.dumps(manifest))
-    resumed = extension.corpus(scale, tmp_path / "stopped", seed=0)
+    resumed = pipeline.corpus(scale, tmp_path / "stopped", seed=0)
     assert set(resumed) == set(sequential) and (tmp_path / "stopped" / "corpus" / "heldout.jsonl").exists()
     written = _corpus_files(tmp_path / "stopped")
     assert {k: v for k, v in written.items() if not k.endswith(".part")} == _corpus_files(tmp_path / "seq")
@@ -163,7 +161,7 @@ def test_a_failing_background_file_raises_where_it_is_needed(tmp_path):
     toy = SCALES["toy-text"]
     scale = replace(toy, curriculum=(*toy.curriculum, Stage(64, 1, 1, 1e-3, kinds=("niah",))))
     with Background(workers=1) as background:
-        data = extension.open_corpus(scale, tmp_path, 0, background=background)
+        data = pipeline.open_corpus(scale, tmp_path, 0, background=background)
         assert data["stage0"]["tokens"] > 0
         with pytest.raises(PreparationFailed, match="corpus stage1.*longer seq_len"):
             data["stage1"]
@@ -180,25 +178,24 @@ class _Silent:
 def test_prompts_built_in_the_background_are_those_the_evaluation_builds(tmp_path):
     """``build_prompts`` (on a pool) makes the very samples, under the very keys, that ``_niah`` and ``run_ruler``
     put in the prompt cache, at every length: the evaluation finds every prompt it asks for."""
-    import extension_eval
-
+    from experiments.extension import evaluation
     from mtraining.eval.answers import Prompting
     from mtraining.eval.loading import load_tokenizer
     from mtraining.eval.ruler import run_ruler
 
     scale = replace(SCALES["toy-text"], niah_samples=2, ruler_samples=2)
-    tokenizer = extension_text.write_tokenizer(tmp_path / "tokenizer.json", scale.text_vocab)
+    tokenizer = text_corpus.write_tokenizer(tmp_path / "tokenizer.json", scale.text_vocab)
     seed = 3
     with Background(workers=1) as background:
-        built = extension_eval.build_prompts(tmp_path / "prompts.pkl", scale, seed, background.pool, tokenizer)
+        built = evaluation.build_prompts(tmp_path / "prompts.pkl", scale, seed, background.pool, tokenizer)
     (cached,) = built.values()
     tok, cache = load_tokenizer(tokenizer), {}
     for n in scale.lengths:
-        extension_eval._niah(_Silent(), tok, scale, n, scale.niah_samples, seed, cache)
+        evaluation._niah(_Silent(), tok, scale, n, scale.niah_samples, seed, cache)
         prompting = Prompting(samples=scale.ruler_samples, seed=seed, show_progress=False, cache=cache)
         run_ruler(_Silent(), tok, scale.ruler_tasks, [n], prompting)
-    assert cached == cache and len(cache) == len(extension_eval.evaluation_prompts(scale, seed))
-    again = extension_eval.build_prompts(tmp_path / "prompts.pkl", scale, seed, None, tokenizer)  # all saved
+    assert cached == cache and len(cache) == len(evaluation.evaluation_prompts(scale, seed))
+    again = evaluation.build_prompts(tmp_path / "prompts.pkl", scale, seed, None, tokenizer)  # all saved
     assert again == {next(iter(built)): {}}
 
 
@@ -255,12 +252,12 @@ def test_gpu_scales():
 def test_a_corpus_made_for_another_curriculum_is_not_reused(tmp_path):
     """The manifest names what the files were made for: the same scale reuses them, a changed stage raises."""
     scale = SCALES["toy"]
-    first = extension.corpus(scale, tmp_path, seed=0)
-    assert extension.corpus(scale, tmp_path, seed=0) == first
+    first = pipeline.corpus(scale, tmp_path, seed=0)
+    assert pipeline.corpus(scale, tmp_path, seed=0) == first
     longer = replace(scale, curriculum=(replace(scale.curriculum[0], steps=4), *scale.curriculum[1:]))
     for other, seed in ((longer, 0), (scale, 1)):
         with pytest.raises(ValueError, match="another curriculum.*delete"):
-            extension.corpus(other, tmp_path, seed=seed)
+            pipeline.corpus(other, tmp_path, seed=seed)
 
 
 @pytest.mark.parametrize("name", ["toy", "toy-text"])
@@ -268,8 +265,8 @@ def test_the_extension_seed_changes_the_extension_file_alone(tmp_path, name):
     """--extension-seed: another extension file, the same tokenizer, curriculum files and held-out set; its manifest
     says so (a work folder of another extension seed is refused), and equal to --seed it is the default's."""
     scale = SCALES[name]
-    first = extension.corpus(scale, tmp_path / "r0", seed=0)
-    replicate = extension.corpus(scale, tmp_path / "r1", seed=0, extension_seed=1)
+    first = pipeline.corpus(scale, tmp_path / "r0", seed=0)
+    replicate = pipeline.corpus(scale, tmp_path / "r1", seed=0, extension_seed=1)
     files, other = _corpus_files(tmp_path / "r0"), _corpus_files(tmp_path / "r1")
     assert set(files) == set(other) and "extension.npy" in files and len(files) > 2
     assert [f for f in files if files[f] != other[f]] == ["extension.npy"]
@@ -279,24 +276,24 @@ def test_the_extension_seed_changes_the_extension_file_alone(tmp_path, name):
     assert shared[0] == shared[1] and "stage0" in shared[0]
     assert replicate["made_for"]["stages"]["extension"].pop("extension_seed") == 1  # recorded: never reused for 0
     assert replicate["made_for"] == first["made_for"]
-    assert extension.corpus(scale, tmp_path / "r0", seed=0, extension_seed=0) == first  # manifests made before it
-    with pytest.raises(extension.Refused, match="extension seed.*another --work"):
-        extension.corpus(scale, tmp_path / "r0", seed=0, extension_seed=1)
+    assert pipeline.corpus(scale, tmp_path / "r0", seed=0, extension_seed=0) == first  # manifests made before it
+    with pytest.raises(pipeline.Refused, match="extension seed.*another --work"):
+        pipeline.corpus(scale, tmp_path / "r0", seed=0, extension_seed=1)
 
 
 def test_a_run_folder_trained_with_another_seed_is_refused(tmp_path):
     """A finished (or interrupted) run folder of another seed is not taken for this one's: the message names the fix."""
     scale = SCALES["toy"]
-    data = extension.corpus(scale, tmp_path, seed=0)
+    data = pipeline.corpus(scale, tmp_path, seed=0)
     run = tmp_path / "extend" / "dense"
     source = {"path": str(tmp_path / "base"), "rope_theta": scale.base_theta}
-    configs = [extension.train_config(scale, scale.extension, run, data, "extension", source, None, s) for s in (0, 1)]
+    configs = [pipeline.train_config(scale, scale.extension, run, data, "extension", source, None, s) for s in (0, 1)]
     run.mkdir(parents=True)
     (run / "train.yaml").write_text(yaml.safe_dump(configs[0]))
     (run / "summary.json").write_text('{"run": "extend/dense"}')
-    assert extension.train(run, configs[0]) == {"run": "extend/dense"}
-    with pytest.raises(extension.Refused, match="seed 0, this run asks for 1.*own --work"):
-        extension.train(run, configs[1])
+    assert pipeline.train(run, configs[0]) == {"run": "extend/dense"}
+    with pytest.raises(pipeline.Refused, match="seed 0, this run asks for 1.*own --work"):
+        pipeline.train(run, configs[1])
 
 
 def test_a_cached_evaluation_of_other_prompt_counts_is_refused(tmp_path):
@@ -311,28 +308,28 @@ def test_a_cached_evaluation_of_other_prompt_counts_is_refused(tmp_path):
 
     path = tmp_path / "dense__dense.json"
     cached = made(scale.niah_samples, scale.ruler_samples)
-    assert extension.checked_evaluation(path, cached, scale) is cached
-    with pytest.raises(extension.Refused, match="1 NIAH prompts per depth and 4 RULER.*asks for 1 and 2"):
-        extension.checked_evaluation(path, made(scale.niah_samples, 4), replace(scale, ruler_samples=2))
-    with pytest.raises(extension.Refused, match="delete it"):
-        extension.checked_evaluation(path, cached, replace(scale, niah_samples=scale.niah_samples + 1))
+    assert pipeline.checked_evaluation(path, cached, scale) is cached
+    with pytest.raises(pipeline.Refused, match="1 NIAH prompts per depth and 4 RULER.*asks for 1 and 2"):
+        pipeline.checked_evaluation(path, made(scale.niah_samples, 4), replace(scale, ruler_samples=2))
+    with pytest.raises(pipeline.Refused, match="delete it"):
+        pipeline.checked_evaluation(path, cached, replace(scale, niah_samples=scale.niah_samples + 1))
 
 
 def test_a_training_past_the_deadline_stops_and_resumes(tmp_path):
     """SIGTERM at the deadline, OutOfTime, then the same call again finishes and counts both calls' time."""
     scale = SCALES["toy"]
-    data = extension.corpus(scale, tmp_path, seed=0)
+    data = pipeline.corpus(scale, tmp_path, seed=0)
     run = tmp_path / "stage0"
     source = {"config": scale.model, "rope_theta": scale.base_theta}
-    config = extension.train_config(scale, scale.curriculum[0], run, data, "stage0", source, None, 0)
-    extension.Clock.deadline = time.time() + 1.0  # the trainer is still starting
+    config = pipeline.train_config(scale, scale.curriculum[0], run, data, "stage0", source, None, 0)
+    pipeline.Clock.deadline = time.time() + 1.0  # the trainer is still starting
     try:
-        with pytest.raises(extension.OutOfTime):
-            extension.train(run, config)
+        with pytest.raises(pipeline.OutOfTime):
+            pipeline.train(run, config)
     finally:
-        extension.Clock.deadline = None
+        pipeline.Clock.deadline = None
     assert not (run / "summary.json").exists()
-    summary = extension.train(run, config)
+    summary = pipeline.train(run, config)
     assert summary["calls"] == 2 and summary["steps"] == scale.curriculum[0].steps
     segments = [json.loads(line) for line in (run / "segments.jsonl").read_text().splitlines()]
     assert [seg["stopped"] for seg in segments] == [True, False]
@@ -360,7 +357,7 @@ def test_accuracy_difference_and_perplexity_statistics():
 # ---------------------------------------------------------------------------------------------- the pipeline
 def _run(scale: str, work: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(ROOT / "bench" / "extension.py"), "--scale", scale, "--work", str(work)]
+    cmd = [sys.executable, "-m", "experiments.extension", "--scale", scale, "--work", str(work)]
     cmd += ["--out", str(out), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -394,7 +391,7 @@ def _check_outputs(scale_name: str, work: Path, out: Path) -> dict:
     for cfg in (dense, sparse):
         cfg.pop("attention"), cfg.pop("checkpoint"), cfg.pop("log")
     assert dense == sparse  # same model, data, seed, steps, optimiser and ranks: only attention differs
-    for label, _, _ in extension.eval_plan(scale):
+    for label, _, _ in pipeline.eval_plan(scale):
         assert (work / "eval" / (label.replace("/", "__") + ".json")).is_file()
 
     # the report's figures come from the records
@@ -441,19 +438,19 @@ def test_pipeline_at_toy_size_recall_task_resumes(tmp_path):
     assert "Not informative on retrieval" in (out / "extension_toy.md").read_text()
 
     # a result JSON re-renders the same report elsewhere (a GPU run's, on the CPU)
-    extension.report_from(out / "extension_toy.json", tmp_path / "again")
+    pipeline.report_from(out / "extension_toy.json", tmp_path / "again")
     assert (tmp_path / "again" / "extension_toy.md").read_text() == (out / "extension_toy.md").read_text()
     # ... with the settings the run recorded, not the scale's current ones
     recorded = json.loads((out / "extension_toy.json").read_text())
     recorded["scale"]["curriculum"][0]["steps"], recorded["scale"]["extension"]["steps"] = 12345, 678
     (tmp_path / "changed.json").write_text(json.dumps(recorded))
-    extension.report_from(tmp_path / "changed.json", tmp_path / "changed")
+    pipeline.report_from(tmp_path / "changed.json", tmp_path / "changed")
     md = (tmp_path / "changed" / "extension_toy.md").read_text()
     assert f"curriculum 12345 x {recorded['scale']['curriculum'][0]['batch']} x" in md and "678 steps of" in md
 
     # the training loss split by token kind, from the same exports
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(ROOT / "bench" / "extension_losses.py"), "--scale", "toy", "--work", str(work)]
+    cmd = [sys.executable, "-m", "experiments.extension.losses", "--scale", "toy", "--work", str(work)]
     proc = subprocess.run(cmd + ["--docs", "2", "--out", str(out / "losses.json")], capture_output=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = json.loads((out / "losses.json").read_text())["losses"]
@@ -467,7 +464,7 @@ def test_pipeline_at_toy_size_recall_task_resumes(tmp_path):
     assert losses["sparse-v10/dense"] != losses["sparse-v10/sparse-v10"]
 
     # inference-only density sweep on the dense extension: the same documents as its evaluation
-    cmd = [sys.executable, str(ROOT / "bench" / "extension_density.py"), "--scale", "toy", "--work", str(work)]
+    cmd = [sys.executable, "-m", "experiments.extension.density", "--scale", "toy", "--work", str(work)]
     args = ["--docs", "2", "--settings", "v30,v30-qall,full,top-0.25,top-1", "--out", str(out / "density.json")]
     proc = subprocess.run(cmd + args, capture_output=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -489,7 +486,7 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
     work, out = tmp_path / "work", tmp_path / "out"
     # a call that ends while the corpus is still being written in the background: exit 3, the next call completes it
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(ROOT / "bench" / "extension.py"), "--scale", "toy-text", "--work", str(work)]
+    cmd = [sys.executable, "-m", "experiments.extension", "--scale", "toy-text", "--work", str(work)]
     stopped = subprocess.run(
         cmd + ["--out", str(out), "--max-minutes", "0.01"], capture_output=True, text=True, env=env
     )
@@ -526,20 +523,19 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
     assert models["base/stage0"]["init"] == "depth_scaled" == SCALES["toy-text"].init  # random weights only
     assert "init" not in models["extend/dense"] and "path" in models["extend/dense"]
     # the prompts the run built come back in another process (a resumed run's next call), in the cache's shape
-    import extension_eval
-
+    from experiments.extension import evaluation
     from mtraining.eval.tasks import Sample
 
-    extension_eval._PROMPTS.clear()
-    extension_eval.load_prompts(work / "eval" / "prompts.pkl")
-    (built,) = extension_eval._PROMPTS.values()  # one tokenizer
+    evaluation._PROMPTS.clear()
+    evaluation.load_prompts(work / "eval" / "prompts.pkl")
+    (built,) = evaluation._PROMPTS.values()  # one tokenizer
     assert {key[0] for key in built} == {"needle in a haystack", "ruler"} and all(
         isinstance(v, Sample) and v.prompt for v in built.values()
     )
-    assert set(built) == set(extension_eval.evaluation_prompts(SCALES["toy-text"], 0))  # all from the background
+    assert set(built) == set(evaluation.evaluation_prompts(SCALES["toy-text"], 0))  # all from the background
     log = (out / "extension_toy-text.log").read_text()
     assert log.index(f"prompts: {len(built)} built") < log.index("eval base/dense")  # before the first evaluation
-    extension_eval._PROMPTS.clear()
+    evaluation._PROMPTS.clear()
 
     # another extension from the same base: nothing of the base is trained, checked or evaluated again
     other = tmp_path / "other"
@@ -567,7 +563,7 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
     }  # fmt: skip
     changed = replace(SCALES["toy-text"], curriculum=(replace(SCALES["toy-text"].curriculum[0], steps=4),))
     with pytest.raises(ValueError, match="another curriculum"):
-        extension.corpus(changed, tmp_path / "third", 0, base_from=work)
+        pipeline.corpus(changed, tmp_path / "third", 0, base_from=work)
 
     # a replicate: the same base and evaluation prompts, another extension seed (its data and data order)
     _check_replicate(work, tmp_path / "r1", tmp_path / "out_r1")
@@ -576,7 +572,7 @@ def test_pipeline_at_toy_size_text_task(tmp_path):
 def _check_replicate(work: Path, replicate: Path, out: Path) -> None:
     """``--base-from work --extension-seed 1``: no base training, another extension file and data order, the same
     held-out documents and prompts (the results pair across replicates); another --seed is refused."""
-    import extension_eval
+    from experiments.extension import evaluation
 
     stamps = {p: p.stat().st_mtime_ns for p in (work / "base").rglob("*") if p.is_file()}
     proc = _run("toy-text", replicate, out, "--base-from", str(work), "--extension-seed", "1", "--cross", "none")
@@ -593,10 +589,10 @@ def _check_replicate(work: Path, replicate: Path, out: Path) -> None:
     assert (corpus[0] / "extension.npy").read_bytes() != (corpus[1] / "extension.npy").read_bytes()
     prompts = []
     for w in (work, replicate):
-        extension_eval._PROMPTS.clear()
-        extension_eval.load_prompts(w / "eval" / "prompts.pkl")
-        prompts.append(dict(extension_eval._PROMPTS))
-    extension_eval._PROMPTS.clear()
+        evaluation._PROMPTS.clear()
+        evaluation.load_prompts(w / "eval" / "prompts.pkl")
+        prompts.append(dict(evaluation._PROMPTS))
+    evaluation._PROMPTS.clear()
     assert prompts[0] == prompts[1] and prompts[0]
     evaluated = [json.loads((w / "eval" / "dense__dense.json").read_text())["tasks"]["niah"] for w in (work, replicate)]
     answers = [{n: [e["answers"] for e in cell.get("examples", [])] for n, cell in ev.items()} for ev in evaluated]
@@ -605,7 +601,7 @@ def _check_replicate(work: Path, replicate: Path, out: Path) -> None:
     assert (result["seed"], result["extension_seed"]) == (0, 1)
     assert "extension seed 1 (seed 0)" in (out / "extension_toy-text.md").read_text().splitlines()[0]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(ROOT / "bench" / "extension.py"), "--scale", "toy-text", "--base-from", str(work)]
+    cmd = [sys.executable, "-m", "experiments.extension", "--scale", "toy-text", "--base-from", str(work)]
     cmd += ["--seed", "1", "--work", str(replicate.parent / "r2"), "--out", str(out.parent / "out_r2")]
     refused = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     assert refused.returncode == 2 and "refused: --base-from" in refused.stdout and "seed" in refused.stdout
@@ -635,27 +631,27 @@ def test_committed_cpu_results_are_informative_and_their_parity_follows_the_thre
 def test_a_base_that_does_not_retrieve_stops_the_run_before_its_extension(tmp_path, name):
     """Three steps of training retrieve nothing: the check at L0 stops the run with the fix in its message."""
     scale = replace(SCALES[name], base_check=2)
-    data = extension.corpus(scale, tmp_path, seed=0)
-    base, runs = extension.base_model(scale, tmp_path, data, seed=0)
+    data = pipeline.corpus(scale, tmp_path, seed=0)
+    base, runs = pipeline.base_model(scale, tmp_path, data, seed=0)
     if name == "toy-text":  # every text stage is checked at its length, and the check is kept with its run
         assert [r["niah"]["length"] for r in runs] == [st.seq_len for st in scale.curriculum]
         assert all(r["niah"]["accuracy"]["answers"] == 10 for r in runs)
         assert (tmp_path / "base" / "stage0" / "niah.json").exists()
     else:
         assert all("niah" not in r for r in runs)
-    with pytest.raises(extension.BaseDoesNotRetrieve, match="train the base longer.*--extend-anyway"):
-        extension.check_base(scale, tmp_path, base, seed=0)
+    with pytest.raises(pipeline.BaseDoesNotRetrieve, match="train the base longer.*--extend-anyway"):
+        pipeline.check_base(scale, tmp_path, base, seed=0)
     checked = json.loads((tmp_path / "eval" / "base_check.json").read_text())
     assert checked["accuracy"]["answers"] == sum(d["answers"] for d in checked["documents"]) >= 2
     assert checked["accuracy"]["percent"] == 0.0
-    assert extension.check_base(replace(scale, base_check=0), tmp_path, base, seed=0) is None
-    assert extension.check_base(scale, tmp_path, base, seed=0, gate=False) == checked  # recorded, not stopping
+    assert pipeline.check_base(replace(scale, base_check=0), tmp_path, base, seed=0) is None
+    assert pipeline.check_base(scale, tmp_path, base, seed=0, gate=False) == checked  # recorded, not stopping
 
 
 def test_base_search_trains_recipes_side_by_side_and_checks_each(tmp_path):
-    """bench/extension_base_search.py in miniature: two recipes (one with its own model), each trained and checked."""
+    """experiments/extension/base_search.py in miniature: two recipes (one with its own model), each trained and checked."""
     out = tmp_path / "search.json"
-    cmd = [sys.executable, str(ROOT / "bench" / "extension_base_search.py"), "--scale", "toy-text"]
+    cmd = [sys.executable, "-m", "experiments.extension.base_search", "--scale", "toy-text"]
     cmd += ["--recipes", "mix1024,small", "--lengths", "512", "--samples", "2", "--work", "w"]  # relative: cwd's
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd + ["--out", str(out)], capture_output=True, text=True, env=env, cwd=tmp_path)
@@ -675,7 +671,7 @@ def test_fact_documents_answer_what_they_stated(kind):
     single words, facts keys the eval's adjective-noun pairs; a stage restricted to a kind draws only it."""
     stated, answered, sentences = {}, [], 0
     for seed in range(5):
-        doc = extension_text.make_document(kind, seed, 200)
+        doc = text_corpus.make_document(kind, seed, 200)
         facts = dict(re.findall(r"(?<!Answer: )The secret number of ([\w-]+) is (\d+)\.", doc))
         pairs = re.findall(r"Answer: The secret number of ([\w-]+) is (\d+)\.", doc)
         assert all(facts[key] == value for key, value in pairs)
@@ -685,27 +681,25 @@ def test_fact_documents_answer_what_they_stated(kind):
     assert all(("-" in key) == (kind == "facts") for key in stated)
     assert len(answered) > 0.15 * sentences  # a dense retrieval signal
     with pytest.raises(ValueError, match="unknown document kind"):
-        extension_text.make_document("fact", 7, 20)
-    assert extension_text.documents(5, 3, 30, (kind,)) == [
-        extension_text.make_document(kind, 5 + i, 30) for i in range(3)
-    ]
+        text_corpus.make_document("fact", 7, 20)
+    assert text_corpus.documents(5, 3, 30, (kind,)) == [text_corpus.make_document(kind, 5 + i, 30) for i in range(3)]
 
 
 def test_copy_documents_repeat_one_span_of_random_words():
     """A copy document is one span of words and numbers repeated: everything after its first occurrence is a copy."""
     for seed in range(5):
-        words = extension_text.make_document("copy", seed, 40).split()
+        words = text_corpus.make_document("copy", seed, 40).split()
         period = next(p for p in range(1, len(words)) if words[p:] == words[:-p])
         assert 4 <= period <= 24 and len(words) >= 3 * period
-    assert extension_text.make_document("copy", 1, 40) != extension_text.make_document("copy", 2, 40)
+    assert text_corpus.make_document("copy", 1, 40) != text_corpus.make_document("copy", 2, 40)
 
 
 def test_token_span_stages_write_repeated_random_ids(tmp_path):
     """A ("tokens",) stage's file holds spans of 8-24 random ids (never EOS) repeated, from the tokenizer's
     vocabulary, the same file for the same seed; its documents, and a ("copy",) stage's, are one sample long."""
-    tokenizer = extension_text.write_tokenizer(tmp_path / "tok.json", 384)
-    first = extension_text.train_stream(tmp_path / "a.npy", tokenizer, 3000, 128, seed=0, stage=0, kinds=("tokens",))
-    again = extension_text.train_stream(tmp_path / "b.npy", tokenizer, 3000, 128, seed=0, stage=0, kinds=("tokens",))
+    tokenizer = text_corpus.write_tokenizer(tmp_path / "tok.json", 384)
+    first = text_corpus.train_stream(tmp_path / "a.npy", tokenizer, 3000, 128, seed=0, stage=0, kinds=("tokens",))
+    again = text_corpus.train_stream(tmp_path / "b.npy", tokenizer, 3000, 128, seed=0, stage=0, kinds=("tokens",))
     stream, eos = np.load(first["path"]), 0
     assert np.array_equal(stream, np.load(again["path"])) and stream.max() < 384
     documents = [d for d in np.split(stream, np.flatnonzero(stream == eos) + 1) if len(d)]
@@ -715,10 +709,10 @@ def test_token_span_stages_write_repeated_random_ids(tmp_path):
         assert len(doc) == 128 and doc[-1] == eos and eos not in ids
         period = next(p for p in range(1, len(ids)) if ids[p:] == ids[:-p])
         assert 8 <= period <= 24 and len(ids) >= 3 * period
-    copy = np.load(extension_text.train_stream(tmp_path / "c.npy", tokenizer, 3000, 96, 0, 1, kinds=("copy",))["path"])
+    copy = np.load(text_corpus.train_stream(tmp_path / "c.npy", tokenizer, 3000, 96, 0, 1, kinds=("copy",))["path"])
     assert copy.size % 96 == 0 and (copy[95::96] == eos).all() and (copy.reshape(-1, 96)[:, :-1] != eos).all()
-    short = [len(d) for d in extension_text.documents(0, 20, 60, ("recall",))]
-    long = [len(d) for d in extension_text.documents(0, 20, 60, ("recall",), min_sentences=45)]
+    short = [len(d) for d in text_corpus.documents(0, 20, 60, ("recall",))]
+    long = [len(d) for d in text_corpus.documents(0, 20, 60, ("recall",), min_sentences=45)]
     assert min(long) > sorted(short)[10]  # min_fill: documents from that share of a sample up
     with pytest.raises(ValueError, match="a stage of their own"):  # ids cannot join a text mixture
-        extension_text.documents(0, 4, 30, ("tokens", "niah"))
+        text_corpus.documents(0, 4, 30, ("tokens", "niah"))

@@ -22,13 +22,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common import written
-from extension_corpus import eval_set
-from extension_report import accuracy
-from extension_settings import Budget, Scale
+from bench.common import written
+
+from .recall_corpus import eval_set
+from .report import accuracy
+from .settings import Budget, Scale
 
 if TYPE_CHECKING:
-    from extension_background import Pool
+    from .background import Pool
 
 
 def spec(scale: Scale, budget: Budget | None, length: int):
@@ -125,7 +126,7 @@ def evaluate_text(export: str, scale: Scale, budget: Budget | None, heldout: Pat
 def check_base(export: str, scale: Scale, seed: int) -> dict:
     """The base's retrieval at L0 with dense attention on ``scale.base_check`` held-out prompts (recall: documents)
     of its first task, in one process: {"task", "documents" (the records of ``evaluate_*`` for that cell),
-    "accuracy" (``extension_report.accuracy``), and for NIAH "examples" (answers and what was generated)}."""
+    "accuracy" (``report.accuracy``), and for NIAH "examples" (answers and what was generated)}."""
     from mtraining.eval.engine import Engine
 
     if scale.task == "recall":

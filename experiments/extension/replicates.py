@@ -1,16 +1,16 @@
 """Sparse against dense over several runs of the context-extension experiment: what one run's intervals miss.
 
-A run's intervals (bench/extension_report.py) resample the evaluation's prompts with the trained models
+A run's intervals (report.py) resample the evaluation's prompts with the trained models
 fixed. Two runs of one recipe (same settings and seed, trained again on another machine) also differ in
 the models, and that spread is what decides whether a few points between dense and sparse mean anything.
-This reads result JSONs of bench/extension.py and reports, per run, budget and length, sparse minus dense
+This reads result JSONs of pipeline.py and reports, per run, budget and length, sparse minus dense
 (each sparse extension read with its own budget): NIAH over every depth and split by needle depth, the
 RULER-style average and last-bucket perplexity; for runs of the same recipe (``--same``), each model's
 change from one run to the other on the same prompts; and for replicates (``--pool``: runs whose evaluations
 share their prompts, such as ``--extension-seed`` replicates from one base), sparse minus dense averaged over
 the runs with an interval that resamples the runs as well as the prompts.
 
-    python bench/extension_replicates.py --run end=bench/results/extension_gpu_end.json \\
+    python -m experiments.extension.replicates --run end=bench/results/extension_gpu_end.json \\
         --run mix=bench/results/extension_gpu_mix.json --run mix-again=bench/results/extension_gpu_sweep.json \\
         --same mix,mix-again --pool mix=mix,mix-again --out bench/results/extension_gpu_replicates.json
 """
@@ -21,14 +21,12 @@ import argparse
 import json
 import random
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import provenance, written  # noqa: E402
-from extension import write_json  # noqa: E402
-from extension_report import (  # noqa: E402
+from bench.common import provenance, written
+
+from .pipeline import write_json
+from .report import (
     accuracy,
     bootstrap,
     by_depth,
@@ -203,7 +201,7 @@ def markdown(result: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", action="append", required=True, help="NAME=result JSON of bench/extension.py (repeat)")
+    p.add_argument("--run", action="append", required=True, help="NAME=result JSON of pipeline.py (repeat)")
     p.add_argument("--same", action="append", default=[], help="FIRST,SECOND: two runs of the same recipe (repeat)")
     p.add_argument(
         "--pool", action="append", default=[], help="NAME=RUN,RUN,...: replicates whose prompts are shared (repeat)"

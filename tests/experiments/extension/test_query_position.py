@@ -1,17 +1,17 @@
-"""bench/query_position.py: the two placements hold the same tokens at the same length, and the answers
+"""experiments/extension/query_position.py: the two placements hold the same tokens at the same length, and the answers
 follow their tokens (the value asked for sits at every answer position, the question just before it)."""
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 
-from tests.bench.scripts import BENCH
+import pytest
 
-sys.path.insert(0, str(BENCH))
-import query_position as qp  # noqa: E402
-from extension_corpus import eval_set  # noqa: E402
-from extension_settings import SCALES  # noqa: E402
+from experiments.extension import query_position as qp
+from experiments.extension.recall_corpus import eval_set
+from experiments.extension.settings import SCALES
+
+pytestmark = pytest.mark.slow
 
 
 def test_questions_end_the_document_or_lie_tail_tokens_before_its_end():

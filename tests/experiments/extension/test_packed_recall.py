@@ -1,18 +1,16 @@
-"""bench/packed_recall.py: packed samples, scoring per document position, and the whole run at toy size."""
+"""experiments/extension/packed_recall.py: packed samples, scoring per document position, and the whole run at toy size."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from experiments.extension import packed_recall as pr
+from experiments.extension import report
 
-import extension_report as report  # noqa: E402
-import packed_recall as pr  # noqa: E402
+pytestmark = pytest.mark.slow
 
 TOY = pr.SCALES["toy"]
 

@@ -1,6 +1,6 @@
 """Where a sparse extension's training-loss gap sits: answer tokens or the rest.
 
-The training loss of bench/extension.py is the mean cross-entropy over every token of the training
+The training loss of pipeline.py is the mean cross-entropy over every token of the training
 documents (filler, needles, queries), under the run's own attention. A sparse run can lose there
 without losing retrieval. This scores held-out documents of the extension's training shape
 (recall task; seeds disjoint from training and evaluation) teacher-forced with each extended model,
@@ -8,22 +8,20 @@ in dense and in its own sparse attention, and splits the mean NLL by token kind:
 answers (the value after ``Q key``), the queried keys (a random pick among the needles), and the
 rest (filler, needles, ``Q``).
 
-    python bench/extension_losses.py --scale cpu --work runs/extension_cpu --docs 20
+    python -m experiments.extension.losses --scale cpu --work runs/extension_cpu --docs 20
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import RESULTS_DIR, provenance  # noqa: E402
-from extension import write_json  # noqa: E402
-from extension_corpus import make_document  # noqa: E402
-from extension_eval import spec  # noqa: E402
-from extension_settings import SCALES, Budget, Scale  # noqa: E402
+from bench.common import RESULTS_DIR, provenance
+
+from .evaluation import spec
+from .pipeline import write_json
+from .recall_corpus import make_document
+from .settings import SCALES, Budget, Scale
 
 KINDS = ("answer", "queried key", "rest")
 
@@ -54,7 +52,7 @@ def losses(export: Path, scale: Scale, budget: Budget | None, documents: list) -
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scale", choices=[n for n, s in SCALES.items() if s.task == "recall"], default="cpu")
-    p.add_argument("--work", type=Path, required=True, help="the work folder of bench/extension.py")
+    p.add_argument("--work", type=Path, required=True, help="the work folder of python -m experiments.extension")
     p.add_argument("--docs", type=int, default=20)
     p.add_argument("--out", type=Path, default=None, help="default: bench/results/extension_<scale>_losses.json")
     args = p.parse_args()

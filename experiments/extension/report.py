@@ -18,9 +18,9 @@ import random
 from dataclasses import asdict
 from pathlib import Path
 
-from extension_settings import Scale
-
 from mtraining.eval.retrieval import wilson_interval
+
+from .settings import Scale
 
 TASK_TITLES = {"recall": "key-value retrieval", "niah": "needle in a haystack", "ruler": "RULER-style average"}
 BASE_GATE = {"recall": 90.0, "niah": 90.0, "ruler": 50.0}  # the base must retrieve at L0 (issue 13)
@@ -418,7 +418,7 @@ def markdown(scale: Scale, result: dict, paths: dict[str, Path]) -> str:
     lines += [f"Accuracy in the plot: {TASK_TITLES[task]}.", "", "## Training runs", ""]
     lines += [
         "The loss is the mean cross-entropy over every token of the training documents (filler, needles, "
-        "queries), each run under its own attention; `bench/extension_losses.py` splits it by token kind "
+        "queries), each run under its own attention; `losses.py` splits it by token kind "
         "(retrieval answers against the rest).",
         "",
     ]

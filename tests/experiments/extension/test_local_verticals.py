@@ -1,17 +1,14 @@
-"""bench/local_verticals.py: the masked reference attention equals a float64 oracle, and each block's extra
+"""experiments/extension/local_verticals.py: the masked reference attention equals a float64 oracle, and each block's extra
 columns are the keys before it that rank highest by its pooled query or its exact mass, skipping the pattern's."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
-from tests.bench.scripts import BENCH
+from experiments.extension import local_verticals as lv
 
-sys.path.insert(0, str(BENCH))
-import local_verticals as lv  # noqa: E402
+pytestmark = pytest.mark.slow
 
 
 def _inputs(s: int = 150, h: int = 2, d: int = 8, seed: int = 0):

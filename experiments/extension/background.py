@@ -1,4 +1,4 @@
-"""CPU work of bench/extension.py done while the GPU trains: the corpus files and the evaluation prompts.
+"""CPU work of pipeline.py done while the GPU trains: the corpus files and the evaluation prompts.
 
 ``Background`` runs named jobs one after another on a thread of the calling process; their CPU-heavy parts go
 to ``Pool``, a spawn process pool of the spare cores (``spare_cores``). ``Parts`` is a manifest of named
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
-from common import written
+from bench.common import written
 
 
 class PreparationFailed(RuntimeError):

@@ -1,4 +1,4 @@
-"""The generated corpus of the context-extension experiment (bench/extension.py): a word-level
+"""The generated corpus of the context-extension experiment (pipeline.py): a word-level
 vocabulary, key-value retrieval documents with a bursty filler, and the files each stage reads.
 
 Every document is a pure function of (seed, length, shape): it starts with ``</s>`` (the separator,

@@ -1,6 +1,6 @@
 """How dense must the vertical-slash pattern be for perplexity parity? Inference only, one extended model.
 
-The sparse extensions of bench/extension.py lose last-bucket perplexity at 8 L0 mostly through what
+The sparse extensions of pipeline.py lose last-bucket perplexity at 8 L0 mostly through what
 the pattern keeps at inference (the dense extension evaluated sparse loses as much). This scores one
 extended model (default: the dense extension) at one length on the experiment's held-out recall
 documents (the same documents for every setting), dense and with each setting of a sweep, and gives
@@ -11,7 +11,7 @@ pattern of that density holds what the queries need, so only a denser one closes
 without lines (``TopK``: each query keeps its own highest-scoring keys, picked from the full scores)
 says how sparse the attention itself is.
 
-    python bench/extension_density.py --scale cpu --work runs/extension_cpu --docs 100
+    python -m experiments.extension.density --scale cpu --work runs/extension_cpu --docs 100
 
 Each setting's evaluation is cached in ``<work>/density/`` (a rerun scores only new settings).
 """
@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import extension_eval  # noqa: E402
-import extension_report as report  # noqa: E402
-from common import RESULTS_DIR, provenance  # noqa: E402
-from extension import Clock, write_json  # noqa: E402
-from extension_settings import DENSER, SCALES, SWEEP, Budget, Scale  # noqa: E402
+from bench.common import RESULTS_DIR, provenance
+
+from . import evaluation, report
+from .pipeline import Clock, write_json
+from .settings import DENSER, SCALES, SWEEP, Budget, Scale
 
 
 @dataclass(frozen=True)
@@ -96,7 +93,7 @@ SETTINGS = (
 def evaluate(export: Path, scale: Scale, setting: Setting | TopK | None, docs: list, length: int) -> dict:
     """Dense (``setting`` None) or sparse retrieval and per-bucket losses of ``docs`` at ``length``, timed.
 
-    One process: the pattern is global, so the striped ring of bench/extension.py computes the same
+    One process: the pattern is global, so the striped ring of pipeline.py computes the same
     pairs (its recorded losses of the same documents agree to rounding)."""
     with Clock() as clock:
         if isinstance(setting, TopK):
@@ -104,7 +101,7 @@ def evaluate(export: Path, scale: Scale, setting: Setting | TopK | None, docs: l
         else:
             budget = None if setting is None else setting.budget
             estimating = scale if setting is None else setting.estimating(scale, length)
-            result = extension_eval.evaluate_recall(str(export), estimating, budget, {length: docs})
+            result = evaluation.evaluate_recall(str(export), estimating, budget, {length: docs})
     n = str(length)
     return dict(
         pattern=None if setting is None else setting.pattern(scale, length),
@@ -117,14 +114,14 @@ def evaluate(export: Path, scale: Scale, setting: Setting | TopK | None, docs: l
 
 
 def evaluate_top(export: Path, scale: Scale, fraction: float, docs: list, length: int) -> dict:
-    """``extension_eval.evaluate_recall``'s record for ``TopK``: the model run by Hugging Face with
-    ``_TopScorer.attention`` (layer 0 dense, as ``extension_eval.spec``) instead of an ``Engine``."""
+    """``evaluation.evaluate_recall``'s record for ``TopK``: the model run by Hugging Face with
+    ``_TopScorer.attention`` (layer 0 dense, as ``evaluation.spec``) instead of an ``Engine``."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     from mtraining.eval.loading import load
     from mtraining.eval.retrieval import run_retrieval
-    from mtraining.models.adapter import no_mask
+    from mtraining.models import no_mask
 
     scorer = _TopScorer(load(str(export), device="cpu", dtype=scale.dtype).model, fraction)
     name = f"top_fraction_{fraction}"
@@ -132,7 +129,7 @@ def evaluate_top(export: Path, scale: Scale, fraction: float, docs: list, length
     AttentionMaskInterface.register(name, no_mask)
     scorer.model.config._attn_implementation = name
     result = run_retrieval(scorer, docs, scale.depths, scale.first_bucket, show_progress=False)
-    n, record = str(length), extension_eval.retrieval_record(result)
+    n, record = str(length), evaluation.retrieval_record(result)
     return {
         "tasks": {"recall": {n: {k: record[k] for k in ("documents", "grid")}}},
         "ppl": {n: record["ppl"]},
@@ -201,12 +198,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     names = [s.name for s in SETTINGS]
     p.add_argument("--scale", choices=[n for n, s in SCALES.items() if s.task == "recall"], default="cpu")
-    p.add_argument("--work", type=Path, required=True, help="the work folder of bench/extension.py")
+    p.add_argument("--work", type=Path, required=True, help="the work folder of python -m experiments.extension")
     p.add_argument("--model", default="dense", help="the extension to score (a folder of <work>/extend)")
     p.add_argument("--length", type=int, default=None, help="default: the scale's longest (8 L0)")
     p.add_argument("--docs", type=int, default=100, help="the first this many held-out documents of that length")
     p.add_argument("--settings", default=",".join(names), help=f"comma-separated, of {names}")
-    p.add_argument("--seed", type=int, default=0, help="bench/extension.py's --seed (its held-out documents)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="the --seed of python -m experiments.extension (its held-out documents)"
+    )
     p.add_argument("--out", type=Path, default=None, help="default: bench/results/extension_<scale>_density.json")
     args = p.parse_args()
     scale = SCALES[args.scale]
@@ -218,8 +217,8 @@ def main() -> None:
         p.error(f"--length must be one of the scale's evaluation lengths {scale.lengths}")
     export = args.work / "extend" / args.model / "export"
     if not (export / "model.safetensors").is_file():
-        p.error(f"no exported model in {export}: run bench/extension.py --work {args.work} first")
-    docs = extension_eval.recall_documents(scale, args.seed)[length]
+        p.error(f"no exported model in {export}: run python -m experiments.extension --work {args.work} first")
+    docs = evaluation.recall_documents(scale, args.seed)[length]
     if not 1 <= args.docs <= len(docs):
         p.error(f"--docs must be in 1..{len(docs)} (the scale's held-out documents)")
     docs = docs[: args.docs]

@@ -1,4 +1,4 @@
-"""Settings of the context-extension experiment (bench/extension.py): model, curriculum, extension, budgets, evaluation.
+"""Settings of the context-extension experiment (pipeline.py): model, curriculum, extension, budgets, evaluation.
 
 ``SCALES`` holds the scales: ``cpu`` (run and committed: 2 gloo ranks, the torch backend),
 ``gpu`` (one H200: L0 = 4K, 8 L0 = 32K, a ~105M model, NIAH and RULER), ``gpu-smoke`` (the GPU
@@ -11,17 +11,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from extension_corpus import Shape, Vocab
-
 from mtraining.eval.tasks import TASKS
-from mtraining.models.loader import Init
+from mtraining.models import Init
+
+from .recall_corpus import Shape, Vocab
 
 
 @dataclass(frozen=True)
 class Stage:
     """One training run's schedule: length, steps, sequences per step (all ranks), peak lr (cosine decay to
     ``min_lr_ratio`` of it), and its documents: recall documents with ``pairs`` needles (all queried; recall
-    task), the mixture of ``kinds`` (text task; None: extension_text.KINDS), or repeated segments (``repeat``).
+    task), the mixture of ``kinds`` (text task; None: text_corpus.KINDS), or repeated segments (``repeat``).
     ``min_fill``: text documents are drawn between this fraction of a sample and a whole one (log-uniform);
     at 0 most are far shorter than the sample, so few needles sit as far back as its length."""
 
@@ -74,9 +74,9 @@ class Budget:
 class Scale:
     """Everything one scale of the experiment needs.
 
-    ``task`` "recall": the word-level associative-recall documents of extension_corpus.py, scored
+    ``task`` "recall": the word-level associative-recall documents of recall_corpus.py, scored
     teacher-forced (``mtraining.eval.retrieval``); "text": the eval's own NIAH and RULER-style tasks
-    (extension_text.py corpus, ``run_niah`` / ``run_ruler``), perplexity on held-out recall logs.
+    (text_corpus.py corpus, ``run_niah`` / ``run_ruler``), perplexity on held-out recall logs.
     """
 
     name: str
@@ -181,7 +181,7 @@ DENSER = (
 )
 # v30 with per-block columns for the questions the last rows' lines miss (``--budgets``): 16, 64 or
 # 128 key columns per block of G rows (at the CPU scale's G = 16, as many columns per row as 64, 256 or 512 per
-# 64-row block in bench/local_verticals.py).
+# 64-row block in local_verticals.py).
 COLUMNS = (
     Budget("v30c16", v=1 / 8, s=1 / 16, columns=16),
     Budget("v30c64", v=1 / 8, s=1 / 16, columns=64),

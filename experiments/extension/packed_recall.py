@@ -1,8 +1,8 @@
 """Does a sparse pattern estimated from a packed sample's last queries miss the other documents' needles?
 
-The CPU scale's base of the context-extension experiment (bench/extension.py; trained dense at L0 on
+The CPU scale's base of the context-extension experiment (pipeline.py; trained dense at L0 on
 one recall document per sample, reused from ``--work`` when there) reads held-out samples of 8 L0
-tokens that pack ``factor`` (8) associative-recall documents of L0 tokens each (extension_corpus
+tokens that pack ``factor`` (8) associative-recall documents of L0 tokens each (recall_corpus
 ``eval_set``: queries at the end of each document), at the base's own RoPE base (each document is L0
 long, where the base retrieves). Each answer is scored teacher-forced (the greedy prediction before it,
 as ``mtraining.eval.retrieval``) per document position in the sample (1: first ... 8: last) under:
@@ -23,34 +23,28 @@ probability the pattern keeps on the rows that predict the answers (the rows tha
 over the sparse layers and query heads, computed as ``pattern_recall`` computes a row's. One process, torch backend, the scale's dtype (float32 on
 the CPU), no context parallelism. Writes ``packed_recall.json`` (``--out``) and prints a table.
 
-    python bench/packed_recall.py                          # cpu scale: the base (~9 min) once, then ~8 min
-    python bench/packed_recall.py --scale toy --work /tmp/w --out /tmp/o --samples 2
+    python -m experiments.extension.packed_recall                          # cpu scale: the base (~9 min) once, then ~8 min
+    python -m experiments.extension.packed_recall --scale toy --work /tmp/w --out /tmp/o --samples 2
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT))
-import extension  # noqa: E402
-import extension_eval  # noqa: E402
-from common import RESULTS_DIR, provenance  # noqa: E402
-from extension_corpus import eval_set  # noqa: E402
-from extension_report import accuracy, difference  # noqa: E402
-from extension_settings import SCALES, Budget, Scale  # noqa: E402
+from bench.common import RESULTS_DIR, provenance
+from mtraining.eval.engine import Engine
+from mtraining.models import Attention, kept_probability
+from mtraining.ops import Documents
 
-from mtraining.eval.engine import Engine  # noqa: E402
-from mtraining.models.attention import Attention  # noqa: E402
-from mtraining.models.recall import kept_probability  # noqa: E402
-from mtraining.ops.documents import Documents  # noqa: E402
+from . import evaluation, pipeline
+from .recall_corpus import eval_set
+from .report import accuracy, difference
+from .settings import SCALES, Budget, Scale
 
 CONDITIONS = {  # name: (sparse, document masking)
     "dense_masked": (False, True),
@@ -129,9 +123,9 @@ class ProbeEngine(Engine):
 
 
 def base_export(scale: Scale, work: Path, seed: int) -> Path:
-    """The scale's base (bench/extension.py's corpus and curriculum), trained unless ``work`` has it."""
-    data = extension.corpus(scale, work, seed)
-    export, _ = extension.base_model(scale, work, data, seed)
+    """The scale's base (pipeline.py's corpus and curriculum), trained unless ``work`` has it."""
+    data = pipeline.corpus(scale, work, seed)
+    export, _ = pipeline.base_model(scale, work, data, seed)
     return export
 
 
@@ -160,9 +154,7 @@ def score(engine: ProbeEngine, samples: list[Packed], masked: bool) -> list[list
 def condition(model, scale: Scale, budget: Budget, samples: list[Packed], sparse: bool, masked: bool) -> dict:
     """One condition's records and figures (accuracy per position and overall; density and recall when sparse)."""
     started, cpu = time.time(), time.process_time()
-    engine = ProbeEngine(
-        model, extension_eval.spec(scale, budget if sparse else None, scale.long), None, record="recall"
-    )
+    engine = ProbeEngine(model, evaluation.spec(scale, budget if sparse else None, scale.long), None, record="recall")
     records = score(engine, samples, masked)
     return dict(
         attention="sparse" if sparse else "dense",
@@ -198,7 +190,7 @@ def run(
     budget = scale.budget(budget_name or scale.default_budget)
     export = model if model is not None else base_export(scale, work, seed)
     result_name = "packed_recall" if model is None else f"packed_recall_{model.parent.name}"
-    loaded = extension_eval.load_export(str(export), scale)
+    loaded = evaluation.load_export(str(export), scale)
     packed = packed_samples(scale, samples, seed)
     plan = {name: (budget, sparse, masked) for name, (sparse, masked) in CONDITIONS.items()}
     plan |= {f"sparse_masked_{b}": (scale.budget(b), True, True) for b in masked_budgets}
@@ -207,7 +199,7 @@ def run(
         conditions[name] = condition(loaded.model, scale, b, packed, sparse, masked)
         conditions[name]["budget"] = b.name if sparse else None
         conditions[name]["pattern"] = b.pattern(scale.long, scale) if sparse else None
-        extension.say(f"{name}: {_row(conditions[name])}")
+        pipeline.say(f"{name}: {_row(conditions[name])}")
     differences = {
         name: [difference(conditions[a]["records"][k], conditions[b]["records"][k]) for k in range(scale.factor)]
         for name, (a, b) in DIFFERENCES.items()
@@ -236,7 +228,7 @@ def run(
         wall_s=round(sum(c["wall_s"] for c in conditions.values()), 1),
         cpu_s=round(sum(c["cpu_s"] for c in conditions.values()), 1),
     )
-    extension.write_json(out / f"{result_name}.json", result)
+    pipeline.write_json(out / f"{result_name}.json", result)
     print(table(result))
     return result
 
@@ -287,7 +279,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     scale = SCALES[args.scale]
-    work = (args.work or ROOT / "runs" / f"extension_{scale.name}").resolve()
+    work = (args.work or pipeline.ROOT / "runs" / f"extension_{scale.name}").resolve()
     work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     masked = tuple(b.strip() for b in args.masked_budgets.split(",") if b.strip())

@@ -3,8 +3,8 @@
 The small-scale twin of the paper's experiment (extend a pretrained model 8x with dense or with
 dynamic sparse attention, then compare retrieval and perplexity), in five resumable stages:
 
-1. corpus: a generated tokenizer and training token files (bench/extension_corpus.py: word-level
-   associative recall; bench/extension_text.py at the GPU scale: the eval's NIAH/RULER formats);
+1. corpus: a generated tokenizer and training token files (recall_corpus.py: word-level
+   associative recall; text_corpus.py at the GPU scale: the eval's NIAH/RULER formats);
 2. base: a Qwen2 pretrained with dense attention at length L0 through a curriculum of stages, each
    a ``mtraining train`` run starting from the previous stage's export; then checked on a few held-out
    prompts at L0: a base that clearly does not retrieve stops the run (exit status 4);
@@ -12,11 +12,11 @@ dynamic sparse attention, then compare retrieval and perplexity), in five resuma
    seed, data order and steps, once dense and once per sparse budget (dynamic sparse attention,
    through the striped context-parallel ring when the scale has several ranks; layer 0 dense);
 4. eval: every model at L0, 2 L0, 4 L0, 8 L0 on the same held-out documents, extended models with
-   dense and with sparse attention (bench/extension_eval.py, through ``mtraining.eval``);
+   dense and with sparse attention (evaluation.py, through ``mtraining.eval``);
 5. report: ``extension_<scale>.json`` (every figure, device, commit, command), ``.md``, three PNGs
-   and the log, flat in ``--out`` (bench/extension_report.py).
+   and the log, flat in ``--out`` (report.py).
 
-The text task's CPU-only preparation overlaps the base's training (bench/extension_background.py): the
+The text task's CPU-only preparation overlaps the base's training (background.py): the
 tokenizer and the corpus files are written in stage order on a pool of the spare cores (all but the training's
 and this process's), each training stage waiting for its own file only; then the evaluations' NIAH/RULER prompts
 at every length are built into ``eval/prompts.pkl``, which the first evaluation waits for. Files and prompts are
@@ -29,16 +29,16 @@ call: at that time a training gets SIGTERM (it saves a checkpoint and stops), an
 that would end later (an evaluation is expected to take as long as the longest one of this call);
 the run exits with status 3, and the same command continues it. Every stage logs its wall time.
 
-    python bench/extension.py --scale cpu                    # ~128 CPU-minutes (v30c128 included); writes bench/results/
-    python bench/extension.py --scale gpu-smoke --out $OUT   # the GPU path in miniature, ~2 minutes
-    python bench/extension.py --scale gpu --max-minutes 8.5 --out $OUT   # one H200, two calls (BENCHMARKS.md)
-    python bench/extension.py --scale toy --work /tmp/w --out /tmp/o   # the pipeline in miniature
+    python -m experiments.extension --scale cpu                    # ~128 CPU-minutes (v30c128 included); writes bench/results/
+    python -m experiments.extension --scale gpu-smoke --out $OUT   # the GPU path in miniature, ~2 minutes
+    python -m experiments.extension --scale gpu --max-minutes 8.5 --out $OUT   # one H200, two calls (BENCHMARKS.md)
+    python -m experiments.extension --scale toy --work /tmp/w --out /tmp/o   # the pipeline in miniature
 
 A replicate (another extension pair from the same base, evaluated on the same prompts) differs in its extension data
 alone: ``--extension-seed`` seeds the extension's corpus file and data order, ``--seed`` everything else. Each
 replicate needs its own --work (a folder's extensions are those of one extension seed):
 
-    python bench/extension.py --scale gpu --base-from runs/r0 --extension-seed 1 --work runs/r1 --out runs/out_r1
+    python -m experiments.extension --scale gpu --base-from runs/r0 --extension-seed 1 --work runs/r1 --out runs/out_r1
 
 ``--niah-samples`` and ``--ruler-samples`` change the text task's prompt counts (more prompts, narrower intervals);
 runs compared or pooled need the same counts, and an evaluation cached with other counts is refused.
@@ -64,17 +64,14 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT))
-import extension_corpus  # noqa: E402
-import extension_eval  # noqa: E402
-import extension_report  # noqa: E402
-import extension_text  # noqa: E402
-from common import RESULTS_DIR, commit, provenance, written  # noqa: E402
-from extension_background import Background, Parts  # noqa: E402
-from extension_corpus import Shape  # noqa: E402
-from extension_settings import SCALES, Budget, Scale, Stage  # noqa: E402
+from bench.common import RESULTS_DIR, commit, provenance, written
+
+from . import evaluation, recall_corpus, report, text_corpus
+from .background import Background, Parts
+from .recall_corpus import Shape
+from .settings import SCALES, Budget, Scale, Stage
+
+ROOT = Path(__file__).resolve().parents[2]
 
 LOG: list[Path] = []
 T0 = time.time()
@@ -175,12 +172,12 @@ def open_corpus(
     tokenizer = Path(found.get("tokenizer", folder / "tokenizer.json"))
     makers: dict[str, Callable[[], object]] = {}
     if scale.task == "recall":
-        makers["tokenizer"] = lambda: str(extension_corpus.write_tokenizer(scale.vocab, tokenizer))
+        makers["tokenizer"] = lambda: str(recall_corpus.write_tokenizer(scale.vocab, tokenizer))
         for i, (name, st) in enumerate(stages.items()):
             shape = None if st.repeat else Shape(st.pairs, st.pairs)
             samples = st.steps * st.batch
             makers[name] = partial(
-                extension_corpus.train_stream,
+                recall_corpus.train_stream,
                 folder / f"{name}.npy",
                 scale.vocab,
                 st.seq_len,
@@ -194,15 +191,15 @@ def open_corpus(
         if base_from is not None and any(name not in found for name in base):
             found |= _base_corpus(base_from, made_for)
             tokenizer = Path(found["tokenizer"])
-        makers["tokenizer"] = lambda: str(extension_text.write_tokenizer(tokenizer, scale.text_vocab, seed))
+        makers["tokenizer"] = lambda: str(text_corpus.write_tokenizer(tokenizer, scale.text_vocab, seed))
         pool = background.pool if background is not None else None
         for i, (name, st) in enumerate(stages.items()):
             tokens = st.steps * st.batch * st.seq_len + st.seq_len + 1
-            kinds = st.kinds or extension_text.KINDS
+            kinds = st.kinds or text_corpus.KINDS
             args = (tokenizer, tokens, st.seq_len, seeds[name], i, st.repeat, kinds, st.min_fill, pool)
-            makers[name] = partial(extension_text.train_stream, folder / f"{name}.npy", *args)
+            makers[name] = partial(text_corpus.train_stream, folder / f"{name}.npy", *args)
         makers["heldout"] = partial(
-            extension_text.heldout, folder / "heldout.jsonl", tokenizer, scale.long, scale.eval_docs, seed
+            text_corpus.heldout, folder / "heldout.jsonl", tokenizer, scale.long, scale.eval_docs, seed
         )
     return Parts(folder, made_for, found, makers, background, _corpus_log)
 
@@ -418,7 +415,7 @@ def stage_check(scale: Scale, run: Path, stage: Stage, seed: int) -> dict:
         return {}
     path = run / "niah.json"
     if not path.exists():
-        checked = extension_eval.check_base(str(run / "export"), replace(scale, l0=stage.seq_len, base_check=10), seed)
+        checked = evaluation.check_base(str(run / "export"), replace(scale, l0=stage.seq_len, base_check=10), seed)
         write_json(path, {"length": stage.seq_len, "accuracy": checked["accuracy"], "examples": checked["examples"]})
     found = json.loads(path.read_text())
     accuracy, example = found["accuracy"], found["examples"][0]
@@ -442,10 +439,10 @@ def check_base(scale: Scale, work: Path, base: Path, seed: int, gate: bool = Tru
         result = json.loads(path.read_text())
     else:
         with Clock(expected=scale.eval_s / 4) as clock:
-            result = extension_eval.check_base(str(base), scale, seed)
+            result = evaluation.check_base(str(base), scale, seed)
         result.update(wall_s=clock.wall_s, cpu_s=clock.cpu_s)
         write_json(path, result)
-    needed, found = extension_report.BASE_GATE[result["task"]], result["accuracy"]
+    needed, found = report.BASE_GATE[result["task"]], result["accuracy"]
     (low, high), percent = found["interval"], found["percent"]
     say(f"base check: {result['task']} at {scale.l0}: {percent:.1f}% [{low:.0f}, {high:.0f}] (needs {needed:g}%)")
     for example in result.get("examples", []):
@@ -456,7 +453,7 @@ def check_base(scale: Scale, work: Path, base: Path, seed: int, gate: bool = Tru
         raise BaseDoesNotRetrieve(
             f"the base retrieves {percent:.1f}% [{low:.0f}, {high:.0f}] on {result['task']} at L0 = {scale.l0}, "
             f"clearly below the {needed:g}% the comparison needs: train the base longer or on more retrieval data "
-            f"(the curriculum in bench/extension_settings.py), delete {work / 'base'} and run again; "
+            f"(the curriculum in settings.py), delete {work / 'base'} and run again; "
             "--extend-anyway extends it all the same"
         )
     return result
@@ -497,18 +494,16 @@ def evaluate(
         return checked_evaluation(path, json.loads(path.read_text()), scale)
     with Clock(expected=max(EVAL_S, default=scale.eval_s)) as clock:  # an evaluation cannot stop midway
         if scale.task == "text":
-            result = extension_eval.evaluate_text(str(export), scale, budget, Path(data["heldout"]["path"]), seed)
+            result = evaluation.evaluate_text(str(export), scale, budget, Path(data["heldout"]["path"]), seed)
         elif scale.ranks > 1:  # gloo ranks: the sequences go through the striped ring, as in training
             from mtraining.train.launch import run_local
 
-            docs = extension_eval.recall_documents(scale, seed)
-            result = run_local(
-                extension_eval.evaluate_recall, scale.ranks, str(export), scale, budget, docs, timeout=7200
-            )[0]
+            docs = evaluation.recall_documents(scale, seed)
+            result = run_local(evaluation.evaluate_recall, scale.ranks, str(export), scale, budget, docs, timeout=7200)[
+                0
+            ]
         else:
-            result = extension_eval.evaluate_recall(
-                str(export), scale, budget, extension_eval.recall_documents(scale, seed)
-            )
+            result = evaluation.evaluate_recall(str(export), scale, budget, evaluation.recall_documents(scale, seed))
     EVAL_S.append(clock.wall_s)
     result.update(
         commit=commit(),
@@ -522,7 +517,7 @@ def evaluate(
     write_json(path, result)
     found = []
     for task in scale.tasks:
-        cells = [extension_report.accuracy(result["tasks"][task][str(n)]["documents"]) for n in scale.lengths]
+        cells = [report.accuracy(result["tasks"][task][str(n)]["documents"]) for n in scale.lengths]
         found.append(f"{task} " + " ".join(f"{c['percent']:.0f}" for c in cells))
     say(
         f"eval {label}: % found at {scale.lengths}: {'; '.join(found)} ({clock.wall_s:.0f}s wall, {clock.cpu_s:.0f}s cpu)"
@@ -571,12 +566,10 @@ def run(
             data = open_corpus(scale, work, seed, base_from, background, extension_seed)
             if base_from is not None:
                 reuse_base(base_from, work)
-            extension_eval.load_prompts(prompts)
+            evaluation.load_prompts(prompts)
             if background is not None:  # after the corpus; the first evaluation waits for them
                 at = replace(scale, factor=1) if base_only else scale
-                extension_eval.expect_prompts(
-                    background.submit("prompts", _prompts, prompts, at, data, seed, background)
-                )
+                evaluation.expect_prompts(background.submit("prompts", _prompts, prompts, at, data, seed, background))
             if base_only:
                 return base_result(scale, work, out, data, seed)
             base, base_runs = base_model(scale, work, data, seed)
@@ -589,8 +582,8 @@ def run(
             }
             made = data.complete()
     finally:
-        extension_eval.save_prompts(prompts)  # the background's too, when no evaluation has waited for them
-    summary = extension_report.summarise(scale, evaluations, runs)
+        evaluation.save_prompts(prompts)  # the background's too, when no evaluation has waited for them
+    summary = report.summarise(scale, evaluations, runs)
     stages = [*base_runs, *runs.values(), *evaluations.values()]
     result = dict(
         name=f"extension_{scale.name}",
@@ -609,8 +602,8 @@ def run(
         summary=summary,
         evaluations=evaluations,
     )
-    paths = extension_report.plots(scale, evaluations, summary, out)
-    (out / f"extension_{scale.name}.md").write_text(extension_report.markdown(scale, result, paths))
+    paths = report.plots(scale, evaluations, summary, out)
+    (out / f"extension_{scale.name}.md").write_text(report.markdown(scale, result, paths))
     write_json(out / f"extension_{scale.name}.json", result)
     return result
 
@@ -618,7 +611,7 @@ def run(
 def _prompts(path: Path, scale: Scale, data: Parts, seed: int, background: Background) -> dict:
     """The evaluations' prompts that ``path`` lacks, built on ``background``'s pool (a background job)."""
     started = time.time()
-    built = extension_eval.build_prompts(path, scale, seed, background.pool, Path(data["tokenizer"]))
+    built = evaluation.build_prompts(path, scale, seed, background.pool, Path(data["tokenizer"]))
     say(f"prompts: {sum(map(len, built.values()))} built for the evaluations in {time.time() - started:.0f}s")
     return built
 
@@ -632,7 +625,7 @@ def base_result(scale: Scale, work: Path, out: Path, data: Parts, seed: int) -> 
     evaluation = evaluate(at_l0, work, data, "base/dense-l0", base, None, seed)
     l0 = str(scale.l0)
     gates = {
-        task: extension_report.base_gate(task, extension_report.accuracy(evaluation["tasks"][task][l0]["documents"]))
+        task: report.base_gate(task, report.accuracy(evaluation["tasks"][task][l0]["documents"]))
         for task in scale.tasks
     }
     stages = [*base_runs, evaluation]
@@ -667,9 +660,9 @@ def report_from(path: Path, out: Path) -> None:
     scale = SCALES[result["name"].removeprefix("extension_")]
     budgets = tuple(Budget(**b["budget"]) for b in result["summary"]["sweep"])
     scale = replace(scale, budgets=budgets, default_budget=result["scale"]["default_budget"])
-    result["summary"] = extension_report.summarise(scale, result["evaluations"], _extension_runs(result))
-    paths = extension_report.plots(scale, result["evaluations"], result["summary"], out)
-    (out / f"{result['name']}.md").write_text(extension_report.markdown(scale, result, paths))
+    result["summary"] = report.summarise(scale, result["evaluations"], _extension_runs(result))
+    paths = report.plots(scale, result["evaluations"], result["summary"], out)
+    (out / f"{result['name']}.md").write_text(report.markdown(scale, result, paths))
     write_json(out / f"{result['name']}.json", result)
 
 
@@ -760,7 +753,7 @@ def main() -> None:
             scale = replace(scale, **{name: count})
     if args.extension_kinds:
         kinds = tuple(k.strip() for k in args.extension_kinds.split(",") if k.strip())
-        unknown = sorted(set(kinds) - set(extension_text.KINDS + ("facts", "facts_word")))
+        unknown = sorted(set(kinds) - set(text_corpus.KINDS + ("facts", "facts_word")))
         if scale.task != "text" or unknown:
             p.error(f"--extension-kinds takes text document kinds (niah, vt, recall, facts, facts_word), got {unknown}")
         scale = replace(scale, extension=replace(scale.extension, kinds=kinds))
@@ -801,7 +794,3 @@ def main() -> None:
         f"wrote {args.out}/extension_{scale.name}.json, .md, 3 PNGs; default budget at parity: "
         f"{goal['sparse_default_parity']['parity']}; budgets at parity: {goal['budgets_at_parity']}"
     )
-
-
-if __name__ == "__main__":
-    main()

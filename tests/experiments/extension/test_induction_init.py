@@ -1,4 +1,4 @@
-"""bench/induction_init.py in miniature on the CPU: every training path runs and is recorded."""
+"""experiments/extension/induction_init.py in miniature on the CPU: every training path runs and is recorded."""
 
 from __future__ import annotations
 
@@ -9,14 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_every_path_trains_on_the_same_task_and_is_recorded(tmp_path):
     out, work = tmp_path / "paths.json", tmp_path / "work"
-    cmd = [sys.executable, str(ROOT / "bench" / "induction_init.py"), "--runs", "smoke", "--steps", "50"]
+    cmd = [sys.executable, "-m", "experiments.extension.induction_init", "--runs", "smoke", "--steps", "50"]
     cmd += ["--batch", "2", "--work", str(work), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -7,14 +7,14 @@ and records the loss every 50 steps. A run is ``hidden x layers``, ``init`` (``h
 everywhere; ``depth_scaled``: mtraining's ``model.init``; ``zero``: residual output projections zero), and
 how it trains:
 - ``plain``: a plain PyTorch loop, bf16 autocast (float32 residual stream), one document per row;
-- ``plain-stream``: the same loop on the samples of bench/extension.py's token-copy stage file (EOS-separated
+- ``plain-stream``: the same loop on the samples of pipeline.py's token-copy stage file (EOS-separated
   documents, as the trainer reads them);
 - ``plain-bf16``: one document per row, but forward and backward on a bfloat16 copy of the float32 weights
   (as FSDP's param_dtype=bfloat16 does: the residual stream is bfloat16 too);
 - ``trainer`` / ``trainer-fp32``: ``mtraining train`` on that stage file (bf16 / float32 compute).
 
-    python bench/induction_init.py --out bench/results/induction_init.json                  # the first six
-    python bench/induction_init.py --runs paths --out bench/results/induction_paths.json   # trainer vs loop
+    python -m experiments.extension.induction_init --out bench/results/induction_init.json                  # the first six
+    python -m experiments.extension.induction_init --runs paths --out bench/results/induction_paths.json   # trainer vs loop
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import argparse
 import copy
 import json
 import random
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,12 +30,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import extension  # noqa: E402
-from common import provenance  # noqa: E402
-from extension_settings import SCALES, Stage, qwen2  # noqa: E402
+from bench.common import provenance
+from mtraining.models import RESIDUAL_OUTPUTS, build_model, depth_scaled_init
 
-from mtraining.models.loader import RESIDUAL_OUTPUTS, build_model, depth_scaled_init  # noqa: E402
+from . import pipeline
+from .settings import SCALES, Stage, qwen2
 
 VOCAB, LENGTH = 2048, 128
 Run = tuple[int, int, int, int, str, str]  # hidden, layers, heads, kv heads, init, path
@@ -123,12 +121,12 @@ def train(run: Run, steps: int, size: int, lr: float, device: str, stream: np.nd
 
 
 def token_stage(steps: int, size: int, lr: float, work: Path, device: str) -> tuple[dict, Stage, object]:
-    """bench/extension.py's token-copy stage file (its corpus) for ``steps`` steps at a constant lr."""
+    """pipeline.py's token-copy stage file (its corpus) for ``steps`` steps at a constant lr."""
     stage = Stage(LENGTH, steps, size, lr, kinds=("tokens",), min_lr_ratio=1.0)
     scale = replace(SCALES["gpu"], curriculum=(stage,), extension=Stage(1024, 1, 1, 1e-3), eval_docs=1)
     if device != "cuda":
         scale = replace(scale, device="cpu", dtype="float32", backend="torch")
-    return extension.corpus(scale, work, seed=0), stage, scale
+    return pipeline.corpus(scale, work, seed=0), stage, scale
 
 
 def train_with_trainer(run: Run, data: dict, stage: Stage, scale, work: Path) -> list[float]:
@@ -136,10 +134,10 @@ def train_with_trainer(run: Run, data: dict, stage: Stage, scale, work: Path) ->
     hidden, layers, heads, kv, init, path = run
     scale = replace(scale, model=model_config(hidden, layers, heads, kv), init=init)
     source = dict(config=scale.model, rope_theta=scale.base_theta)
-    config = extension.train_config(scale, stage, work / path, data, "stage0", source, None, 0)
+    config = pipeline.train_config(scale, stage, work / path, data, "stage0", source, None, 0)
     if path == "trainer-fp32":
         config["model"]["dtype"] = "float32"
-    by_step = {m["step"]: m["loss"] for m in extension.train(work / path, config)["curve"]}
+    by_step = {m["step"]: m["loss"] for m in pipeline.train(work / path, config)["curve"]}
     return [round(by_step[s], 2) for s in range(50, stage.steps + 1, 50)]
 
 
@@ -149,7 +147,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch", type=int, default=64, help="sequences of 128 tokens per step")
-    p.add_argument("--work", type=Path, default=extension.ROOT / "runs" / "induction")
+    p.add_argument("--work", type=Path, default=pipeline.ROOT / "runs" / "induction")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,4 @@
-"""bench/extension_replicates.py on hand-made results whose differences are counted here: the depth split, the
+"""experiments/extension/replicates.py on hand-made results whose differences are counted here: the depth split, the
 sign of sparse minus dense and of the second run minus the first, and records it cannot split by depth."""
 
 from __future__ import annotations
@@ -7,13 +7,15 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.bench.scripts import BENCH
+from experiments.extension import replicates as rep
 
-sys.path.insert(0, str(BENCH))
-import extension_replicates as rep  # noqa: E402
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _niah(hits: list[int], depths=(0.0, 1.0)) -> dict:
@@ -89,8 +91,10 @@ def test_script_writes_json_and_markdown(tmp_path):
     a.write_text(json.dumps(_result([1] * 8, [1] * 8, [1.0, 1.0], [1.0, 1.0])))
     b.write_text(json.dumps(_result([1, 1, 1, 1, 0, 0, 0, 0], [1] * 8, [1.0, 1.0], [1.0, 1.0])))
     out = tmp_path / "r.json"
-    cmd = [sys.executable, str(BENCH / "extension_replicates.py"), "--run", f"a={a}", "--run", f"b={b}"]
-    subprocess.run([*cmd, "--same", "a,b", "--pool", "ab=a,b", "--out", str(out)], check=True, capture_output=True)
+    cmd = [sys.executable, "-m", "experiments.extension.replicates", "--run", f"a={a}", "--run", f"b={b}"]
+    subprocess.run(
+        [*cmd, "--same", "a,b", "--pool", "ab=a,b", "--out", str(out)], check=True, capture_output=True, cwd=ROOT
+    )
     result = json.loads(out.read_text())
     assert result["replicates"]["a -> b"]["dense/dense"]["niah"]["4096"]["difference"] == pytest.approx(-50.0)
     assert "| b | v10 | 4096 | +50.0" in out.with_suffix(".md").read_text()
@@ -128,7 +132,7 @@ def test_runs_on_other_prompts_are_refused():
 
 
 def test_long_range_leaves_out_the_needles_at_depth_1():
-    from extension_report import long_range
+    from experiments.extension.report import long_range
 
     niah = _niah([1, 0, 1, 1, 0, 0], depths=(0.0, 0.5, 1.0))
     assert long_range(niah) == niah["documents"][:4]
@@ -162,8 +166,8 @@ def test_runs_with_cross_evaluations_also_pool_the_sparse_model_read_dense(tmp_p
         paths.append(tmp_path / f"r{i}.json")
         paths[-1].write_text(json.dumps(result))
     out = tmp_path / "r.json"
-    cmd = [sys.executable, str(BENCH / "extension_replicates.py"), "--run", f"a={paths[0]}", "--run", f"b={paths[1]}"]
-    subprocess.run([*cmd, "--pool", "ab=a,b", "--out", str(out)], check=True, capture_output=True)
+    cmd = [sys.executable, "-m", "experiments.extension.replicates", "--run", f"a={paths[0]}", "--run", f"b={paths[1]}"]
+    subprocess.run([*cmd, "--pool", "ab=a,b", "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
     pool = json.loads(out.read_text())["pooled"]["ab"]
     assert pool["v10"]["niah"]["4096"]["per_run"] == [25.0, 25.0]  # read sparse: one more needle found
     assert pool["v10 read dense"]["niah"]["4096"]["per_run"] == [0.0, 0.0]  # read dense: the same as dense

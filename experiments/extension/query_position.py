@@ -1,33 +1,29 @@
 """Does sparse attention keep retrieval when the questions are not at the end? CPU scale, inference only.
 
-The vertical-slash pattern is estimated from the last ``last_q`` queries (bench/answer_positions.py: at the GPU
+The vertical-slash pattern is estimated from the last ``last_q`` queries (answer_positions.py: at the GPU
 scale 0.87% of recall logs' answers lie there). This scores the CPU scale's extended models on the held-out
 recall documents twice, with the same tokens at the same length: ``end``, the document's own filler moved in
 front (after its first token, the sink) so its questions end it, and ``tail``, the same filler after the
 questions, so the rows that choose the lines are filler and the questions lie ``--tail`` tokens before the end.
 Dense attention sees no difference between the two but the positions; a pattern chosen by the last rows may.
 
-    python bench/query_position.py --work runs/extension_cpu --docs 50   # bench/results/extension_cpu_query_position.json
+    python -m experiments.extension.query_position --work runs/extension_cpu --docs 50   # bench/results/extension_cpu_query_position.json
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import extension_corpus  # noqa: E402
-import extension_eval  # noqa: E402
-import extension_report as report  # noqa: E402
-from common import RESULTS_DIR, provenance  # noqa: E402
-from extension import Clock, write_json  # noqa: E402
-from extension_corpus import eval_set  # noqa: E402
-from extension_settings import SCALES, Budget, Scale  # noqa: E402
+from bench.common import RESULTS_DIR, provenance
 
-Doc = tuple[list[int], list[int], list[float]]  # ids, answer positions, depths (as extension_eval's recall documents)
+from . import evaluation, recall_corpus, report
+from .pipeline import Clock, write_json
+from .recall_corpus import eval_set
+from .settings import SCALES, Budget, Scale
+
+Doc = tuple[list[int], list[int], list[float]]  # ids, answer positions, depths (as evaluation's recall documents)
 
 
 def placed(docs: list[Doc], tail: int, scale: Scale, seed: int) -> dict[str, list[Doc]]:
@@ -35,7 +31,7 @@ def placed(docs: list[Doc], tail: int, scale: Scale, seed: int) -> dict[str, lis
     token (``end``: the questions end the document) or after the questions (``tail``)."""
     out: dict[str, list[Doc]] = {"end": [], "tail": []}
     for i, (ids, answers, depths) in enumerate(docs):
-        filler = extension_corpus._filler(random.Random(f"query-position-{seed}-{i}"), scale.vocab, tail)
+        filler = recall_corpus._filler(random.Random(f"query-position-{seed}-{i}"), scale.vocab, tail)
         out["end"].append(([ids[0], *filler, *ids[1:]], [a + tail for a in answers], depths))
         out["tail"].append(([*ids, *filler], list(answers), depths))
     return out
@@ -51,10 +47,12 @@ def held_out(scale: Scale, documents: int, tail: int, seed: int) -> dict[str, li
 
 
 def exported(work: Path, model: str) -> Path:
-    """The export of extension ``model`` in bench/extension.py's ``work`` folder; ValueError naming the fix."""
+    """The export of extension ``model`` in pipeline.py's ``work`` folder; ValueError naming the fix."""
     export = work / "extend" / model / "export"
     if not (export / "model.safetensors").is_file():
-        raise ValueError(f"no exported model in {export}: run bench/extension.py --scale cpu --work {work} first")
+        raise ValueError(
+            f"no exported model in {export}: run python -m experiments.extension --scale cpu --work {work} first"
+        )
     return export
 
 
@@ -62,7 +60,7 @@ def score(export: Path, scale: Scale, attention: Budget | None, documents: list[
     """Retrieval of one placement read with ``attention`` (None: dense): hits per document, the percent found,
     the depth grid, each document's loss per position bucket (``ppl``), the pattern's density and the time taken."""
     with Clock() as clock:
-        result = extension_eval.evaluate_recall(str(export), scale, attention, {scale.long: documents})
+        result = evaluation.evaluate_recall(str(export), scale, attention, {scale.long: documents})
     n = str(scale.long)
     found = result["tasks"]["recall"][n]["documents"]
     return {
@@ -78,7 +76,9 @@ def score(export: Path, scale: Scale, attention: Budget | None, documents: list[
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--work", type=Path, required=True, help="the CPU scale's work folder of bench/extension.py")
+    p.add_argument(
+        "--work", type=Path, required=True, help="the CPU scale's work folder of python -m experiments.extension"
+    )
     p.add_argument("--docs", type=int, default=50)
     p.add_argument("--tail", type=int, default=256, help="filler tokens after the questions (> last_q)")
     p.add_argument("--budget", default=None, help="the sparse budget (default: the scale's default)")

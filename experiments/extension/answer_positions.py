@@ -1,11 +1,11 @@
-"""Where the retrieval answers of bench/extension.py's text corpus lie in their documents, and how much of
+"""Where the retrieval answers of pipeline.py's text corpus lie in their documents, and how much of
 its packed samples is filler.
 
 Under document masking the sparse pattern of each packed document is estimated from its last ``last_q``
 query rows (mtraining.ops.pattern.estimate.scoring_rows). NIAH and variable-tracking documents ask their
 question at their end; recall logs ask throughout. This measures it: the documents of a scale's packed
 training runs (the extension and every curriculum stage that packs mixture documents) are generated and
-tokenised as the corpus does (extension_text: the stage's seeds, sentence range, fitting and packing),
+tokenised as the corpus does (text_corpus: the stage's seeds, sentence range, fitting and packing),
 every retrieval answer is located in token space (niah/vt: the listing appended after the question;
 recall logs: each value V of "Answer: The secret number of K is V."), with its evidence (the value's
 first statement: needle, fact or variable assignment). Per kind and for the mixture (kinds weighted as
@@ -17,8 +17,8 @@ A document's positions are its tokens and the EOS after it (the masking's docume
 separator); an answer token at position p of a document of n positions is in the estimation rows iff
 n - 1 - p < last_q (its distance to the end). Distances are from an answer's first token.
 
-    python bench/answer_positions.py --scale gpu --docs 200      # bench/results/extension_gpu_answers.json
-    python bench/answer_positions.py --scale gpu --kinds niah,vt --out /tmp/a.json
+    python -m experiments.extension.answer_positions --scale gpu --docs 200      # bench/results/extension_gpu_answers.json
+    python -m experiments.extension.answer_positions --scale gpu --kinds niah,vt --out /tmp/a.json
 
 The scale's tokenizer is trained once into ``--work`` (default runs/answer_positions) and reused.
 """
@@ -27,19 +27,17 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import extension_text  # noqa: E402
-from common import RESULTS_DIR, provenance  # noqa: E402
-from extension import cpu_seconds, write_json  # noqa: E402
-from extension_settings import SCALES, Scale, Stage  # noqa: E402
+from bench.common import RESULTS_DIR, provenance
+
+from . import text_corpus
+from .pipeline import ROOT, cpu_seconds, write_json
+from .settings import SCALES, Scale, Stage
 
 QUANTILES = (0.1, 0.5, 0.9)
 _RECALL_ANSWER = re.compile(r"Answer: The secret number of \S+ is (\d+)\.")
@@ -56,24 +54,24 @@ class Answer:
     evidence: int
 
 
-def locate(kind: str, text: str) -> list[Answer]:
-    """Every retrieval answer of document ``text`` of ``kind`` (niah, vt: the listing after the final question;
+def locate(kind: str, document: str) -> list[Answer]:
+    """Every retrieval answer of ``document`` of ``kind`` (niah, vt: the listing after the final question;
     recall logs: each answered value), with the value's first occurrence before it as the evidence."""
     if kind in _RECALL_KINDS:
-        spans = [m.span(1) for m in _RECALL_ANSWER.finditer(text)]
+        spans = [m.span(1) for m in _RECALL_ANSWER.finditer(document)]
     elif kind in ("niah", "vt"):
-        final = _FINAL_ANSWER.search(text)
+        final = _FINAL_ANSWER.search(document)
         if final is None:
-            raise ValueError(f"no final 'Answer: ... is/are <listing>.' in this {kind} document: {text[-200:]!r}")
+            raise ValueError(f"no final 'Answer: ... is/are <listing>.' in this {kind} document: {document[-200:]!r}")
         spans = [(final.start(1) + m.start(), final.start(1) + m.end()) for m in re.finditer(r"[^\s,]+", final[1])]
-        spans = [(a, b) for a, b in spans if text[a:b] != "and"]
+        spans = [(a, b) for a, b in spans if document[a:b] != "and"]
     else:
         raise ValueError(f"{kind!r} documents have no retrieval answers to locate; use niah, vt or recall logs")
     answers = []
     for a, b in spans:
-        stated = re.search(rf"(?<![\w-]){re.escape(text[a:b])}(?![\w-])", text[:a])
+        stated = re.search(rf"(?<![\w-]){re.escape(document[a:b])}(?![\w-])", document[:a])
         if stated is None:
-            raise ValueError(f"answer {text[a:b]!r} of this {kind} document is never stated before it")
+            raise ValueError(f"answer {document[a:b]!r} of this {kind} document is never stated before it")
         answers.append(Answer(a, b, stated.start()))
     return answers
 
@@ -114,15 +112,15 @@ class Document:
 def stage_documents(
     tokenizer: Path, stage: Stage, index: int, seed: int, docs: int, with_answers: bool
 ) -> list[list[Document]]:
-    """Documents of training run ``index`` (``stage``) in the corpus' chunks of ``extension_text._CHUNK`` seeds (as
-    ``extension_text._chunk`` makes and packs them), chunks added until every kind has ``docs`` documents."""
+    """Documents of training run ``index`` (``stage``) in the corpus' chunks of ``text_corpus._CHUNK`` seeds (as
+    ``text_corpus._chunk`` makes and packs them), chunks added until every kind has ``docs`` documents."""
     from tokenizers import Tokenizer
 
-    from mtraining.data.tokenizer import TextTokenizer
+    from mtraining.data import TextTokenizer
 
     tok, backend = TextTokenizer(tokenizer), Tokenizer.from_file(str(tokenizer))
-    kinds = stage.kinds or extension_text.KINDS
-    render, most = extension_text.packed_render(stage.seq_len, stage.repeat, kinds, stage.min_fill)
+    kinds = stage.kinds or text_corpus.KINDS
+    render, most = text_corpus.packed_render(stage.seq_len, stage.repeat, kinds, stage.min_fill)
     texts: dict[int, str] = {}
 
     def recorded(s: int, m: int) -> str:  # render, keeping the text the fitting document was rendered from
@@ -130,12 +128,12 @@ def stage_documents(
         return texts[s]
 
     chunks: list[list[Document]] = []
-    first = extension_text.stage_seed(index, seed)
+    first = text_corpus.stage_seed(index, seed)
     while not chunks or min(sum(d.kind == k for c in chunks for d in c) for k in kinds) < docs:
         chunk = []
-        for s in range(first, first + extension_text._CHUNK):
-            ids = extension_text._fitting(tok, recorded, s, most, stage.seq_len - 1)
-            kind = extension_text.document_kind(s, kinds)
+        for s in range(first, first + text_corpus._CHUNK):
+            ids = text_corpus._fitting(tok, recorded, s, most, stage.seq_len - 1)
+            kind = text_corpus.document_kind(s, kinds)
             answers = []
             if with_answers:
                 enc = backend.encode(texts[s], add_special_tokens=False)
@@ -144,12 +142,12 @@ def stage_documents(
                 answers = to_tokens(locate(kind, texts[s]), enc.offsets)
             chunk.append(Document(kind, ids, answers))
         chunks.append(chunk)
-        first += extension_text._CHUNK
+        first += text_corpus._CHUNK
     return chunks
 
 
 def packing(chunks: list[list[Document]], seq_len: int, eos: int) -> dict:
-    """The chunks packed as the corpus packs them (``extension_text._whole_samples``, one call per chunk), with the
+    """The chunks packed as the corpus packs them (``text_corpus._whole_samples``, one call per chunk), with the
     filler that ends each sample counted: samples, tokens, filler tokens and their share."""
     filled: list[int] = []
 
@@ -157,7 +155,7 @@ def packing(chunks: list[list[Document]], seq_len: int, eos: int) -> dict:
         filled.append(n)
         return [eos] * n
 
-    tokens = sum(extension_text._whole_samples([d.ids for d in c], seq_len, eos, filler).size for c in chunks)
+    tokens = sum(text_corpus._whole_samples([d.ids for d in c], seq_len, eos, filler).size for c in chunks)
     documents = sum(len(c) for c in chunks)
     return {
         "documents": documents,
@@ -224,13 +222,13 @@ def packed_stages(scale: Scale) -> dict[str, tuple[int, Stage]]:
     return {
         name: (i, st)
         for i, (name, st) in enumerate(runs.items())
-        if not st.repeat and not set(st.kinds or extension_text.KINDS) <= set(extension_text.WHOLE_KINDS)
+        if not st.repeat and not set(st.kinds or text_corpus.KINDS) <= set(text_corpus.WHOLE_KINDS)
     }
 
 
 def measure(scale: Scale, tokenizer: Path, docs: int, last_q: int, seed: int) -> dict:
     """Answer figures of the extension, packing figures of every packed stage."""
-    from mtraining.data.tokenizer import TextTokenizer
+    from mtraining.data import TextTokenizer
 
     eos = TextTokenizer(tokenizer).separator_id(None)
     stages = {}
@@ -238,7 +236,7 @@ def measure(scale: Scale, tokenizer: Path, docs: int, last_q: int, seed: int) ->
         started = time.time()
         extension = name == "extension"
         chunks = stage_documents(tokenizer, st, index, seed, docs, with_answers=extension)
-        kinds = st.kinds or extension_text.KINDS
+        kinds = st.kinds or text_corpus.KINDS
         stages[name] = {"seq_len": st.seq_len, "kinds": list(kinds), "min_fill": st.min_fill}
         stages[name]["packing"] = packing(chunks, st.seq_len, eos)
         if extension:
@@ -248,9 +246,9 @@ def measure(scale: Scale, tokenizer: Path, docs: int, last_q: int, seed: int) ->
 
 
 def tokenizer_for(scale: Scale, work: Path, seed: int) -> Path:
-    """The scale's BPE tokenizer (extension_text.write_tokenizer), trained once into ``work``."""
+    """The scale's BPE tokenizer (text_corpus.write_tokenizer), trained once into ``work``."""
     path = work / f"tokenizer_{scale.text_vocab}_{seed}.json"
-    return path if path.exists() else extension_text.write_tokenizer(path, scale.text_vocab, seed)
+    return path if path.exists() else text_corpus.write_tokenizer(path, scale.text_vocab, seed)
 
 
 def main() -> None:
@@ -260,8 +258,8 @@ def main() -> None:
     p.add_argument("--docs", type=int, default=200, help="documents of each kind at least, per stage (whole chunks)")
     p.add_argument("--kinds", default=None, help="the extension's document kinds, e.g. niah,vt (default: the scale's)")
     p.add_argument("--last-q", type=int, default=None, help="estimation rows per document (default: the scale's)")
-    p.add_argument("--seed", type=int, default=0, help="the corpus seed (bench/extension.py --seed)")
-    p.add_argument("--work", type=Path, default=Path(__file__).resolve().parent.parent / "runs" / "answer_positions")
+    p.add_argument("--seed", type=int, default=0, help="the corpus seed (python -m experiments.extension --seed)")
+    p.add_argument("--work", type=Path, default=ROOT / "runs" / "answer_positions")
     p.add_argument("--out", type=Path, default=None, help="default: bench/results/extension_<scale>_answers.json")
     args = p.parse_args()
     scale = SCALES[args.scale]

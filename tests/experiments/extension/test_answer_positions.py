@@ -1,4 +1,4 @@
-"""bench/answer_positions.py: answers located on hand-made documents whose positions are computed here
+"""experiments/extension/answer_positions.py: answers located on hand-made documents whose positions are computed here
 independently, the filler count of a tiny packing by hand, and the script end to end at the toy-text scale."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench.scripts import BENCH
+from experiments.extension import answer_positions as ap
+from experiments.extension import text_corpus
 
-sys.path.insert(0, str(BENCH))
-import answer_positions as ap  # noqa: E402  (a dataclass module: imported by name, not load_script)
-import extension_text  # noqa: E402
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[3]
 
 RECALL = (
     "The farmer sold the red cart at dawn. The secret number of quiet-river is 4718205. "
@@ -65,7 +66,7 @@ def test_recall_answers_are_located_at_their_tokens(tokenizer):
 
 def test_final_answers_of_niah_and_vt_end_the_document(tokenizer):
     for kind, seed in (("niah", 3), ("vt", 4)):
-        text = extension_text.make_document(kind, seed, 40)
+        text = text_corpus.make_document(kind, seed, 40)
         answers = ap.locate(kind, text)
         listing = text[text.rindex("\nAnswer: ") :]
         assert answers and all(text[a.start : a.end] in listing for a in answers)
@@ -98,8 +99,8 @@ def test_filler_share_counts_the_unused_tail_of_each_sample():
 
 def test_script_end_to_end_at_toy_scale(tmp_path):
     out = tmp_path / "answers.json"
-    cmd = [sys.executable, str(BENCH / "answer_positions.py"), "--scale", "toy-text", "--docs", "3"]
-    subprocess.run([*cmd, "--work", str(tmp_path), "--out", str(out)], check=True, capture_output=True)
+    cmd = [sys.executable, "-m", "experiments.extension.answer_positions", "--scale", "toy-text", "--docs", "3"]
+    subprocess.run([*cmd, "--work", str(tmp_path), "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
     result = json.loads(out.read_text())
     assert {"device", "commit", "command"} <= set(result) and result["device"] == "cpu"
     ext = result["stages"]["extension"]

@@ -2,7 +2,7 @@
 
 The vertical-slash pattern keeps one set of vertical columns per head, chosen by the last ``last_q`` rows: a
 question asked ``--tail`` tokens before the end keeps its evidence only if those rows attend to it too
-(bench/query_position.py: v30 retrieval 99% -> 44%). This tries the remedy that DESIGN names, on the same
+(query_position.py: v30 retrieval 99% -> 44%). This tries the remedy that DESIGN names, on the same
 documents and model: each block of ``BLOCK`` query rows also keeps ``k`` columns of its own, ranked by one of
 (score work per head: S = length, D = head dim)
 
@@ -24,7 +24,10 @@ Columns the pattern already keeps at the block's last row are not picked again. 
 columns runs as a float32 masked softmax over the pattern's pairs plus the block's columns (a reference, not a
 kernel: small sizes only); density counts every kept causal pair.
 
-    python bench/local_verticals.py --work runs/extension_cpu --docs 50   # bench/results/extension_cpu_local_verticals.json
+Internal tool: it stands in for ``mtraining.models.attention``'s sparse call and hashes with
+``mtraining.ops.pattern.block_columns``, so a change to either may need a change here.
+
+    python -m experiments.extension.local_verticals --work runs/extension_cpu --docs 50   # bench/results/extension_cpu_local_verticals.json
 """
 
 from __future__ import annotations
@@ -32,24 +35,20 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import extension_report as report  # noqa: E402
-import query_position  # noqa: E402
-from common import RESULTS_DIR, provenance  # noqa: E402
-from extension import write_json  # noqa: E402
-from extension_settings import SCALES  # noqa: E402
+from bench.common import RESULTS_DIR, provenance
+from mtraining.models import attention as attention_module
+from mtraining.ops.pattern import VerticalSlashPattern
+from mtraining.ops.pattern.block_columns import bucket_mates, hash_codes, hash_planes
 
-from mtraining.models import attention as attention_module  # noqa: E402
-from mtraining.ops.pattern import VerticalSlashPattern  # noqa: E402
-from mtraining.ops.pattern.block_columns import bucket_mates, hash_codes, hash_planes  # noqa: E402
+from . import query_position, report
+from .pipeline import write_json
+from .settings import SCALES
 
 BLOCK = 64  # query rows per block that share their own columns (and keys per key block)
 BLOCK_METHODS = ("keyblocks", "bounds", "keyblocksmax", "boundsmax")  # the choices that score whole key blocks
@@ -189,7 +188,9 @@ class LocalColumns:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--work", type=Path, required=True, help="the CPU scale's work folder of bench/extension.py")
+    p.add_argument(
+        "--work", type=Path, required=True, help="the CPU scale's work folder of python -m experiments.extension"
+    )
     p.add_argument("--model", default="dense", help="which extension reads (dense or sparse-<budget>)")
     p.add_argument("--docs", type=int, default=50)
     p.add_argument("--tail", type=int, default=256, help="filler tokens after the questions (> last_q)")

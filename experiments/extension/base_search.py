@@ -1,13 +1,13 @@
-"""Search for a base recipe that retrieves at the GPU scale of bench/extension.py.
+"""Search for a base recipe that retrieves at the GPU scale of pipeline.py.
 
 Named recipes (a model and a curriculum of ``Stage``s on the text corpus) are trained at the same time
-on one GPU, each a chain of ``mtraining train`` runs as in bench/extension.py, and each finished base is
-checked on NIAH at several lengths (``extension_eval.check_base``: held-out prompts, dense attention,
+on one GPU, each a chain of ``mtraining train`` runs as in pipeline.py, and each finished base is
+checked on NIAH at several lengths (``evaluation.check_base``: held-out prompts, dense attention,
 with what it generated), and on held-out copy documents (``copy_losses``: has the induction circuit formed?).
 The JSON keeps every recipe, its loss curves and its checks; a recipe that passes goes into
 ``SCALES["gpu"].curriculum``.
 
-    python bench/extension_base_search.py --recipes mix1024,facts256,small --minutes 7 --out $OUT/search.json
+    python -m experiments.extension.base_search --recipes mix1024,facts256,small --minutes 7 --out $OUT/search.json
 """
 
 from __future__ import annotations
@@ -15,18 +15,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import extension  # noqa: E402
-import extension_eval  # noqa: E402
-import extension_text  # noqa: E402
-from common import provenance  # noqa: E402
-from extension_settings import RETRIEVAL_KINDS, SCALES, Scale, Stage, qwen2  # noqa: E402
+from bench.common import provenance
+
+from . import evaluation, pipeline, text_corpus
+from .settings import RETRIEVAL_KINDS, SCALES, Scale, Stage, qwen2
 
 REPEAT = Stage(256, 600, 64, 1e-3, repeat=True)  # induction first, as the GPU curriculum starts
 TOKENS = Stage(128, 1000, 64, 1e-3, kinds=("tokens",))  # induction from random token ids repeated
@@ -81,7 +78,7 @@ def search(scale: Scale, recipes: dict[str, Recipe], lengths: list[int], work: P
     stages = list(dict.fromkeys(st for _, curriculum in recipes.values() for st in curriculum))  # one file each
     union = replace(scale, curriculum=tuple(stages), extension=Stage(scale.long, 1, 1, 1e-3), eval_docs=1)
     digest = hashlib.sha1(json.dumps([vars(st) for st in stages], sort_keys=True).encode()).hexdigest()[:8]
-    data = extension.corpus(union, work / f"data-{digest}", seed=0)  # one corpus per set of stages
+    data = pipeline.corpus(union, work / f"data-{digest}", seed=0)  # one corpus per set of stages
     results: dict[str, dict] = {}
 
     def run(name: str) -> None:
@@ -93,22 +90,22 @@ def search(scale: Scale, recipes: dict[str, Recipe], lengths: list[int], work: P
         try:
             for i, st in enumerate(curriculum):
                 run_dir = work / name / f"stage{i}"
-                config = extension.train_config(recipe, st, run_dir, data, f"stage{stages.index(st)}", source, None, 0)
-                summary = extension.train(run_dir, config)
+                config = pipeline.train_config(recipe, st, run_dir, data, f"stage{stages.index(st)}", source, None, 0)
+                summary = pipeline.train(run_dir, config)
                 runs.append({k: summary[k] for k in ("run", "steps", "final_loss", "wall_s", "curve")})
                 source = dict(path=str(run_dir / "export"))
-        except extension.OutOfTime:
+        except pipeline.OutOfTime:
             out["stopped"] = "out of time before the base was trained"
             return
         with _LOADING:
             out["induction"] = copy_losses(source["path"], recipe)
-            extension.say(f"{name}: copy documents' loss {out['induction']}")
+            pipeline.say(f"{name}: copy documents' loss {out['induction']}")
             out["checks"] = {}
             for n in lengths:
-                checked = extension_eval.check_base(source["path"], replace(recipe, l0=n, base_check=samples), 0)
+                checked = evaluation.check_base(source["path"], replace(recipe, l0=n, base_check=samples), 0)
                 found = checked["accuracy"]
                 out["checks"][str(n)] = {"accuracy": found, "examples": checked["examples"]}
-                extension.say(f"{name} at {n}: NIAH {found['percent']:.0f}% {[round(x) for x in found['interval']]}")
+                pipeline.say(f"{name} at {n}: NIAH {found['percent']:.0f}% {[round(x) for x in found['interval']]}")
 
     threads = [threading.Thread(target=run, args=(name,)) for name in recipes]
     for t in threads:
@@ -124,10 +121,10 @@ def copy_losses(export: str, scale: Scale, documents: int = 20, length: int = 25
     retrieval needs) has ``copied`` far below ``first``; without one the two are about equal."""
     import torch
 
-    loaded = extension_eval.load_export(export, scale)
+    loaded = evaluation.load_export(export, scale)
     first, copied = [], []
     for seed in range(documents):
-        ids = loaded.tokenizer.encode([extension_text.copy_document(-1 - seed, length // 4)])[0][:length]
+        ids = loaded.tokenizer.encode([text_corpus.copy_document(-1 - seed, length // 4)])[0][:length]
         x = torch.tensor([ids], device=next(loaded.model.parameters()).device)
         with torch.no_grad():
             losses = torch.nn.functional.cross_entropy(
@@ -145,7 +142,7 @@ def main() -> None:
     p.add_argument("--lengths", default="256,512,1024,4096", help="NIAH lengths of the checks")
     p.add_argument("--samples", type=int, default=20, help="NIAH prompts per check")
     p.add_argument("--minutes", type=float, default=None, help="stop trainings at this time (checks still run)")
-    p.add_argument("--work", type=Path, default=extension.ROOT / "runs" / "base_search")
+    p.add_argument("--work", type=Path, default=pipeline.ROOT / "runs" / "base_search")
     p.add_argument("--out", type=Path, required=True, help="the JSON to write")
     args = p.parse_args()
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]
@@ -160,19 +157,17 @@ def main() -> None:
         }
         recipes = {name: (None, curriculum) for name, curriculum in tiny.items()}
     if args.minutes is not None:
-        extension.Clock.deadline = time.time() + 60 * args.minutes
+        pipeline.Clock.deadline = time.time() + 60 * args.minutes
     args.work = args.work.resolve()  # training configs resolve their paths from their own folder
     args.work.mkdir(parents=True, exist_ok=True)
-    extension.LOG.append(args.work / "search.log")
+    pipeline.LOG.append(args.work / "search.log")
     started = time.time()
     lengths = [int(n) for n in args.lengths.split(",")]
     results = search(scale, recipes, lengths, args.work, args.samples)
-    result = dict(
-        name="extension_base_search", **provenance(on_gpu=scale.device == "cuda"), wall_s=round(time.time() - started)
-    )
+    result = dict(name="base_search", **provenance(on_gpu=scale.device == "cuda"), wall_s=round(time.time() - started))
     result.update(scale=scale.name, lengths=lengths, samples=args.samples, recipes=results)
-    extension.write_json(args.out, result)
-    extension.say(f"wrote {args.out}")
+    pipeline.write_json(args.out, result)
+    pipeline.say(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
