@@ -1,4 +1,6 @@
-"""Print the Markdown tables of BENCHMARKS.md from bench/results/*.json (no number is typed by hand).
+"""Print the Markdown tables of the reports in bench/reports/ from bench/results/*.json (no number is typed by hand).
+
+Each table is printed under a comment naming its report; BENCHMARKS.md indexes the reports' headlines.
 
 python bench/tables.py
 """
@@ -695,23 +697,23 @@ def train_overhead_table() -> str:
 
 
 def main() -> None:
-    for title, table in (
-        ("sparse_attention", sparse_attention_table()),
-        ("block_sparse_peers", block_sparse_peers_table()),
-        ("tune_kernels", kernel_table()),
-        ("kernel_variants", kernel_variants_table()),
-        ("ring_attention", ring_table()),
-        ("layout_balance", layout_balance_table()),
-        ("estimate_cp", estimate_cp_table()),
-        ("packed_documents", packed_documents_table()),
-        ("training", training_tables()),
-        ("loss", loss_table()),
-        ("recall_cost", recall_table()),
-        ("extension", extension_tables()),
-        ("checkpoint_integrity", checkpoint_integrity_table()),
-        ("train_overhead", train_overhead_table()),
+    for title, report, table in (
+        ("sparse_attention", "sparse_attention_h200_20261123", sparse_attention_table()),
+        ("block_sparse_peers", "block_sparse_peers_h200_20261123", block_sparse_peers_table()),
+        ("tune_kernels", "kernel_tiles_h200_20261123", kernel_table()),
+        ("kernel_variants", "kernel_variants_h200_20261123", kernel_variants_table()),
+        ("ring_attention", "ring_attention_h200x2_20261123", ring_table()),
+        ("layout_balance", "ring_attention_h200x2_20261123", layout_balance_table()),
+        ("estimate_cp", "ring_attention_h200x2_20261123", estimate_cp_table()),
+        ("packed_documents", "packed_documents_h200_20261123", packed_documents_table()),
+        ("training", "training_h200_20261123", training_tables()),
+        ("loss", "training_h200_20261123", loss_table()),
+        ("recall_cost", "training_h200_20261123", recall_table()),
+        ("extension", "extension_*", extension_tables()),
+        ("checkpoint_integrity", "checkpoint_integrity_cpu_20261123", checkpoint_integrity_table()),
+        ("train_overhead", "train_overhead_cpu_20261124", train_overhead_table()),
     ):
-        print(f"<!-- {title} -->\n{table}\n")
+        print(f"<!-- {title}: bench/reports/{report}.md -->\n{table}\n")
 
 
 if __name__ == "__main__":
