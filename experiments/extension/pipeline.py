@@ -19,7 +19,7 @@ dynamic sparse attention, then compare retrieval and perplexity), in five resuma
 The text task's CPU-only preparation overlaps the base's training (background.py): the
 tokenizer and the corpus files are written in stage order on a pool of the spare cores (all but the training's
 and this process's), each training stage waiting for its own file only; then the evaluations' NIAH/RULER prompts
-at every length are built into ``eval/prompts.pkl``, which the first evaluation waits for. Files and prompts are
+at every length are built into ``<work>/eval/prompts.pkl``, which the first evaluation waits for. Files and prompts are
 those a sequential run makes; each file is recorded in ``corpus/manifest.json`` once complete (written whole, then
 renamed), so a call stopped anywhere leaves none half-made and the next call writes what is missing.
 
@@ -431,7 +431,7 @@ def check_base(scale: Scale, work: Path, base: Path, seed: int, gate: bool = Tru
 
     With ``gate``, raises ``BaseDoesNotRetrieve`` when even the upper end of its 95% interval is below what
     the report requires of the base (``BASE_GATE``): then every later stage would be spent on an experiment
-    that cannot be informative. Without, says so and goes on. Cached in eval/base_check.json."""
+    that cannot be informative. Without, says so and goes on. Cached in <work>/eval/base_check.json."""
     if not scale.base_check:
         return None
     path = work / "eval" / "base_check.json"
