@@ -165,9 +165,8 @@ def summarise(scale: Scale, evaluations: dict[str, dict], runs: dict[str, dict])
         name = f"sparse-{budget.name}"
         ev, run = evaluations[f"{name}/{name}"], runs[name]
         read_sparse = against_dense(ev)
-        if (
-            "niah" in scale.tasks
-        ):  # depth 1 varies from run to run for dense and sparse alike (bench/reports/extension_mixtures_h200_20261124.md)
+        # depth 1 varies from run to run for dense and sparse alike (bench/reports/extension_mixtures_h200_20261124.md)
+        if "niah" in scale.tasks:
             minus_dense_long_range = {
                 n: difference(long_range(ev["tasks"]["niah"][n]), long_range(dense["tasks"]["niah"][n]))
                 for n in lengths
