@@ -97,3 +97,14 @@ def test_the_rule_sees_private_names():
     assert not _private("mtraining.ops", "sparse_attention")  # listed in __all__
     assert not _private("mtraining.ops", "dense")  # a subpackage
     assert not _private("mtraining.eval.tasks", "generate")  # a module of mtraining.eval (no __all__)
+
+
+def test_test_modules_do_not_import_each_other():
+    """Shared fixtures and helpers live in helper modules (tests/factories.py, tests/train/trainer_runs.py, ...)."""
+    bad = [
+        f"{path.relative_to(ROOT)}: {module}"
+        for path in _sources("tests")
+        for module, _ in _imports(path)
+        if module.startswith("tests.") and module.rsplit(".", 1)[-1].startswith("test_")
+    ]
+    assert not bad, "move what these share into a helper module:\n" + "\n".join(bad)
