@@ -30,9 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import provenance, write_results  # noqa: E402
-from mtraining.data.cache import file_digest  # noqa: E402
 from mtraining.models import build_model  # noqa: E402
-from mtraining.train.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint  # noqa: E402
+from mtraining.train.checkpoint import file_digest, load_checkpoint, save_checkpoint, verify_checkpoint  # noqa: E402
 from mtraining.train.loss import CausalLMLoss  # noqa: E402
 
 
