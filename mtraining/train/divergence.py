@@ -7,6 +7,15 @@ from pathlib import Path
 
 from .errors import Diverged
 
+_FIX = (
+    "Lower optim.lr, lengthen optim.warmup_steps or set optim.grad_clip and run again (resuming with changed "
+    "optim settings needs checkpoint.allow_changed_schedule=true)"
+)
+
+
+def _last_good(last_checkpoint: Path | None) -> str:
+    return f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved yet"
+
 
 def check_finite(step: int, loss: float, grad_norm: float, last_checkpoint: Path | None) -> None:
     """Raise ``Diverged`` unless the loss and gradient norm of (1-based) ``step`` are finite.
@@ -18,11 +27,9 @@ def check_finite(step: int, loss: float, grad_norm: float, last_checkpoint: Path
     bad = [f"the {name} is {value}" for name, value in values if not math.isfinite(value)]
     if not bad:
         return
-    where = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved yet"
     raise Diverged(
         f"step {step} diverged: {' and '.join(bad)}. The step was not applied, so no weight, checkpoint or export "
-        f"holds it; {where}. Lower optim.lr, lengthen optim.warmup_steps or set optim.grad_clip and run again "
-        "(resuming with changed optim settings needs checkpoint.allow_changed_schedule=true)"
+        f"holds it; {_last_good(last_checkpoint)}. {_FIX}"
     )
 
 
@@ -36,9 +43,7 @@ def check_finite_weights(step: int, weight_norm: float, last_checkpoint: Path | 
     """
     if math.isfinite(weight_norm):
         return
-    where = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved yet"
     raise Diverged(
         f"step {step} diverged: its update made the weights' norm {weight_norm}. Neither a checkpoint nor the export "
-        f"holds these weights; {where}. Lower optim.lr, lengthen optim.warmup_steps or set optim.grad_clip and run "
-        "again (resuming with changed optim settings needs checkpoint.allow_changed_schedule=true)"
+        f"holds these weights; {_last_good(last_checkpoint)}. {_FIX}"
     )
