@@ -245,7 +245,7 @@ class Attention:
         now = self._pass or _Pass()
         cp = self.cp_size > 1
         documents = now.documents
-        if documents is None and position_ids is not None and q.shape[1] == k.shape[1]:
+        if documents is None and position_ids is not None and q.shape[1] == k.shape[1] > 0:
             documents = self._position_documents_of(position_ids, q)
         config = self.sparse_for(layer, self.layout.seq_len if cp else k.shape[1])
         if now.replay is not None:

@@ -245,3 +245,9 @@ def test_position_ids_it_cannot_read_are_refused(ids, match):
     q = torch.randn(2, 6, 4, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match=match):
         Attention().attend(0, q, q[:, :, :2], q[:, :, :2], 0.25, ids)
+
+
+def test_no_tokens_read_no_position_ids():
+    q = torch.randn(1, 0, 4, 16, dtype=torch.float64)
+    out = Attention().attend(0, q, q[:, :, :2], q[:, :, :2], 0.25, torch.zeros(1, 0, dtype=torch.long))
+    assert out.shape == q.shape
