@@ -1,21 +1,25 @@
 """What the per-call agreement check of the rings costs (``parallel/agreement.py``), and the position-ids read.
 
 Every ``ring_attention`` and ``estimate_pattern_cp`` call opens with ``check_ranks_agree``: one all-gather of one
-int64 per rank and a host read of the result. Measured per call, medians over ``--calls`` calls on each rank:
+int64 per rank and a host read of the result (a device sync under NCCL). Measured on each rank:
 
-- ``check_us``: the check with a ring call's fields (equal on every call, as in training);
-- ``all_gather_us``: one all-gather of one int64 alone (the floor of any per-call check);
-- ``ring_ms`` / ``ring_unchecked_ms``: a dense forward ``ring_attention`` call with the check and with it
-  replaced by a no-op, alternating (what the check adds to a call, device syncs included);
-- ``position_ids_ms``: reading packed documents from position ids under context parallelism (the
-  model-side read, once per forward): an agreement check, an all-gather of ``--ids-len`` int64 ids and the
-  host read, by ``Attention._position_documents_of``.
+- ``check_us``: one check with a ring call's fields (equal on every call, as in training), median of ``--calls``;
+- ``all_gather_us``: one all-gather of one int64 and its host read alone (the floor of any per-call check);
+- ``layers_ms`` / ``layers_unchecked_ms``: ``--layers`` layer-like steps, each a chain of matrix products
+  (the MLP and projections a model queues between attention calls) then the attention as ``models.Attention``
+  runs it (``estimate_pattern_cp``, then ``ring_attention`` with that pattern: two checks), synced once at the
+  end, with the checks and with them replaced by no-ops, alternated, medians of ``--repeats``. On a GPU the
+  difference includes what a check's sync costs when other work is queued before it;
+- ``position_ids_ms``: reading packed documents from position ids under context parallelism (the model-side
+  read, once per forward): an agreement check, an all-gather of ``--ids-len`` int64 ids and the host read, by
+  ``Attention._position_documents_of``.
 
-Without a launcher it starts ``--world`` gloo ranks on the CPU; under ``torchrun`` it joins the launcher's group
-(``--backend nccl`` on GPUs, one per rank)::
+The figures of the slowest rank are recorded. Without a launcher it starts ``--world`` gloo ranks on the
+CPU; under ``torchrun`` it joins the launcher's group (``--backend nccl`` on GPUs, one per rank)::
 
     python bench/agreement_check.py                      # 2 gloo ranks; writes bench/results/agreement_check.json
-    torchrun --nproc-per-node 2 bench/agreement_check.py --backend nccl --seq 65536 --out /tmp/agree.json
+    torchrun --nproc-per-node 2 bench/agreement_check.py --backend nccl --seq 131072 --hidden 2048 \\
+        --out /tmp/agree.json
 """
 
 from __future__ import annotations
@@ -34,9 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import provenance, write_results  # noqa: E402
 from mtraining.models import Attention  # noqa: E402
-from mtraining.parallel import agreement, make_layout, ring_attention  # noqa: E402
+from mtraining.ops import PatternConfig  # noqa: E402
+from mtraining.parallel import agreement, estimate, make_layout, ring_attention  # noqa: E402
+from mtraining.parallel.estimate import estimate_pattern_cp  # noqa: E402
 from mtraining.parallel.ring import attention as ring_module  # noqa: E402
 from mtraining.train.launch import run_local  # noqa: E402
+
+FIGURES = ("check_us", "all_gather_us", "layers_ms", "layers_unchecked_ms", "position_ids_ms")
 
 
 def _sync(device: torch.device) -> None:
@@ -58,15 +66,40 @@ def _times_us(fn, calls: int, device: torch.device, warmup: int = 10) -> list[fl
     return times
 
 
+def _unchecked(fn):
+    """fn with the agreement checks of the estimate and the ring replaced by no-ops."""
+
+    def run() -> None:
+        real = ring_module.check_ranks_agree
+        ring_module.check_ranks_agree = estimate.check_ranks_agree = lambda *a, **kw: None
+        try:
+            fn()
+        finally:
+            ring_module.check_ranks_agree = estimate.check_ranks_agree = real
+
+    return run
+
+
 def measure(args: argparse.Namespace) -> dict:
     """The figures on this rank (module docstring)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "nccl" else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = "auto" if device.type == "cuda" else "torch"
     layout = make_layout("striped", args.seq, world, 128)
     q, k, v = (torch.randn(1, layout.local_len, h, 64, dtype=dtype, device=device) for h in (args.heads, 2, 2))
-    backend = "auto" if device.type == "cuda" else "torch"
-    fields = {"q shape": tuple(q.shape), "dtype": str(q.dtype), "layout": layout, "backend": backend}
+    hidden = torch.randn(layout.local_len, args.hidden, dtype=dtype, device=device)
+    weights = [torch.randn(args.hidden, args.hidden, dtype=dtype, device=device) / args.hidden**0.5 for _ in range(4)]
+    config = PatternConfig(v_size=256, s_size=256, last_q=64, block_size=128, sink_tokens=4, local_window=128)
+
+    def layers() -> None:
+        x = hidden
+        for _ in range(args.layers):
+            for w in weights:
+                x = x @ w
+            pattern = estimate_pattern_cp(q, k, config, None, layout)
+            ring_attention(q, k, v, None, layout, pattern=pattern, backend=backend)
+
     one = torch.zeros(1, dtype=torch.int64, device=device)
     parts = [torch.empty_like(one) for _ in range(world)]
 
@@ -74,16 +107,10 @@ def measure(args: argparse.Namespace) -> dict:
         dist.all_gather(parts, one)
         torch.cat(parts).tolist()
 
-    def ring() -> None:
-        ring_attention(q, k, v, None, layout, backend=backend)
+    fields = {"q shape": tuple(q.shape), "dtype": str(q.dtype), "layout": layout, "backend": backend}
 
-    def unchecked() -> None:
-        real = ring_module.check_ranks_agree
-        ring_module.check_ranks_agree = lambda *a, **kw: None
-        try:
-            ring()
-        finally:
-            ring_module.check_ranks_agree = real
+    def check() -> None:
+        agreement.check_ranks_agree(None, device, "ring_attention", fields)
 
     ids_layout = make_layout("striped", args.ids_len, world, 128)
     ids = ids_layout.positions(rank)[None].to(device)
@@ -94,37 +121,32 @@ def measure(args: argparse.Namespace) -> dict:
         reader._position_documents = None  # read again: once per forward in a model
         reader._position_documents_of(ids, local_q)
 
-    def check() -> None:
-        agreement.check_ranks_agree(None, device, "ring_attention", fields)
-
-    ring_times, unchecked_times = [], []
-    _times_us(ring, 0, device, warmup=3)
-    _times_us(unchecked, 0, device, warmup=3)
-    for _ in range(args.ring_calls):  # alternating, so load on the machine hits both alike
-        ring_times += _times_us(ring, 1, device, warmup=0)
-        unchecked_times += _times_us(unchecked, 1, device, warmup=0)
+    checked, unchecked = [], []
+    _times_us(layers, 0, device, warmup=2)
+    _times_us(_unchecked(layers), 0, device, warmup=2)
+    for _ in range(args.repeats):  # alternated, so load on the machine hits both alike
+        checked += _times_us(layers, 1, device, warmup=0)
+        unchecked += _times_us(_unchecked(layers), 1, device, warmup=0)
     return {
         "rank": rank,
         "check_us": statistics.median(_times_us(check, args.calls, device)),
         "all_gather_us": statistics.median(_times_us(gather_one, args.calls, device)),
-        "ring_ms": statistics.median(ring_times) / 1e3,
-        "ring_unchecked_ms": statistics.median(unchecked_times) / 1e3,
+        "layers_ms": statistics.median(checked) / 1e3,
+        "layers_unchecked_ms": statistics.median(unchecked) / 1e3,
         "position_ids_ms": statistics.median(_times_us(read_ids, max(args.calls // 20, 5), device)) / 1e3,
     }
-
-
-def _on_rank(args: argparse.Namespace) -> dict:
-    return measure(args)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=2, help="gloo ranks to start (without torchrun)")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
-    parser.add_argument("--seq", type=int, default=1024, help="global length of the ring calls")
+    parser.add_argument("--seq", type=int, default=1024, help="global length of the attention calls")
     parser.add_argument("--heads", type=int, default=4, help="query heads (2 key/value heads, head_dim 64)")
+    parser.add_argument("--hidden", type=int, default=256, help="width of the matrix products between calls")
+    parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--calls", type=int, default=500)
-    parser.add_argument("--ring-calls", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--ids-len", type=int, default=131072, help="global length of the position ids read")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -132,9 +154,8 @@ def main() -> None:
         if args.backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(args.backend)
-        mine = measure(args)
         ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, mine)
+        dist.all_gather_object(ranks, measure(args))
         world = dist.get_world_size()
         dist.destroy_process_group()
         if int(os.environ["RANK"]):
@@ -142,11 +163,11 @@ def main() -> None:
     else:
         if args.backend != "gloo":
             parser.error("--backend nccl needs torchrun (one GPU per rank)")
-        ranks, world = run_local(_on_rank, args.world, args), args.world
+        ranks, world = run_local(measure, args.world, args), args.world
     record = {**provenance(on_gpu=args.backend == "nccl"), "backend": args.backend, "world": world}
-    record |= {"seq": args.seq, "heads": args.heads, "calls": args.calls, "ids_len": args.ids_len, "ranks": ranks}
-    for key in ("check_us", "all_gather_us", "ring_ms", "ring_unchecked_ms", "position_ids_ms"):
-        record[key] = max(r[key] for r in ranks)  # the slowest rank sets the pace
+    record |= {k: getattr(args, k) for k in ("seq", "heads", "hidden", "layers", "calls", "repeats", "ids_len")}
+    record |= {key: max(r[key] for r in ranks) for key in FIGURES}  # the slowest rank sets the pace
+    record["ranks"] = ranks
     path = write_results("agreement_check", [record], args.out)
     print({k: v for k, v in record.items() if k != "ranks"}, "->", path)
 
