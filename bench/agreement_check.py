@@ -14,6 +14,9 @@ int64 per rank and a host read of the result (a device sync under NCCL). Measure
   read, once per forward): an agreement check, an all-gather of ``--ids-len`` int64 ids and the host read, by
   ``Attention._position_documents_of``.
 
+Internal tool: it times ``mtraining.parallel.agreement`` and replaces the checks that
+``mtraining.parallel.estimate`` and ``mtraining.parallel.ring.attention`` call with no-ops.
+
 The figures of the slowest rank are recorded. Without a launcher it starts ``--world`` gloo ranks on the
 CPU; under ``torchrun`` it joins the launcher's group (``--backend nccl`` on GPUs, one per rank)::
 
@@ -40,7 +43,6 @@ from bench.common import provenance, write_results  # noqa: E402
 from mtraining.models import Attention  # noqa: E402
 from mtraining.ops import PatternConfig  # noqa: E402
 from mtraining.parallel import agreement, estimate, make_layout, ring_attention  # noqa: E402
-from mtraining.parallel.estimate import estimate_pattern_cp  # noqa: E402
 from mtraining.parallel.ring import attention as ring_module  # noqa: E402
 from mtraining.train.launch import run_local  # noqa: E402
 
@@ -97,7 +99,7 @@ def measure(args: argparse.Namespace) -> dict:
         for _ in range(args.layers):
             for w in weights:
                 x = x @ w
-            pattern = estimate_pattern_cp(q, k, config, None, layout)
+            pattern = estimate.estimate_pattern_cp(q, k, config, None, layout)
             ring_attention(q, k, v, None, layout, pattern=pattern, backend=backend)
 
     one = torch.zeros(1, dtype=torch.int64, device=device)
