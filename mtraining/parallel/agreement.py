@@ -71,7 +71,7 @@ def check_ranks_agree(
             "torch.distributed.init_process_group(...) on every rank first (torchrun, or "
             "mtraining.train.launch.run_local), or on one device call sparse_attention / estimate_pattern"
         )
-    key = (what, *((name, _hashable(value)) for name, value in fields.items()))
+    key = (what, *((name, type(value), _hashable(value)) for name, value in fields.items()))  # 1 == 1.0: typed
     digest = _DIGESTS.get(key)
     if digest is None:
         digest = _digest((what, [(name, repr(value)) for name, value in fields.items()]))
