@@ -1,6 +1,6 @@
 """``ring_attention``: context-parallel causal attention over a process group, in any layout.
 
-A call checks that every rank makes the same call (``agreement.py``, once per shape and layout), validates
+A call checks that every rank makes the same call (``agreement.py``, on every call), validates
 its inputs (validation.py), estimates the global pattern if asked (``parallel/estimate.py``), plans every
 ring step (plan.py: which steps compute, dense blocks or the backend) and runs a schedule under the
 autograd op (op.py): the flat ring (flat.py) or the hierarchical ring of inner rings inside nodes and an
@@ -19,7 +19,7 @@ from ...ops.documents import Documents, resolve_documents
 from ...ops.pattern import PatternConfig, VerticalSlashPattern
 from ...ops.sparse.attention import Backend, resolve_backend
 from ..agreement import check_ranks_agree
-from ..estimate import estimate_pattern_cp
+from ..estimate import estimate_agreed
 from ..layout import Layout
 from ..topology import ring_groups
 from .comm import Comm, RingComm
@@ -109,7 +109,19 @@ def ring_attention(
     """
     check_arguments(q, k, v, layout)
     fields = call_fields(
-        q, k, v, layout, pattern, pattern_config, softmax_scale, backend, layer_idx, ring, inner_size, reuse is not None
+        q,
+        k,
+        v,
+        layout,
+        pattern,
+        pattern_config,
+        softmax_scale,
+        backend,
+        layer_idx,
+        ring,
+        inner_size,
+        reuse is not None,
+        documents,
     )
     check_ranks_agree(group, q.device, "ring_attention", fields)
     if ring not in RINGS:
@@ -118,14 +130,10 @@ def ring_attention(
     check_ring_inputs(q, k, v, dist.get_world_size(group), layout, pattern, pattern_config, name)
     check_reuse(reuse, q)
     documents = resolve_documents(documents, q.shape[0], layout.seq_len)
-    if documents is not None:  # once per documents (a digest per call): every rank must pass the same
-        check_ranks_agree(group, q.device, "ring_attention", {"documents": documents.digest()})
     schedule = _schedule(group, ring, inner_size, q, outer_comm)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     if pattern_config is not None:
-        pattern = estimate_pattern_cp(
-            q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale, documents
-        )
+        pattern = estimate_agreed(q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale, documents)
     plan = plan_ring(q, k, pattern, layout, dist.get_rank(group), scale, name, documents)
     out, lse = RingAttention.apply(q, k, v, plan, schedule, reuse)
     return (out, lse) if return_lse else out
