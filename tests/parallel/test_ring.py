@@ -167,8 +167,8 @@ def _nccl_worker(rank: int, world: int, store_path: str) -> None:
             delta = attention_delta(df, ref_out)
             grads = attention_backward(df, qf, kf, vf, ref_lse, delta, pattern, pos, pos, d**-0.5, backend="torch")
             mine = layout.positions(rank).cuda()
-            # flat; hierarchical as world/2 "nodes" over a real link and over an emulated slow one
-            rings = [dict(ring="flat")]
+            # flat; all-gather; hierarchical as world/2 "nodes" over a real link and over an emulated slow one
+            rings = [dict(ring="flat"), dict(ring="allgather")]
             if world % 2 == 0:
                 hier = dict(ring="hierarchical", inner_size=world // 2)
                 rings += [hier, dict(hier, outer_comm=emulated(Link(25e9, 5e-6)))]
