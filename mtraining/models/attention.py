@@ -22,6 +22,14 @@ what the layers do on that pass. A training step reads:
   each forward that keeps is paired with its own recompute (one pair per micro-batch).
 - outside both, layers run as a forward that records and keeps nothing.
 
+Memory: a sparse layer's pattern caches the kernels' walks of every chunk pair it meets (ops/sparse/launch.py),
+megabytes per layer at long context (heads x query blocks x listed key blocks). The autograd graph holds each
+layer's pattern from its forward to the end of the backward, so kept walks would pile up over all layers,
+memory dense attention never spends. A checkpointed forward therefore drops its walks after each layer (the
+recompute builds them again, a few launches per chunk pair), and inside ``recompute()`` a layer's walks are
+dropped when the next layer is recomputed (its backward has run by then) or when the block ends: at most one
+layer's walks are alive, as one layer's activations are.
+
 Per-call inputs of a forward belong in ``forward``'s arguments and in what it keeps, so that its
 recompute sees the same ones: the packed documents of the micro-batch (``documents``, global
 boundaries; each query attends only within its document). Outside a forward carrying documents, a
@@ -157,6 +165,7 @@ class Attention:
     _pass: _Pass | None = field(default=None, init=False, repr=False)
     _kept: _Kept | None = field(default=None, init=False, repr=False)  # the last forward's, until its recompute
     _stats: dict[int, PatternStats] = field(default_factory=dict, init=False, repr=False)
+    _replayed: VerticalSlashPattern | None = field(default=None, init=False, repr=False)  # the last recomputed layer's
     _position_documents: tuple[Tensor, int, Documents] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -209,8 +218,11 @@ class Attention:
         """Run the backward inside: checkpointed layers re-run their forward with what the last forward kept
         (without anything kept they estimate again, recording nothing); leaving drops what is left of it."""
         kept, self._kept = self._kept, None
-        with self._running(_Pass(replay=kept, documents=None if kept is None else kept.documents)):
-            yield
+        try:
+            with self._running(_Pass(replay=kept, documents=None if kept is None else kept.documents)):
+                yield
+        finally:
+            self._hold_walks(None)
 
     def end_step(self) -> StepStats:
         """The pattern stats recorded since the last ``end_step`` (each layer's latest), and forget them."""
@@ -276,9 +288,20 @@ class Attention:
                 reuse=reuse,
                 documents=documents,
             )
+        if pattern is not None and now.keep is not None:  # the recompute builds this forward's walks again
+            pattern.index_cache.clear()
+        elif now.replay is not None:
+            self._hold_walks(pattern)
         if now.keep is not None:
             now.keep.put(layer, config is not None, pattern, out, lse)
         return out
+
+    def _hold_walks(self, pattern: VerticalSlashPattern | None) -> None:
+        """Inside ``recompute()``: drop the kernels' walks of the layer recomputed before (the backward reaches a
+        checkpointed layer only after the later layers' backward) and keep ``pattern``'s until the next."""
+        if self._replayed is not None and self._replayed is not pattern:
+            self._replayed.index_cache.clear()
+        self._replayed = pattern
 
     def _position_documents_of(self, position_ids: Tensor | None, seq_len: int) -> Documents | None:
         """The documents that packed ``position_ids`` [B, S] mark by restarting at 0 (None without them or
