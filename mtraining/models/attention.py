@@ -148,6 +148,8 @@ class Attention:
         backend: "auto", "torch" or "triton".
         ring: "flat" or "hierarchical" (``ring_attention``'s ring); ``inner_size``: ranks per inner ring
             of the hierarchical ring (default there: LOCAL_WORLD_SIZE).
+        context_mode: "ring" (K/V around ``ring``) or "allgather" (K/V all-gathered once per layer, no ring:
+            ``ring_attention(..., ring="allgather")``).
         checkpointed: the model's layers are activation-checkpointed, so a forward keeps what the
             backward's recompute replays.
     """
@@ -161,6 +163,7 @@ class Attention:
     backend: str = "auto"
     ring: Literal["flat", "hierarchical"] = "flat"
     inner_size: int | None = None
+    context_mode: Literal["ring", "allgather"] = "ring"
     checkpointed: bool = False
     _pass: _Pass | None = field(default=None, init=False, repr=False)
     _kept: _Kept | None = field(default=None, init=False, repr=False)  # the last forward's, until its recompute
@@ -171,6 +174,8 @@ class Attention:
     def __post_init__(self) -> None:
         if self.cp_size > 1 and self.layout is None:
             raise ValueError("a context-parallel group needs a layout: pass layout=make_layout(...)")
+        if self.context_mode not in ("ring", "allgather"):
+            raise ValueError(f"context_mode must be 'ring' or 'allgather', got {self.context_mode!r}")
         if self.layout is not None and self.layout.world_size != self.cp_size:
             raise ValueError(
                 f"layout is for {self.layout.world_size} ranks but the context-parallel group has {self.cp_size}; "
@@ -271,8 +276,8 @@ class Attention:
                 return_lse=True,
                 backend=self.backend,
                 layer_idx=layer,
-                ring=self.ring,
-                inner_size=self.inner_size if self.ring == "hierarchical" else None,
+                ring="allgather" if self.context_mode == "allgather" else self.ring,
+                inner_size=self.inner_size if self.ring == "hierarchical" and self.context_mode == "ring" else None,
                 reuse=reuse,
                 documents=documents,
             )

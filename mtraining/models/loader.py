@@ -101,6 +101,11 @@ def _check_overrides(model_type: str | None, overrides: dict[str, Any]) -> None:
         )
 
 
+def head_dim(hf_config) -> int:
+    """Attention head size of a HF config (explicit head_dim, else hidden_size / heads)."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
 def sliding_window_layers(hf_config) -> list[int]:
     """Layers that would run sliding-window attention (mtraining attention is causal over the whole sequence)."""
     types = getattr(hf_config, "layer_types", None)

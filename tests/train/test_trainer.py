@@ -248,13 +248,14 @@ def test_hierarchical_ring_trains_like_the_flat_ring():
     "overrides, local_world_size, expected",
     [
         (["parallel.ring=hierarchical", "parallel.inner_size=3"], None, r"use one of \[1, 2, 4\]"),
-        (["parallel.inner_size=2"], None, "set both"),
+        (["parallel.ring=flat", "parallel.inner_size=2"], None, "set both"),
         (["parallel.ring=hierarchical"], None, "launch with torchrun"),
         (["parallel.ring=hierarchical"], 3, r"set parallel.inner_size to one of \[1, 2, 4\]"),
         (["parallel.ring=hierarchical"], 2, 2),  # two nodes of 2 ranks
         (["parallel.ring=hierarchical"], 8, 4),  # the whole ring fits in one node: one inner ring
         (["parallel.ring=hierarchical", "parallel.inner_size=1"], 8, 1),
-        ([], 2, 4),  # flat: one ring of all context ranks
+        (["parallel.ring=flat"], 2, 4),  # flat: one ring of all context ranks
+        ([], 2, "resolved by train/ring_choice.py"),  # auto: chosen first
     ],
 )
 def test_ring_shape_is_validated_against_the_world(overrides, local_world_size, expected):
