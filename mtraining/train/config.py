@@ -309,6 +309,13 @@ class TrainSection(_Section):
     fused_kernels: Literal["none", "liger"] = "none"
     """liger: liger-kernel's fused RMSNorm, SwiGLU and RoPE in the decoder layers (CUDA; pip install
     liger-kernel); none: the model's own modules."""
+    compile: bool = False
+    """torch.compile each decoder layer (as torchtitan does: one compiled block per layer, inside activation
+    checkpointing and FSDP): norms, projections, RoPE and the MLP fuse; the attention call stays eager (a
+    graph break: its kernels, rings and host-side plans run as without compile). The first step compiles."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile's backend for ``compile``: inductor (fused kernels), or aot_eager / eager (trace only: what
+    compile changes without code generation, for debugging and fast checks)."""
 
     @model_validator(mode="after")
     def _check_options(self) -> TrainSection:

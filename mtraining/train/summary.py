@@ -71,9 +71,10 @@ def startup_summary(
     params = sum(t.numel() for t in model.parameters())
     rope = dict(getattr(c, "rope_parameters", None) or {})
     origin = cfg.model.path or "random init"
+    compiled = f" (decoder layers compiled, {cfg.train.compile_backend})" if cfg.train.compile else ""
     lines = [
         f"model: {c.model_type} ({origin}), {params / 1e6:.2f}M parameters, {c.num_hidden_layers} layers, "
-        f"{cfg.model.dtype} compute; RoPE {rope.get('rope_type', 'default')} theta {rope.get('rope_theta')}, "
+        f"{cfg.model.dtype} compute{compiled}; RoPE {rope.get('rope_type', 'default')} theta {rope.get('rope_theta')}, "
         f"max_position_embeddings {c.max_position_embeddings}, training at {d.seq_len}",
     ]
     if p.context == 1:

@@ -21,6 +21,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..models import Attention, StepStats, bind, build_model
+from ..models.compiled import compile_layers
 from ..models.fused import use_liger_kernels
 from ..models.loader import head_dim
 from ..ops.documents import Documents
@@ -116,6 +117,8 @@ class Trainer:
         if self.ring.ring == "hierarchical" and par.dp_size > 1:
             cp = par.cp_size  # the mesh is (data, context), context innermost: ring d holds ranks d*cp .. d*cp+cp-1
             init_ring_groups(self.ring.inner_size, [list(range(d * cp, (d + 1) * cp)) for d in range(par.dp_size)])
+        if cfg.train.compile:
+            compile_layers(hf, cfg.train.compile_backend)
         self.layout = make_layout(att.layout, data.seq_len, par.cp_size, att.block_size)
         self.attention = bind(
             hf,

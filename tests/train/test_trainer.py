@@ -117,6 +117,19 @@ def test_activation_checkpointing_replays_the_forward_patterns():
     )
 
 
+def test_compiled_layers_train_like_eager():
+    """train.compile (each decoder layer compiled, attention a graph break) on a context-parallel ring with FSDP:
+    the eager losses, to float32 rounding. The aot_eager backend traces what inductor compiles
+    without generating code (inductor's C++ build takes minutes on this CPU; the GPU benchmark runs inductor)."""
+    common = (*SMALL_BUDGET, "attention.max_density=null", "train.steps=2", "parallel.context=2")
+    eager = run_local(_train, 2, _config(*common))[0]
+    compiled = run_local(_train, 2, _config(*common, "train.compile=true", "train.compile_backend=aot_eager"))[0]
+    assert all(0 < m["density"] < 1 for m in compiled)
+    torch.testing.assert_close(
+        torch.tensor([m["loss"] for m in compiled]), torch.tensor([m["loss"] for m in eager]), rtol=1e-5, atol=0
+    )
+
+
 def test_saved_attention_outputs_replace_the_recomputed_attention():
     """train.save_attention_outputs: the recomputed forward reuses each layer's (out, lse); bit-identical
     steps, one rank and a context-parallel ring."""
