@@ -28,19 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mtraining.parallel.ring_cost import (  # noqa: E402
-    AttentionShape,
-    Cluster,
-    Link,
-    Prediction,
-    StepWork,
-    allgather_time,
-    flat_ring_time,
-    hierarchical_ring_time,
-    step_work,
-)
+from mtraining.parallel import ring_cost  # noqa: E402
 
-QWEN_3B = AttentionShape(heads_q=16, heads_kv=2, head_dim=128)  # bf16 K/V: 1024 bytes per token per layer
+QWEN_3B = ring_cost.AttentionShape(heads_q=16, heads_kv=2, head_dim=128)  # bf16 K/V: 1024 bytes per token per layer
 H200_DENSE_BF16_TFLOPS = 989.0
 CLUSTERS = [
     # name, nodes, gpus per node, throughput factor vs H200, intra link, inter link, note
@@ -49,8 +39,8 @@ CLUSTERS = [
         4,
         8,
         312.0 / H200_DENSE_BF16_TFLOPS,
-        Link(300e9, 2e-6),
-        Link(25e9, 5e-6),
+        ring_cost.Link(300e9, 2e-6),
+        ring_cost.Link(25e9, 5e-6),
         "NVLink3 300 GB/s/dir, HDR InfiniBand 25 GB/s per GPU; A100 = H200 x 312/989 (dense bf16 peaks)",
     ),
     (
@@ -58,13 +48,13 @@ CLUSTERS = [
         16,
         8,
         1.0,
-        Link(450e9, 2e-6),
-        Link(50e9, 5e-6),
+        ring_cost.Link(450e9, 2e-6),
+        ring_cost.Link(50e9, 5e-6),
         "NVLink4 450 GB/s/dir, NDR InfiniBand 50 GB/s per GPU; H100 = H200 x 1.0 (same bf16 peak)",
     ),
 ]
 SEQ_LENS = [512 * 1024, 1024 * 1024]
-NVLINK = Link(450e9, 2e-6)  # NVLink4 (H100, H200) per GPU and direction: ASSUMED
+NVLINK = ring_cost.Link(450e9, 2e-6)  # NVLink4 (H100, H200) per GPU and direction: ASSUMED
 REAL_LINKS = ("host",)  # a record's outer_link when no link is emulated (the host's own: NVLink on GPUs)
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
@@ -78,29 +68,29 @@ def is_calibration(record: dict) -> bool:
     return record.get("schedule", "flat") == "flat" and record.get("outer_link", "host") in REAL_LINKS
 
 
-def predict_record(record: dict, calibration: dict) -> Prediction:
+def predict_record(record: dict, calibration: dict) -> ring_cost.Prediction:
     """The model's time (seconds) of ``record``'s schedule and link, from the per-step compute of ``calibration``
     (the same method and length on the flat ring over real links; see the module docstring)."""
     w = record["gpus"]
     elem = ELEMENT_BYTES[record.get("dtype", "bfloat16")]
-    shape = AttentionShape(record["heads_q"], record["heads_kv"], record["head_dim"], elem, max(elem, 4))
+    shape = ring_cost.AttentionShape(record["heads_q"], record["heads_kv"], record["head_dim"], elem, max(elem, 4))
     tokens = record["seq_len"] // w
-    work = StepWork(
+    work = ring_cost.StepWork(
         calibration["fwd_ms"] / 1e3 / w,
         calibration["bwd_ms"] / 1e3 / w,
         tokens * shape.kv_bytes_per_token,
         tokens * shape.grad_bytes_per_token,
     )
     link = record.get("outer_link", "host")
-    outer = NVLINK if link in REAL_LINKS else Link(record["outer_gbps"] * 1e9, record["outer_latency_s"])
+    outer = NVLINK if link in REAL_LINKS else ring_cost.Link(record["outer_gbps"] * 1e9, record["outer_latency_s"])
     schedule = record.get("schedule", "flat")
     if schedule == "allgather":
-        return allgather_time(Cluster(1, w, NVLINK, NVLINK), work)
+        return ring_cost.allgather_time(ring_cost.Cluster(1, w, NVLINK, NVLINK), work)
     if schedule == "flat":  # with an emulated link every hop waits for it (ranks advance in lock step)
         nodes = 1 if link in REAL_LINKS else w
-        return flat_ring_time(Cluster(nodes, w // nodes, NVLINK, outer), work)
+        return ring_cost.flat_ring_time(ring_cost.Cluster(nodes, w // nodes, NVLINK, outer), work)
     inner = record["inner_size"]
-    return hierarchical_ring_time(Cluster(w // inner, inner, NVLINK, outer), work)
+    return ring_cost.hierarchical_ring_time(ring_cost.Cluster(w // inner, inner, NVLINK, outer), work)
 
 
 def annotate(records: list[dict]) -> list[dict]:
@@ -143,7 +133,7 @@ def measured_throughput(records: list[dict], method: str) -> dict:
     if not rows:
         raise SystemExit(f"no {method!r} record in the ring results; run bench/ring_attention.py first")
     r = max(rows, key=lambda row: row["seq_len"])
-    shape = AttentionShape(r["heads_q"], r["heads_kv"], r["head_dim"])
+    shape = ring_cost.AttentionShape(r["heads_q"], r["heads_kv"], r["head_dim"])
     pairs = shape.pairs(r["seq_len"], r["density"])
     return {
         "source": f"{r['device']} x{r['gpus']} ring, {method}, seq_len {r['seq_len']}, commit {r['commit']}",
@@ -184,7 +174,7 @@ def main() -> None:
     )
     out = {"inputs": inputs, "clusters": [], "predictions": []}
     for name, nodes, gpn, factor, intra, inter, note in CLUSTERS:
-        cluster = Cluster(nodes, gpn, intra, inter)
+        cluster = ring_cost.Cluster(nodes, gpn, intra, inter)
         print(
             f"\n{name}: {cluster.world_size} GPUs. ASSUMED: {note}; latency {intra.latency * 1e6:g} us "
             f"intra, {inter.latency * 1e6:g} us inter; throughput factor {factor:.3f}"
@@ -206,7 +196,7 @@ def main() -> None:
         )
         for n in SEQ_LENS:
             for kind, m in inputs.items():
-                work = step_work(
+                work = ring_cost.step_work(
                     QWEN_3B,
                     n,
                     cluster.world_size,
@@ -214,7 +204,7 @@ def main() -> None:
                     m["fwd_pairs_per_s"] * factor,
                     m["bwd_pairs_per_s"] * factor,
                 )
-                flat, hier = flat_ring_time(cluster, work), hierarchical_ring_time(cluster, work)
+                flat, hier = ring_cost.flat_ring_time(cluster, work), ring_cost.hierarchical_ring_time(cluster, work)
                 print(
                     f"  {n // 1024:4d}K {kind:6s} {work.fwd * 1e3:7.3f}/{work.bwd * 1e3:<8.3f} "
                     f"{intra.seconds(work.kv_bytes) * 1e3:12.3f}/{inter.seconds(work.kv_bytes) * 1e3:<12.3f} "

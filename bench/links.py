@@ -25,11 +25,11 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from mtraining.parallel.ring.comm import Comm
-from mtraining.parallel.ring_cost import Link
+from mtraining.parallel import ring_cost
+from mtraining.parallel.ring import Comm
 
 
-def emulated(link: Link) -> Callable[[Comm], EmulatedComm]:
+def emulated(link: ring_cost.Link) -> Callable[[Comm], EmulatedComm]:
     """``outer_comm`` for ``ring_attention``: the hierarchical ring's outer transfers as slow as ``link``."""
     return functools.partial(EmulatedComm, link=link)
 
@@ -67,7 +67,7 @@ class _DelayedTransfer:
 class EmulatedComm:
     """A ring communicator (``Comm``) whose transfers complete no earlier than ``link`` would deliver them."""
 
-    def __init__(self, comm: Comm, link: Link) -> None:
+    def __init__(self, comm: Comm, link: ring_cost.Link) -> None:
         self.comm = comm
         self.link = link
         self._stream = None

@@ -25,6 +25,8 @@ only. Every record gets the ring cost model's prediction beside its measured tim
     torchrun --nproc_per_node 2 bench/ring_attention.py --device cpu --seq-lens 512 --heads-q 4 \\
         --head-dim 16 --block-size 16 --v-size 16 --s-size 32 --local-window 16 --last-q 16 --iters 1
         # a plumbing check: gloo ranks, the torch backend
+
+Internal tool: times the context-parallel estimate alone through ``mtraining.parallel.estimate``.
 """
 
 from __future__ import annotations
@@ -46,12 +48,12 @@ from cost_model import annotate, print_annotated  # noqa: E402
 
 from bench.links import emulated  # noqa: E402
 from bench.synthetic import random_qkv, rope_structured_qkv  # noqa: E402
-from mtraining.ops import dense  # noqa: E402
-from mtraining.ops.pattern.estimate import PatternConfig  # noqa: E402
+from mtraining.ops import (
+    PatternConfig,  # noqa: E402
+    dense,  # noqa: E402
+)
+from mtraining.parallel import make_layout, ring_attention, ring_cost  # noqa: E402
 from mtraining.parallel.estimate import estimate_pattern_cp  # noqa: E402
-from mtraining.parallel.layout import make_layout  # noqa: E402
-from mtraining.parallel.ring import ring_attention  # noqa: E402
-from mtraining.parallel.ring_cost import Link  # noqa: E402
 
 GENERATORS = {"structured": rope_structured_qkv, "random": random_qkv}
 LINK_LATENCY_S = 5e-6  # of an emulated link, per transfer
@@ -179,7 +181,7 @@ def dense_note(q, k, layout, setting: str, backend: str, schedule: str) -> str:
 def pattern_stats(q, k, layout, config) -> tuple[float, float]:
     """(density, max/mean over ranks of computed pairs) of the pattern estimated on the full inputs."""
     from bench.imbalance import imbalance_report
-    from mtraining.ops.pattern.estimate import estimate_pattern
+    from mtraining.ops import estimate_pattern
 
     pattern = estimate_pattern(q, k, config)
     return float(pattern.density().mean()), float(imbalance_report(pattern, layout).rank_imbalance)
@@ -201,7 +203,7 @@ def schedules(names: list[str], links: list[str], world: int) -> list[dict]:
             if link != "host":
                 if kind == "allgather":
                     continue  # a collective: no link of ours to emulate
-                model = Link(float(link) * 1e9, LINK_LATENCY_S)
+                model = ring_cost.Link(float(link) * 1e9, LINK_LATENCY_S)
                 fields.update(outer_link=model.label, outer_gbps=float(link), outer_latency_s=LINK_LATENCY_S)
                 if kind == "flat":  # every hop on the slow link: W nodes of one rank
                     args.update(ring="hierarchical", inner_size=1)

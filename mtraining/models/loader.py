@@ -48,6 +48,7 @@ def build_config(
         raise ValueError("pass exactly one of path (a local HF directory) or config (a dict with model_type)")
     if path is not None:
         path = Path(path)
+        refuse_gguf(path, "model.path")
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a Hugging Face model directory: it has no config.json")
         fields = PretrainedConfig.get_config_dict(path, local_files_only=True)[0]
@@ -104,6 +105,20 @@ def _check_overrides(model_type: str | None, overrides: dict[str, Any]) -> None:
 def head_dim(hf_config) -> int:
     """Attention head size of a HF config (explicit head_dim, else hidden_size / heads)."""
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def refuse_gguf(path: str | Path, where: str) -> None:
+    """ValueError naming ``mtraining convert`` when ``path`` is a GGUF file, or a folder of GGUF files without
+    config.json: the trainer and eval load Hugging Face folders, converted once."""
+    path = Path(path)
+    found = [path] if path.suffix == ".gguf" else []
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(path.glob("*.gguf"))
+    if found:
+        raise ValueError(
+            f"{where} {found[0]} is a GGUF file; convert it once with `mtraining convert {found[0]} OUT_DIR` "
+            "and point at OUT_DIR (a Hugging Face folder)"
+        )
 
 
 def sliding_window_layers(hf_config) -> list[int]:

@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.links import Link, emulated
+from bench.links import emulated
 from bench.synthetic import rope_structured_qkv
 from mtraining.ops import PatternConfig, VerticalSlashPattern, estimate_pattern
 from mtraining.parallel import make_layout, ring_attention
 from mtraining.parallel.estimate import estimate_pattern_cp
+from mtraining.parallel.ring_cost import Link
 from tests.factories import make_pattern
 from tests.numerics import rel_err
 from tests.rings import CONFIGS, LAYOUTS, SEQ, G, check_ring, make_inputs, ring_case
