@@ -86,8 +86,9 @@ def test_compiled_layers_train_like_eager():
     the eager losses, to float32 rounding. The aot_eager backend traces what inductor compiles
     without generating code (inductor's C++ build takes minutes on this CPU; the GPU benchmark runs inductor)."""
     common = (*SMALL_BUDGET, "attention.max_density=null", "train.steps=2", "parallel.context=2")
-    eager = run_local(_train, 2, _config(*common))[0]
-    compiled = run_local(_train, 2, _config(*common, "train.compile=true", "train.compile_backend=aot_eager"))[0]
+    eager = run_local(run_trainer, 2, make_config(*common))[0]
+    compile_options = ("train.compile=true", "train.compile_backend=aot_eager")
+    compiled = run_local(run_trainer, 2, make_config(*common, *compile_options))[0]
     assert all(0 < m["density"] < 1 for m in compiled)
     torch.testing.assert_close(
         torch.tensor([m["loss"] for m in compiled]), torch.tensor([m["loss"] for m in eager]), rtol=1e-5, atol=0
