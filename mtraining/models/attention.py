@@ -22,6 +22,14 @@ what the layers do on that pass. A training step reads:
   each forward that keeps is paired with its own recompute (one pair per micro-batch).
 - outside both, layers run as a forward that records and keeps nothing.
 
+Memory: a sparse layer's pattern caches the kernels' walks of every chunk pair it meets (ops/sparse/launch.py),
+megabytes per layer at long context (heads x query blocks x listed key blocks). The autograd graph holds each
+layer's pattern from its forward to the end of the backward, so kept walks would pile up over all layers,
+memory dense attention never spends. A checkpointed forward therefore drops its walks after each layer (the
+recompute builds them again, a few launches per chunk pair), and inside ``recompute()`` a layer's walks are
+dropped when the next layer is recomputed (its backward has run by then) or when the block ends: at most one
+layer's walks are alive, as one layer's activations are.
+
 Per-call inputs of a forward belong in ``forward``'s arguments and in what it keeps, so that its
 recompute sees the same ones: the packed documents of the micro-batch (``documents``, global
 boundaries; each query attends only within its document). Outside a forward carrying documents, the
@@ -146,6 +154,8 @@ class Attention:
         backend: "auto", "torch" or "triton".
         ring: "flat" or "hierarchical" (``ring_attention``'s ring); ``inner_size``: ranks per inner ring
             of the hierarchical ring (default there: LOCAL_WORLD_SIZE).
+        context_mode: "ring" (K/V around ``ring``) or "allgather" (K/V all-gathered once per layer, no ring:
+            ``ring_attention(..., ring="allgather")``).
         checkpointed: the model's layers are activation-checkpointed, so a forward keeps what the
             backward's recompute replays.
     """
@@ -159,15 +169,19 @@ class Attention:
     backend: str = "auto"
     ring: Literal["flat", "hierarchical"] = "flat"
     inner_size: int | None = None
+    context_mode: Literal["ring", "allgather"] = "ring"
     checkpointed: bool = False
     _pass: _Pass | None = field(default=None, init=False, repr=False)
     _kept: _Kept | None = field(default=None, init=False, repr=False)  # the last forward's, until its recompute
     _stats: dict[int, PatternStats] = field(default_factory=dict, init=False, repr=False)
+    _replayed: VerticalSlashPattern | None = field(default=None, init=False, repr=False)  # the last recomputed layer's
     _position_documents: tuple[Tensor, int, Documents] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.cp_size > 1 and self.layout is None:
             raise ValueError("a context-parallel group needs a layout: pass layout=make_layout(...)")
+        if self.context_mode not in ("ring", "allgather"):
+            raise ValueError(f"context_mode must be 'ring' or 'allgather', got {self.context_mode!r}")
         if self.layout is not None and self.layout.world_size != self.cp_size:
             raise ValueError(
                 f"layout is for {self.layout.world_size} ranks but the context-parallel group has {self.cp_size}; "
@@ -215,8 +229,11 @@ class Attention:
         """Run the backward inside: checkpointed layers re-run their forward with what the last forward kept
         (without anything kept they estimate again, recording nothing); leaving drops what is left of it."""
         kept, self._kept = self._kept, None
-        with self._running(_Pass(replay=kept, documents=None if kept is None else kept.documents)):
-            yield
+        try:
+            with self._running(_Pass(replay=kept, documents=None if kept is None else kept.documents)):
+                yield
+        finally:
+            self._hold_walks(None)
 
     def end_step(self) -> StepStats:
         """The pattern stats recorded since the last ``end_step`` (each layer's latest), and forget them."""
@@ -265,8 +282,8 @@ class Attention:
                 return_lse=True,
                 backend=self.backend,
                 layer_idx=layer,
-                ring=self.ring,
-                inner_size=self.inner_size if self.ring == "hierarchical" else None,
+                ring="allgather" if self.context_mode == "allgather" else self.ring,
+                inner_size=self.inner_size if self.ring == "hierarchical" and self.context_mode == "ring" else None,
                 reuse=reuse,
                 documents=documents,
             )
@@ -282,9 +299,20 @@ class Attention:
                 reuse=reuse,
                 documents=documents,
             )
+        if pattern is not None and now.keep is not None:  # the recompute builds this forward's walks again
+            pattern.index_cache.clear()
+        elif now.replay is not None:
+            self._hold_walks(pattern)
         if now.keep is not None:
             now.keep.put(layer, config is not None, pattern, out, lse)
         return out
+
+    def _hold_walks(self, pattern: VerticalSlashPattern | None) -> None:
+        """Inside ``recompute()``: drop the kernels' walks of the layer recomputed before (the backward reaches a
+        checkpointed layer only after the later layers' backward) and keep ``pattern``'s until the next."""
+        if self._replayed is not None and self._replayed is not pattern:
+            self._replayed.index_cache.clear()
+        self._replayed = pattern
 
     def _position_documents_of(self, position_ids: Tensor, q: Tensor) -> Documents | None:
         """The documents that ``position_ids`` [B or 1, S] (this rank's shard) mark on the global sequence (None:
