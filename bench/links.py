@@ -1,6 +1,6 @@
-"""Links between GPUs, for benchmarks: a model of one (``Link``) and its emulation in a real ring.
+"""The emulation of a slow link between GPUs in a real ring, for benchmarks and tests.
 
-``Link`` (mtraining/parallel/cost.py) is what the ring cost model predicts with and what ``EmulatedComm`` makes the
+``Link`` (mtraining/parallel/ring_cost.py) is what the ring cost model predicts with and what ``EmulatedComm`` makes the
 hierarchical ring's outer transfers take (``ring_attention(..., ring="hierarchical",
 outer_comm=emulated(link))``): a transfer of ``B`` bytes (what this rank sends; the link is full
 duplex, one NIC per GPU) is modelled to take ``latency + B / bandwidth``. The real transfer is posted as usual; its completion
@@ -25,13 +25,11 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from mtraining.parallel.cost import Link
-from mtraining.parallel.ring.comm import Comm
-
-__all__ = ["EmulatedComm", "Link", "emulated"]
+from mtraining.parallel import ring_cost
+from mtraining.parallel.ring import Comm
 
 
-def emulated(link: Link) -> Callable[[Comm], EmulatedComm]:
+def emulated(link: ring_cost.Link) -> Callable[[Comm], EmulatedComm]:
     """``outer_comm`` for ``ring_attention``: the hierarchical ring's outer transfers as slow as ``link``."""
     return functools.partial(EmulatedComm, link=link)
 
@@ -69,7 +67,7 @@ class _DelayedTransfer:
 class EmulatedComm:
     """A ring communicator (``Comm``) whose transfers complete no earlier than ``link`` would deliver them."""
 
-    def __init__(self, comm: Comm, link: Link) -> None:
+    def __init__(self, comm: Comm, link: ring_cost.Link) -> None:
         self.comm = comm
         self.link = link
         self._stream = None

@@ -192,6 +192,7 @@ class _Session:
             "layout": self.spec.layout,
             "ring": self.spec.ring,
             "inner_size": self.spec.inner_size,
+            "context_mode": self.spec.context_mode,
             "prefill_granule": self.spec.prefill_granule,
             "block_size": self.spec.block_size,
             "world_size": self.engine.world_size,

@@ -96,7 +96,11 @@ def model_config(checkpoint: str | Path, config: Config | None):
 
 
 def _existing(checkpoint: str | Path) -> Path:
+    """The checkpoint's path; ValueError naming the fix when it does not exist or is a GGUF file."""
+    from ..models.loader import refuse_gguf
+
     path = Path(checkpoint)
+    refuse_gguf(path, "checkpoint")
     if not path.exists():
         raise ValueError(
             f"checkpoint {path} does not exist; pass a local Hugging Face directory (config.json + *.safetensors) "

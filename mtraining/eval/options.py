@@ -63,6 +63,13 @@ class SessionOptions:
         int | None,
         typer.Option("--inner-size", help="Hierarchical ring: ranks per inner ring (default: ranks per node)."),
     ] = None
+    context_mode: Annotated[
+        str | None,
+        typer.Option(
+            "--context-mode",
+            help="Context parallelism: ring (K/V around --ring) or allgather (K/V gathered per layer); default: ring.",
+        ),
+    ] = None
     backend: Annotated[str | None, typer.Option("--backend", help="auto (default), torch or triton.")] = None
     v_size: Annotated[int | None, typer.Option("--v-size", help="Sparse: verticals per head.")] = None
     s_size: Annotated[int | None, typer.Option("--s-size", help="Sparse: slashes per head.")] = None
@@ -124,8 +131,10 @@ class SessionOptions:
         attention = self.attention or ("sparse" if att is not None and att.sparse else "dense")
         if attention not in ("dense", "sparse"):
             raise ValueError(f"--attention must be dense or sparse, got {attention!r}")
-        ring = self.ring or (par.ring if par else "flat")
+        trained_ring = "flat" if par is None or par.ring == "auto" else par.ring  # auto picks flat on one node
+        ring = self.ring or trained_ring
         inner = self.inner_size if self.ring is not None or par is None else par.inner_size
+        context_mode = self.context_mode or (par.context_mode if par else "ring")
         if self.dense_layers is not None:
             dense_layers = _layers(self.dense_layers)
         else:
@@ -141,7 +150,8 @@ class SessionOptions:
             prefill_granule=granule,
             dense_layers=dense_layers,
             ring=ring,
-            inner_size=self.ring_inner_size(world_size, ring, inner),
+            inner_size=self.ring_inner_size(world_size, ring, inner, context_mode),
+            context_mode=context_mode,
         )
         if spec.layout not in ("striped", "zigzag", "contiguous"):
             raise ValueError(f"--layout must be striped, zigzag or contiguous, got {spec.layout!r}")
@@ -169,10 +179,15 @@ class SessionOptions:
         return trained | given
 
     @staticmethod
-    def ring_inner_size(world_size: int, ring: str, inner_size: int | None) -> int | None:
-        """Ranks per inner ring for a hierarchical ring (validated against the world size), None for flat."""
+    def ring_inner_size(world_size: int, ring: str, inner_size: int | None, context_mode: str = "ring") -> int | None:
+        """Ranks per inner ring for a hierarchical ring (validated against the world size and the context mode),
+        None for flat."""
         if ring not in ("flat", "hierarchical"):
             raise ValueError(f"--ring must be flat or hierarchical, got {ring!r}")
+        if context_mode not in ("ring", "allgather"):
+            raise ValueError(f"--context-mode must be ring or allgather, got {context_mode!r}")
+        if context_mode == "allgather" and ring == "hierarchical":
+            raise ValueError("--ring hierarchical is a ring schedule; --context-mode allgather runs no ring: drop one")
         if ring == "flat":
             if inner_size is not None:
                 raise ValueError(

@@ -29,6 +29,7 @@ from typing import Any
 from ..data.documents import DataError, file_kind, find_files, read_documents
 from .config import Config
 from .estimate import size_text
+from .ring_choice import RingChoice, choose_ring
 
 CHECKED_ENV = "MTRAINING_CHECKED"
 """Set to 1 by the ``--nproc`` launcher once these checks passed on its node: its ranks need not repeat them."""
@@ -79,28 +80,30 @@ class Findings:
 
     hf_config: Any = None
     model: Any = None  # the model on the meta device
+    ring: RingChoice | None = None
     tokenizer: Any = None
-    max_token_id: int = -1
-    """The largest id of the token files (text is tokenised later)."""
+    token_parts: list = field(default_factory=list)
+    """The token files (data.TokenPart: their largest id); text is tokenised later."""
     text_files: list[Path] = field(default_factory=list)
 
 
 def check_run(cfg: Config, launch: Launch) -> tuple[Report, Findings]:
     """Every check of the module docstring; never raises for a problem it can name."""
     report, found = Report(), Findings()
-    report.run(_world, cfg, launch)
+    report.run(cfg.check_world_size, launch.world_size)
     _outputs(cfg, report)
     _packages(cfg, report)
     found.hf_config = report.run(_hf_config, cfg)
     if found.hf_config is not None:
         found.model = report.run(_meta_model, found.hf_config)
+        found.ring = report.run(choose_ring, cfg, launch.nproc, found.hf_config)
         report.run(_model_fits_mtraining, cfg, found.hf_config)
         if cfg.model.path is not None and found.model is not None:
             _weights(Path(cfg.model.path), found.model, found.hf_config, report)
     found.tokenizer = _tokenizer(cfg, report)
     _data(cfg, found, report)
     if found.hf_config is not None:
-        _vocabularies(found, report)
+        _vocabularies(cfg, found, report)
     if found.model is not None:
         _resume(cfg, found, report)
         _free_space(cfg, found.model, report)
@@ -109,12 +112,7 @@ def check_run(cfg: Config, launch: Launch) -> tuple[Report, Findings]:
     return report, found
 
 
-# ---------------------------------------------------------------------------------------------- the world
-def _world(cfg: Config, launch: Launch) -> None:
-    cfg.check_world_size(launch.world_size)
-    cfg.inner_size(launch.nproc)
-
-
+# ---------------------------------------------------------------------------------------------- outputs, packages
 def _writable(path: str) -> str | None:
     """Why the run could not write into ``path`` (created if missing), or None. Creates nothing but a probe file,
     removed at once, in ``path`` or its nearest existing folder (permission bits do not tell root's writes)."""
@@ -169,25 +167,12 @@ def _hf_config(cfg: Config):
     from ..models.loader import build_config
 
     path = cfg.model.path
-    if path is not None:
-        folder = Path(path)
-        if not folder.exists():
-            raise ValueError(f"model.path: {path} does not exist{cfg.path_note('model.path')}")
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"model.path: {path} is not a Hugging Face model folder: it has no config.json")
-        try:
-            json.loads((folder / "config.json").read_text())
-        except (ValueError, OSError) as err:
-            raise ValueError(f"model.path: {folder / 'config.json'} is not valid JSON ({err}); copy it again") from None
-    key = "model.path" if path else "model.config"
+    if path is not None and not Path(path).exists():
+        raise ValueError(f"model.path: {path} does not exist{cfg.path_note('model.path')}")
     try:
         return build_config(**cfg.model.hf_kwargs())
     except ValueError as err:
-        raise ValueError(f"{key}: {err}") from None
-    except Exception as err:  # transformers validates configs with errors of its own kinds
-        cause = str(getattr(err, "__cause__", None) or err).strip().splitlines()[-1]
-        where = f"{path}/config.json" if path else "model.config"
-        raise ValueError(f"{key}: {where} is not a consistent Hugging Face config ({cause}); fix it") from None
+        raise ValueError(f"{'model.path' if path else 'model.config'}: {err}") from None
 
 
 def _meta_model(hf_config):
@@ -202,7 +187,7 @@ def _meta_model(hf_config):
 def _model_fits_mtraining(cfg: Config, hf_config) -> None:
     from .preflight import check_model
 
-    check_model(cfg, hf_config, -1)
+    check_model(cfg, hf_config, [])  # the data's ids: _vocabularies
     cfg.check_layers(hf_config.num_hidden_layers)
 
 
@@ -301,12 +286,10 @@ def _data(cfg: Config, found: Findings, report: Report) -> None:
     files open and their largest id is known (scanned once, remembered by the token cache), and a source of
     token files makes at least one sample. Text is not read further here: the launcher tokenises it (or
     ``mtraining tokenize``) and checks its sources' samples and largest id then."""
-    from ..data.cache import TokenCache
-    from ..data.tokens import open_token_file
+    from ..data.tokens import TokenPart, open_token_file, scan_max
     from .data import document_separator
 
     d = cfg.data
-    cache = TokenCache(d.cache_dir)
     for i, spec in enumerate(d.source_specs):
         key = f"data.sources[{i}]"
         if not glob.has_magic(spec.path) and not Path(spec.path).exists():
@@ -335,12 +318,12 @@ def _data(cfg: Config, found: Findings, report: Report) -> None:
         tokens = 0
         for f in (f for f in files if file_kind(f) == "tokens"):
             array = report.run(open_token_file, f, d.token_dtype, where=key)
-            max_id = report.run(cache.max_token_id, f, d.token_dtype, where=key) if array is not None else None
+            max_id = report.run(scan_max, f, d.token_dtype, where=key) if array is not None else None
             if array is None or max_id is None:
                 text = [f]  # unknown: not counted below
                 continue
             tokens += len(array)
-            found.max_token_id = max(found.max_token_id, max_id)
+            found.token_parts.append(TokenPart(str(f), array.dtype.name, len(array), max_id, str(f)))
         if not text and tokens < d.seq_len + 1:
             report.problems.append(
                 f"{key} holds {tokens} tokens, fewer than one sample of data.seq_len + 1 = {d.seq_len + 1}; "
@@ -359,14 +342,13 @@ def _data(cfg: Config, found: Findings, report: Report) -> None:
         )
 
 
-def _vocabularies(found: Findings, report: Report) -> None:
-    """The data's largest token id (token files) and the tokenizer's size against the model's vocabulary."""
+def _vocabularies(cfg: Config, found: Findings, report: Report) -> None:
+    """The token files' ids (data.check_vocabulary) and the tokenizer's size against the model's vocabulary."""
+    from .data import Source, check_vocabulary
+
     vocab = found.hf_config.vocab_size
-    if found.max_token_id >= vocab:
-        report.problems.append(
-            f"the data holds token id {found.max_token_id} but the model's vocab_size is {vocab}; tokenise with the "
-            "model's own tokenizer (data.tokenizer) or raise model.config.vocab_size"
-        )
+    files = Source("token files", found.token_parts, None, len(found.token_parts))
+    report.run(check_vocabulary, [files], vocab, cfg.data.token_dtype)
     if found.tokenizer is not None and found.text_files and found.tokenizer.vocab_size > vocab:
         report.warnings.append(
             f"the tokenizer {found.tokenizer.path} has {found.tokenizer.vocab_size} tokens, more than the model's "

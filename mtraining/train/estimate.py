@@ -26,8 +26,8 @@ pattern's estimation buffers (chunks of 256 MB) and the kernels' index lists.
 **Time per step**: the training FLOPs of a step (``flops_per_token``: 6 x matmul parameters + attention at the
 pattern's density, forward and backward) divided over the GPUs at the efficiency (MFU) measured for a whole
 training step of the Qwen2.5-3B shape on H200s (``MEASURED``: sparse or dense, its density), plus what the
-ring cost model (mtraining/parallel/cost.py) predicts its transfers add over that compute, per attention layer
-and micro-batch, on the assumed links of the GPU (``GPUS``). FSDP's parameter gathers and gradient reductions
+ring cost model (mtraining/parallel/ring_cost.py) predicts its transfers add over that compute, per attention layer
+and micro-batch, on NVLink inside a node (assumed) and ``parallel.inter_node_gbps`` between nodes. FSDP's parameter gathers and gradient reductions
 are assumed hidden behind compute (their time is printed). A run at another size, length, density or on other
 GPUs can differ: this is an estimate, to be replaced by the measured ``step_s`` of the first steps.
 """
@@ -37,9 +37,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..parallel.cost import AttentionShape, Cluster, Link, flat_ring_time, hierarchical_ring_time, step_work
+from ..models.loader import head_dim
+from ..parallel.ring_cost import (
+    AttentionShape,
+    Cluster,
+    Link,
+    allgather_time,
+    flat_ring_time,
+    hierarchical_ring_time,
+    step_work,
+)
 from .config import Config
 from .monitor import _PEAK_TFLOPS, flops_per_token
+from .ring_choice import INTER_NODE_LATENCY_S, NVLINK, RingChoice
 from .saved_outputs import DEFAULT_FRACTION, saved_outputs_bytes
 
 GB = 1e9
@@ -52,29 +62,26 @@ def size_text(nbytes: float) -> str:
 
 @dataclass(frozen=True)
 class Gpu:
-    """A GPU kind: nominal memory, its name in the table of dense bf16 peaks, and the ASSUMED links."""
+    """A GPU kind: nominal memory, its name in the table of dense bf16 peaks, and the ASSUMED link between the
+    GPUs of a node (per GPU and direction; the link between nodes is ``parallel.inter_node_gbps``)."""
 
     name: str
     memory: float
     """Bytes (nominal)."""
     peak_key: str
     intra: Link
-    """Between GPUs of a node (per GPU and direction)."""
-    inter: Link
-    """Between nodes, per GPU (one NIC per GPU)."""
 
     @property
     def peak_flops(self) -> float:
         return _PEAK_TFLOPS[self.peak_key] * 1e12
 
 
-_NVLINK4, _NDR = Link(450e9, 2e-6), Link(50e9, 5e-6)  # bench/cost_model.py's assumptions (H100 cluster)
 _IDEAL = Link(1e30)  # transfers that take no time: the ring of compute alone
 GPUS = {
-    "h100": Gpu("H100 80GB", 80 * GB, "H100", _NVLINK4, _NDR),
-    "h200": Gpu("H200 141GB", 141 * GB, "H200", _NVLINK4, _NDR),
-    "a100": Gpu("A100 80GB", 80 * GB, "A100", Link(300e9, 2e-6), Link(25e9, 5e-6)),
-    "a100-40gb": Gpu("A100 40GB", 40 * GB, "A100", Link(300e9, 2e-6), Link(25e9, 5e-6)),
+    "h100": Gpu("H100 80GB", 80 * GB, "H100", NVLINK),
+    "h200": Gpu("H200 141GB", 141 * GB, "H200", NVLINK),
+    "a100": Gpu("A100 80GB", 80 * GB, "A100", Link(300e9, 2e-6)),  # NVLink3
+    "a100-40gb": Gpu("A100 40GB", 40 * GB, "A100", Link(300e9, 2e-6)),
 }
 
 
@@ -131,7 +138,7 @@ class ModelShape:
             hidden=c.hidden_size,
             heads=c.num_attention_heads,
             kv_heads=c.num_key_value_heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            head_dim=head_dim(c),
             intermediate=c.intermediate_size,
             vocab=c.vocab_size,
         )
@@ -232,29 +239,31 @@ def _density(cfg: Config, layers: int) -> tuple[float, str]:
     return mean, f"{measured:.3f} in sparse layers as measured there (v_size 1024, s_size 6144 at 512K)"
 
 
-def time_per_step(cfg: Config, m: ModelShape, gpu: Gpu, gpus_per_node: int) -> Estimate:
+def time_per_step(cfg: Config, m: ModelShape, gpu: Gpu, gpus_per_node: int, ring: RingChoice) -> Estimate:
     """Seconds per optimizer step (module docstring): compute at the measured efficiency plus the ring's
-    transfers that the cost model finds not hidden by it."""
+    transfers that the cost model finds not hidden by it (``ring``: the schedule train/ring_choice.py chose)."""
     world, context, n = cfg.world_size, cfg.parallel.context, cfg.data.seq_len
     density, density_source = _density(cfg, m.layers)
     measured = MEASURED["sparse" if density < 1 else "dense"]
     rate = measured.mfu * gpu.peak_flops  # FLOP/s of one GPU
     flops = flops_per_token(m.matmul_params, m.layers, m.heads, m.head_dim, n, density) * cfg.tokens_per_step
     compute = flops / (world * rate)
+    inter = Link(cfg.parallel.inter_node_gbps * 1e9, INTER_NODE_LATENCY_S)
     exposed = 0.0
     if context > 1:  # per pair and query head: 4 x head_dim FLOPs forward, 8 x head_dim backward
         shape = AttentionShape(m.heads, m.kv_heads, m.head_dim)
         work = step_work(shape, n, context, density, rate / (4 * m.head_dim), rate / (8 * m.head_dim))
-        inner = cfg.innersize_text(gpus_per_node)
-        predict = hierarchical_ring_time if cfg.parallel.ring == "hierarchical" else flat_ring_time
-        inter = gpu.inter if context > gpus_per_node else gpu.intra
-        cluster, ideal = (
-            Cluster(context // inner, inner, link, link2) for link, link2 in ((gpu.intra, inter), (_IDEAL, _IDEAL))
-        )
+        node = ring.inner_size if ring.ring == "hierarchical" else min(gpus_per_node, context)
+        if cfg.parallel.context_mode == "allgather":
+            predict = allgather_time
+        else:
+            predict = hierarchical_ring_time if ring.ring == "hierarchical" else flat_ring_time
+        cluster = Cluster(max(1, context // node), node, gpu.intra, inter if context > gpus_per_node else gpu.intra)
+        ideal = Cluster(cluster.nodes, cluster.gpus_per_node, _IDEAL, _IDEAL)
         per_layer = predict(cluster, work).total - predict(ideal, work).total
         exposed = per_layer * m.layers * cfg.micro_batches * cfg.data.batch_size
     b = 2 if cfg.model.dtype == "bfloat16" else 4
-    link = gpu.inter if world > gpus_per_node else gpu.intra
+    link = inter if world > gpus_per_node else gpu.intra
     gathers = 3 if cfg.train.activation_checkpointing else 2  # forward, recompute, backward
     fsdp_bytes = (gathers * b + 4) * m.params * (world - 1) / world
     fsdp = fsdp_bytes / link.bandwidth * (1 if cfg.train.defer_grad_sync else cfg.micro_batches)
@@ -266,9 +275,9 @@ def time_per_step(cfg: Config, m: ModelShape, gpu: Gpu, gpus_per_node: int) -> E
         f"  compute: {flops:.3g} FLOPs per step ({cfg.tokens_per_step:,} tokens; attention density {density:.3f}: "
         f"{density_source}) / ({world} GPUs x MFU {measured.mfu:.3f} x {gpu.peak_flops / 1e12:g} TFLOP/s) "
         f"= {compute:.1f} s; the MFU measured on {measured.source}",
-        f"  ring transfers not hidden by compute: {exposed:.2f} s per step (ring cost model, mtraining/parallel/cost.py; "
-        f"ASSUMED links per GPU: {gpu.intra.bandwidth / GB:g} GB/s in a node, {gpu.inter.bandwidth / GB:g} GB/s "
-        "between nodes)",
+        f"  {ring.ring} ring's transfers not hidden by compute: {exposed:.2f} s per step (ring cost model, "
+        f"mtraining/parallel/ring_cost.py; links per GPU: {gpu.intra.bandwidth / GB:g} GB/s in a node ASSUMED, "
+        f"{inter.bandwidth / GB:g} GB/s between nodes from parallel.inter_node_gbps)",
         f"  FSDP gathers and reductions: {fsdp:.1f} s of transfers per step at {link.bandwidth / GB:g} GB/s, assumed "
         "hidden behind compute" + (": more than the compute, so they are not" if fsdp > compute else ""),
     ]

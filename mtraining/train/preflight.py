@@ -15,18 +15,14 @@ from collections.abc import Callable
 from ..models.loader import sliding_window_layers
 from .check import Launch, check_run
 from .config import Config
-from .data import Source, document_separator, load_sources
+from .data import Source, check_vocabulary, document_separator, load_sources
 from .packing import PackedStream
 
 
-def check_model(cfg: Config, hf_config, max_token_id: int) -> None:
+def check_model(cfg: Config, hf_config, sources: list[Source]) -> None:
     """ValueError naming the fix when the model cannot train on this data with mtraining attention."""
     where = cfg.model.path or "model.config"
-    if max_token_id >= hf_config.vocab_size:
-        raise ValueError(
-            f"the data holds token id {max_token_id} but the model's vocab_size is {hf_config.vocab_size}; "
-            "tokenise with the model's own tokenizer (data.tokenizer) or raise model.config.vocab_size"
-        )
+    check_vocabulary(sources, hf_config.vocab_size, cfg.data.token_dtype)
     layers = sliding_window_layers(hf_config)
     if layers:
         raise ValueError(
@@ -73,6 +69,6 @@ def preflight(cfg: Config, world_size: int, local_world_size: int, log: Callable
     warnings, hf_config = check_before_ranks(cfg, Launch(local_world_size, world_size // local_world_size))
     sources = load_sources(cfg, tokenize=True, log=log)
     check_sources(cfg, sources)
-    check_model(cfg, hf_config, max(s.max_id for s in sources))
+    check_model(cfg, hf_config, sources)
     document_separator(cfg)
     return warnings

@@ -16,48 +16,19 @@ import torch.distributed as dist
 
 from mtraining.eval.answers import Prompting
 from mtraining.eval.datafiles import infinitebench_samples, place, run_samples
-from mtraining.eval.engine import AttentionSpec, Engine
+from mtraining.eval.engine import Engine
 from mtraining.eval.infinitebench import run_infinitebench
 from mtraining.eval.loading import load_tokenizer
-from mtraining.models import build_model
-from tests.configs import TINY as TINY_BASE
 from tests.eval.official_samples import infinitebench_files
+from tests.eval.tiny_engine import SEQ, G, inputs, spec, tiny_model
 
-TINY = TINY_BASE | dict(max_position_embeddings=4096, initializer_range=0.2)
-G = 16
 TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizer.json"  # 512 tokens, as the model
-SEQ = 256  # a multiple of every layout's unit for 2 and 4 ranks (zigzag on 4: 2 * 4 * 16 = 128)
-PROMPTS = (40, 200, 301)  # shorter than the prefill granule (128), and prefill + dense tail
 NEW_TOKENS = 6
-SPARSE = dict(v_size=8, s_size=24, last_q=16, local_window=16, sink_tokens=4)
 
 
-def tiny_model():
-    torch.manual_seed(0)
-    return build_model(config=TINY).double().eval()
-
-
-def inputs():
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, TINY["vocab_size"], (SEQ,), generator=gen)
-    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in PROMPTS]
-    return ids, prompts
-
-
-def spec(layout: str, sparse: bool) -> AttentionSpec:
-    return AttentionSpec(
-        sparse=sparse,
-        layout=layout,
-        block_size=G,
-        backend="torch",
-        pattern=SPARSE if sparse else {},
-        prefill_granule=128,
-    )
-
-
-def evaluate(group, layout: str, sparse: bool):
+def evaluate(group, layout: str, sparse: bool, context_mode: str = "ring"):
     """Worker (and reference with group=None): per-token losses and predictions, greedy answers, sparse densities."""
-    engine = Engine(tiny_model(), spec(layout, sparse), group)
+    engine = Engine(tiny_model(), spec(layout, sparse, context_mode), group)
     ids, prompts = inputs()
     nll, predicted = engine.token_scores(ids)
     assert torch.equal(engine.token_nll(ids), nll)
@@ -104,12 +75,20 @@ def reference():
 
 
 @pytest.mark.parametrize(
-    "world, layout, sparse",
-    [(2, "striped", False), (4, "zigzag", False), (4, "contiguous", False), (2, "zigzag", True), (4, "striped", True)],
+    "world, layout, sparse, context_mode",
+    [
+        (2, "striped", False, "ring"),
+        (4, "zigzag", False, "ring"),
+        (4, "contiguous", False, "ring"),
+        (2, "zigzag", True, "ring"),
+        (4, "striped", True, "ring"),
+        (2, "zigzag", False, "allgather"),
+        (4, "striped", True, "allgather"),
+    ],
 )
-def test_cp_matches_single_process(pool, reference, world, layout, sparse):
+def test_cp_matches_single_process(pool, reference, world, layout, sparse, context_mode):
     (ref_nll, ref_predicted), ref_answers, ref_density = reference[sparse]
-    for (nll, predicted), answers, density in pool.run(evaluate, world, layout, sparse):
+    for (nll, predicted), answers, density in pool.run(evaluate, world, layout, sparse, context_mode):
         assert nll.shape == predicted.shape == (SEQ - 1,)
         torch.testing.assert_close(nll, ref_nll, rtol=0, atol=1e-9)
         assert torch.equal(predicted, ref_predicted)

@@ -14,7 +14,7 @@ from mtraining.train.launch import run_local
 from mtraining.train.loss import CausalLMLoss
 from mtraining.train.retention import prune_checkpoints
 from tests.configs import TINY
-from tests.train.test_trainer import RAW, _train
+from tests.train.trainer_runs import RAW, run_trainer
 
 
 @pytest.fixture
@@ -60,5 +60,5 @@ def test_a_run_keeps_only_the_newest(tmp_path):
         ["attention.v_size=16", "attention.s_size=32", "train.steps=3", "checkpoint.every=1", "checkpoint.keep=1"]
         + [f"checkpoint.dir={ck}"],
     )
-    run_local(_train, 1, cfg)
+    run_local(run_trainer, 1, cfg)
     assert _names(ck) == ["step_00000003"]
