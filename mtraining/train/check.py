@@ -358,31 +358,39 @@ def _vocabularies(cfg: Config, found: Findings, report: Report) -> None:
 
 # ---------------------------------------------------------------------------------------------- resume and disks
 def _resume(cfg: Config, found: Findings, report: Report) -> None:
-    """The newest checkpoint's recorded run against this one (check_resume: a changed schedule, another
-    model or tokenizer are refused); its files are verified by the run itself, before it loads them."""
-    from .checkpoint import checkpoints, read_manifest
+    """The checkpoint the run would resume from, as ``newest_verified`` picks it with its files checked by size
+    (the run hashes them too before it loads one), and its recorded run against this one (``check_resume``: a
+    changed schedule, another model or tokenizer are refused). Skipped inside the ranks of a run (a process group
+    is up): the trainer's own resume decides there, in step on every rank."""
+    import torch.distributed as dist
+
+    from .checkpoint import CheckpointError, checkpoints, newest_verified
     from .loss import CausalLMLoss
     from .resume import check_resume, describe_run, model_identity
-    from .retention import sizes_match
 
     ck = cfg.checkpoint
-    if not ck.resume or not (found_dirs := checkpoints(ck.dir)):
+    if not ck.resume or not checkpoints(ck.dir) or dist.is_initialized():
         return
-    for path in found_dirs:
-        if why := sizes_match(path):
-            report.warnings.append(f"checkpoint.dir: {path.name} does not verify ({why}); the run skips it")
-            continue
-        manifest = read_manifest(path)
-        identity = model_identity(found.hf_config, CausalLMLoss(found.model).state_dict())
-        current = describe_run(cfg, identity, cfg.parallel.data, cfg.parallel.context)
-        notes = report.run(check_resume, manifest["run"], current, manifest["step"], cfg, path.name, where="resume")
-        size = sum(f["bytes"] for f in manifest["files"].values())
-        report.notes.append(
-            f"resume: from {path} (step {manifest['step']}, {size_text(size)}; its files are verified by the run "
-            "before it loads them)"
-        )
-        report.notes += [f"resume: {n}" for n in notes or []]
+    skipped: list[str] = []
+    try:
+        picked = newest_verified(ck.dir, skipped.append, hashes=False)
+    except CheckpointError as err:
+        report.problems.append(f"resume: {err}")
         return
+    report.warnings += skipped
+    if picked is None:
+        report.warnings.append(f"resume: no checkpoint in {ck.dir} verifies: the run starts from step 0")
+        return
+    path, manifest = picked
+    identity = model_identity(found.hf_config, CausalLMLoss(found.model).state_dict())
+    current = describe_run(cfg, identity, cfg.parallel.data, cfg.parallel.context)
+    notes = report.run(check_resume, manifest["run"], current, manifest["step"], cfg, path.name, where="resume")
+    size = sum(f["bytes"] for f in manifest["files"].values())
+    report.notes.append(
+        f"resume: from {path} (step {manifest['step']}, {size_text(size)}; the run hashes its files before it "
+        "loads them)"
+    )
+    report.notes += [f"resume: {n}" for n in notes or []]
 
 
 def checkpoint_bytes(model) -> int:

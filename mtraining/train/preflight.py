@@ -16,6 +16,7 @@ from ..models.loader import sliding_window_layers
 from .check import Launch, check_run
 from .config import Config
 from .data import Source, check_vocabulary, document_separator, load_sources
+from .outputs import check_output_dirs
 from .packing import PackedStream
 
 
@@ -67,6 +68,7 @@ def preflight(cfg: Config, world_size: int, local_world_size: int, log: Callable
     """Every check possible before the ranks start, then the text tokenised (raises ValueError naming the fix);
     returns warnings."""
     warnings, hf_config = check_before_ranks(cfg, Launch(local_world_size, world_size // local_world_size))
+    check_output_dirs(cfg)  # created here, before the ranks start
     sources = load_sources(cfg, tokenize=True, log=log)
     check_sources(cfg, sources)
     check_model(cfg, hf_config, sources)

@@ -3,8 +3,8 @@
 A Qwen2.5-3B checkpoint takes about 37 GB (float32 weights and AdamW's two moments: 12 bytes per
 parameter), so a run that saves every 25 of 1250 steps would hold 1.9 TB. Rank 0 deletes, after a save
 has been committed, every checkpoint older than the newest ``keep`` ones that verify. Verifying here
-is the part that costs no reading: the manifest reads and every file it lists has its recorded size
-(whatever loads a checkpoint also checks every file's SHA-256 first). A checkpoint that does not
+is the part that costs no reading (``verify_checkpoint(hashes=False)``): the manifest reads and every
+file it lists has its recorded size (whatever loads a checkpoint also checks every file's SHA-256 first). A checkpoint that does not
 verify is never deleted, nor counted among the kept: it may be one an earlier version wrote, or one to
 look at, and it is not a checkpoint to resume from.
 """
@@ -14,22 +14,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .checkpoint import CheckpointError, checkpoints, read_manifest
-
-
-def sizes_match(path: Path) -> str | None:
-    """None when the manifest of ``path`` reads and every file it lists has its recorded size, else why not."""
-    try:
-        files = read_manifest(path)["files"]
-    except CheckpointError as err:
-        return str(err)
-    for name, expected in files.items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != expected["bytes"]:
-            return f"{name} has another size than its manifest records"
-    return None
+from .checkpoint import checkpoints, verify_checkpoint
 
 
 def prune_checkpoints(root: str | Path, keep: int) -> list[str]:
@@ -37,7 +22,7 @@ def prune_checkpoints(root: str | Path, keep: int) -> list[str]:
     returns a line per checkpoint deleted or left although old."""
     lines, kept = [], 0
     for path in checkpoints(root):  # newest first
-        why = sizes_match(path)
+        why = verify_checkpoint(path, hashes=False)
         if why is not None:
             if kept >= keep:
                 lines.append(f"checkpoint.keep: left {path} in place: it does not verify ({why})")

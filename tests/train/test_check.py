@@ -159,6 +159,9 @@ def test_a_changed_schedule_is_refused_before_any_rank_starts(tmp_path):
     assert _check(tmp_path / "c.yaml", "train.steps=8", "checkpoint.allow_changed_schedule=true")[0] == 0
     result = CliRunner().invoke(app, ["train", str(tmp_path / "c.yaml"), "--nproc", "2", "train.steps=8"])
     assert result.exit_code == 2 and "with another schedule" in result.output
+    (tmp_path / "ck" / "step_00000002" / "manifest.json").unlink()  # as an earlier version wrote it: refused, kept
+    code, out = _check(tmp_path / "c.yaml")
+    assert code == 2 and "It is neither loaded nor replaced" in " ".join(out.split()), out
 
 
 def test_the_papers_recipe_is_checked_whole_on_a_machine_without_its_files():
