@@ -100,8 +100,9 @@ def check_run(cfg: Config, launch: Launch) -> tuple[Report, Findings]:
         report.run(_model_fits_mtraining, cfg, found.hf_config)
         if cfg.model.path is not None and found.model is not None:
             _weights(Path(cfg.model.path), found.model, found.hf_config, report)
-    found.tokenizer = _tokenizer(cfg, report)
     _data(cfg, found, report)
+    found.tokenizer = _tokenizer(cfg, report, needed=bool(found.text_files) or cfg.data.document_masking)
+    _separator(cfg, found, report)
     if found.hf_config is not None:
         _vocabularies(cfg, found, report)
     if found.model is not None:
@@ -255,15 +256,17 @@ def _tokenizer_source(cfg: Config) -> tuple[str | None, str]:
     return cfg.model.path, "model.path"
 
 
-def _tokenizer(cfg: Config, report: Report):
+def _tokenizer(cfg: Config, report: Report, needed: bool):
+    """The training tokenizer (data.tokenizer, else model.path's), loaded; problems where it cannot be. One that
+    only model.path would give is looked for when ``needed`` (text to tokenise, document masking)."""
     from ..data.tokenizer import TextTokenizer
 
     path, key = _tokenizer_source(cfg)
     if path is None:
         return None
     if key == "model.path":
-        if not Path(path).is_dir():
-            return None  # the model check says what is wrong with model.path
+        if not needed or not Path(path).is_dir():
+            return None  # without a need, nothing; a missing model.path is the model check's problem
         if not (Path(path) / "tokenizer.json").is_file():
             report.problems.append(
                 f"data.tokenizer is not set, so the tokenizer comes from model.path, and {path} has no tokenizer.json; "
@@ -287,7 +290,6 @@ def _data(cfg: Config, found: Findings, report: Report) -> None:
     token files makes at least one sample. Text is not read further here: the launcher tokenises it (or
     ``mtraining tokenize``) and checks its sources' samples and largest id then."""
     from ..data.tokens import TokenPart, open_token_file, scan_max
-    from .data import document_separator
 
     d = cfg.data
     for i, spec in enumerate(d.source_specs):
@@ -329,10 +331,6 @@ def _data(cfg: Config, found: Findings, report: Report) -> None:
                 f"{key} holds {tokens} tokens, fewer than one sample of data.seq_len + 1 = {d.seq_len + 1}; "
                 "add data or lower data.seq_len"
             )
-    if found.tokenizer is not None and (found.text_files or d.document_masking):  # documents end with it
-        report.run(found.tokenizer.separator_id, d.separator, where="data.separator")
-    elif d.document_masking and _tokenizer_source(cfg)[0] is None:
-        report.run(document_separator, cfg)
     if found.text_files:
         size = sum(f.stat().st_size for f in found.text_files)
         report.notes.append(
@@ -340,6 +338,17 @@ def _data(cfg: Config, found: Findings, report: Report) -> None:
             "cache lacks before the ranks start (or run `mtraining tokenize CONFIG` ahead), then checks each "
             "source's samples and largest token id"
         )
+
+
+def _separator(cfg: Config, found: Findings, report: Report) -> None:
+    """The token that ends documents, where text is tokenised or documents are masked."""
+    from .data import document_separator
+
+    d = cfg.data
+    if found.tokenizer is not None and (found.text_files or d.document_masking):
+        report.run(found.tokenizer.separator_id, d.separator, where="data.separator")
+    elif d.document_masking and _tokenizer_source(cfg)[0] is None:
+        report.run(document_separator, cfg)
 
 
 def _vocabularies(cfg: Config, found: Findings, report: Report) -> None:

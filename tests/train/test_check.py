@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -106,6 +107,12 @@ def test_the_tokenizer_of_model_path_is_named_as_such(tmp_path, model_dir):
     code, out = _check(_write(tmp_path / "c.yaml", raw))
     text = " ".join(out.split())
     assert code == 2 and "data.tokenizer is not set, so the tokenizer comes from model.path" in text, text
+    np.save(tmp_path / "ids.npy", np.arange(1000, dtype=np.uint16) % TINY["vocab_size"])
+    tokens = {**raw, "data": {**raw["data"], "sources": [str(tmp_path / "ids.npy")]}}
+    assert _check(_write(tmp_path / "t.yaml", tokens))[0] == 0  # token files need no tokenizer
+    np.save(tmp_path / "ids.npy", np.arange(1000, dtype=np.uint16))
+    code, out = _check(_write(tmp_path / "t.yaml", tokens))
+    assert code == 2 and f"{tmp_path / 'ids.npy'} holds token id 999 but the model's vocab_size is 512" in out, out
     raw["model"]["path"] = str(model_dir)
     assert _check(_write(tmp_path / "c.yaml", raw))[0] == 0
 
