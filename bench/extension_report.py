@@ -20,7 +20,7 @@ from pathlib import Path
 
 from extension_settings import Scale
 
-from mtraining.eval.retrieval import wilson_interval
+from mtraining.eval.intervals import wilson_interval
 
 TASK_TITLES = {"recall": "key-value retrieval", "niah": "needle in a haystack", "ruler": "RULER-style average"}
 BASE_GATE = {"recall": 90.0, "niah": 90.0, "ruler": 50.0}  # the base must retrieve at L0 (issue 13)
