@@ -33,6 +33,7 @@ from extension_corpus import Shape, Vocab, eval_set, make_document, train_stream
 from extension_settings import SCALES, Budget, Stage  # noqa: E402
 
 from mtraining.data.tokenizer import TextTokenizer  # noqa: E402
+from mtraining.eval.engine import Response  # noqa: E402
 from mtraining.eval.ppl import position_buckets  # noqa: E402
 from mtraining.ops import PatternConfig  # noqa: E402
 
@@ -173,8 +174,8 @@ def test_a_failing_background_file_raises_where_it_is_needed(tmp_path):
 class _Silent:
     """An engine that answers nothing: the evaluations' own prompt building, without a model."""
 
-    def generate(self, ids, max_new_tokens, stop_ids=()):
-        return []
+    def respond(self, ids, max_new_tokens, stop_ids=(), reference=None):
+        return Response([])
 
 
 def test_prompts_built_in_the_background_are_those_the_evaluation_builds(tmp_path):

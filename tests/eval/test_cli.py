@@ -213,6 +213,7 @@ def test_report(results, tmp_path):
         "## InfiniteBench",
         "dense (dense, 1 rank)",
         "sparse (sparse, 1 rank)",
+        "Depths pooled per length: generated / teacher-forced",
     ):
         assert section in report
     for png in ("ppl_by_position.png", "niah_heatmaps.png", "ruler_by_length.png", "infinitebench_by_length.png"):

@@ -29,6 +29,7 @@ TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizer.json"  # 5
 SEQ = 256  # a multiple of every layout's unit for 2 and 4 ranks (zigzag on 4: 2 * 4 * 16 = 128)
 PROMPTS = (40, 200, 301)  # padded to the layout's unit on several ranks (unit 32 to 128), and unpadded
 NEW_TOKENS = 6
+REFERENCE = [7, 70, 300, 11]  # a reference answer scored teacher-forced after each prompt
 SPARSE = dict(v_size=8, s_size=24, last_q=16, local_window=16, sink_tokens=4)
 
 
@@ -44,23 +45,26 @@ def inputs():
     return ids, prompts
 
 
-def spec(layout: str, sparse: bool) -> AttentionSpec:
+def spec(layout: str, sparse: bool, ring: str = "flat") -> AttentionSpec:
     return AttentionSpec(
         sparse=sparse,
         layout=layout,
+        ring=ring,
+        inner_size=2 if ring == "hierarchical" else None,
         block_size=G,
         backend="torch",
         pattern=SPARSE if sparse else {},
     )
 
 
-def evaluate(group, layout: str, sparse: bool):
-    """Worker (and reference with group=None): per-token losses and predictions, greedy answers, sparse densities."""
-    engine = Engine(tiny_model(), spec(layout, sparse), group)
+def evaluate(group, layout: str, sparse: bool, ring: str = "flat"):
+    """Worker (and reference with group=None): per-token losses and predictions, greedy answers and the teacher-forced
+    scores of a reference answer, sparse densities."""
+    engine = Engine(tiny_model(), spec(layout, sparse, ring), group)
     ids, prompts = inputs()
     nll, predicted = engine.token_scores(ids)
     assert torch.equal(engine.token_nll(ids), nll)
-    answers = [engine.generate(p, NEW_TOKENS) for p in prompts]
+    answers = [engine.respond(p, NEW_TOKENS, reference=REFERENCE) for p in prompts]
     return (nll, predicted), answers, engine.densities
 
 
@@ -104,16 +108,26 @@ def reference():
 
 
 @pytest.mark.parametrize(
-    "world, layout, sparse",
-    [(2, "striped", False), (4, "zigzag", False), (4, "contiguous", False), (2, "zigzag", True), (4, "striped", True)],
+    "world, layout, sparse, ring",
+    [
+        (2, "striped", False, "flat"),
+        (4, "zigzag", False, "flat"),
+        (4, "contiguous", False, "flat"),
+        (2, "zigzag", True, "flat"),
+        (4, "striped", True, "flat"),
+        (4, "contiguous", True, "hierarchical"),
+    ],
 )
-def test_cp_matches_single_process(pool, reference, world, layout, sparse):
+def test_cp_matches_single_process(pool, reference, world, layout, sparse, ring):
+    """Every prompt padded to the layout's unit (32 to 128 tokens) answers as on one process, unpadded."""
     (ref_nll, ref_predicted), ref_answers, ref_density = reference[sparse]
-    for (nll, predicted), answers, density in pool.run(evaluate, world, layout, sparse):
+    for (nll, predicted), answers, density in pool.run(evaluate, world, layout, sparse, ring):
         assert nll.shape == predicted.shape == (SEQ - 1,)
         torch.testing.assert_close(nll, ref_nll, rtol=0, atol=1e-9)
         assert torch.equal(predicted, ref_predicted)
-        assert answers == ref_answers
+        for got, want in zip(answers, ref_answers, strict=True):
+            assert got.tokens == want.tokens and got.forced.greedy == want.forced.greedy
+            torch.testing.assert_close(torch.tensor(got.forced.nll), torch.tensor(want.forced.nll), rtol=0, atol=1e-9)
         if sparse:
             assert density[0] < 0.9  # the loss pass (256 tokens) really is sparse
     perplexity = torch.exp(ref_nll.mean())
@@ -139,7 +153,7 @@ def test_sparse_differs_from_dense(reference):
 
 
 def test_answers_depend_on_the_context(reference):
-    answers = reference[False][1]
+    answers = [a.tokens for a in reference[False][1]]
     assert len({tuple(a) for a in answers}) == len(answers)
     assert all(len(a) == NEW_TOKENS for a in answers)
 
