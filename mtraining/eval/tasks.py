@@ -163,20 +163,6 @@ def _variables(rng: random.Random, n: int) -> list[str]:
     return list(names)
 
 
-def _insert(sentences: list[str], items: list[tuple[float, str]]) -> str:
-    """Insert each (fraction, text) at sentence boundary round(fraction * n), stable for ties."""
-    n = len(sentences)
-    slots: dict[int, list[str]] = {}
-    for frac, text in items:
-        slots.setdefault(round(frac * n), []).append(text)
-    out: list[str] = []
-    for i in range(n + 1):
-        out.extend(slots.get(i, []))
-        if i < n:
-            out.append(sentences[i])
-    return " ".join(out)
-
-
 def _needle(key: str, value: str) -> str:
     return f"The secret number of {key} is {value}."
 
@@ -192,7 +178,7 @@ def _build_niah(task: str, seed: int, knob: int, haystack: Haystack, depth: floa
     fracs = [rng.random() for _ in needles]
     if depth is not None:
         fracs[0] = depth
-    context = _insert(haystack.sentences(knob), list(zip(fracs, needles)))
+    context = haystack.context(knob, list(zip(fracs, needles)), draw=seed)
     if task in ("niah_single", "niah_multikey"):
         return _Parts(
             context, f"What is the secret number of {keys[0]}?", f"The secret number of {keys[0]} is", values[:1]
@@ -216,7 +202,7 @@ def _build_vt(seed: int, knob: int, haystack: Haystack) -> _Parts:
         items.append((fracs[0], f"VAR {chain[0]} = {start}."))
         items.extend((f, f"VAR {b} = VAR {a}.") for f, a, b in zip(fracs[1:], chain, chain[1:]))
     return _Parts(
-        _insert(haystack.sentences(knob), items),
+        haystack.context(knob, items, draw=seed),
         f"Which variables are assigned the value {value}, directly or through other variables?",
         f"The variables assigned the value {value} are",
         names[: hops + 1],
