@@ -29,7 +29,7 @@ from .report import accuracy
 from .settings import Budget, Scale
 
 if TYPE_CHECKING:
-    from .background import Pool
+    from ..common.background import Pool
 
 
 def spec(scale: Scale, budget: Budget | None, length: int):

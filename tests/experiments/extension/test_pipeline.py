@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import yaml
 
+from experiments.common.background import Background, PreparationFailed
 from experiments.extension import pipeline, report, text_corpus
-from experiments.extension.background import Background, PreparationFailed
 from experiments.extension.recall_corpus import Shape, Vocab, eval_set, make_document, train_stream, write_tokenizer
 from experiments.extension.settings import SCALES, Budget, Stage
 from mtraining.data.tokenizer import TextTokenizer
