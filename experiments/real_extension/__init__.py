@@ -10,5 +10,5 @@ under test), and the sparse arms are timed on the extended model's own Q/K. Modu
 - ``speed``: Q/K/V dumped from the model, each arm timed against dense attention;
 - ``report``: result folders of several machines pooled by seed, intervals over seeds, Markdown and one picture.
 
-Results: ``bench/results/real_extension.{json,md,png}`` (``--report-from``).
+Results: ``real_extension.json``, ``.md`` and ``.png`` in bench/results/ (``--report-from``).
 """

@@ -7,7 +7,7 @@ also sparse) with NIAH and RULER-style prompts in held-out filler and perplexity
 the adaptive model's own Q/K time each sparse arm against dense attention at 64K, 128K and 512K. Exit status: 0
 done, 3 call again (--max-minutes reached; the same command continues), 4 the base does not retrieve, 2 a bad
 command. ``--plan`` prints the stages with their expected times; ``--report-from`` pools result folders (one per
-machine, split by seed) into bench/results/real_extension.{json,md,png}.
+machine, split by seed) into real_extension.json, .md and .png in bench/results/.
 
     python -m experiments.real_extension --plan --gguf smollm2.gguf --code-python python3 --prose docs.tar.xz
     python -m experiments.real_extension --gguf smollm2.gguf --code-python python3 --prose docs.tar.xz \\
@@ -156,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     heldout = (
         args.heldout if args.heldout is not None else (["prose/howto"] if args.prose and args.preset == "gpu" else [])
     )
-    sources = Sources(args.gguf, tuple(args.code_python), tuple(args.code), tuple(args.prose), tuple(heldout))
+    resolved = lambda paths: tuple(p.resolve() for p in paths)  # noqa: E731 - the corpus runs from the repository
+    gguf = args.gguf.resolve() if args.gguf else None
+    sources = Sources(gguf, tuple(args.code_python), resolved(args.code), resolved(args.prose), tuple(heldout))
     work = (args.work or ROOT / "runs" / "real_extension").resolve()  # training configs name absolute paths
     out = (args.out or work / "out").resolve()
     experiment = Experiment(settings, sources, work, out, args.base_read, args.speed)

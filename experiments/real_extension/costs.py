@@ -32,7 +32,7 @@ class Shape:
     head_dim: int = 64
     hidden: int = 576
     vocab: int = 49152
-    layer_params: int = 106_000_000
+    layer_params: int = 106_168_320
 
     @classmethod
     def of(cls, model_dir: Path) -> Shape:
