@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtraining.parallel.ring.comm import Comm
+from mtraining.parallel.ring import Comm
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ so their times include estimation; estimate_ms times it alone. Times are medians
 of the max over ranks; bwd_ms = fwd_bwd_ms - fwd_ms.
 
     torchrun --nproc_per_node 4 bench/ring_attention.py --seq-lens 131072 262144 524288
+
+Internal tool: times the context-parallel estimate alone through ``mtraining.parallel.estimate``.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from common import provenance, write_results  # noqa: E402
 
 from bench.synthetic import random_qkv, rope_structured_qkv  # noqa: E402
-from mtraining.ops import dense  # noqa: E402
-from mtraining.ops.pattern.estimate import PatternConfig  # noqa: E402
+from mtraining.ops import (
+    PatternConfig,  # noqa: E402
+    dense,  # noqa: E402
+)
+from mtraining.parallel import make_layout, ring_attention  # noqa: E402
 from mtraining.parallel.estimate import estimate_pattern_cp  # noqa: E402
-from mtraining.parallel.layout import make_layout  # noqa: E402
-from mtraining.parallel.ring import ring_attention  # noqa: E402
 
 GENERATORS = {"structured": rope_structured_qkv, "random": random_qkv}
 
@@ -121,7 +124,7 @@ def dense_note(q, k, layout, setting: str) -> str:
 def pattern_stats(q, k, layout, config) -> tuple[float, float]:
     """(density, max/mean over ranks of computed pairs) of the pattern estimated on the full inputs."""
     from bench.imbalance import imbalance_report
-    from mtraining.ops.pattern.estimate import estimate_pattern
+    from mtraining.ops import estimate_pattern
 
     pattern = estimate_pattern(q, k, config)
     return float(pattern.density().mean()), float(imbalance_report(pattern, layout).rank_imbalance)

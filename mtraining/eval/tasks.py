@@ -99,6 +99,7 @@ _NOUNS = (
     "glacier",
     "hammer",
 )
+KEY_WORDS = _ADJECTIVES + _NOUNS  # every word a needle key is made of
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 
@@ -135,12 +136,14 @@ def _render(parts: _Parts) -> str:
 
 
 # ---------------------------------------------------------------------------- random pieces
-def _keys(rng: random.Random, n: int) -> list[str]:
+def needle_keys(rng: random.Random, n: int) -> list[str]:
+    """``n`` distinct needle keys, each an adjective-noun pair (e.g. 'amber-falcon')."""
     pairs = rng.sample([(a, b) for a in _ADJECTIVES for b in _NOUNS], n)
     return [f"{a}-{b}" for a, b in pairs]
 
 
-def _numbers(rng: random.Random, n: int, digits: int = 7) -> list[str]:
+def needle_numbers(rng: random.Random, n: int, digits: int = 7) -> list[str]:
+    """``n`` distinct needle values of ``digits`` digits."""
     return [str(v) for v in rng.sample(range(10 ** (digits - 1), 10**digits), n)]
 
 
@@ -169,8 +172,8 @@ def _build_niah(task: str, seed: int, knob: int, haystack: Haystack, depth: floa
     rng = random.Random(f"{task}-{seed}")
     n_keys = {"niah_single": 1, "niah_multikey": 4, "niah_multivalue": 1, "niah_multiquery": 4}[task]
     n_values = 4 if task == "niah_multivalue" else 1
-    keys = _keys(rng, n_keys)
-    values = _numbers(rng, n_keys * n_values)
+    keys = needle_keys(rng, n_keys)
+    values = needle_numbers(rng, n_keys * n_values)
     needles = [_needle(keys[i // n_values], v) for i, v in enumerate(values)]
     fracs = [rng.random() for _ in needles]
     if depth is not None:
@@ -192,7 +195,7 @@ def _build_vt(seed: int, knob: int, haystack: Haystack) -> _Parts:
     rng = random.Random(f"vt-{seed}")
     hops = 4
     names = _variables(rng, 2 * (hops + 1))
-    value, other = _numbers(rng, 2, digits=5)
+    value, other = needle_numbers(rng, 2, digits=5)
     items: list[tuple[float, str]] = []
     for chain, start in ((names[: hops + 1], value), (names[hops + 1 :], other)):
         fracs = sorted(rng.random() for _ in chain)
@@ -264,6 +267,17 @@ def _builder(task: str, seed: int, length: int, haystack: Haystack, depth: float
     if task == "cwe":
         return lambda knob: _build_cwe(seed, knob, length)
     return lambda knob: _build_fwe(seed, knob)
+
+
+def sized_prompt(
+    task: str, seed: int, knob: int, haystack: Haystack | None = None, length: int = 0
+) -> tuple[str, list[str]]:
+    """``task``'s prompt at size ``knob`` and its answers, unfitted: what ``generate`` renders at the knob it fits.
+
+    ``length`` sizes the cwe list only. Corpora in the evaluation's formats are made with it.
+    """
+    parts = _builder(task, seed, length, haystack or Haystack(seed=seed), None)(knob)
+    return _render(parts), parts.answers
 
 
 # ---------------------------------------------------------------------------- fitting

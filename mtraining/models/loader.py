@@ -48,6 +48,7 @@ def build_config(
         raise ValueError("pass exactly one of path (a local HF directory) or config (a dict with model_type)")
     if path is not None:
         path = Path(path)
+        refuse_gguf(path, "model.path")
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a Hugging Face model directory: it has no config.json")
         fields = PretrainedConfig.get_config_dict(path, local_files_only=True)[0]
@@ -98,6 +99,20 @@ def _check_overrides(model_type: str | None, overrides: dict[str, Any]) -> None:
     if unknown:
         raise ValueError(
             f"model.overrides: {unknown} are not fields of a {model_type} config; known fields: {sorted(known)}"
+        )
+
+
+def refuse_gguf(path: str | Path, where: str) -> None:
+    """ValueError naming ``mtraining convert`` when ``path`` is a GGUF file, or a folder of GGUF files without
+    config.json: the trainer and eval load Hugging Face folders, converted once."""
+    path = Path(path)
+    found = [path] if path.suffix == ".gguf" else []
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(path.glob("*.gguf"))
+    if found:
+        raise ValueError(
+            f"{where} {found[0]} is a GGUF file; convert it once with `mtraining convert {found[0]} OUT_DIR` "
+            "and point at OUT_DIR (a Hugging Face folder)"
         )
 
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
 
-from ..models.loader import Init
+from ..models.loader import Init, refuse_gguf
 from ..ops.pattern.estimate import PatternConfig
 from ..parallel.layout import make_layout
 
@@ -82,6 +82,8 @@ class ModelSection(_Section):
     def _one_source(self) -> ModelSection:
         if (self.path is None) == (self.config is None):
             raise ValueError("set exactly one of model.path (a local HF directory) or model.config (random init)")
+        if self.path is not None:
+            refuse_gguf(self.path, "model.path")
         if self.path is not None and self.init != "hf":
             raise ValueError(
                 f"model.init={self.init} draws random weights; model.path loads trained ones: remove model.init"

@@ -16,45 +16,15 @@ import torch.distributed as dist
 
 from mtraining.eval.answers import Prompting
 from mtraining.eval.datafiles import infinitebench_samples, place, run_samples
-from mtraining.eval.engine import AttentionSpec, Engine
+from mtraining.eval.engine import Engine
 from mtraining.eval.infinitebench import run_infinitebench
 from mtraining.eval.loading import load_tokenizer
-from mtraining.models import build_model
-from tests.configs import TINY as TINY_BASE
 from tests.eval.official_samples import infinitebench_files
+from tests.eval.tiny_engine import SEQ, G, inputs, spec, tiny_model
 
-TINY = TINY_BASE | dict(max_position_embeddings=4096, initializer_range=0.2)
-G = 16
 TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizer.json"  # 512 tokens, as the model
-SEQ = 256  # a multiple of every layout's unit for 2 and 4 ranks (zigzag on 4: 2 * 4 * 16 = 128)
-PROMPTS = (40, 200, 301)  # padded to the layout's unit on several ranks (unit 32 to 128), and unpadded
 NEW_TOKENS = 6
 REFERENCE = [7, 70, 300, 11]  # a reference answer scored teacher-forced after each prompt
-SPARSE = dict(v_size=8, s_size=24, last_q=16, local_window=16, sink_tokens=4)
-
-
-def tiny_model():
-    torch.manual_seed(0)
-    return build_model(config=TINY).double().eval()
-
-
-def inputs():
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, TINY["vocab_size"], (SEQ,), generator=gen)
-    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in PROMPTS]
-    return ids, prompts
-
-
-def spec(layout: str, sparse: bool, ring: str = "flat") -> AttentionSpec:
-    return AttentionSpec(
-        sparse=sparse,
-        layout=layout,
-        ring=ring,
-        inner_size=2 if ring == "hierarchical" else None,
-        block_size=G,
-        backend="torch",
-        pattern=SPARSE if sparse else {},
-    )
 
 
 def evaluate(group, layout: str, sparse: bool, ring: str = "flat"):

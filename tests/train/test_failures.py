@@ -28,7 +28,7 @@ from mtraining.train.checkpoint import MANIFEST, newest_verified, read_manifest,
 from mtraining.train.config import ConfigError, load_config, parse_config
 from mtraining.train.errors import Diverged, RankStalled, SaveFailed
 from mtraining.train.launch import run_local
-from tests.train.test_trainer import RAW, SMALL_BUDGET, _config, _train
+from tests.train.trainer_runs import RAW, SMALL_BUDGET, make_config, run_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARD = "__0_0.distcp"  # the shard a one-rank run writes
@@ -43,7 +43,7 @@ def _message(fn, *args) -> str:
 
 def _write_config(path: Path, *overrides: str) -> Path:
     """The test config with overrides as a YAML file (for the CLI)."""
-    cfg = _config(*SMALL_BUDGET, *overrides)
+    cfg = make_config(*SMALL_BUDGET, *overrides)
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     return path
 
@@ -135,12 +135,14 @@ def _finite_checks(cfg) -> tuple[list[tuple[int, float]], list[dict]]:
         check(step, loss, grad_norm, last_checkpoint)
 
     trainer.check_finite = spy  # in this forked rank only
-    return checked, _train(cfg)
+    return checked, run_trainer(cfg)
 
 
 def test_with_accumulation_the_divergence_check_runs_once_per_optimizer_step():
     """Three micro-batches a step: one check per step, after all of them, on the loss of the whole step."""
-    checked, history = run_local(_finite_checks, 1, _config(*SMALL_BUDGET, "train.steps=2", "train.grad_accum=3"))[0]
+    checked, history = run_local(_finite_checks, 1, make_config(*SMALL_BUDGET, "train.steps=2", "train.grad_accum=3"))[
+        0
+    ]
     assert [step for step, _ in checked] == [1, 2]
     assert [loss for _, loss in checked] == [m["loss"] for m in history]
 
@@ -222,7 +224,7 @@ def test_ranks_agree_to_stop_when_one_of_them_got_sigterm():
 def trained(tmp_path_factory) -> Path:
     """Checkpoints step_1 and step_2 of a one-rank run (train.steps=2)."""
     ck = tmp_path_factory.mktemp("trained") / "ck"
-    run_local(_train, 1, _config(*SMALL_BUDGET, "train.steps=2", "checkpoint.every=1", f"checkpoint.dir={ck}"))
+    run_local(run_trainer, 1, make_config(*SMALL_BUDGET, "train.steps=2", "checkpoint.every=1", f"checkpoint.dir={ck}"))
     return ck
 
 
@@ -301,7 +303,7 @@ def test_resume_falls_back_past_a_truncated_checkpoint(trained, tmp_path, capfd)
     """The trainer resumes from step_1 (a truncated newest checkpoint crashed resume before) and says why."""
     ck = shutil.copytree(trained, tmp_path / "ck")
     _truncate(ck / "step_00000002")
-    cfg = _config(*SMALL_BUDGET, "train.steps=2", f"checkpoint.dir={ck}")
+    cfg = make_config(*SMALL_BUDGET, "train.steps=2", f"checkpoint.dir={ck}")
     assert run_local(_resume_step, 1, cfg)[0] == (1, "step_00000001")
     out = capfd.readouterr().out
     assert "skipping checkpoint" in out and "truncated" in out and "resumed from" in out
@@ -312,13 +314,13 @@ def _killed_while_saving(cfg) -> None:
     import mtraining.train.checkpoint as checkpoint
 
     checkpoint._commit = lambda partial, final: os._exit(9)
-    _train(cfg)
+    run_trainer(cfg)
 
 
 def test_a_run_killed_while_overwriting_a_step_leaves_the_old_one_whole(trained, tmp_path):
     ck = shutil.copytree(trained, tmp_path / "ck")
     before = read_manifest(ck / "step_00000001")
-    cfg = _config(
+    cfg = make_config(
         *SMALL_BUDGET, "train.steps=2", "checkpoint.every=1", "checkpoint.resume=false", f"checkpoint.dir={ck}"
     )
     start = time.monotonic()
@@ -334,7 +336,7 @@ def test_a_checkpoint_of_another_model_is_refused(trained, tmp_path):
     """3 layers against a 2-layer checkpoint (and 1 layer): refused at start, nothing overwritten."""
     ck = shutil.copytree(trained, tmp_path / "ck")
     for layers, where in ((3, "only in this model (e.g. model.model.layers.2."), (1, "only in the checkpoint")):
-        cfg = _config(
+        cfg = make_config(
             *SMALL_BUDGET, f"model.config.num_hidden_layers={layers}", "train.steps=3", f"checkpoint.dir={ck}"
         )
         msg = str(pytest.raises(RuntimeError, run_local, _resume_step, 1, cfg).value)
@@ -383,7 +385,7 @@ def _pause_rank1_at_step3(cfg) -> list[dict]:
 def test_a_paused_rank_is_named_and_the_run_stops_after_the_timeout(capfd):
     """parallel.timeout_minutes=0.1 (6 s): the watchdog names rank 1 while rank 0 waits, then the timed-out
     collective becomes RankStalled naming step 3; the harness kills the paused rank."""
-    cfg = _config(*SMALL_BUDGET, "parallel.context=2", "train.steps=6", "parallel.timeout_minutes=0.1")
+    cfg = make_config(*SMALL_BUDGET, "parallel.context=2", "train.steps=6", "parallel.timeout_minutes=0.1")
     start = time.monotonic()
     with pytest.raises(RuntimeError) as err:
         run_local(_pause_rank1_at_step3, 2, cfg, group_timeout_s=6, grace_s=2)
@@ -406,7 +408,7 @@ def test_the_timeout_setting_reaches_the_process_group(monkeypatch):
 
     monkeypatch.setattr(trainer, "init_parallel", init_parallel)
     with pytest.raises(ValueError, match="stop here"):
-        trainer.Trainer(_config(*SMALL_BUDGET, "parallel.timeout_minutes=2.5"))
+        trainer.Trainer(make_config(*SMALL_BUDGET, "parallel.timeout_minutes=2.5"))
     assert seen == [150.0]
 
 
@@ -532,7 +534,7 @@ def _current(overrides: list[str], trained: Path, model: dict | None = None) -> 
     """describe_run of the test config with overrides (the model part taken from the checkpoint)."""
     from mtraining.train.resume import describe_run
 
-    cfg = _config(*SMALL_BUDGET, "train.steps=2", *overrides)
+    cfg = make_config(*SMALL_BUDGET, "train.steps=2", *overrides)
     saved = read_manifest(trained / "step_00000002")["run"]
     return cfg, describe_run(cfg, model or saved["model"], 1, 1), saved
 
@@ -620,9 +622,9 @@ def test_the_readme_resume_with_more_steps_needs_the_key(trained, tmp_path):
     continued with the key, taking the new schedule and the new optimizer settings."""
     ck = shutil.copytree(trained, tmp_path / "ck")
     more = ["train.steps=8", f"checkpoint.dir={ck}", "optim.weight_decay=0.0"]
-    msg = str(pytest.raises(RuntimeError, run_local, _resume_and_report, 1, _config(*SMALL_BUDGET, *more)).value)
+    msg = str(pytest.raises(RuntimeError, run_local, _resume_and_report, 1, make_config(*SMALL_BUDGET, *more)).value)
     assert "resuming step_00000002 with another schedule (optim.weight_decay 0.1 -> 0.0, train.steps 2 -> 8" in msg
-    cfg = _config(*SMALL_BUDGET, *more, "checkpoint.allow_changed_schedule=true")
+    cfg = make_config(*SMALL_BUDGET, *more, "checkpoint.allow_changed_schedule=true")
     step, lr, weight_decay = run_local(_resume_and_report, 1, cfg)[0]
     from mtraining.train.optim import lr_at
 

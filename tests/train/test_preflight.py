@@ -15,7 +15,7 @@ from mtraining.models import build_config
 from mtraining.train.config import parse_config
 from mtraining.train.launch import run_local
 from mtraining.train.preflight import check_model, rope_warning
-from tests.train.test_trainer import RAW as TRAINER_RAW
+from tests.train.trainer_runs import RAW as TRAINER_RAW
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data"

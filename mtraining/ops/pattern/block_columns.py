@@ -5,7 +5,7 @@ keeps its evidence only if those rows attend to it too. Here every query block r
 the attention its own rows would give them beyond the pattern, and keeps the ``per_block`` best
 (``VerticalSlashPattern.with_block_columns``). Ranking every row against every key is the quadratic work
 sparse attention avoids, and cheaper proxies (pooled queries, key-block bounds, every 4th row) miss the
-evidence, which is one row's attention to one key (DESIGN.md, bench/local_verticals.py). So only the pairs
+evidence, which is one row's attention to one key (DESIGN.md, experiments/extension/local_verticals.py). So only the pairs
 whose query and key share a bucket of a random-hyperplane sign hash (in any of ``tables`` hashes of ``bits``
 bits) are scored, each as the probability the row would give the key next to the mass the pattern keeps in
 the row, exp(score - the row's LSE over the pattern), summed over the block's rows.

@@ -1,4 +1,4 @@
-"""Launches of the sparse-attention kernels (kernels.py) with the contract of ops/torch_backend.py.
+"""Launches of the sparse-attention kernels (kernels.py) with the contract of ops/reference.py.
 
 Tile configurations, the walks of each chunk pair (index.py; built by Triton launches on CUDA,
 index_kernels.py, and cached on the pattern), and the kernel launches, by keyword.
