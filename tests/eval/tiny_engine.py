@@ -30,9 +30,9 @@ def inputs():
     return ids, prompts
 
 
-def spec(layout: str, sparse: bool, ring: str = "flat") -> AttentionSpec:
-    """Torch-backend attention in ``layout`` on the ``ring`` ("hierarchical": inner rings of 2), dense or sparse
-    with the SPARSE budgets."""
+def spec(layout: str, sparse: bool, context_mode: str = "ring", ring: str = "flat") -> AttentionSpec:
+    """Torch-backend attention in ``layout``, dense or sparse with the SPARSE budgets, over ``context_mode`` (on the
+    ``ring``; "hierarchical": inner rings of 2)."""
     return AttentionSpec(
         sparse=sparse,
         layout=layout,
@@ -41,4 +41,5 @@ def spec(layout: str, sparse: bool, ring: str = "flat") -> AttentionSpec:
         block_size=G,
         backend="torch",
         pattern=SPARSE if sparse else {},
+        context_mode=context_mode,
     )
