@@ -20,6 +20,16 @@ from collections.abc import Hashable
 import torch
 import torch.distributed as dist
 
+# Note [ring agreement]
+# Every rank of a group makes the same collective call, or every rank raises the same ValueError.
+# - Before any transfer, each call all-gathers one 64-bit digest per field (shapes, dtype, layout, pattern
+#   grid, config, scale, schedule, backend, whether gradients flow) and compares them.
+# - A mismatch names each differing field and every rank's value, on every rank alike: nobody hangs in
+#   the communication library and nobody computes with another rank's layout.
+# - The verdict is kept per process group and call, so only the first call of a shape communicates.
+# - Not caught: ranks that agreed and later change the call on some ranks only; pattern contents, which
+#   are global by construction (every rank estimates the same one).
+# Callers: ring_attention (ring/attention.py) and estimate_pattern_cp (estimate.py).
 _VERIFIED: weakref.WeakKeyDictionary[dist.ProcessGroup, set[tuple]] = weakref.WeakKeyDictionary()
 _MAX_VERDICTS = 4096  # per group; the set starts over when full
 

@@ -95,7 +95,7 @@ def estimate_pattern_cp(
         "layer_idx": layer_idx,
         "softmax_scale": softmax_scale,
     }
-    check_ranks_agree(group, q.device, "estimate_pattern_cp", fields)
+    check_ranks_agree(group, q.device, "estimate_pattern_cp", fields)  # see Note [ring agreement]
     if not isinstance(config, PatternConfig):
         raise ValueError(f"pattern_config must be a PatternConfig, got {type(config).__name__}")
     layout.check_pattern_block(config.block_size)

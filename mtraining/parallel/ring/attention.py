@@ -111,7 +111,7 @@ def ring_attention(
     fields = call_fields(
         q, k, v, layout, pattern, pattern_config, softmax_scale, backend, layer_idx, ring, inner_size, reuse is not None
     )
-    check_ranks_agree(group, q.device, "ring_attention", fields)
+    check_ranks_agree(group, q.device, "ring_attention", fields)  # see Note [ring agreement]
     if ring not in RINGS:
         raise ValueError(f"ring must be 'flat' or 'hierarchical', got {ring!r}")
     name = resolve_backend(backend, q.device)
