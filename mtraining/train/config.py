@@ -7,7 +7,6 @@ names the fix.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -15,7 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
 
-from ..models.loader import Init
+from ..models.loader import Init, check_hf_fields, refuse_gguf
 from ..ops.pattern.estimate import PatternConfig
 from ..parallel.layout import make_layout
 
@@ -23,37 +22,6 @@ from ..parallel.layout import make_layout
 class _Section(BaseModel):
     # every number must be finite: a NaN or infinite learning rate, scale or size never runs
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-# HF config fields that must be positive integers / positive finite numbers when given
-_POSITIVE_INT_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "max_position_embeddings",
-)
-_POSITIVE_FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")
-
-
-def _check_hf_fields(config: dict[str, Any], where: str) -> None:
-    """Impossible numbers in ``model.config`` or ``model.overrides`` (``where``) fail here, not deep inside
-    transformers."""
-    for key in _POSITIVE_INT_FIELDS:
-        value = config.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{where}.{key} must be a positive integer, got {value!r}")
-    for key in _POSITIVE_FLOAT_FIELDS:
-        value = config.get(key)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-        if value is not None and not ok:
-            raise ValueError(f"{where}.{key} must be a finite number > 0, got {value!r}")
-    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
-    if heads and kv and heads % kv:
-        raise ValueError(f"{where}.num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
 
 
 class ModelSection(_Section):
@@ -82,6 +50,8 @@ class ModelSection(_Section):
     def _one_source(self) -> ModelSection:
         if (self.path is None) == (self.config is None):
             raise ValueError("set exactly one of model.path (a local HF directory) or model.config (random init)")
+        if self.path is not None:
+            refuse_gguf(self.path, "model.path")
         if self.path is not None and self.init != "hf":
             raise ValueError(
                 f"model.init={self.init} draws random weights; model.path loads trained ones: remove model.init"
@@ -91,8 +61,8 @@ class ModelSection(_Section):
         if self.rope_theta is not None and "rope_theta" in self.overrides:
             raise ValueError("model.rope_theta and model.overrides.rope_theta both set the RoPE base; keep one")
         if self.config is not None:
-            _check_hf_fields(self.config, "model.config")
-        _check_hf_fields(self.overrides, "model.overrides")
+            check_hf_fields(self.config, "model.config.")
+        check_hf_fields(self.overrides, "model.overrides.")
         return self
 
     def hf_kwargs(self) -> dict[str, Any]:
@@ -561,6 +531,20 @@ _PATH_KEYS = (
 )
 
 
+def shared_values(cfg: Config) -> dict[str, Any]:
+    """Every setting that must be the same on every rank, as "section.key" -> value: all but the paths (and
+    data.sources' paths), which nodes may spell differently for the same files. What those paths hold is
+    compared on its own: the model and tokenizer by the run's identity, the data by each source's size."""
+    values = {
+        f"{section}.{key}": value
+        for section, fields in cfg.model_dump(mode="json").items()
+        for key, value in fields.items()
+        if (section, key) not in _PATH_KEYS
+    }
+    values["data.sources"] = [s.model_dump(mode="json", exclude={"path"}) for s in cfg.data.source_specs]
+    return values
+
+
 def resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     """The config with its relative paths (and data.sources) joined to ``base``, the config file's folder.
 
@@ -591,9 +575,11 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(err)}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text ({err}); save it as UTF-8") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections (model, data, train, ...)")
     return parse_config(resolve_paths(raw, path.parent), overrides)

@@ -14,19 +14,15 @@ from collections.abc import Callable
 
 from ..models.loader import build_config, check_weights, sliding_window_layers
 from .config import Config
-from .data import Source, document_separator, load_sources
+from .data import Source, check_vocabulary, document_separator, load_sources
 from .outputs import check_output_dirs
 from .packing import PackedStream
 
 
-def check_model(cfg: Config, hf_config, max_token_id: int) -> None:
+def check_model(cfg: Config, hf_config, sources: list[Source]) -> None:
     """ValueError naming the fix when the model cannot train on this data with mtraining attention."""
     where = cfg.model.path or "model.config"
-    if max_token_id >= hf_config.vocab_size:
-        raise ValueError(
-            f"the data holds token id {max_token_id} but the model's vocab_size is {hf_config.vocab_size}; "
-            "tokenise with the model's own tokenizer (data.tokenizer) or raise model.config.vocab_size"
-        )
+    check_vocabulary(sources, hf_config.vocab_size, cfg.data.token_dtype)
     layers = sliding_window_layers(hf_config)
     if layers:
         raise ValueError(
@@ -71,6 +67,6 @@ def preflight(cfg: Config, world_size: int, local_world_size: int, log: Callable
     hf_config = build_config(**cfg.model.hf_kwargs())
     if cfg.model.path is not None:
         check_weights(cfg.model.path)
-    check_model(cfg, hf_config, max(s.max_id for s in sources))
+    check_model(cfg, hf_config, sources)
     document_separator(cfg)
     return [w for w in (rope_warning(cfg, hf_config),) if w]
