@@ -59,6 +59,8 @@ class AttentionSpec:
         dense_layers: layers that run dense even when ``sparse`` (as ``attention.dense_layers`` in training).
         ring: "flat" or "hierarchical" context-parallel ring (``parallel.ring`` in training).
         inner_size: ranks per inner ring of the hierarchical ring (default: LOCAL_WORLD_SIZE).
+        context_mode: "ring" (K/V around ``ring``) or "allgather" (K/V all-gathered per layer;
+            ``parallel.context_mode`` in training).
         prefill_granule: generation prefills the longest prompt prefix that is a multiple of this
             (rounded up to a multiple of the layout's unit); the rest runs dense.
     """
@@ -73,6 +75,7 @@ class AttentionSpec:
     dense_layers: tuple[int, ...] = ()
     ring: str = "flat"
     inner_size: int | None = None
+    context_mode: str = "ring"
 
     @property
     def name(self) -> str:
@@ -148,6 +151,7 @@ class Engine:
             backend=self.spec.backend,
             ring=self.spec.ring,
             inner_size=self.spec.inner_size,
+            context_mode=self.spec.context_mode,
         )
 
     # ------------------------------------------------------------------ sharding

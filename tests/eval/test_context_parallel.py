@@ -26,9 +26,9 @@ TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizer.json"  # 5
 NEW_TOKENS = 6
 
 
-def evaluate(group, layout: str, sparse: bool):
+def evaluate(group, layout: str, sparse: bool, context_mode: str = "ring"):
     """Worker (and reference with group=None): per-token losses and predictions, greedy answers, sparse densities."""
-    engine = Engine(tiny_model(), spec(layout, sparse), group)
+    engine = Engine(tiny_model(), spec(layout, sparse, context_mode), group)
     ids, prompts = inputs()
     nll, predicted = engine.token_scores(ids)
     assert torch.equal(engine.token_nll(ids), nll)
@@ -75,12 +75,20 @@ def reference():
 
 
 @pytest.mark.parametrize(
-    "world, layout, sparse",
-    [(2, "striped", False), (4, "zigzag", False), (4, "contiguous", False), (2, "zigzag", True), (4, "striped", True)],
+    "world, layout, sparse, context_mode",
+    [
+        (2, "striped", False, "ring"),
+        (4, "zigzag", False, "ring"),
+        (4, "contiguous", False, "ring"),
+        (2, "zigzag", True, "ring"),
+        (4, "striped", True, "ring"),
+        (2, "zigzag", False, "allgather"),
+        (4, "striped", True, "allgather"),
+    ],
 )
-def test_cp_matches_single_process(pool, reference, world, layout, sparse):
+def test_cp_matches_single_process(pool, reference, world, layout, sparse, context_mode):
     (ref_nll, ref_predicted), ref_answers, ref_density = reference[sparse]
-    for (nll, predicted), answers, density in pool.run(evaluate, world, layout, sparse):
+    for (nll, predicted), answers, density in pool.run(evaluate, world, layout, sparse, context_mode):
         assert nll.shape == predicted.shape == (SEQ - 1,)
         torch.testing.assert_close(nll, ref_nll, rtol=0, atol=1e-9)
         assert torch.equal(predicted, ref_predicted)

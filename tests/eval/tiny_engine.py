@@ -30,8 +30,8 @@ def inputs():
     return ids, prompts
 
 
-def spec(layout: str, sparse: bool) -> AttentionSpec:
-    """Torch-backend attention in ``layout``, dense or sparse with the SPARSE budgets."""
+def spec(layout: str, sparse: bool, context_mode: str = "ring") -> AttentionSpec:
+    """Torch-backend attention in ``layout``, dense or sparse with the SPARSE budgets, over ``context_mode``."""
     return AttentionSpec(
         sparse=sparse,
         layout=layout,
@@ -39,4 +39,5 @@ def spec(layout: str, sparse: bool) -> AttentionSpec:
         backend="torch",
         pattern=SPARSE if sparse else {},
         prefill_granule=128,
+        context_mode=context_mode,
     )
