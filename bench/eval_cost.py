@@ -5,7 +5,7 @@ Prompts are ``mtraining eval niah``'s (``tasks.generate("niah_single")``, real f
 by ``answers.answer`` with teacher forcing, as the CLI does; the engine's dense decoding is timed apart, so the
 prefill is the rest of the response. ``--build-only`` lengths time prompt building alone (the tokenizer, on the
 host), e.g. at 64K where a CPU prefill would take too long. On a GPU the times are synchronised by the answers
-(the engine returns Python lists).
+(the engine returns Python lists), and the first prompt of each attention includes compiling its kernels.
 
     python bench/eval_cost.py MODEL_DIR --haystack heldout.jsonl --lengths 1K,2K --prompts 3 \\
         --sparse v_size=128,s_size=256,last_q=64,local_window=64 --block-size 64 --out bench/results/eval_cost_cpu.json

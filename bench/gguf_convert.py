@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import provenance, write_results  # noqa: E402
-from mtraining.models.convert import convert_gguf  # noqa: E402
+from mtraining.models import convert_gguf  # noqa: E402
 
 TEXT = (
     "The harbour master walked along the quay at dawn, counting the boats that had come in overnight. "

@@ -69,6 +69,7 @@ def train(
     SIGTERM (preemption) makes the ranks finish the current step, save a checkpoint and exit 143.
     """
     from .train.config import load_config
+    from .train.errors import EXIT_INTERRUPTED, Preempted, RankStalled, RunStopped
 
     overrides = overrides or []
     try:
@@ -76,17 +77,23 @@ def train(
         launcher = nproc > 1 or nnodes > 1 or node_rank is not None or rdzv_endpoint is not None
         if launcher and "RANK" not in os.environ:
             from .train.preflight import preflight
+            from .train.rendezvous import meet_nodes
             from .train.torchrun import launch, torchrun_command
 
             args = torchrun_command(nproc, nnodes, node_rank, rdzv_endpoint)
             for warning in preflight(cfg, nproc * nnodes, nproc):
                 typer.secho(warning, fg=typer.colors.YELLOW, err=True)
+            if nnodes > 1:
+                meet_nodes(rdzv_endpoint, nnodes, node_rank, cfg.parallel.timeout_minutes * 60, say=typer.echo)
             args += ["-m", "mtraining.cli", "train", str(config), *overrides]
             raise typer.Exit(launch(args))
     except ValueError as err:
         _fail(err)
+    except RunStopped as err:  # a node missing at the rendezvous
+        _fail(err, err.exit_code)
+    except KeyboardInterrupt:
+        _fail("interrupted before the ranks started; nothing was trained", EXIT_INTERRUPTED, "stopped")
     from .train.distributed import shutdown
-    from .train.errors import EXIT_INTERRUPTED, Preempted, RankStalled, RunStopped
     from .train.trainer import Trainer
 
     try:
@@ -144,7 +151,8 @@ def tokenize(
     """Tokenise the config's text sources into the token cache now (e.g. on a login node before a job), so
     ranks only memory-map them; with OUT, also write all sources end to end as one token file."""
     from .train.config import load_config
-    from .train.data import load_sources
+    from .train.data import load_sources, write_token_file
+    from .train.errors import SaveFailed
 
     try:
         cfg = load_config(config, overrides)
@@ -154,20 +162,11 @@ def tokenize(
     for s in sources:
         typer.echo(f"{s.name}: {s.files} files, {len(s.stream):,} tokens, largest id {s.max_id}")
     if out is not None:
-        import numpy as np
-
-        dtype = np.uint16 if max(s.max_id for s in sources) < 1 << 16 else np.uint32
-        total = sum(len(s.stream) for s in sources)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        target = np.lib.format.open_memmap(out, mode="w+", dtype=dtype, shape=(total,))
-        done = 0
-        for s in sources:
-            for start in range(0, len(s.stream), 1 << 24):
-                window = s.stream.read(start, min(len(s.stream), start + (1 << 24)))
-                target[done : done + len(window)] = window
-                done += len(window)
-        target.flush()
-        typer.echo(f"wrote {total} tokens ({np.dtype(dtype).name}) to {out}")
+        try:
+            dtype = write_token_file(sources, out)
+        except SaveFailed as err:
+            _fail(err, err.exit_code)
+        typer.echo(f"wrote {sum(len(s.stream) for s in sources)} tokens ({dtype.name}) to {out}")
 
 
 @app.command()

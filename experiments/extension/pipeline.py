@@ -531,8 +531,12 @@ def _parameters(export: Path) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.extension",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--scale", choices=sorted(SCALES), default="cpu")
     p.add_argument("--work", type=Path, default=None, help="stage outputs (default: runs/extension_<scale>)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="flat folder for the results (default: bench/results)")
@@ -589,11 +593,11 @@ def main() -> None:
         help="reuse the base of this work folder (a run of the same curriculum): train and evaluate only the "
         "extensions (e.g. with other --extension-kinds or --budgets)",
     )
-    args = p.parse_args()
-    if args.report_from is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        report_from(args.report_from, args.out)
-        return
+    return p
+
+
+def _scale(args: argparse.Namespace, p: argparse.ArgumentParser) -> Scale:
+    """The scale with the command line's changes; a bad one exits through ``p.error``."""
     scale = SCALES[args.scale]
     if args.document_masking is not None:
         scale = replace(scale, document_masking=args.document_masking)
@@ -620,6 +624,17 @@ def main() -> None:
         scale = replace(scale, budgets=chosen)
         if scale.default_budget not in names:
             scale = replace(scale, default_budget=names[0])
+    return scale
+
+
+def main() -> None:
+    p = _parser()
+    args = p.parse_args()
+    if args.report_from is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        report_from(args.report_from, args.out)
+        return
+    scale = _scale(args, p)
     work = (args.work or ROOT / "runs" / f"extension_{scale.name}").resolve()  # configs resolve paths from their folder
     work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
         "--code-python", action="append", default=[], help="an interpreter whose site-packages are code documents"
     )
     src.add_argument("--code", type=Path, action="append", default=[], help="a folder of packages (code documents)")
-    src.add_argument("--prose", type=Path, action="append", default=[], help="a prose archive (bench/prose_archive.py)")
+    src.add_argument("--prose", type=Path, action="append", default=[], help="a prose archive (tools/prose_archive.py)")
     src.add_argument(
         "--heldout",
         action="append",

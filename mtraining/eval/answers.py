@@ -16,7 +16,8 @@ Every cell carries 95% intervals over its prompts (``intervals``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..data.tokenizer import Tokenizer
@@ -84,6 +85,7 @@ class Prompting:
 
 
 Run = tuple[dict, dict, Callable[[], Sample]]  # (cell, record fields, the sample, made when its turn comes)
+_AHEAD, _BUILDERS = 4, 2  # samples built ahead of the one answered, on this many threads
 
 
 def score_samples(
@@ -101,13 +103,7 @@ def score_samples(
     the run's values)."""
     scores: dict[tuple, list[float]] = {}
     records = []
-    for cell, fields, make in track(runs, len(runs), title, show_progress):
-        key = (title, *cell.values(), *fields.values())
-        sample = cache.get(key) if cache is not None else None
-        if sample is None:
-            sample = make()
-            if cache is not None:
-                cache[key] = sample
+    for cell, fields, sample in track(_built(runs, title, cache), len(runs), title, show_progress):
         got = answer(engine, tokenizer, sample, forced)
         value = score(sample.metric, got.prediction, sample.answers)
         scores.setdefault(tuple(cell.values()), []).append(value)
@@ -124,6 +120,22 @@ def score_samples(
             }
         )
     return scores, records
+
+
+def _built(runs: Sequence[Run], title: str, cache: dict | None) -> Iterator[tuple[dict, dict, Sample]]:
+    """(cell, fields, sample) of each run in order, samples taken from ``cache`` or built ``_AHEAD`` runs ahead on
+    ``_BUILDERS`` threads (building tokenises whole prompts, which releases the GIL: it overlaps the model's work)."""
+    keys = [(title, *cell.values(), *fields.values()) for cell, fields, _ in runs]
+    with ThreadPoolExecutor(_BUILDERS) as pool:
+        pending: dict[int, Future] = {}
+        for i, (cell, fields, _) in enumerate(runs):
+            for j in range(i, min(i + _AHEAD, len(runs))):
+                if j not in pending and (cache is None or keys[j] not in cache):
+                    pending[j] = pool.submit(runs[j][2])
+            sample = cache[keys[i]] if i not in pending else pending.pop(i).result()
+            if cache is not None:
+                cache[keys[i]] = sample
+            yield cell, fields, sample
 
 
 def _forced_fields(forced: Forced | None) -> dict:

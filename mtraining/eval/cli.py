@@ -116,6 +116,7 @@ class _Session:
             dense_layers=layers,
             ring=opts.ring,
             inner_size=inner_size,
+            context_mode=opts.context_mode,
         )
         self.engine = Engine(self.loaded.model, self.spec, self.group)
         self.checkpoint = str(checkpoint)
@@ -177,6 +178,7 @@ class _Session:
             "layout": self.spec.layout,
             "ring": self.spec.ring,
             "inner_size": self.spec.inner_size,
+            "context_mode": self.spec.context_mode,
             "block_size": self.spec.block_size,
             "world_size": self.engine.world_size,
             "device": str(next(self.loaded.model.parameters()).device),

@@ -27,6 +27,7 @@ from ..data.tokenizer import Tokenizer
 from . import infinitebench
 from .answers import score_samples, task_grid
 from .engine import Engine
+from .scoring import check_answers
 from .tasks import Sample
 
 # RULER task family (name prefix): (answer tokens, metric), from its constants.py files
@@ -118,6 +119,9 @@ def _ruler_sample(task: str, record: dict, max_new_tokens: int | None) -> Sample
     prompt, outputs = record.get("input"), record.get("outputs")
     if not isinstance(prompt, str) or not isinstance(outputs, list) or not outputs:
         raise ValueError(f"a RULER record needs a string input and a list of outputs; found fields {sorted(record)}")
+    if not all(isinstance(o, (str, int, float)) and not isinstance(o, bool) for o in outputs):
+        raise ValueError(f"a RULER record's outputs must be strings, got {outputs!r}")
+    check_answers(metric, [str(o) for o in outputs])
     prefix = record.get("answer_prefix", "")
     if not isinstance(prefix, str):
         raise ValueError(f"answer_prefix must be a string, got {prefix!r}")

@@ -90,6 +90,8 @@ class AttentionSpec:
         dense_layers: layers that run dense even when ``sparse`` (as ``attention.dense_layers`` in training).
         ring: "flat" or "hierarchical" context-parallel ring (``parallel.ring`` in training).
         inner_size: ranks per inner ring of the hierarchical ring (default: LOCAL_WORLD_SIZE).
+        context_mode: "ring" (K/V around ``ring``) or "allgather" (K/V all-gathered per layer;
+            ``parallel.context_mode`` in training).
     """
 
     sparse: bool = False
@@ -101,6 +103,7 @@ class AttentionSpec:
     dense_layers: tuple[int, ...] = ()
     ring: str = "flat"
     inner_size: int | None = None
+    context_mode: str = "ring"
 
     @property
     def name(self) -> str:
@@ -173,6 +176,7 @@ class Engine:
             backend=self.spec.backend,
             ring=self.spec.ring,
             inner_size=self.spec.inner_size,
+            context_mode=self.spec.context_mode,
         )
 
     # ------------------------------------------------------------------ sharding

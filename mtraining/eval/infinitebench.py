@@ -38,6 +38,7 @@ from ..data.tokenizer import Tokenizer
 from .answers import Prompting, score_samples, task_grid
 from .documents import Haystack
 from .engine import Engine
+from .scoring import check_answers
 from .tasks import Sample, fit_prompt
 
 TASKS = ("passkey", "number_string", "kv_retrieval", "math_find")
@@ -215,17 +216,11 @@ def run_infinitebench(
 
 
 # ---------------------------------------------------------------------------- official records
-def _answers(task: str, raw: object) -> list[str]:
+def _answers(raw: object) -> list[str]:
     values = raw if isinstance(raw, list) else [raw]
     if not values or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in values):
         raise ValueError(f"its answer must be a string or number, or a list of them, got {raw!r}")
-    answers = [str(v) for v in values]
-    if task == "math_find":
-        try:
-            [float(a) for a in answers]
-        except ValueError:
-            raise ValueError(f"a math_find answer must be a number, got {raw!r}") from None
-    return answers
+    return [str(v) for v in values]
 
 
 def sample_from_record(task: str, raw: dict, max_new_tokens: int | None = None) -> Sample:
@@ -234,6 +229,7 @@ def sample_from_record(task: str, raw: dict, max_new_tokens: int | None = None) 
     if missing or not isinstance(raw.get("context"), str) or not isinstance(raw.get("input"), str):
         found = sorted(raw)
         raise ValueError(f"an InfiniteBench record needs string context and input and an answer; found fields {found}")
-    record = Record(raw["context"], raw["input"], _answers(task, raw["answer"]))
+    record = Record(raw["context"], raw["input"], _answers(raw["answer"]))
+    check_answers(METRICS[task], record.answers)
     new_tokens = MAX_NEW_TOKENS[task] if max_new_tokens is None else max_new_tokens
     return Sample(task, 0, render(task, record), record.answers, new_tokens, metric=METRICS[task])

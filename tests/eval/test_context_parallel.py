@@ -20,16 +20,17 @@ from mtraining.eval.engine import Engine
 from mtraining.eval.infinitebench import run_infinitebench
 from mtraining.eval.loading import load_tokenizer
 from tests.eval.official_samples import infinitebench_files
-from tests.eval.tiny_engine import NEW_TOKENS, SEQ, G, inputs, spec, tiny_model
+from tests.eval.tiny_engine import SEQ, G, inputs, spec, tiny_model
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizer.json"  # 512 tokens, as the model
+NEW_TOKENS = 6
 REFERENCE = [7, 70, 300, 11]  # a reference answer scored teacher-forced after each prompt
 
 
-def evaluate(group, layout: str, sparse: bool, ring: str = "flat"):
+def evaluate(group, layout: str, sparse: bool, ring: str = "flat", context_mode: str = "ring"):
     """Worker (and reference with group=None): per-token losses and predictions, greedy answers and the teacher-forced
     scores of a reference answer, sparse densities."""
-    engine = Engine(tiny_model(), spec(layout, sparse, ring), group)
+    engine = Engine(tiny_model(), spec(layout, sparse, context_mode, ring), group)
     ids, prompts = inputs()
     nll, predicted = engine.token_scores(ids)
     assert torch.equal(engine.token_nll(ids), nll)
@@ -77,20 +78,22 @@ def reference():
 
 
 @pytest.mark.parametrize(
-    "world, layout, sparse, ring",
+    "world, layout, sparse, context_mode, ring",
     [
-        (2, "striped", False, "flat"),
-        (4, "zigzag", False, "flat"),
-        (4, "contiguous", False, "flat"),
-        (2, "zigzag", True, "flat"),
-        (4, "striped", True, "flat"),
-        (4, "contiguous", True, "hierarchical"),
+        (2, "striped", False, "ring", "flat"),
+        (4, "zigzag", False, "ring", "flat"),
+        (4, "contiguous", False, "ring", "flat"),
+        (2, "zigzag", True, "ring", "flat"),
+        (4, "striped", True, "ring", "flat"),
+        (4, "contiguous", True, "ring", "hierarchical"),
+        (2, "zigzag", False, "allgather", "flat"),
+        (4, "striped", True, "allgather", "flat"),
     ],
 )
-def test_cp_matches_single_process(pool, reference, world, layout, sparse, ring):
+def test_cp_matches_single_process(pool, reference, world, layout, sparse, context_mode, ring):
     """Every prompt padded to the layout's unit (32 to 128 tokens) answers as on one process, unpadded."""
     (ref_nll, ref_predicted), ref_answers, ref_density = reference[sparse]
-    for (nll, predicted), answers, density in pool.run(evaluate, world, layout, sparse, ring):
+    for (nll, predicted), answers, density in pool.run(evaluate, world, layout, sparse, ring, context_mode):
         assert nll.shape == predicted.shape == (SEQ - 1,)
         torch.testing.assert_close(nll, ref_nll, rtol=0, atol=1e-9)
         assert torch.equal(predicted, ref_predicted)

@@ -17,12 +17,13 @@ import mtraining.models.attention as attention_module
 from mtraining.eval.engine import DECODE_ATTENTION, AttentionSpec, Engine, _attn_implementation
 from mtraining.ops import attention_oracle
 from tests.eval.needle import needle_model, needle_prompt
-from tests.eval.tiny_engine import NEW_TOKENS, inputs, spec, tiny_model
+from tests.eval.tiny_engine import inputs, spec, tiny_model
 
 G = 16
 HIDDEN = dict(v_size=1, sink_tokens=1, s_size=16, local_window=16, last_q=16)  # the sink and the local window
 KEPT = HIDDEN | dict(v_size=4)  # room for the needle's vertical
-PROMPT, NEEDLE_AT, VALUE = 203, 57, 7  # 203 % 16 != 0: a partial last block, and padding on a ring
+PROMPT, NEEDLE_AT, VALUE = 203, 57, 7
+NEW_TOKENS = 6  # 203 % 16 != 0: a partial last block, and padding on a ring
 
 
 def needle_engine(group, pattern: dict) -> Engine:

@@ -13,7 +13,6 @@ TINY = TINY_BASE | dict(max_position_embeddings=4096, initializer_range=0.2)
 G = 16
 SEQ = 256  # a multiple of every layout's unit for 2 and 4 ranks (zigzag on 4: 2 * 4 * 16 = 128)
 PROMPTS = (40, 200, 301)  # padded to the layout's unit on several ranks (unit 32 to 128), and unpadded
-NEW_TOKENS = 6  # greedy tokens generated per prompt
 SPARSE = dict(v_size=8, s_size=24, last_q=16, local_window=16, sink_tokens=4)
 
 
@@ -31,9 +30,9 @@ def inputs():
     return ids, prompts
 
 
-def spec(layout: str, sparse: bool, ring: str = "flat") -> AttentionSpec:
-    """Torch-backend attention in ``layout`` on a ``ring`` (hierarchical: inner rings of 2), dense or sparse with the
-    SPARSE budgets."""
+def spec(layout: str, sparse: bool, context_mode: str = "ring", ring: str = "flat") -> AttentionSpec:
+    """Torch-backend attention in ``layout``, dense or sparse with the SPARSE budgets, over ``context_mode`` (on the
+    ``ring``; "hierarchical": inner rings of 2)."""
     return AttentionSpec(
         sparse=sparse,
         layout=layout,
@@ -42,4 +41,5 @@ def spec(layout: str, sparse: bool, ring: str = "flat") -> AttentionSpec:
         block_size=G,
         backend="torch",
         pattern=SPARSE if sparse else {},
+        context_mode=context_mode,
     )
