@@ -38,12 +38,17 @@ Lengths = Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 4
 Samples = Annotated[int, typer.Option("--samples", help="Sequences / prompts per cell.")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of the generated prompts.")]
 HaystackOpt = Annotated[
-    list[Path] | None, typer.Option("--haystack", help="Local text for the haystack; default: built-in filler.")
-]
-Granule = Annotated[
-    int,
+    list[Path] | None,
     typer.Option(
-        "--prefill-granule", help="Prefill the longest prompt prefix that is a multiple of this; the rest runs dense."
+        "--haystack",
+        help="Real filler: held-out documents (JSONL with a text field, text files, ...); default: built-in filler.",
+    ),
+]
+TeacherForcing = Annotated[
+    bool,
+    typer.Option(
+        "--teacher-forcing/--no-teacher-forcing",
+        help="Also score the expected answer teacher-forced, in the same prefill as the generated answer.",
     ),
 ]
 Nproc = Annotated[int, typer.Option("--nproc", help="Start this many local context-parallel ranks with torchrun.")]
@@ -135,7 +140,7 @@ def _precheck(checkpoint: Path, opts: SessionOptions, world_size: int, lengths: 
 class _Session:
     """Loaded model, tokenizer, context-parallel group and engine for one command on this rank."""
 
-    def __init__(self, checkpoint: Path, opts: SessionOptions, granule: int = 2048) -> None:
+    def __init__(self, checkpoint: Path, opts: SessionOptions) -> None:
         import torch.distributed as dist
 
         from .engine import Engine
@@ -146,7 +151,7 @@ class _Session:
         self.group = init_group(pick_device(opts.device))
         self.root = is_root(self.group)
         world_size = 1 if self.group is None else dist.get_world_size(self.group)
-        self.spec = opts.attention_spec(world_size, granule)
+        self.spec = opts.attention_spec(world_size)
         self.loaded = load(checkpoint, opts.tokenizer, opts.training_config(), opts.device, opts.dtype)
         self.engine = Engine(self.loaded.model, self.spec, self.group)
         self.checkpoint = str(checkpoint)
@@ -193,7 +198,6 @@ class _Session:
             "ring": self.spec.ring,
             "inner_size": self.spec.inner_size,
             "context_mode": self.spec.context_mode,
-            "prefill_granule": self.spec.prefill_granule,
             "block_size": self.spec.block_size,
             "world_size": self.engine.world_size,
             "device": str(next(self.loaded.model.parameters()).device),
@@ -284,9 +288,9 @@ def niah(
     haystack: HaystackOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Answer tokens to generate.")] = 24,
     text_field: TextField = "text",
+    teacher_forcing: TeacherForcing = True,
     *,
     opts: SessionOptions,
-    prefill_granule: Granule = 2048,
     nproc: Nproc = 1,
 ) -> None:
     """Needle in a haystack over lengths x depths: a JSON of the grid and a heatmap PNG."""
@@ -302,7 +306,7 @@ def niah(
         from .runtime import console
 
         grid, depth_list, stack = inputs()
-        s, prompting = _prompted(checkpoint, opts, prefill_granule, grid, stack, seed, samples, max_new_tokens)
+        s, prompting = _prompted(checkpoint, opts, grid, stack, seed, samples, max_new_tokens, teacher_forcing)
         result = run_niah(s.engine, s.loaded.tokenizer, grid, depth_list, prompting)
         settings = {
             "lengths": grid,
@@ -310,6 +314,8 @@ def niah(
             "samples": samples,
             "seed": seed,
             "max_new_tokens": max_new_tokens,
+            "haystack": [str(p) for p in haystack or []],
+            "teacher_forcing": teacher_forcing,
         }
         out, folder = s.save("niah", settings, result)
         if s.root:
@@ -341,9 +347,9 @@ def ruler(
     task: TaskName = None,
     limit: Limit = None,
     truncate: Truncate = False,
+    teacher_forcing: TeacherForcing = True,
     *,
     opts: SessionOptions,
-    prefill_granule: Granule = 2048,
     nproc: Nproc = 1,
 ) -> None:
     """RULER-style tasks generated from a seed, or RULER's own JSONL (--data): scores per task and length."""
@@ -364,12 +370,12 @@ def ruler(
 
         grid, files, what, stack = inputs()
         if files:
-            s, result = _from_files("ruler", checkpoint, opts, prefill_granule, grid, files, what)
-            settings = files.settings(grid)
+            s, result = _from_files("ruler", checkpoint, opts, grid, files, what, teacher_forcing)
+            settings = files.settings(grid) | {"teacher_forcing": teacher_forcing}
         else:
-            s, prompting = _prompted(checkpoint, opts, prefill_granule, grid, stack, seed, samples, max_new_tokens)
+            s, prompting = _prompted(checkpoint, opts, grid, stack, seed, samples, max_new_tokens, teacher_forcing)
             result = run_ruler(s.engine, s.loaded.tokenizer, what, grid, prompting)
-            settings = _generated(grid, what, prompting)
+            settings = _generated(grid, what, prompting, haystack)
         _save_table(s, "ruler", "RULER-style tasks", settings, result)
 
     _run("ruler", nproc, body, lambda: _precheck(checkpoint, opts, nproc, inputs()[0], generate=True))
@@ -386,43 +392,45 @@ def infinitebench(
     ] = None,
     samples: Samples = 4,
     seed: Seed = 0,
+    haystack: HaystackOpt = None,
     max_new_tokens: MaxNewTokens = None,
+    text_field: TextField = "text",
     data: DataFiles = None,
     task: TaskName = None,
     limit: Limit = None,
     truncate: Truncate = False,
+    teacher_forcing: TeacherForcing = True,
     *,
     opts: SessionOptions,
-    prefill_granule: Granule = 2048,
     nproc: Nproc = 1,
 ) -> None:
-    """InfiniteBench's passkey, number string, key-value and Math.Find tasks, generated from a seed or
-    read from the benchmark's JSONL (--data): scores per task and length."""
+    """InfiniteBench's passkey, number string, key-value and Math.Find tasks, generated from a seed (passkey and
+    number string in real filler with --haystack) or read from the benchmark's JSONL (--data): scores per task and
+    length."""
 
-    def inputs() -> tuple[list[int], _Files | None, list]:
-        """(lengths, the files, their records or the task names)."""
+    def inputs() -> tuple[list[int], _Files | None, list, Haystack | None]:
+        """(lengths, the files, their records or the task names, the haystack of generated prompts)."""
         from .infinitebench import TASKS
         from .ruler import parse_tasks
         from .runtime import parse_lengths
 
         grid = parse_lengths(lengths)
-        files = _Files.of(data, task, limit, truncate, max_new_tokens, tasks=tasks)
-        return grid, files, files.samples("infinitebench") if files else parse_tasks(tasks or "all", TASKS)
+        files = _Files.of(data, task, limit, truncate, max_new_tokens, tasks=tasks, haystack=haystack)
+        if files:
+            return grid, files, files.samples("infinitebench"), None
+        return grid, None, parse_tasks(tasks or "all", TASKS), _haystack(haystack, text_field, seed)
 
     def body() -> None:
-        from .answers import Prompting
         from .infinitebench import run_infinitebench
 
-        grid, files, what = inputs()
+        grid, files, what, stack = inputs()
         if files:
-            s, result = _from_files("infinitebench", checkpoint, opts, prefill_granule, grid, files, what)
-            settings = files.settings(grid)
+            s, result = _from_files("infinitebench", checkpoint, opts, grid, files, what, teacher_forcing)
+            settings = files.settings(grid) | {"teacher_forcing": teacher_forcing}
         else:
-            s = _Session(checkpoint, opts, prefill_granule)
-            s.check(grid, generate=True)
-            prompting = Prompting(samples, seed, max_new_tokens=max_new_tokens, show_progress=s.root)
+            s, prompting = _prompted(checkpoint, opts, grid, stack, seed, samples, max_new_tokens, teacher_forcing)
             result = run_infinitebench(s.engine, s.loaded.tokenizer, what, grid, prompting)
-            settings = _generated(grid, what, prompting)
+            settings = _generated(grid, what, prompting, haystack)
         _save_table(s, "infinitebench", "InfiniteBench", settings, result)
 
     _run("infinitebench", nproc, body, lambda: _precheck(checkpoint, opts, nproc, inputs()[0], generate=True))
@@ -478,7 +486,7 @@ class _Files:
         }
 
 
-def _generated(lengths: list[int], tasks: list[str], prompting: Prompting) -> dict:
+def _generated(lengths: list[int], tasks: list[str], prompting: Prompting, haystack: list[Path] | None) -> dict:
     """The settings of a ruler or infinitebench command whose prompts are generated from a seed."""
     return {
         "lengths": lengths,
@@ -486,21 +494,23 @@ def _generated(lengths: list[int], tasks: list[str], prompting: Prompting) -> di
         "samples": prompting.samples,
         "seed": prompting.seed,
         "max_new_tokens": prompting.max_new_tokens,
+        "haystack": [str(p) for p in haystack or []],
+        "teacher_forcing": prompting.forced,
     }
 
 
 def _from_files(
-    kind: str, checkpoint: Path, opts: SessionOptions, granule: int, lengths: list[int], files: _Files, samples: list
+    kind: str, checkpoint: Path, opts: SessionOptions, lengths: list[int], files: _Files, samples: list, forced: bool
 ) -> tuple[_Session, dict]:
     """The session and result of a ruler or infinitebench command run on the benchmark's own files (``samples``:
     their records)."""
     from . import datafiles
 
-    s = _Session(checkpoint, opts, granule)
+    s = _Session(checkpoint, opts)
     s.check(lengths, generate=True)
     tokenizer = s.loaded.tokenizer
     placed = datafiles.place(samples, lengths, tokenizer.count, files.truncate)
-    return s, datafiles.run_samples(s.engine, tokenizer, placed, lengths, kind, s.root)
+    return s, datafiles.run_samples(s.engine, tokenizer, placed, lengths, kind, s.root, forced)
 
 
 def _save_table(s: _Session, kind: str, title: str, settings: dict, result: dict) -> None:
@@ -532,7 +542,7 @@ def report(
 
 
 def _haystack(haystack: list[Path] | None, text_field: str, seed: int) -> Haystack:
-    """The haystack of generated prompts: the --haystack documents, else the built-in filler."""
+    """The filler of generated prompts: the --haystack documents, else the built-in filler."""
     from .documents import Haystack, load_documents
 
     return Haystack(load_documents(haystack, text_field), seed=seed) if haystack else Haystack(seed=seed)
@@ -541,35 +551,37 @@ def _haystack(haystack: list[Path] | None, text_field: str, seed: int) -> Haysta
 def _prompted(
     checkpoint: Path,
     opts: SessionOptions,
-    granule: int,
     lengths: list[int],
     stack: Haystack,
     seed: int,
     samples: int,
     max_new_tokens: int | None,
+    forced: bool,
 ) -> tuple[_Session, Prompting]:
-    """The session of a niah or ruler command, checked for generating at ``lengths``, and how it prompts."""
+    """The session of a command with generated prompts, checked for generating at ``lengths``, and how it prompts."""
     from .answers import Prompting
 
-    s = _Session(checkpoint, opts, granule)
+    s = _Session(checkpoint, opts)
     s.check(lengths, generate=True)
-    return s, Prompting(samples, seed, stack, max_new_tokens, s.root)
+    return s, Prompting(samples, seed, stack, max_new_tokens, s.root, forced)
 
 
 def _print_ppl(out, data: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"perplexity: {data['label']}")
-    for col in ("length", "windows", "ppl", "first bucket", "last bucket"):
+    for col in ("length", "windows", "ppl", "first bucket", "last bucket", "last bucket 95%"):
         table.add_column(col, justify="right")
     for r in data["result"]:
         first, last = r["buckets"][0], r["buckets"][-1]
+        interval = last["ppl_interval"]
         table.add_row(
             str(r["length"]),
             str(r["windows"]),
             f"{r['ppl']:.3f}",
             f"{first['ppl']:.3f} (≤{first['end']})",
             f"{last['ppl']:.3f} ({last['start']}–{last['end']})",
+            "–" if interval is None else f"[{interval[0]:.3f}, {interval[1]:.3f}]",
         )
     out.print(table)
 
@@ -584,7 +596,15 @@ def _print_grid(out, data: dict) -> None:
         table.add_column(str(n), justify="right")
     for depth, row in zip(res["depths"], res["scores"]):
         table.add_row(f"{depth:g}%", *(f"{v:.0f}" for v in row))
+    table.add_row("all depths", *(_with_interval(c["score"], c["interval"]) for c in res["by_length"]))
+    if res["by_length"] and res["by_length"][0]["forced"] is not None:
+        forced = (_with_interval(c["forced"], c["forced_interval"]) for c in res["by_length"])
+        table.add_row("teacher-forced", *forced)
     out.print(table)
+
+
+def _with_interval(value: float, interval: list[float]) -> str:
+    return f"{value:.1f} [{interval[0]:.1f}, {interval[1]:.1f}]"
 
 
 if __name__ == "__main__":  # the command torchrun starts on every rank (rank_exit.py: how it ends)

@@ -121,7 +121,7 @@ class SessionOptions:
             )
         return load_config(self.config, overrides)
 
-    def attention_spec(self, world_size: int, granule: int = 2048) -> AttentionSpec:
+    def attention_spec(self, world_size: int) -> AttentionSpec:
         """How this evaluation runs attention: each option given, else the training config's, else the default;
         ValueError naming the option for settings that cannot run."""
         from .engine import AttentionSpec
@@ -147,7 +147,6 @@ class SessionOptions:
             pattern=self._pattern(att),
             min_sparse_len=att.min_sparse_len if att else 0,
             max_density=att.max_density if att else None,
-            prefill_granule=granule,
             dense_layers=dense_layers,
             ring=ring,
             inner_size=self.ring_inner_size(world_size, ring, inner, context_mode),

@@ -634,7 +634,8 @@ def parse_config_partly(data: dict[str, Any]) -> tuple[Config | None, list[str]]
     """(the config, every problem) of a config dict whose overrides are applied. Invalid keys are dropped,
     one round at a time, so that ``mtraining check`` can go on checking the rest; None when a problem
     cannot be dropped (a required key, a combination of keys). The problems of every round are returned."""
-    data, problems = yaml.safe_load(yaml.safe_dump(data)) or {}, []
+    data = yaml.safe_load(yaml.safe_dump(data)) or {}
+    problems: list[str] = []
     for _ in range(4):
         try:
             return Config.model_validate(data), problems
