@@ -96,7 +96,8 @@ def _relaunch(command: str, nproc: int) -> None:
 
 
 def _model_checks(hf_config, spec, opts: SessionOptions, lengths: list[int], world_size: int, generate: bool) -> None:
-    """What the model's config decides: dense layers that exist, the RoPE range, the memory of the longest length."""
+    """What the model's config decides: dense layers that exist, sparse budgets within the lengths, the RoPE range,
+    the memory of the longest length."""
     from .loading import check_rope_range, pick_device, pick_dtype
     from .memory import check_memory
 
@@ -106,6 +107,11 @@ def _model_checks(hf_config, spec, opts: SessionOptions, lengths: list[int], wor
             f"dense layers {missing} do not exist: the model has {hf_config.num_hidden_layers} layers (0 to "
             f"{hf_config.num_hidden_layers - 1}); fix --dense-layers (or attention.dense_layers of --config)"
         )
+    pattern = spec.pattern_config()
+    sparse_lengths = [n for n in lengths if n >= spec.min_sparse_len]
+    if pattern is not None and sparse_lengths:  # budgets above a length: refused here, not at its first prefill
+        for layer in sorted(set(range(hf_config.num_hidden_layers)) - set(spec.dense_layers)):
+            pattern.head_budgets(layer, hf_config.num_attention_heads, min(sparse_lengths))
     check_rope_range(lengths, 0, getattr(hf_config, "max_position_embeddings", None), opts.allow_extrapolation)
     device = pick_device(opts.device)
     torch_backend = spec.backend == "torch" or (spec.backend == "auto" and device.type != "cuda")

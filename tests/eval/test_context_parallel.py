@@ -132,6 +132,7 @@ def test_answers_depend_on_the_context(reference):
     assert all(len(a) == NEW_TOKENS for a in answers)
 
 
+@pytest.mark.slow
 def test_cp_length_must_split(pool):
     errors = pool.run(unsplittable, 2)
     assert all(e is not None and "multiples of 64" in e for e in errors)

@@ -22,6 +22,7 @@ def _rows(log_dir: Path) -> tuple[list[dict], list[dict]]:
     return [r for r in rows if "event" in r], [r for r in rows if "event" not in r]
 
 
+@pytest.mark.slow
 def test_train_with_torchrun_two_ranks_writes_metrics_checkpoint_and_export(tmp_path):
     overrides = [
         "parallel.context=2",
