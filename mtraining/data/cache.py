@@ -4,8 +4,9 @@ The cache folder (``data.cache_dir``; default ``$MTRAINING_CACHE``, else ``~/.ca
 ``tokens/<key>.bin``: the file's documents tokenised, each followed by the separator id (uint16 when the
 vocabulary fits, else uint32), and ``tokens/<key>.json``, its record (written last: an entry without its
 record does not exist; one whose ids file is not the size its record says is written again). ``key`` =
-sha256 of the format version, the file's sha256, the tokenizer.json's sha256, the text field and the
-separator id.
+sha256 of the format version, the file's sha256, the tokenizer.json's sha256, how text is tokenised
+(``TEXT_OPTIONS``: special-token strings are text), the text field and the separator id. A document holding
+the separator id is refused (the separator must be a special token).
 
 The file's SHA-256 is computed from its bytes at every start (0.8 CPU-seconds per GiB measured here, where
 xxh3-128 takes 0.2 and BLAKE2b 1.35; SHA-256 keeps the keys of caches written before), so a file rewritten
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from .documents import DataError, read_documents
-from .tokenizer import Tokenizer
+from .tokenizer import TEXT_OPTIONS, Tokenizer, refuse_separator_inside
 
 FORMAT = "mtraining-tokens-1"
 _BATCH_DOCS = 256
@@ -95,7 +96,8 @@ class TokenCache:
     def _entry(self, path: Path, tokenizer: Tokenizer, text_field: str, separator_id: int) -> Path:
         if tokenizer.fingerprint is None:
             raise DataError(f"{tokenizer.path} is not one tokenizer.json; token caches need one (data.tokenizer)")
-        parts = (FORMAT, file_digest(path), tokenizer.fingerprint, text_field, str(separator_id))
+        options = json.dumps(TEXT_OPTIONS, sort_keys=True)
+        parts = (FORMAT, file_digest(path), tokenizer.fingerprint, options, text_field, str(separator_id))
         return self._folder("tokens") / hashlib.sha256("|".join(parts).encode()).hexdigest()
 
     @staticmethod
@@ -132,12 +134,15 @@ class TokenCache:
         dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
         log(f"tokenising {path} into {entry}.bin")
         stats = {"tokens": 0, "documents": 0, "max_id": -1}
+        separator = np.asarray([separator_id], dtype=np.int64)
 
         def write(tmp: Path) -> None:
             with open(tmp, "wb") as out:
                 for batch in _batches(read_documents(path, text_field)):
-                    ids = [i for doc in tokenizer.encode(batch) for i in (*doc, separator_id)]
-                    array = np.asarray(ids, dtype=np.int64)
+                    docs = [np.asarray(doc, dtype=np.int64) for doc in tokenizer.encode(batch)]
+                    for n, doc in enumerate(docs, start=stats["documents"] + 1):
+                        refuse_separator_inside(doc, separator_id, tokenizer, f"{path}: document {n}")
+                    array = np.concatenate([part for doc in docs for part in (doc, separator)])
                     stats["tokens"] += len(array)
                     stats["documents"] += len(batch)
                     stats["max_id"] = max(stats["max_id"], int(array.max()))

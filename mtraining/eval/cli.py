@@ -463,6 +463,7 @@ def _from_files(
     s = _Session(checkpoint, opts, granule)
     s.check(lengths, generate=True)
     tokenizer = s.loaded.tokenizer
+    datafiles.refuse_special_tokens(samples, tokenizer.special_tokens)
     placed = datafiles.place(samples, lengths, tokenizer.count, files.truncate)
     return s, datafiles.run_samples(s.engine, tokenizer, placed, lengths, kind, s.root)
 

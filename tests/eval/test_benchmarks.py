@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,8 @@ from mtraining.eval.infinitebench import FILLER, MAX_NEW_TOKENS, TASKS, generate
 from mtraining.eval.scoring import score
 from tests.eval.counting import bpe_count, words
 from tests.eval.official_samples import KEY, OTHER, infinitebench_files, needle_context, ruler_files, write_jsonl
+
+DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 # ---------------------------------------------------------------------------- generated tasks
@@ -251,6 +254,23 @@ def test_place_by_length_refuse_or_truncate(tmp_path):
     assert {s.length for s in cut} == {300} and max(s.prompt_tokens for s in cut) > 300
     with pytest.raises(ValueError, match="leave no room"):
         datafiles.place(samples, [6], words)
+
+
+def test_prompts_that_spell_a_special_token_are_refused(tmp_path):
+    """A RULER file prepared with a chat template spells its special tokens; read as text, the template would
+    reach the model as plain characters."""
+    from mtraining.eval.loading import load_tokenizer
+
+    specials = load_tokenizer(DATA / "tokenizer.json").special_tokens
+    assert specials == ["<|endoftext|>"]
+    fine = {"input": "Where is the key?", "outputs": ["1"]}
+    templated = {"input": "<|endoftext|>user: Where is the key?", "outputs": ["1"]}
+    datafiles.refuse_special_tokens(datafiles.ruler_samples([write_jsonl(tmp_path / "a/vt.jsonl", [fine])]), specials)
+    samples = datafiles.ruler_samples([write_jsonl(tmp_path / "b/vt.jsonl", [fine, templated])])
+    with pytest.raises(
+        ValueError, match=r"vt.jsonl record 2 spells the special token '<\|endoftext\|>'.*template_type base"
+    ):
+        datafiles.refuse_special_tokens(samples, specials)
 
 
 # ---------------------------------------------------------------------------- PG-19 for perplexity
