@@ -74,7 +74,7 @@ def train(
     overrides = overrides or []
     try:
         cfg = load_config(config, overrides)
-        launcher = nproc > 1 or nnodes > 1 or node_rank is not None or rdzv_endpoint is not None
+        launcher = nproc != 1 or nnodes != 1 or node_rank is not None or rdzv_endpoint is not None
         if launcher and "RANK" not in os.environ:
             from .train.preflight import preflight
             from .train.rendezvous import meet_nodes

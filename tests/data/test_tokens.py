@@ -169,3 +169,16 @@ def test_a_separator_that_text_can_spell_is_refused(tmp_path, tokenizer):
     separator = tokenizer.separator_id("Ġh")
     with pytest.raises(DataError, match=r"docs.jsonl: document 2 holds the separator 'Ġh' \(id 300\).*special token"):
         TokenCache(tmp_path / "cache").tokenize(source, tokenizer, "text", separator, log=lambda _: None)
+
+
+def test_blank_documents_are_skipped_and_a_file_of_them_is_refused(tmp_path, tokenizer):
+    """A blank record was a lone separator: a file of them trained on separators alone with exit 0."""
+    source = tmp_path / "docs.jsonl"
+    source.write_text("\n".join(json.dumps({"text": t}) for t in ["", "Who?", "  \n", "Ada."]) + "\n")
+    eos = tokenizer.separator_id(None)
+    entry = TokenCache(tmp_path / "cache").tokenize(source, tokenizer, "text", eos, log=lambda _: None)
+    assert entry.documents == 2
+    assert entry.open().tolist() == [i for doc in tokenizer.encode(["Who?", "Ada."]) for i in (*doc, eos)]
+    source.write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": " "}) + "\n")
+    with pytest.raises(DataError, match="docs.jsonl holds no documents, only 2 blank ones"):
+        TokenCache(tmp_path / "cache").tokenize(source, tokenizer, "text", eos, log=lambda _: None)
