@@ -125,6 +125,8 @@ def _ruler_sample(task: str, record: dict, max_new_tokens: int | None) -> Sample
     prefix = record.get("answer_prefix", "")
     if not isinstance(prefix, str):
         raise ValueError(f"answer_prefix must be a string, got {prefix!r}")
+    if not prompt + prefix:
+        raise ValueError("the prompt (input + answer_prefix) is empty; fix or drop the record")
     new_tokens = budget if max_new_tokens is None else max_new_tokens
     return Sample(task, 0, prompt + prefix, [str(o) for o in outputs], new_tokens, metric=metric)
 

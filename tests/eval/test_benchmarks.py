@@ -177,7 +177,9 @@ def test_benchmark_files_go_through_the_shared_reader(tmp_path):
 
 
 def test_bad_files_name_the_line_and_the_fix(tmp_path):
-    bad = write_jsonl(tmp_path / "passkey.jsonl", [{"id": 0, "context": "x", "input": "q", "answer": ["1"]}, {"id": 1}])
+    bad = write_jsonl(
+        tmp_path / "passkey.jsonl", [{"id": 0, "context": "key 1", "input": "q", "answer": ["1"]}, {"id": 1}]
+    )
     with pytest.raises(ValueError, match=r"passkey.jsonl:2: an InfiniteBench record needs .*found fields \['id'\]"):
         datafiles.infinitebench_samples([bad])
     bad = write_jsonl(
@@ -224,18 +226,27 @@ UNSCORABLE = [
     ("kv_retrieval.jsonl", {"context": "c", "input": "q", "answer": "key:"}, "word", "not one word"),
     ("math_find.jsonl", {"context": "[1]", "input": "The largest number of", "answer": -3}, "first_number", "sign"),
     ("math_find.jsonl", {"context": "[1]", "input": "The largest number of", "answer": "nan"}, "first_number", "sign"),
+    # a retrieval answer the context does not hold: no model can find it
+    ("passkey.jsonl", {"context": "The pass key is 5.", "input": "q", "answer": "7"}, "first_integer", "not in the"),
+    ("kv_retrieval.jsonl", {"context": '{"a": "b"}', "input": "q", "answer": "zz"}, "word", "not in the context"),
 ]
 
 
 @pytest.mark.parametrize("name, record, metric, why", UNSCORABLE, ids=lambda v: str(v)[:24])
 def test_answers_that_cannot_score_are_refused_with_file_and_line(tmp_path, name, record, metric, why):
-    fine = {**record, "answer": "1"} if "context" in record else {**record, "outputs": ["1"]}
+    fine = {**record, "context": "1", "answer": "1"} if "context" in record else {**record, "outputs": ["1"]}
     path = write_jsonl(tmp_path / name, [fine, record])
     load = datafiles.infinitebench_samples if "context" in record else datafiles.ruler_samples
     with pytest.raises(
         ValueError, match=rf"{re.escape(name)}:2: the answer .* cannot be scored with {metric}: .*{why}"
     ):
         load([path])
+
+
+def test_a_ruler_record_without_a_prompt_is_refused_with_file_and_line(tmp_path):
+    path = write_jsonl(tmp_path / "vt.jsonl", [{"input": "x", "outputs": ["1"]}, {"input": "", "outputs": ["1"]}])
+    with pytest.raises(ValueError, match=r"vt\.jsonl:2: the prompt \(input \+ answer_prefix\) is empty"):
+        datafiles.ruler_samples([path])
 
 
 def test_place_by_length_refuse_or_truncate(tmp_path):
