@@ -43,14 +43,22 @@ def check_output_dir(path: str | None, key: str) -> None:
 
 def check_export_target(out: str | Path, cfg: Config, key: str) -> None:
     """ValueError unless an export may go to ``out``: a new or empty folder, or an earlier export (its
-    ``EXPORT_RECORD``), and neither the model folder (model.path) nor the tokenizer's folder the run reads."""
+    ``EXPORT_RECORD``); neither the model folder (model.path) nor the tokenizer's folder the run reads, nor a
+    folder holding checkpoint.dir or log.dir (an export replaces its folder whole)."""
     out = Path(out)
+    target = out.resolve()
     for read_key, read in (("model.path", cfg.model.path), ("data.tokenizer", cfg.data.tokenizer)):
         folder = Path(read).resolve() if read is not None else None
-        if folder is not None and out.resolve() == (folder.parent if folder.is_file() else folder):
+        if folder is not None and target == (folder.parent if folder.is_file() else folder):
             raise ValueError(
                 f"{key}={out} is the folder of {read_key}: the export would replace the files this run reads; "
                 f"set {key} to another folder"
+            )
+    for other_key, other in (("checkpoint.dir", cfg.checkpoint.dir), ("log.dir", cfg.log.dir)):
+        if other is not None and Path(other).resolve().is_relative_to(target):
+            raise ValueError(
+                f"{key}={out} holds {other_key}={other}: an export replaces its folder whole; set {key} to a "
+                "folder of its own (e.g. beside the checkpoints)"
             )
     if out.exists() and not out.is_dir():
         raise ValueError(f"{key}={out} is a file, not a folder; set {key} to a folder")

@@ -177,6 +177,9 @@ def test_an_export_replaces_only_an_earlier_export_and_never_the_base_model(tmp_
         ValueError, match="checkpoint.export_dir=.* is the folder of model.path: the export would replace"
     ):
         check_output_dirs(based)
+    for inside in ("checkpoint.dir", "log.dir"):  # empty at the start, replaced whole by the export at the end
+        with pytest.raises(ValueError, match=f"export.* holds {inside}=.*an export replaces its folder whole"):
+            check_output_dirs(parse_config(RAW, [f"{inside}={tmp_path / 'run' / 'sub'}", f"checkpoint.export_dir={tmp_path / 'run'}"]))  # fmt: skip
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "config.json").write_text('{"mine": 1}')
