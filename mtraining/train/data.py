@@ -99,15 +99,18 @@ def load_sources(cfg: Config, tokenize: bool, log: Callable[[str], None] = print
     d = cfg.data
     cache = TokenCache(d.cache_dir)
     specs = [(spec, find_files(spec.path)) for spec in d.source_specs]
+    _refuse_cache_inside(specs, cache)
     tokenizer = _tokenizer(cfg, [f for _, files in specs for f in files if file_kind(f) != "tokens"])
     separator = tokenizer.separator_id(d.separator) if tokenizer is not None else None
+    token_files = any(file_kind(f) == "tokens" for _, files in specs for f in files)
+    boundary = document_separator(cfg) if token_files else None  # None without document masking
     sources = []
     for spec, files in specs:
         parts = []
         for path in files:
             if file_kind(path) == "tokens":
                 ids = open_token_file(path, d.token_dtype)
-                max_id = scan_max(path, d.token_dtype)
+                max_id = scan_max(path, d.token_dtype, boundary)
                 parts.append(TokenPart(str(path), ids.dtype.name, len(ids), max_id, str(path)))
                 continue
             text_field = spec.text_field or d.text_field
@@ -123,6 +126,20 @@ def load_sources(cfg: Config, tokenize: bool, log: Callable[[str], None] = print
             raise DataError(f"data source {spec.path!r} holds no tokens")
         sources.append(source)
     return sources
+
+
+def _refuse_cache_inside(specs: list, cache: TokenCache) -> None:
+    """DataError when the token cache lies in a data source: its entries (.bin ids, .json records) would be read
+    as data from the second start on."""
+    root = cache.root.expanduser().absolute()
+    for spec, files in specs:
+        folder = Path(spec.path).expanduser().absolute()
+        inside = folder.is_dir() and root.is_relative_to(folder)
+        if inside or any(Path(f).absolute().is_relative_to(root) for f in files):
+            raise DataError(
+                f"data source {spec.path!r} holds the token cache data.cache_dir={cache.root}: its entries would be "
+                "read as data; set data.cache_dir to a folder outside the data"
+            )
 
 
 def check_vocabulary(sources: list[Source], vocab_size: int, token_dtype: str) -> None:

@@ -207,6 +207,7 @@ def test_report(results, tmp_path):
     assert "does not exist" in fails("report", tmp_path / "nothing-here.json")
     (tmp_path / "empty").mkdir()
     assert "no evaluation results" in fails("report", tmp_path / "empty")
+    assert "is a file, not a folder" in fails("report", results, "--out-dir", tmp_path / "report.md")
 
 
 def test_official_files_end_to_end(tiny, tmp_path):
