@@ -99,7 +99,7 @@ def load_sources(cfg: Config, tokenize: bool, log: Callable[[str], None] = print
     d = cfg.data
     cache = TokenCache(d.cache_dir)
     specs = [(spec, find_files(spec.path)) for spec in d.source_specs]
-    _refuse_cache_inside(specs, cache)
+    _refuse_outputs_inside(specs, cfg, cache)
     tokenizer = _tokenizer(cfg, [f for _, files in specs for f in files if file_kind(f) != "tokens"])
     separator = tokenizer.separator_id(d.separator) if tokenizer is not None else None
     token_files = any(file_kind(f) == "tokens" for _, files in specs for f in files)
@@ -128,18 +128,27 @@ def load_sources(cfg: Config, tokenize: bool, log: Callable[[str], None] = print
     return sources
 
 
-def _refuse_cache_inside(specs: list, cache: TokenCache) -> None:
-    """DataError when the token cache lies in a data source: its entries (.bin ids, .json records) would be read
-    as data from the second start on."""
-    root = cache.root.expanduser().absolute()
-    for spec, files in specs:
-        folder = Path(spec.path).expanduser().absolute()
-        inside = folder.is_dir() and root.is_relative_to(folder)
-        if inside or any(Path(f).absolute().is_relative_to(root) for f in files):
-            raise DataError(
-                f"data source {spec.path!r} holds the token cache data.cache_dir={cache.root}: its entries would be "
-                "read as data; set data.cache_dir to a folder outside the data"
-            )
+def _refuse_outputs_inside(specs: list, cfg: Config, cache: TokenCache) -> None:
+    """DataError when a folder the run writes (the token cache, checkpoints, logs, the export) lies in a data
+    source: its files (.bin ids, .json records, metrics.jsonl) would be read as data from the next start on."""
+    outputs = {
+        "data.cache_dir": cache.root,
+        "checkpoint.dir": cfg.checkpoint.dir,
+        "checkpoint.export_dir": cfg.checkpoint.export_dir,
+        "log.dir": cfg.log.dir,
+    }
+    for key, out in outputs.items():
+        if out is None:
+            continue
+        root = Path(out).expanduser().absolute()
+        for spec, files in specs:
+            folder = Path(spec.path).expanduser().absolute()
+            inside = folder.is_dir() and root.is_relative_to(folder)
+            if inside or any(Path(f).absolute().is_relative_to(root) for f in files):
+                raise DataError(
+                    f"data source {spec.path!r} holds {key}={out}: what the run writes there would be read as "
+                    f"data; set {key} to a folder outside the data"
+                )
 
 
 def check_vocabulary(sources: list[Source], vocab_size: int, token_dtype: str) -> None:

@@ -246,13 +246,14 @@ def test_document_masking_refuses_a_token_file_without_its_separator(tmp_path):
     assert load_sources(masked, tokenize=True)
 
 
-def test_a_token_cache_inside_a_data_folder_is_refused(tmp_path):
-    """Its entries were read as data from the second start on (a .json record as a document without text)."""
-    tokenizer = str(DATA / "tokenizer.json")
+@pytest.mark.parametrize("key", ["data.cache_dir", "checkpoint.dir", "log.dir", "checkpoint.export_dir"])
+def test_a_run_output_inside_a_data_folder_is_refused(tmp_path, key):
+    """What the run writes there was read as data from the next start on (a cache's .json record, a manifest or
+    metrics.jsonl as documents without text, a cache's .bin as token ids)."""
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.jsonl").write_text('{"text": "Ada keeps the red lamp."}\n' * 50)
-    cfg = _config(tmp_path, [str(tmp_path / "data")], tokenizer=tokenizer, cache_dir=str(tmp_path / "data" / "cache"))
-    with pytest.raises(
-        ValueError, match="holds the token cache data.cache_dir=.*set data.cache_dir to a folder outside"
-    ):
+    out = str(tmp_path / "data" / "out")
+    cfg = _config(tmp_path, [str(tmp_path / "data")], tokenizer=str(DATA / "tokenizer.json"))
+    cfg = parse_config(cfg.model_dump(), [f"{key}={out}"])
+    with pytest.raises(ValueError, match=f"holds {key}=.*data/out: .*set {key} to a folder outside the data"):
         load_sources(cfg, tokenize=True)
