@@ -151,11 +151,13 @@ def tokenize(
     """Tokenise the config's text sources into the token cache now (e.g. on a login node before a job), so
     ranks only memory-map them; with OUT, also write all sources end to end as one token file."""
     from .train.config import load_config
-    from .train.data import load_sources, write_token_file
+    from .train.data import check_token_file_target, load_sources, write_token_file
     from .train.errors import SaveFailed
 
     try:
         cfg = load_config(config, overrides)
+        if out is not None:
+            check_token_file_target(out)
         sources = load_sources(cfg, tokenize=True, log=typer.echo)
     except ValueError as err:
         _fail(err)

@@ -167,6 +167,17 @@ def check_vocabulary(sources: list[Source], vocab_size: int, token_dtype: str) -
         )
 
 
+def check_token_file_target(out: Path) -> None:
+    """ValueError unless ``out`` names a new ``.npy`` file: an existing file (a data source among them) is never
+    written over, and another ending would be read back as a raw ``.bin`` with the .npy header as ids."""
+    if out.suffix != ".npy":
+        raise ValueError(f"{out}: a token file is written as .npy (its header says its type); name it {out.stem}.npy")
+    if out.exists():
+        raise ValueError(
+            f"{out} exists; choose a new file name, or remove it first (a token file is never written over)"
+        )
+
+
 def write_token_file(sources: list[Source], out: Path) -> np.dtype:
     """Write every source's tokens end to end as one ``.npy`` file (uint16 when the ids fit, else uint32), under
     a temporary name renamed at the end, so a failed write leaves ``out`` as it was; returns the type.

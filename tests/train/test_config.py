@@ -178,6 +178,11 @@ def test_cli_tokenize_fills_the_cache_and_writes_the_token_stream(tmp_path):
     assert saved.dtype == np.uint16 and np.array_equal(saved, expected)
     again = CliRunner().invoke(app, args[:2] + args[3:])  # cached: nothing tokenised
     assert again.exit_code == 0 and "tokenising" not in again.output
+    # an existing file (a source among them) is never written over; a .bin would be read back with the header
+    for target, why in ((out, "exists; choose a new file name"), (tmp_path / "t.bin", "name it t.npy")):
+        refused = CliRunner().invoke(app, [*args[:2], str(target), *args[3:]])
+        assert refused.exit_code == 2 and why in refused.output, refused.output
+    assert np.array_equal(np.load(out), expected) and not (tmp_path / "t.bin").exists()
 
 
 def test_budgets_file_gives_per_layer_per_head_budgets(tmp_path):
