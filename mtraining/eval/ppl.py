@@ -1,7 +1,7 @@
 """Long-document perplexity at several lengths, with the loss per position bucket.
 
 For each length L the first L tokens of every document that long (or, with ``pack``, consecutive
-L-token windows of all documents joined by EOS) are scored; the per-token losses are summed into
+L-token windows of all documents joined by the separator training uses: the EOS) are scored; the per-token losses are summed into
 buckets of positions [0, b), [b, 2b), [2b, 4b), ... so a user sees whether late tokens, which
 have more context, get a lower loss.
 """
@@ -43,13 +43,13 @@ class _Windows:
 
     def windows(self, length: int, samples: int, pack: bool) -> list[list[int]]:
         if pack:
-            eos = self.tokenizer.eos_id
+            separator = self.tokenizer.separator_id(None)  # training's: the declared EOS, else a common EOS name
             need = length * samples
 
             self._tokenise_until(lambda: sum(len(d) + 1 for d in self.ids) >= need)
             stream: list[int] = []
             for doc in self.ids:
-                stream.extend(doc + ([eos] if eos is not None else []))
+                stream.extend([*doc, separator])
             found = [stream[i : i + length] for i in range(0, len(stream) - length + 1, length)][:samples]
         else:
             self._tokenise_until(lambda: sum(len(d) >= length for d in self.ids) >= samples)

@@ -285,6 +285,19 @@ def test_prompts_that_spell_a_special_token_are_refused(tmp_path):
 
 
 # ---------------------------------------------------------------------------- PG-19 for perplexity
+def test_packed_perplexity_windows_join_documents_with_the_separator():
+    """A bare tokenizer.json declares no EOS: --pack ran the documents together with nothing between them."""
+    from mtraining.eval.loading import load_tokenizer
+    from mtraining.eval.ppl import _Windows
+
+    tok = load_tokenizer(DATA / "tokenizer.json")
+    assert tok.eos_id is None
+    docs = ["Ada keeps the red lamp.", "Who?"]
+    first, second = (tok.encode(d) for d in docs)
+    window = _Windows(docs, tok).windows(len(first) + 1 + len(second), 1, pack=True)[0]
+    assert window == [*first, 0, *second]
+
+
 def test_pg19_folder_of_books(tmp_path):
     """The original release: one <id>.txt per book under train/, validation/, test/ and a metadata.csv."""
     for split, books in (("test", {"10146": "First book.", "3027": "Second book."}), ("train", {"1": "Train."})):
