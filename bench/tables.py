@@ -366,6 +366,33 @@ def checkpoint_integrity_table() -> str:
     return "\n".join(lines)
 
 
+def agreement_check_table() -> str:
+    """The rings' per-call agreement check: one check, a bare all-gather, layer-like steps with and without the
+    checks, and the position-ids read (slowest rank's medians)."""
+    head = ["backend", "ranks", "check µs", "bare all-gather µs", "layers", "tokens", "with checks ms"]
+    head += ["without ms", "position-ids read ms (tokens)", "device", "commit"]
+    lines = [_row(head), _row(["---"] * len(head))]
+    for r in _load("agreement_check"):
+        lines.append(
+            _row(
+                [
+                    r["backend"],
+                    r["world"],
+                    f"{r['check_us']:.0f}",
+                    f"{r['all_gather_us']:.0f}",
+                    r["layers"],
+                    r["seq"],
+                    f"{r['layers_ms']:.1f}",
+                    f"{r['layers_unchecked_ms']:.1f}",
+                    f"{r['position_ids_ms']:.1f} ({r['ids_len']})",
+                    r["device"],
+                    r["commit"],
+                ]
+            )
+        )
+    return "\n".join(lines)
+
+
 def loss_table() -> str:
     """LM-head cross-entropy (loss + backward) by implementation: time, peak memory, the per-chunk row
     step alone (its timing clones the logits: the clone is subtracted) and errors against float64."""
@@ -712,6 +739,7 @@ def main() -> None:
         ("extension", "extension_*", extension_tables()),
         ("checkpoint_integrity", "checkpoint_integrity_cpu_20261123", checkpoint_integrity_table()),
         ("train_overhead", "train_overhead_cpu_20261124", train_overhead_table()),
+        ("agreement_check", "agreement_check_cpu_20261128", agreement_check_table()),
     ):
         print(f"<!-- {title}: bench/reports/{report}.md -->\n{table}\n")
 

@@ -25,6 +25,7 @@ from .documents import DataError
 TEXT_OPTIONS = {"split_special_tokens": True}
 """How ``Tokenizer.encode`` reads text: special-token strings as plain text (part of the token cache's key)."""
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+_BOUNDARY_CHARS = 1024  # characters before a continuation that decide how it is tokenised
 FOLDER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 """Files that make a folder a tokenizer folder for ``Tokenizer.from_folder``."""
 
@@ -128,6 +129,16 @@ class Tokenizer:
         return self.hf(text, add_special_tokens=self.add_special_tokens, return_attention_mask=False, **TEXT_OPTIONS)[
             "input_ids"
         ]
+
+    def continuation(self, prompt: str, text: str) -> list[int]:
+        """Ids of ``text`` where it follows ``prompt``: those ``encode(prompt + text)`` adds after ``encode(prompt)``
+        (read on the prompt's last ``_BOUNDARY_CHARS`` characters: tokens never reach that far), or, where the
+        two meet inside one token, ``text``'s own ids without special tokens."""
+        tail = prompt[-_BOUNDARY_CHARS:]
+        head, whole = self.encode([tail, tail + text])
+        if whole[: len(head)] == head:
+            return whole[len(head) :]
+        return self.hf(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
 
     def count(self, text: str) -> int:
         return len(self.encode(text))

@@ -147,6 +147,11 @@ def _check_overrides(model_type: str | None, overrides: dict[str, Any]) -> None:
         )
 
 
+def head_dim(hf_config) -> int:
+    """Attention head size of a HF config (explicit head_dim, else hidden_size / heads)."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
 def refuse_gguf(path: str | Path, where: str) -> None:
     """ValueError naming ``mtraining convert`` when ``path`` is a GGUF file, or a folder of GGUF files without
     config.json: the trainer and eval load Hugging Face folders, converted once."""

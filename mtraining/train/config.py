@@ -140,18 +140,37 @@ class ParallelSection(_Section):
     """How long a rank waits in a collective for the others before the run stops with exit code 4
     (a rank stopped responding). Covers the slowest step and the longest wait on rank 0 (saving the
     export); a watchdog reports a step running 10x longer than usual before that (train/watchdog.py)."""
-    ring: Literal["flat", "hierarchical"] = "flat"
-    """flat: one ring of all context ranks; hierarchical: an inner ring of ``inner_size`` ranks per node
-    inside an outer ring across nodes (the slow link hidden behind a whole inner cycle)."""
+    context_mode: Literal["ring", "allgather"] = "ring"
+    """ring: K/V travel around a ring of the context ranks (``parallel.ring``), each transfer hidden behind a
+    step of compute; allgather: each layer all-gathers the whole sequence's K/V once (and again in the
+    backward), attends this rank's queries to them and reduce-scatters dK/dV: no overlap, the full K/V of
+    one layer in memory (DESIGN.md, "All-gather context parallelism")."""
+    ring: Literal["auto", "flat", "hierarchical"] = "auto"
+    """auto: hierarchical where the ring cost model predicts it pays (context ranks on several nodes and a
+    link between them slow enough, ``inter_node_gbps``), flat otherwise (train/ring_choice.py; the start-up
+    summary says which and why); flat: one ring of all context ranks; hierarchical: an inner ring of
+    ``inner_size`` ranks per node inside an outer ring across nodes (the slow link hidden behind a whole
+    inner cycle)."""
     inner_size: PositiveInt | None = None
-    """Ranks per inner ring (hierarchical); default: the ranks per node (torchrun's LOCAL_WORLD_SIZE)."""
+    """Ranks per inner ring (hierarchical, and the node size that auto judges); default: the ranks per node
+    (torchrun's LOCAL_WORLD_SIZE)."""
+    inter_node_gbps: PositiveFloat = 25.0
+    """Bandwidth between nodes per GPU and direction in GB/s that ``ring: auto`` predicts with (25: HDR
+    InfiniBand, one NIC per GPU)."""
 
     @model_validator(mode="after")
     def _check_ring(self) -> ParallelSection:
+        if self.context_mode == "allgather" and self.ring == "hierarchical":
+            raise ValueError(
+                "parallel.ring=hierarchical is a ring schedule, but parallel.context_mode=allgather runs no ring: "
+                "set parallel.context_mode=ring, or drop parallel.ring"
+            )
         if self.inner_size is None:
             return self
-        if self.ring != "hierarchical":
-            raise ValueError("parallel.inner_size sizes the inner rings of parallel.ring=hierarchical; set both")
+        if self.ring == "flat":
+            raise ValueError(
+                "parallel.inner_size sizes the inner rings of parallel.ring=hierarchical (or auto); set both"
+            )
         if self.context % self.inner_size:
             raise ValueError(
                 f"parallel.inner_size ({self.inner_size}) must divide parallel.context ({self.context}): "
@@ -260,6 +279,13 @@ class TrainSection(_Section):
     fused_kernels: Literal["none", "liger"] = "none"
     """liger: liger-kernel's fused RMSNorm, SwiGLU and RoPE in the decoder layers (CUDA; pip install
     liger-kernel); none: the model's own modules."""
+    compile: bool = False
+    """torch.compile each decoder layer (as torchtitan does: one compiled block per layer, inside activation
+    checkpointing and FSDP): norms, projections, RoPE and the MLP fuse; the attention call stays eager (a
+    graph break: its kernels, rings and host-side plans run as without compile). The first step compiles."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile's backend for ``compile``: inductor (fused kernels), or aot_eager / eager (trace only: what
+    compile changes without code generation, for debugging and fast checks)."""
 
     @model_validator(mode="after")
     def _check_options(self) -> TrainSection:
@@ -407,11 +433,15 @@ class Config(_Section):
         """Tokens of one optimizer step over all ranks."""
         return self.parallel.data * self.data.batch_size * self.data.seq_len * self.micro_batches
 
-    def inner_size(self, local_world_size: int | None) -> int:
-        """Ranks per inner ring: parallel.inner_size, else the ranks per node capped at the ring; the flat
+    def inner_size(self, local_world_size: int | None, ring: str | None = None) -> int:
+        """Ranks per inner ring of ``ring`` (default parallel.ring; "auto" must be resolved first,
+        train/ring_choice.py): parallel.inner_size, else the ranks per node capped at the ring; the flat
         ring is one inner ring of all context ranks. Raises naming the values that work."""
         p = self.parallel
-        if p.ring == "flat":
+        ring = ring or p.ring
+        if ring == "auto":
+            raise ValueError("parallel.ring=auto is resolved by train/ring_choice.py before the ring is shaped")
+        if ring == "flat":
             return p.context
         if p.inner_size is not None:
             return p.inner_size

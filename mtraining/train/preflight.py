@@ -17,6 +17,7 @@ from .config import Config
 from .data import Source, check_vocabulary, document_separator, load_sources
 from .outputs import check_output_dirs
 from .packing import PackedStream
+from .ring_choice import choose_ring
 
 
 def check_model(cfg: Config, hf_config, sources: list[Source]) -> None:
@@ -58,13 +59,13 @@ def check_sources(cfg: Config, sources: list[Source]) -> None:
 def preflight(cfg: Config, world_size: int, local_world_size: int, log: Callable[[str], None] = print) -> list[str]:
     """Every check possible before the ranks start (raises ValueError naming the fix); returns warnings."""
     cfg.check_world_size(world_size)
-    cfg.inner_size(local_world_size)
     check_output_dirs(cfg)
     if cfg.log.wandb is not None and importlib.util.find_spec("wandb") is None:
         raise ValueError('log.wandb needs the wandb package: pip install -e ".[wandb]" (or remove log.wandb)')
     sources = load_sources(cfg, tokenize=True, log=log)
     check_sources(cfg, sources)
     hf_config = build_config(**cfg.model.hf_kwargs())
+    choose_ring(cfg, local_world_size, hf_config)  # the ring's shape fits the world
     if cfg.model.path is not None:
         check_weights(cfg.model.path)
     check_model(cfg, hf_config, sources)

@@ -21,7 +21,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..models import Attention, StepStats, bind, build_model
+from ..models.compiled import compile_layers
 from ..models.fused import use_liger_kernels
+from ..models.loader import head_dim
 from ..ops.documents import Documents
 from ..parallel.layout import make_layout
 from ..parallel.topology import init_ring_groups
@@ -41,16 +43,11 @@ from .packing import PackedSamples, first_draw, shard_batch
 from .preflight import check_model, check_sources, rope_warning
 from .profile import step_profiler, write_profile
 from .resume import describe_run, model_identity, resume
+from .ring_choice import choose_ring
 from .saved_outputs import device_memory, plan_saved_outputs, saved_outputs_bytes
 from .signals import StopSignal
 from .summary import startup_summary
 from .watchdog import StepWatchdog, is_collective_failure
-
-
-def _head_dim(config) -> int:
-    """Attention head size of a HF config (explicit head_dim, else hidden_size / heads)."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
 
 FsdpGroups = Literal["none", "root", "layers"]
 
@@ -112,10 +109,6 @@ class Trainer:
         agree(lambda: check_output_dirs(cfg))
         check_shared_dir(cfg.checkpoint.dir, "checkpoint.dir")
         att, data = cfg.attention, cfg.data
-        self.inner_size = agree(lambda: cfg.inner_size(_local_world_size()))
-        if cfg.parallel.ring == "hierarchical" and par.dp_size > 1:
-            cp = par.cp_size  # the mesh is (data, context), context innermost: ring d holds ranks d*cp .. d*cp+cp-1
-            init_ring_groups(self.inner_size, [list(range(d * cp, (d + 1) * cp)) for d in range(par.dp_size)])
         self.sources = open_sources(cfg, log=self._say)
         sizes = {
             f"data.sources[{i}] (tokens, largest id)": [len(s.stream), s.max_id] for i, s in enumerate(self.sources)
@@ -128,6 +121,12 @@ class Trainer:
         if cfg.train.fused_kernels == "liger":
             use_liger_kernels(hf)
         self.hf_config = hf.config
+        self.ring = agree(lambda: choose_ring(cfg, _local_world_size(), hf.config))
+        if self.ring.ring == "hierarchical" and par.dp_size > 1:
+            cp = par.cp_size  # the mesh is (data, context), context innermost: ring d holds ranks d*cp .. d*cp+cp-1
+            init_ring_groups(self.ring.inner_size, [list(range(d * cp, (d + 1) * cp)) for d in range(par.dp_size)])
+        if cfg.train.compile:
+            compile_layers(hf, cfg.train.compile_backend)
         self.layout = make_layout(att.layout, data.seq_len, par.cp_size, att.block_size)
         self.attention = bind(
             hf,
@@ -139,8 +138,9 @@ class Trainer:
                 min_sparse_len=att.min_sparse_len,
                 max_density=att.max_density,
                 backend=att.backend,
-                ring=cfg.parallel.ring,
-                inner_size=self.inner_size,
+                ring=self.ring.ring,
+                inner_size=self.ring.inner_size,
+                context_mode=cfg.parallel.context_mode,
                 checkpointed=cfg.train.activation_checkpointing,
             ),
         )
@@ -183,7 +183,7 @@ class Trainer:
             run_config=cfg.model_dump(mode="json"),
         )
         summary = startup_summary(
-            cfg, hf, par.world_size, self.inner_size, str(par.device), self.sources, self.data, self.step
+            cfg, hf, par.world_size, self.ring, str(par.device), self.sources, self.data, self.step
         )
         self.monitor.write(f"run {self.monitor.run_id}")
         for line in summary + [w for w in (rope_warning(cfg, hf.config),) if w] + notes:
@@ -222,7 +222,7 @@ class Trainer:
     def _flops_per_token(self, hf: nn.Module, density: float) -> float:
         c = hf.config
         return flops_per_token(
-            matmul_params(hf), c.num_hidden_layers, c.num_attention_heads, _head_dim(c), self.cfg.data.seq_len, density
+            matmul_params(hf), c.num_hidden_layers, c.num_attention_heads, head_dim(c), self.cfg.data.seq_len, density
         )
 
     # ------------------------------------------------------------------ steps
@@ -271,7 +271,7 @@ class Trainer:
             ):  # seed: the rows recall measures, the same on every rank
                 loss_sum = self.model(input_ids, labels, position_ids)
             total += loss_sum.detach()
-            with self.attention.recompute():  # activation checkpointing re-runs each layer's forward in here
+            with self.attention.recompute():  # see Note [recompute replays the pattern] (models/attention.py)
                 (loss_sum * scale).backward()
         pattern = self.attention.end_step()
         if par.world_size > 1:
@@ -298,7 +298,7 @@ class Trainer:
         c = self.hf_config
         local_tokens = self.cfg.data.batch_size * self.cfg.data.seq_len // self.par.cp_size  # one micro-batch
         act_bytes = DTYPES[self.cfg.model.dtype].itemsize
-        saved = saved_outputs_bytes(c.num_hidden_layers, local_tokens, c.num_attention_heads, _head_dim(c), act_bytes)
+        saved = saved_outputs_bytes(c.num_hidden_layers, local_tokens, c.num_attention_heads, head_dim(c), act_bytes)
         keep, why = plan_saved_outputs(int(peak.item()), saved, memory[1])
         self.save_outputs = keep
         self.monitor.write(why)
@@ -399,7 +399,7 @@ class Trainer:
             saved = ck.dir is not None and (last or (ck.every is not None and self.step % ck.every == 0))
             if saved:
                 self.save()
-            if stop.agreed():
+            if stop.agreed():  # see Note [stopping together] (signals.py)
                 if ck.dir is not None and not saved:
                     self.save()
                 where = (

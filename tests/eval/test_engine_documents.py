@@ -60,5 +60,5 @@ def test_ids_beyond_the_embeddings_and_answers_of_no_tokens_are_refused():
         engine.token_scores(torch.tensor(beyond))
     with pytest.raises(ValueError, match="beyond the model's 512 embeddings: the tokenizer is not"):
         engine.generate(beyond, 4)
-    with pytest.raises(ValueError, match="at least 1 new token, got 0"):
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 1, got 0"):
         engine.generate([1, 2, 3], 0)

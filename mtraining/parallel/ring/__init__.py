@@ -1,4 +1,4 @@
-"""Ring attention over a context-parallel group: flat and hierarchical schedules.
+"""Ring attention over a context-parallel group: flat and hierarchical schedules, and the all-gather.
 
 ``Comm`` is the exchange ``ring_attention(..., outer_comm=)`` wraps (an emulated slow link, for example).
 """

@@ -1,9 +1,11 @@
-"""Cost model of flat and hierarchical ring attention: predicted forward + backward time per layer.
+"""Cost model of context-parallel attention: predicted forward + backward time of one layer.
 
 Inputs are per-step compute times (one ring step's attention, forward and backward, on one GPU)
-and links (``links.Link``: bandwidth per direction per GPU, latency per transfer). Ranks advance in lock step, and
+and links (``Link``: bandwidth per direction per GPU, latency per transfer). Ranks advance in lock step, and
 a step whose transfer is overlapped with compute costs max(compute, transfer). The schedules are
-the ones the engines run (ring.py, hierarchical.py):
+the ones the engines run (ring/flat.py, ring/hierarchical.py, ring/allgather.py); the trainer's
+``parallel.ring: auto`` asks ``choose_ring`` (train/ring_choice.py), bench/cost_model.py checks it against
+measured times:
 
 Flat ring of W = O x I ranks. Consecutive ranks share a node, so with O > 1 some hop of every step
 crosses nodes and every step waits for the slow link:
@@ -20,13 +22,38 @@ K/V runs behind the whole cycle, and the outer accumulator hop behind the next c
   backward = max(B, X(kv)) + (O-2) max(B, X(kv + g)) + max(B, X(g)) + X(g)      (O > 1)
 with X on the inter-node link. Compute of one step is the same in both rings (same shard sizes);
 with the striped layout all steps cost the same, c = (work of one GPU on the full sequence) / W^2.
+
+All-gather (no ring): K/V of every rank are gathered before any compute and the dK/dV reduce-scattered
+after it, nothing overlapped; the backward gathers K/V again (they are not kept):
+  forward  = A(kv) + W c_f,    backward = A(kv) + W c_b + A(g)
+where A(b) = (W-1) x(b) is a ring all-gather (or reduce-scatter) of W shards of b bytes on the slowest link.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.links import Link
+
+@dataclass(frozen=True)
+class Link:
+    """A link of ``bandwidth`` bytes/s per direction (per GPU) and ``latency`` seconds per transfer."""
+
+    bandwidth: float
+    latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise ValueError(f"a link needs bandwidth > 0 bytes/s (e.g. 25e9 for 25 GB/s), got {self.bandwidth!r}")
+        if not self.latency >= 0:
+            raise ValueError(f"a link needs latency >= 0 seconds (e.g. 5e-6), got {self.latency!r}")
+
+    def seconds(self, nbytes: float) -> float:
+        """Modelled time of one transfer of ``nbytes`` (none: 0)."""
+        return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
+
+    @property
+    def label(self) -> str:
+        return f"emulated {self.bandwidth / 1e9:g} GB/s, {self.latency * 1e6:g} us"
 
 
 @dataclass(frozen=True)
@@ -96,6 +123,20 @@ def hierarchical_ring_time(cluster: Cluster, work: StepWork) -> Prediction:
     fwd = (o - 1) * max(inner.fwd, x(kv)) + inner.fwd
     bwd = max(inner.bwd, x(kv)) + (o - 2) * max(inner.bwd, x(kv + g)) + max(inner.bwd, x(g)) + x(g)
     return Prediction(fwd, bwd)
+
+
+def allgather_time(cluster: Cluster, work: StepWork) -> Prediction:
+    """Predicted all-gather time (seconds) of one attention layer, forward and backward (module docstring)."""
+    w = cluster.world_size
+    link = cluster.inter if cluster.nodes > 1 else cluster.intra
+
+    def collective(nbytes: float) -> float:
+        return (w - 1) * link.seconds(nbytes)
+
+    return Prediction(
+        collective(work.kv_bytes) + w * work.fwd,
+        collective(work.kv_bytes) + w * work.bwd + collective(work.grad_bytes),
+    )
 
 
 @dataclass(frozen=True)
