@@ -138,7 +138,7 @@ class Tokenizer:
         head, whole = self.encode([tail, tail + text])
         if whole[: len(head)] == head:
             return whole[len(head) :]
-        return self.hf(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        return self.hf(text, add_special_tokens=False, return_attention_mask=False, **TEXT_OPTIONS)["input_ids"]
 
     def count(self, text: str) -> int:
         return len(self.encode(text))
