@@ -113,10 +113,10 @@ def column_scores_triton(
     bits: int,
     seed: int,
     score_bytes: int = SCORE_BYTES,
-) -> Iterator[tuple[Tensor, Tensor]]:
+) -> Iterator[tuple[Tensor, slice, Tensor]]:
     """The blocks' column scores by ``_column_score_kernel``, per chunk of whole query blocks of at most
-    ``score_bytes`` of scores: (float32 [B, H, blocks, N], int64 [blocks]: which global blocks, in q's
-    order). Arguments as ``select_block_columns``; q_pos in ascending aligned runs of G, the pattern
+    ``score_bytes`` of scores: (float32 [B, H, blocks, N], every head, int64 [blocks]: which global blocks, in
+    q's order). Arguments as ``select_block_columns``; q_pos in ascending aligned runs of G, the pattern
     without block columns, bits <= 31 (int32 codes).
 
     The rows' LSE over the pattern comes from the sparse forward (Triton backend). Unlike the reference,
@@ -177,4 +177,4 @@ def column_scores_triton(
             HEAD_DIM=d,
             num_warps=4,
         )
-        yield score, q_pos[block0 * g : (block0 + count) * g : g].long() // g
+        yield score, slice(None), q_pos[block0 * g : (block0 + count) * g : g].long() // g
