@@ -108,9 +108,10 @@ class AttentionSection(_Section):
     column_scorer: Literal["sorted", "dense"] = "sorted"
     """How block columns' candidates are scored: sorted (each hash table's keys sorted by code, only the
     candidate pairs scored: work grows with them) or dense (every pair scored, then masked: quadratic)."""
-    column_cap: int = Field(4096, ge=0)
+    column_cap: int = Field(0, ge=0)
     """sorted only: a row meets at most this many keys per hash table, those of its bucket nearest its block
-    (bounds the work where many keys share a bucket). 0: no cap."""
+    (bounds the work where most keys share a bucket, but drops candidates: 0, no cap, keeps the dense scorer's
+    columns)."""
     dense_layers: list[int] = []
     """Layers that always run dense attention."""
     min_sparse_len: int = Field(0, ge=0)

@@ -36,7 +36,7 @@ from .column_buckets import check_cap, row_windows, sort_keys
 from .vertical_slash import VerticalSlashPattern, compact
 
 _LOG2E = tl.constexpr(LOG2E)
-SCORE_BYTES = 1 << 30  # float32 scores held at once per chunk of query heads and blocks
+SCORE_BYTES = 512 << 20  # float32 scores held at once per chunk of query heads and blocks
 BLOCK_N = 64
 
 

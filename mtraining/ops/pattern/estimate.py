@@ -76,7 +76,7 @@ class PatternConfig:
     column_tables: int = 8
     column_bits: int = 8
     column_scorer: Scorer = "sorted"
-    column_cap: int = 4096
+    column_cap: int = 0
 
     def __post_init__(self) -> None:
         for name in ("v_size", "s_size", "last_q", "local_window", "block_size", "column_tables", "column_bits"):
