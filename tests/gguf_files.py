@@ -38,8 +38,9 @@ def tiny_vocabulary() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, list(MERGES)
 
 
-def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0, tied: bool = True) -> Path:
-    """A tiny ``arch`` (llama or qwen2) checkpoint at ``path``; qwen2 adds the q/k/v biases it has."""
+def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0, tied: bool = True, context: int = 2048) -> Path:
+    """A tiny ``arch`` (llama or qwen2) checkpoint at ``path`` pretrained (by its metadata) at ``context`` tokens;
+    qwen2 adds the q/k/v biases it has."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -49,7 +50,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0, tied: bool =
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny {arch}")
     writer.add_block_count(LAYERS)
-    writer.add_context_length(2048)
+    writer.add_context_length(context)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)

@@ -92,3 +92,26 @@ def test_stale_names_are_found():
         "DESIGN.md: link bench/nope.md",
         "DESIGN.md: ops/torch_backend.py",
     ]
+
+
+def _notes() -> tuple[dict[str, list[str]], list[tuple[str, str]]]:
+    """Where each ``# Note [name]`` is written, and every (file, name) that points at one ("Note [name]")."""
+    defined: dict[str, list[str]] = {}
+    pointers = []
+    files = [*sorted((ROOT / "mtraining").rglob("*.py")), ROOT / "DESIGN.md"]
+    for path in files:
+        for line in path.read_text().splitlines():
+            for name in re.findall(r"Note \[([^\]]+)\]", line):
+                if line.strip() == f"# Note [{name}]":
+                    defined.setdefault(name, []).append(str(path.relative_to(ROOT)))
+                else:
+                    pointers.append((str(path.relative_to(ROOT)), name))
+    return defined, pointers
+
+
+def test_every_note_is_written_once_and_every_pointer_finds_it():
+    defined, pointers = _notes()
+    twice = {name: where for name, where in defined.items() if len(where) > 1}
+    missing = sorted({f"{where}: Note [{name}]" for where, name in pointers if name not in defined})
+    assert not twice and not missing, f"notes written twice: {twice}; pointers to no note: {missing}"
+    assert defined, "the code has no notes"

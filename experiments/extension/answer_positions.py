@@ -35,8 +35,9 @@ import numpy as np
 
 from bench.common import RESULTS_DIR, provenance
 
+from ..common.stages import cpu_seconds, write_json
+from ..common.training import ROOT
 from . import text_corpus
-from .pipeline import ROOT, cpu_seconds, write_json
 from .settings import SCALES, Scale, Stage
 
 QUANTILES = (0.1, 0.5, 0.9)

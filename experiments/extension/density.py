@@ -25,8 +25,8 @@ from pathlib import Path
 
 from bench.common import RESULTS_DIR, provenance
 
+from ..common.stages import Clock, write_json
 from . import evaluation, report
-from .pipeline import Clock, write_json
 from .settings import DENSER, SCALES, SWEEP, Budget, Scale
 
 

@@ -29,7 +29,7 @@ from .report import accuracy
 from .settings import Budget, Scale
 
 if TYPE_CHECKING:
-    from .background import Pool
+    from ..common.background import Pool
 
 
 def spec(scale: Scale, budget: Budget | None, length: int):
@@ -42,7 +42,6 @@ def spec(scale: Scale, budget: Budget | None, length: int):
         block_size=scale.block_size,
         backend=scale.backend,
         pattern=budget.pattern(length, scale) if budget is not None else {},
-        prefill_granule=scale.block_size,  # generation: the whole prompt but its last partial block is prefilled
         dense_layers=(0,),
     )
 

@@ -46,8 +46,8 @@ from mtraining.models import attention as attention_module
 from mtraining.ops.pattern import VerticalSlashPattern
 from mtraining.ops.pattern.block_columns import bucket_mates, hash_codes, hash_planes
 
+from ..common.stages import write_json
 from . import query_position, report
-from .pipeline import write_json
 from .settings import SCALES
 
 BLOCK = 64  # query rows per block that share their own columns (and keys per key block)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from bench.common import RESULTS_DIR, provenance
 
+from ..common.stages import write_json
 from .evaluation import spec
-from .pipeline import write_json
 from .recall_corpus import make_document
 from .settings import SCALES, Budget, Scale
 

@@ -16,7 +16,7 @@ dynamic sparse attention, then compare retrieval and perplexity), in five resuma
 5. report: ``extension_<scale>.json`` (every figure, device, commit, command), ``.md``, three PNGs
    and the log, flat in ``--out`` (report.py).
 
-The text task's CPU-only preparation overlaps the base's training (background.py): the
+The text task's CPU-only preparation overlaps the base's training (experiments/common/background.py): the
 tokenizer and the corpus files are written in stage order on a pool of the spare cores (all but the training's
 and this process's), each training stage waiting for its own file only; then the evaluations' NIAH/RULER prompts
 at every length are built into ``<work>/eval/prompts.pkl``, which the first evaluation waits for. Files and prompts are
@@ -50,11 +50,7 @@ import argparse
 import contextlib
 import json
 import math
-import os
-import resource
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -62,74 +58,20 @@ from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 
-import yaml
+from bench.common import RESULTS_DIR, commit, provenance
 
-from bench.common import RESULTS_DIR, commit, provenance, written
-
+from ..common.background import Background, Parts
+from ..common.stages import LOG, Clock, OutOfTime, Refused, say, write_json
+from ..common.training import ROOT, train
 from . import evaluation, recall_corpus, report, text_corpus
-from .background import Background, Parts
 from .recall_corpus import Shape
 from .settings import SCALES, Budget, Scale, Stage
 
-ROOT = Path(__file__).resolve().parents[2]
-
-LOG: list[Path] = []
-T0 = time.time()
 EVAL_S: list[float] = []  # wall time of each evaluation of this call
-
-
-class OutOfTime(Exception):
-    """--max-minutes passed: stop before the next stage (its outputs so far are kept)."""
-
-
-class Refused(ValueError):
-    """The command asks for something its --work or --base-from cannot give; the message names the fix."""
 
 
 class BaseDoesNotRetrieve(Exception):
     """The base clearly fails the retrieval it needs at L0: extending it could show nothing."""
-
-
-def say(*parts) -> None:
-    """Print (and append to the log) one line with the wall-clock time and the time since start."""
-    line = f"[{time.strftime('%H:%M:%S')} +{time.time() - T0:6.0f}s] " + " ".join(str(p) for p in parts)
-    print(line, flush=True)
-    for path in LOG:
-        with open(path, "a") as f:
-            f.write(line + "\n")
-
-
-def write_json(path: Path, data) -> None:
-    """Write atomically: a stage's output exists whole or not at all."""
-    with written(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-
-
-def cpu_seconds(children_only: bool = False) -> float:
-    """User+sys CPU time of this process and of its finished child processes (ranks, trainings); ``children_only``:
-    of the children alone (a training's, without what this process prepares in the background meanwhile)."""
-    who = (resource.RUSAGE_CHILDREN,) if children_only else (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-    return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, who))
-
-
-class Clock:
-    """CPU time (``cpu_seconds``) and wall time of one stage; refuses to start one that would end past
-    --max-minutes (``expected``: how long the stage is expected to take; trainings stop at the deadline)."""
-
-    deadline: float | None = None
-
-    def __init__(self, expected: float = 0.0, children_only: bool = False) -> None:
-        self.expected, self.children_only = expected, children_only
-
-    def __enter__(self) -> Clock:
-        if Clock.deadline is not None and time.time() + self.expected > Clock.deadline:
-            raise OutOfTime
-        self.started, self.before = time.time(), cpu_seconds(self.children_only)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.wall_s = round(time.time() - self.started, 1)
-        self.cpu_s = round(cpu_seconds(self.children_only) - self.before, 1)
 
 
 # ---------------------------------------------------------------------------------------------- 1: corpus
@@ -306,94 +248,6 @@ def train_config(
         ),
         log=dict(dir=str(run / "log"), every=5, tensorboard=False, progress=False),
     )
-
-
-def read_metrics(run: Path) -> list[dict]:
-    """The run's metrics.jsonl, one record per step (a resumed run's repeated steps: the last one; no event rows)."""
-    path = run / "log" / "metrics.jsonl"
-    by_step = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip().endswith("}"):
-                record = json.loads(line)
-                if "event" not in record:  # start / resume markers
-                    by_step[record["step"]] = record
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def train(run: Path, config: dict) -> dict:
-    """``mtraining train`` (under torchrun for several ranks) unless ``run/summary.json`` exists.
-
-    Past the --max-minutes deadline the run gets SIGTERM (it saves a checkpoint and exits 143) and
-    ``OutOfTime`` is raised; the next call resumes it from that checkpoint. Wall and CPU time add up
-    over the calls (``segments.jsonl``: one line per call). A run folder trained with another seed is refused."""
-    summary_path, written_config = run / "summary.json", run / "train.yaml"
-    if written_config.exists():  # a finished or interrupted run: its data order must be this one's
-        before, now = yaml.safe_load(written_config.read_text())["train"]["seed"], config["train"]["seed"]
-        if before != now:
-            raise Refused(
-                f"{run} was trained with seed {before}, this run asks for {now}: a replicate (another "
-                "--extension-seed) needs its own --work (--base-from the first run's work reuses its base), "
-                f"or delete {run}"
-            )
-    if summary_path.exists():
-        return json.loads(summary_path.read_text())
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "train.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    nproc = config["parallel"]["data"] * config["parallel"]["context"]
-    cmd = [sys.executable, "-m", "mtraining.cli", "train", str(run / "train.yaml")]
-    cmd += ["--nproc", str(nproc)] if nproc > 1 else []
-    steps, seq = config["train"]["steps"], config["data"]["seq_len"]
-    say(f"train {run.parent.name}/{run.name}: {steps} steps at {seq} tokens on {nproc} rank(s)")
-    with Clock(children_only=True) as clock, open(run / "train.log", "a") as log:  # the training's CPU time
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
-        stopped = _wait(proc)
-    with open(run / "segments.jsonl", "a") as f:
-        f.write(json.dumps({"wall_s": clock.wall_s, "cpu_s": clock.cpu_s, "stopped": stopped}) + "\n")
-    if stopped:
-        say(f"  stopped at the deadline after {clock.wall_s:.0f}s wall (exit {proc.returncode}); resumes next call")
-        raise OutOfTime
-    if proc.returncode != 0:
-        tail = "\n".join((run / "train.log").read_text().splitlines()[-15:])
-        raise RuntimeError(f"training {run} failed (exit {proc.returncode}); the end of its train.log:\n{tail}")
-    metrics = read_metrics(run)
-    last = metrics[-10:]
-    segments = [json.loads(line) for line in (run / "segments.jsonl").read_text().splitlines()]
-    summary = dict(
-        run=f"{run.parent.name}/{run.name}",
-        commit=commit(),
-        config=config,
-        wall_s=round(sum(seg["wall_s"] for seg in segments), 1),
-        cpu_s=round(sum(seg["cpu_s"] for seg in segments), 1),
-        calls=len(segments),
-        steps=len(metrics),
-        curve=[{k: m[k] for k in ("step", "loss", "density", "recall") if k in m} for m in metrics],
-        final_loss=sum(m["loss"] for m in last) / len(last),
-        tokens_per_s=sum(m["tokens_per_s"] for m in last) / len(last),
-    )
-    densities = [m["density"] for m in metrics if "density" in m]
-    recalls = [m["recall"] for m in metrics if "recall" in m]
-    if densities:
-        summary["density"] = sum(densities) / len(densities)
-        summary["recall"] = sum(recalls) / len(recalls) if recalls else None
-    shutil.rmtree(run / "checkpoints", ignore_errors=True)  # the export is what later stages read
-    write_json(summary_path, summary)
-    extra = f", density {summary['density']:.3f}, recall {summary['recall']:.3f}" if densities else ""
-    say(f"  loss {summary['final_loss']:.3f}, {summary['wall_s']:.0f}s wall, {summary['cpu_s']:.0f}s cpu{extra}")
-    return summary
-
-
-def _wait(proc: subprocess.Popen) -> bool:
-    """Wait for ``proc``; past ``Clock.deadline`` send it SIGTERM and wait for its exit. True if stopped so."""
-    timeout = None if Clock.deadline is None else max(0.0, Clock.deadline - time.time())
-    try:
-        proc.wait(timeout=timeout)
-        return False
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait()
-        return True
 
 
 def base_model(scale: Scale, work: Path, data: Mapping, seed: int) -> tuple[Path, list[dict]]:
@@ -677,8 +531,12 @@ def _parameters(export: Path) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.extension",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--scale", choices=sorted(SCALES), default="cpu")
     p.add_argument("--work", type=Path, default=None, help="stage outputs (default: runs/extension_<scale>)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="flat folder for the results (default: bench/results)")
@@ -735,11 +593,11 @@ def main() -> None:
         help="reuse the base of this work folder (a run of the same curriculum): train and evaluate only the "
         "extensions (e.g. with other --extension-kinds or --budgets)",
     )
-    args = p.parse_args()
-    if args.report_from is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        report_from(args.report_from, args.out)
-        return
+    return p
+
+
+def _scale(args: argparse.Namespace, p: argparse.ArgumentParser) -> Scale:
+    """The scale with the command line's changes; a bad one exits through ``p.error``."""
     scale = SCALES[args.scale]
     if args.document_masking is not None:
         scale = replace(scale, document_masking=args.document_masking)
@@ -766,12 +624,22 @@ def main() -> None:
         scale = replace(scale, budgets=chosen)
         if scale.default_budget not in names:
             scale = replace(scale, default_budget=names[0])
+    return scale
+
+
+def main() -> None:
+    p = _parser()
+    args = p.parse_args()
+    if args.report_from is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        report_from(args.report_from, args.out)
+        return
+    scale = _scale(args, p)
     work = (args.work or ROOT / "runs" / f"extension_{scale.name}").resolve()  # configs resolve paths from their folder
     work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     LOG.append(args.out / f"extension_{scale.name}.log")
-    if args.max_minutes is not None:
-        Clock.deadline = T0 + 60 * args.max_minutes
+    Clock.stop_after(args.max_minutes)
     seeds = f"seed {args.seed}" + (f", extension seed {args.extension_seed}" if args.extension_seed is not None else "")
     say(f"context extension, {scale.name} scale, {seeds}: work dir {work}, outputs in {args.out}")
     try:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from bench.common import RESULTS_DIR, provenance
 
+from ..common.stages import Clock, write_json
 from . import evaluation, recall_corpus, report
-from .pipeline import Clock, write_json
 from .recall_corpus import eval_set
 from .settings import SCALES, Budget, Scale
 

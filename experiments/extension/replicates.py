@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench.common import provenance, written
 
-from .pipeline import write_json
+from ..common.stages import write_json
 from .report import (
     accuracy,
     bootstrap,

@@ -18,7 +18,7 @@ import random
 from dataclasses import asdict
 from pathlib import Path
 
-from mtraining.eval.retrieval import wilson_interval
+from mtraining.eval.intervals import wilson_interval
 
 from .settings import Scale
 

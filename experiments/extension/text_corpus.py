@@ -43,7 +43,7 @@ from mtraining.eval.tasks import KEY_WORDS, needle_keys, needle_numbers, sized_p
 if TYPE_CHECKING:
     from mtraining.data import TextTokenizer
 
-    from .background import Pool
+    from ..common.background import Pool
 
 KINDS = ("niah", "niah", "niah", "vt", "recall", "recall", "recall", "recall")
 _NIAH = ("niah_single", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")

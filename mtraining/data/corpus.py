@@ -142,7 +142,9 @@ def _encode(task: tuple[list[tuple[TreeFile, str]], bool]) -> np.ndarray:
 
 def _parts(kept: list[tuple[TreeFile, str]]) -> list[tuple[list[tuple[TreeFile, str]], bool]]:
     """A document's files in consecutive groups of about PIECE_BYTES (a larger file is a group of its own)."""
-    parts, group, size = [], [], 0
+    parts: list[tuple[list[tuple[TreeFile, str]], bool]] = []
+    group: list[tuple[TreeFile, str]] = []
+    size = 0
     for f, digest in kept:
         length = len(f.data) if f.data is not None else os.path.getsize(f.disk)
         if group and size + length > PIECE_BYTES:

@@ -21,6 +21,7 @@ import subprocess
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .documents import DataError
 
@@ -165,8 +166,8 @@ def package_licenses(root: Path) -> dict[str, str]:
     from importlib.metadata import distributions
 
     found: dict[str, str] = {}
-    for dist in sorted(distributions(path=[str(root)]), key=lambda d: d.metadata.get("Name") or ""):
-        meta = dist.metadata
+    for dist in sorted(distributions(path=[str(root)]), key=lambda d: d.name or ""):
+        meta: Any = dist.metadata  # an email Message at run time, whose .get typeshed's PackageMetadata lacks
         note = meta.get("License-Expression") or (meta.get("License") or "").strip().split("\n")[0][:100]
         if not note:
             classifiers = [c.split(" :: ")[-1] for c in meta.get_all("Classifier") or [] if c.startswith("License ::")]

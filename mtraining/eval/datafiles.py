@@ -176,9 +176,10 @@ def run_samples(
     lengths: Sequence[int],
     title: str,
     show_progress: bool = True,
+    forced: bool = True,
 ) -> dict:
-    """Answer placed samples: {"tasks", "lengths", "scores", "counts", "average", "records"} (records carry
-    each sample's file and id, and its prompt tokens before any truncation)."""
+    """Answer placed samples: ``answers.task_grid``'s table (records carry each sample's file and id, and its
+    prompt tokens before any truncation); ``forced``: also score each record's answers teacher-forced."""
     runs = [
         (
             {"task": s.task, "length": s.length},
@@ -187,6 +188,6 @@ def run_samples(
         )
         for s in samples
     ]
-    scores, records = score_samples(engine, tokenizer, runs, title, show_progress)
+    scores, records = score_samples(engine, tokenizer, runs, title, show_progress, forced=forced)
     tasks = list(dict.fromkeys(s.task for s in samples))
     return task_grid(tasks, sorted(lengths), scores, records)

@@ -199,6 +199,14 @@ class Attention:
         return self.pattern_config
 
     # ------------------------------------------------------------------ the protocol
+    # Note [recompute replays the pattern]
+    # With activation checkpointing the backward re-runs each layer's forward. That recompute must be the
+    # forward, pair for pair, or the gradients belong to another function:
+    # - forward() keeps the pattern (or the dense decision) of each checkpointed sparse layer, and with
+    #   save_outputs its (out, lse); recompute() takes them back instead of estimating again;
+    # - so a step pays one estimation per layer, not two, and the recompute cannot draw another pattern;
+    # - each forward pairs with its own recompute: leaving recompute() drops what was kept, and a second
+    #   forward() before the recompute is a RuntimeError (several micro-batches per step alternate them).
     @contextlib.contextmanager
     def forward(
         self,
@@ -334,7 +342,7 @@ class Attention:
                 "q shape": tuple(q.shape),
                 "layout": self.layout,
             }
-            check_ranks_agree(self.group, q.device, "position ids", fields)
+            check_ranks_agree(self.group, q.device, "position ids", fields)  # see Note [ring agreement]
         if ids.dim() != 2 or ids.shape[1] != q.shape[1] or ids.shape[0] not in (1, q.shape[0]):
             raise ValueError(
                 f"position_ids {tuple(ids.shape)} do not fit the layer's queries {tuple(q.shape[:2])} [batch, tokens]: "

@@ -18,6 +18,12 @@ document starts at the first token and wherever a position id does not continue 
 that reads documents from position ids (one device, the Hugging Face model, context parallelism on the
 gathered global ids) calls it. What it cannot read (negative ids, fractional or falling boundaries) is
 refused with a ValueError naming the fix.
+
+``estimate_end`` marks the positions that take no part in estimating a sparse pattern (ops/pattern): from
+it on no row scores lines or ranks block columns and no document forces sinks. Evaluation uses it for a
+padding document after a prompt (a layout splits only multiples of its unit) and for answer tokens scored
+teacher-forced, which attend to the prompt but must not choose the pattern they are read with. Attention
+itself ignores it: those rows attend as any others, within their documents and the pattern.
 """
 
 from __future__ import annotations
@@ -39,11 +45,20 @@ class Documents:
         seq_len: N, the packed sequence length.
         starts: per batch row, an int64 CPU tensor of the global positions where documents start,
             strictly ascending, starting with 0.
+        estimate_end: positions >= this take no part in estimating a sparse pattern (module docstring);
+            None: every position does.
     """
 
-    def __init__(self, starts: Sequence[Sequence[int] | Tensor], seq_len: int) -> None:
+    def __init__(self, starts: Sequence[Sequence[int] | Tensor], seq_len: int, estimate_end: int | None = None) -> None:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+        if estimate_end is not None and (
+            isinstance(estimate_end, bool) or not isinstance(estimate_end, int) or not 1 <= estimate_end <= seq_len
+        ):
+            raise ValueError(
+                f"estimate_end must be None or an int in [1, seq_len={seq_len}] (the first position that does not "
+                f"estimate), got {estimate_end!r}"
+            )
         if isinstance(starts, (str, bytes)) or not isinstance(starts, (Sequence, Tensor)) or len(starts) == 0:
             raise ValueError(f"documents need a list of starts per batch row, got {starts!r}")
         rows = []
@@ -59,6 +74,7 @@ class Documents:
             rows.append(t)
         self.seq_len = seq_len
         self.starts: tuple[Tensor, ...] = tuple(rows)
+        self.estimate_end = None if estimate_end == seq_len else estimate_end
         self._device_starts: dict[torch.device, Tensor] = {}
         self._cache: dict[tuple, object] = {}
         self._digest: str | None = None
@@ -86,12 +102,15 @@ class Documents:
         return cls([t[:-1] for t in rows], ends.pop())
 
     @classmethod
-    def from_lengths(cls, lengths: Sequence[int] | Tensor | Sequence[Sequence[int] | Tensor]) -> Documents:
+    def from_lengths(
+        cls, lengths: Sequence[int] | Tensor | Sequence[Sequence[int] | Tensor], estimate_end: int | None = None
+    ) -> Documents:
         """From document lengths in order (integers >= 1), one list per batch row (or one list for every row)."""
         rows = [_integers(r, f"document lengths of row {b}") for b, r in enumerate(_rows(lengths, "lengths"))]
         if any(r.numel() == 0 or bool((r < 1).any()) for r in rows):
             raise ValueError("document lengths must be >= 1, at least one per batch row")
-        return cls.from_cu_seqlens([torch.cat([r.new_zeros(1), r.cumsum(0)]) for r in rows])
+        cu = cls.from_cu_seqlens([torch.cat([r.new_zeros(1), r.cumsum(0)]) for r in rows])
+        return cu if estimate_end is None else cls(cu.starts, cu.seq_len, estimate_end)
 
     @classmethod
     def from_position_ids(cls, position_ids: Tensor) -> Documents:
@@ -108,8 +127,14 @@ class Documents:
 
     @property
     def single(self) -> bool:
-        """Every row is one document: nothing to mask (``resolve_documents`` turns this into None)."""
-        return all(r.numel() == 1 for r in self.starts)
+        """Every row is one document and every position estimates: nothing to mask or leave out
+        (``resolve_documents`` turns this into None)."""
+        return self.estimate_end is None and all(r.numel() == 1 for r in self.starts)
+
+    @property
+    def estimated_len(self) -> int:
+        """The positions that take part in estimating a pattern: 0 .. estimated_len - 1."""
+        return self.seq_len if self.estimate_end is None else self.estimate_end
 
     @property
     def shared(self) -> bool:
@@ -125,7 +150,7 @@ class Documents:
         """A short hex digest of the boundaries: equal on every process for equal documents."""
         if self._digest is None:
             h = hashlib.blake2b(digest_size=8)
-            h.update(str(self.seq_len).encode())
+            h.update(f"{self.seq_len}:{self.estimate_end}".encode())
             for r in self.starts:
                 h.update(b"|" + r.numpy().tobytes())
             self._digest = h.hexdigest()
@@ -133,7 +158,8 @@ class Documents:
 
     def __repr__(self) -> str:
         counts = [r.numel() for r in self.starts]
-        return f"Documents(seq_len={self.seq_len}, batch={self.batch}, documents={counts}, digest={self.digest()})"
+        end = "" if self.estimate_end is None else f", estimate_end={self.estimate_end}"
+        return f"Documents(seq_len={self.seq_len}, batch={self.batch}, documents={counts}{end}, digest={self.digest()})"
 
     # ----------------------------------------------------------------- per position
     def _padded(self, device: torch.device) -> Tensor:

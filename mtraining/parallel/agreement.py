@@ -24,6 +24,19 @@ import torch.distributed as dist
 
 from ..ops.documents import Documents
 
+# Note [ring agreement]
+# Every rank of a group makes the same collective call, or every rank raises the same ValueError.
+# - Every collective call of this package opens with check_ranks_agree: one all-gather of one 64-bit digest
+#   per rank of the call's name and fields (shapes, dtype, layout, pattern grid, config, scale, schedule,
+#   backend, documents, whether gradients flow), before any other collective.
+# - Where the digests differ, the ranks gather the fields and raise the same error naming each one that
+#   differs and every rank's value. Ranks that enter different calls meet in two checks of equal size and
+#   fail together instead of hanging.
+# - It runs on every call, so a later call that changes on one rank is caught like the first.
+# - Not compared: pattern contents (global by construction), the tensors' values, and a rank that skips a
+#   call (the others wait; the trainer's watchdog turns the time-out into exit 4).
+# Callers: ring_attention (ring/attention.py), estimate_pattern_cp (estimate.py), the model's read of packed
+# position ids under context parallelism (models/attention.py).
 _DIGESTS: dict[tuple, int] = {}
 _MAX_DIGESTS = 4096  # the table starts over when full
 

@@ -98,7 +98,7 @@ def estimate_pattern_cp(
         "softmax_scale": softmax_scale,
         "documents": documents_field(documents),
     }
-    check_ranks_agree(group, q.device, "estimate_pattern_cp", fields)
+    check_ranks_agree(group, q.device, "estimate_pattern_cp", fields)  # see Note [ring agreement]
     return estimate_agreed(q, k, config, group, layout, layer_idx, softmax_scale, documents)
 
 

@@ -271,7 +271,7 @@ class Trainer:
             ):  # seed: the rows recall measures, the same on every rank
                 loss_sum = self.model(input_ids, labels, position_ids)
             total += loss_sum.detach()
-            with self.attention.recompute():  # activation checkpointing re-runs each layer's forward in here
+            with self.attention.recompute():  # see Note [recompute replays the pattern] (models/attention.py)
                 (loss_sum * scale).backward()
         pattern = self.attention.end_step()
         if par.world_size > 1:
@@ -399,7 +399,7 @@ class Trainer:
             saved = ck.dir is not None and (last or (ck.every is not None and self.step % ck.every == 0))
             if saved:
                 self.save()
-            if stop.agreed():
+            if stop.agreed():  # see Note [stopping together] (signals.py)
                 if ck.dir is not None and not saved:
                     self.save()
                 where = (

@@ -12,7 +12,7 @@ from tests.configs import TINY as TINY_BASE
 TINY = TINY_BASE | dict(max_position_embeddings=4096, initializer_range=0.2)
 G = 16
 SEQ = 256  # a multiple of every layout's unit for 2 and 4 ranks (zigzag on 4: 2 * 4 * 16 = 128)
-PROMPTS = (40, 200, 301)  # shorter than the prefill granule (128), and prefill + dense tail
+PROMPTS = (40, 200, 301)  # padded to the layout's unit on several ranks (unit 32 to 128), and unpadded
 SPARSE = dict(v_size=8, s_size=24, last_q=16, local_window=16, sink_tokens=4)
 
 
@@ -30,14 +30,16 @@ def inputs():
     return ids, prompts
 
 
-def spec(layout: str, sparse: bool, context_mode: str = "ring") -> AttentionSpec:
-    """Torch-backend attention in ``layout``, dense or sparse with the SPARSE budgets, over ``context_mode``."""
+def spec(layout: str, sparse: bool, context_mode: str = "ring", ring: str = "flat") -> AttentionSpec:
+    """Torch-backend attention in ``layout``, dense or sparse with the SPARSE budgets, over ``context_mode`` (on the
+    ``ring``; "hierarchical": inner rings of 2)."""
     return AttentionSpec(
         sparse=sparse,
         layout=layout,
+        ring=ring,
+        inner_size=2 if ring == "hierarchical" else None,
         block_size=G,
         backend="torch",
         pattern=SPARSE if sparse else {},
-        prefill_granule=128,
         context_mode=context_mode,
     )

@@ -88,7 +88,8 @@ def select_block_columns(
     q [B, Sq, Hq, D] at global positions ``q_pos`` (default 0..Sq-1; whole query blocks), k [B, N, Hkv, D]
     the whole sequence's keys in position order (Hq a multiple of Hkv). A block's candidates are the keys
     before its first row that the pattern does not keep for it, within the document of some row of the block,
-    sharing a hash bucket with one of its rows; a key no row of the block meets is never chosen.
+    sharing a hash bucket with one of its rows; a key no row of the block meets is never chosen. Rows from
+    ``documents.estimate_end`` on rank nothing.
     ``scorer``: how candidates are found (module docstring): "sorted" (each row meets at most ``cap`` keys
     per table; None: no cap) or "dense" (``cap`` must be None). ``backend``: "auto" scores with Triton on
     CUDA and torch elsewhere ("triton" runs the kernels in Triton's interpreter on the CPU).
@@ -195,6 +196,8 @@ def column_scores_reference(
         mates = bucket_mates(q_codes[:, :, rows], k_codes)  # [B, H, R, N]
         before = k_pos[None, :] < (pos // g * g)[:, None]  # keys before the row's block
         candidate = mates & before & seen & ~kept
+        if documents is not None and documents.estimate_end is not None:  # rows that do not estimate rank nothing
+            candidate &= (pos < documents.estimate_end)[:, None]
         probs = (logits - pattern_lse).exp_().masked_fill_(~candidate, 0.0)
         held, block_of_row = torch.unique(pos // g, return_inverse=True)  # the chunk's blocks, ascending
         yield probs.new_zeros(b, hq, held.shape[0], n).index_add_(2, block_of_row, probs), slice(None), held

@@ -129,7 +129,7 @@ def ring_attention(
         reuse is not None,
         documents,
     )
-    check_ranks_agree(group, q.device, "ring_attention", fields)
+    check_ranks_agree(group, q.device, "ring_attention", fields)  # see Note [ring agreement]
     if ring not in RINGS:
         raise ValueError(f"ring must be 'flat', 'hierarchical' or 'allgather', got {ring!r}")
     name = resolve_backend(backend, q.device)

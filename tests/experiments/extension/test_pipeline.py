@@ -22,11 +22,12 @@ import numpy as np
 import pytest
 import yaml
 
+from experiments.common.background import Background, PreparationFailed
 from experiments.extension import pipeline, report, text_corpus
-from experiments.extension.background import Background, PreparationFailed
 from experiments.extension.recall_corpus import Shape, Vocab, eval_set, make_document, train_stream, write_tokenizer
 from experiments.extension.settings import SCALES, Budget, Stage
 from mtraining.data.tokenizer import TextTokenizer
+from mtraining.eval.engine import Response
 from mtraining.eval.ppl import position_buckets
 from mtraining.ops import PatternConfig
 
@@ -171,8 +172,8 @@ def test_a_failing_background_file_raises_where_it_is_needed(tmp_path):
 class _Silent:
     """An engine that answers nothing: the evaluations' own prompt building, without a model."""
 
-    def generate(self, ids, max_new_tokens, stop_ids=()):
-        return []
+    def respond(self, ids, max_new_tokens, stop_ids=(), reference=None):
+        return Response([])
 
 
 def test_prompts_built_in_the_background_are_those_the_evaluation_builds(tmp_path):

@@ -7,7 +7,7 @@ the package and its license, then the copyright file). Members are sorted, with 
 so the same package gives the same archive byte for byte.
 
     apt-get download python3.11-doc      # Debian 12: python3.11-doc_3.11.2-6+deb12u8_all.deb, PSF License
-    python bench/prose_archive.py python3.11-doc_*.deb /work/scratch/python-3.11-docs.tar.xz
+    python tools/prose_archive.py python3.11-doc_*.deb /work/scratch/python-3.11-docs.tar.xz
 """
 
 from __future__ import annotations
