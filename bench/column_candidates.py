@@ -65,7 +65,7 @@ def window_stats(q: Tensor, k: Tensor, layer: int, block_size: int, tables: int,
     n = q.shape[1]
     _, _, q_codes, k_codes = hashed_heads(q, k, tables, bits, layer)
     pos = torch.arange(n)
-    win = row_windows(sort_keys(k_codes), q_codes, pos, None, block_size, None)
+    win = row_windows(sort_keys(k_codes), q_codes, pos, None, None, block_size, None)
     width = (win.hi - win.lo).long()[0]  # [H, T, S]
     before = (pos // block_size * block_size).sum().item()  # keys before the rows' blocks, summed over rows
     codes = k_codes[0]  # [H, N, T]

@@ -147,6 +147,17 @@ def test_sorted_triton_fp16():
     assert (want > 0).sum() > 100
 
 
+def test_sorted_triton_large_tiles():
+    """One-bit hashes: every bucket holds about half the rows, so the kernel runs 64-row tiles (as at long
+    lengths), which the finer hashes of the other cases never reach."""
+    q, k, pattern = inputs(31)
+    args = (q, k, pattern, SCALE, torch.arange(N), DOCUMENTS["per_row"], TABLES, 1, SEED)
+    want = all_scores(column_scores_reference(*args), pattern.num_blocks)
+    got = all_scores(column_scores_sorted_triton(*args), pattern.num_blocks)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert (want > 0).sum() > 1000
+
+
 def capped_brute_force(q, k, pattern, documents, cap: int) -> torch.Tensor:
     """float64 [B, HQ, nb, N]: the sorted scorer's scores by its rule, row by row: a row meets, per table, the
     last ``cap`` keys of its bucket in [its document's start, its block's start); a pair met in any table and

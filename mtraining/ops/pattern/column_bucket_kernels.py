@@ -148,7 +148,8 @@ def column_scores_sorted_triton(
     ascending aligned runs of G, the pattern without block columns, bits <= 31 (int32 codes).
 
     The rows' LSE over the pattern comes from the sparse forward (Triton backend); a row the pattern leaves
-    without keys (never one of an estimated pattern, which keeps the local window) adds nothing.
+    without keys (never one of an estimated pattern, which keeps the local window) adds nothing, and so do
+    rows from ``documents.estimate_end`` on.
     """
     b, sq, hq, d = q.shape
     n = k.shape[1]
@@ -179,7 +180,7 @@ def column_scores_sorted_triton(
             rows = slice(block0 * g, min((block0 + per_chunk) * g, sq))
             r = rows.stop - rows.start
             bound = None if q_bound is None else q_bound[:, rows]
-            win = row_windows(keys, q_codes[:, :, rows], q_pos[rows], bound, g, cap)
+            win = row_windows(keys, q_codes[:, :, rows], q_pos[rows], documents, bound, g, cap)
             block_m = min(64, max(16, triton.next_power_of_2(r >> bits)))  # about one bucket's rows
             row_order, tile_start = row_tiles(win.codes, block_m, bits)
             score = torch.zeros(b, hc, triton.cdiv(r, g), n, dtype=torch.float32, device=q.device)

@@ -65,16 +65,25 @@ def sort_keys(k_codes: Tensor) -> KeyBuckets:
 
 
 def row_windows(
-    keys: KeyBuckets, q_codes: Tensor, q_pos: Tensor, q_bound: Tensor | None, block_size: int, cap: int | None
+    keys: KeyBuckets,
+    q_codes: Tensor,
+    q_pos: Tensor,
+    documents: Documents | None,
+    q_bound: Tensor | None,
+    block_size: int,
+    cap: int | None,
 ) -> RowWindows:
     """The ``RowWindows`` of rows with codes int64 [B, H, R, T] at global positions ``q_pos`` [R], with
-    (packed documents) left bounds ``q_bound`` [B or 1, R]; at most ``cap`` keys per window (None: no cap)."""
+    (packed ``documents``) left bounds ``q_bound`` [B or 1, R]; at most ``cap`` keys per window (None: no cap).
+    Rows from ``documents.estimate_end`` on meet no key (they rank nothing)."""
     n = keys.order.shape[-1]
     codes = q_codes.transpose(-1, -2).contiguous()  # [B, H, T, R]
     start = (q_pos.long() // block_size * block_size).expand_as(codes)
+    if documents is not None and documents.estimate_end is not None:
+        start = torch.where(q_pos.long() < documents.estimate_end, start, 0)  # an empty window: hi = lo
     bound = torch.zeros_like(start) if q_bound is None else q_bound.long()[:, None, None, :].expand_as(codes)
     hi = torch.searchsorted(keys.sorted, codes * n + start)  # keys of lower codes, or of this code before start
-    lo = torch.searchsorted(keys.sorted, codes * n + bound.contiguous())
+    lo = torch.minimum(torch.searchsorted(keys.sorted, codes * n + bound.contiguous()), hi)
     if cap is not None:
         lo = torch.maximum(lo, hi - cap)
     first = torch.where(lo < hi, keys.order.gather(-1, lo.clamp(max=n - 1)).long(), start)
@@ -105,7 +114,8 @@ def column_scores_sorted(
     Arguments as ``select_block_columns``, the pattern without block columns; ``cap`` as the module says.
 
     The rows' LSE over the pattern comes from the sparse forward (torch backend); a row the pattern leaves
-    without keys (never one of an estimated pattern, which keeps the local window) adds nothing.
+    without keys (never one of an estimated pattern, which keeps the local window) adds nothing, and so do
+    rows from ``documents.estimate_end`` on.
     """
     if pattern.block_cols is not None:
         raise ValueError("the sorted column scorer scores on a pattern without block columns (its lines)")
@@ -125,7 +135,7 @@ def column_scores_sorted(
         rows = slice(start, min(start + rows_per_chunk, sq))
         pos = q_pos[rows].long()
         bound = None if q_bound is None else q_bound[:, rows]
-        win = row_windows(keys, q_codes[:, :, rows], pos, bound, g, cap)
+        win = row_windows(keys, q_codes[:, :, rows], pos, documents, bound, g, cap)
         held, block_of_row = torch.unique(pos // g, return_inverse=True)  # the chunk's blocks, ascending
         score = torch.zeros(b, hq, held.shape[0], n, dtype=torch.float32, device=q.device)
         for bi, hd, ti, ri, j in _candidate_pairs(keys, win):
