@@ -26,13 +26,11 @@ import triton.language as tl
 from torch import Tensor
 
 from ..documents import Documents
-from ..sparse import attention_forward
-from ..sparse.attention import check_backend_inputs
-from ..sparse.index import check_aligned_positions
 from ..sparse.kernels import LOG2E
-from ..sparse.launch import _strides, _unit_stride
+from ..sparse.launch import _strides
 from .block_columns import hashed_heads
 from .column_buckets import check_cap, row_windows, sort_keys
+from .column_kernels import scorer_inputs
 from .vertical_slash import VerticalSlashPattern, compact
 
 _LOG2E = tl.constexpr(LOG2E)
@@ -144,30 +142,17 @@ def column_scores_sorted_triton(
 ) -> Iterator[tuple[Tensor, slice, Tensor]]:
     """The blocks' column scores by ``_bucket_score_kernel``, per chunk of query heads and whole query blocks
     of at most ``score_bytes`` of scores (as many blocks as fit first): (float32 [B, heads, blocks, N], which
-    heads, int64 [blocks]: which global blocks, in q's order). Arguments as ``select_block_columns``; q_pos in
-    ascending aligned runs of G, the pattern without block columns, bits <= 31 (int32 codes).
+    heads, int64 [blocks]: which global blocks, in q's order). Arguments as ``select_block_columns``, checked
+    as ``column_kernels.scorer_inputs`` says (which also gives the rows' LSE over the pattern).
 
-    The rows' LSE over the pattern comes from the sparse forward (Triton backend); a row the pattern leaves
-    without keys (never one of an estimated pattern, which keeps the local window) adds nothing, and so do
-    rows from ``documents.estimate_end`` on.
+    A row the pattern leaves without keys (never one of an estimated pattern, which keeps the local window)
+    adds nothing, nor do rows from ``documents.estimate_end`` on.
     """
     b, sq, hq, d = q.shape
     n = k.shape[1]
     g = pattern.block_size
-    check_backend_inputs(q, k, k, "triton")  # the kernels' dtypes and head dims
-    if pattern.block_cols is not None:
-        raise ValueError("the sorted column scorer scores on a pattern without block columns (its lines)")
-    if bits > 31:
-        raise ValueError(f"the Triton column scorer holds hash codes in int32: bits must be <= 31, got {bits}")
     check_cap(cap)
-    check_aligned_positions(q_pos, g, "q_pos")
-    q, k = _unit_stride(q, k)
-    q_pos = q_pos.to(torch.int32).contiguous()
-    q_bound = None if documents is None else documents.left_bounds(q_pos)
-    k_pos = torch.arange(n, dtype=torch.int32, device=q.device)
-    _, lse = attention_forward(q, k, k, pattern, q_pos, k_pos, scale, backend="triton", q_bound=q_bound)
-    vmask = pattern.vertical_mask().to(torch.int8)
-    dmask = pattern.diag_mask().to(torch.int8)
+    q, k, q_pos, q_bound, lse, vmask, dmask = scorer_inputs(q, k, pattern, scale, q_pos, documents, bits)
     blocks = triton.cdiv(sq, g)
     per_chunk = max(1, min(blocks, score_bytes // (b * n * 4)))
     heads_per_chunk = max(1, min(hq, score_bytes // (b * per_chunk * n * 4)))
