@@ -110,8 +110,8 @@ def column_scores_sorted(
 ) -> Iterator[tuple[Tensor, slice, Tensor]]:
     """The blocks' column scores (block_columns.py) from the candidates of the sorted buckets, in torch, per
     chunk of whole query blocks: (float32 [B, H, blocks, N], every head, int64 [blocks]: which global blocks,
-    ascending).
-    Arguments as ``select_block_columns``, the pattern without block columns; ``cap`` as the module says.
+    ascending). Arguments as ``select_block_columns``, the pattern without block columns; ``cap`` as the module
+    says.
 
     The rows' LSE over the pattern comes from the sparse forward (torch backend); a row the pattern leaves
     without keys (never one of an estimated pattern, which keeps the local window) adds nothing, and so do
@@ -156,12 +156,12 @@ def _candidate_pairs(keys: KeyBuckets, win: RowWindows) -> Iterator[tuple[Tensor
     """Every (row, table, key) of the windows, at most ``_PAIRS`` at a time: int64 (batch, head, table, row,
     key position) [P] each."""
     b, h, t, r = win.lo.shape
-    count = (win.hi - win.lo).clamp(min=0).flatten().long()
+    count = (win.hi - win.lo).flatten().long()  # lo <= hi
     ends = count.cumsum(0)
     total = int(ends[-1]) if ends.numel() else 0
     lo = win.lo.flatten().long()
-    for first in range(0, total, _PAIRS):
-        pair = torch.arange(first, min(first + _PAIRS, total), device=lo.device)
+    for offset in range(0, total, _PAIRS):
+        pair = torch.arange(offset, min(offset + _PAIRS, total), device=lo.device)
         owner = torch.searchsorted(ends, pair, right=True)  # the (row, table) window each pair lies in
         index = lo[owner] + pair - (ends[owner] - count[owner])
         ri = owner % r
