@@ -12,9 +12,10 @@ chooses K columns per block on the layer's lines (``--v-size``, ``--s-size``) wi
 with the sorted one at each cap (torch), and records the share of the dense scorer's columns the sorted
 one keeps (``kept_cap_<cap>``; ``kept_cap_none``: no cap).
 
-    python bench/column_candidates.py --model /path/to/hf-folder --tokens corpus/train/code.npy \
-        --seq-len 8192 --layers 0 7 15 23 29 --out bench/results/column_candidates_smollm2.json
-    python bench/column_candidates.py --synthetic structured --seq-len 16384 --heads-q 16 --heads-kv 2 --head-dim 128
+    python bench/column_candidates.py --model /path/to/hf-folder --tokens corpus/train/code.npy --offset 1000000 \
+        --seq-len 8192 --layers 3 11 19 27 --agreement 128 --caps 256 512 1024 \
+        --out bench/results/column_candidates_smollm2_code.json
+    python bench/column_candidates.py --synthetic structured --seq-len 8192 --out bench/results/column_candidates_structured.json
 """
 
 from __future__ import annotations
