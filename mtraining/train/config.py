@@ -115,7 +115,14 @@ class AttentionSection(_Section):
     """Pattern file with per-layer/per-head budgets (mtraining.ops.pattern.budgets)."""
     block_columns: int = Field(0, ge=0)
     """Key columns chosen per query block of block_size rows on top of the lines (questions asked
-    mid-document keep their evidence); backend torch only for now. 0: none."""
+    mid-document keep their evidence). 0: none."""
+    column_scorer: Literal["sorted", "dense"] = "sorted"
+    """How block columns' candidates are scored: sorted (each hash table's keys sorted by code, only the
+    candidate pairs scored: work grows with them) or dense (every pair scored, then masked: quadratic)."""
+    column_cap: int = Field(0, ge=0)
+    """sorted only: a row meets at most this many keys per hash table, those of its bucket nearest its block
+    (bounds the work where most keys share a bucket, but drops candidates: 0, no cap, keeps the dense scorer's
+    columns)."""
     dense_layers: list[int] = []
     """Layers that always run dense attention."""
     min_sparse_len: int = Field(0, ge=0)
@@ -139,6 +146,8 @@ class AttentionSection(_Section):
             local_window=self.local_window,
             threshold=self.threshold,
             block_columns=self.block_columns,
+            column_scorer=self.column_scorer,
+            column_cap=self.column_cap,
         )
 
 

@@ -280,3 +280,14 @@ def test_block_columns_reach_the_pattern_config_on_every_backend():
     assert parse_config(BASE).attention.pattern_config().block_columns == 0
     with pytest.raises(ConfigError, match="block_columns"):
         parse_config(BASE, ["attention.block_columns=-1"])
+
+
+def test_column_scorer_and_cap_reach_the_pattern_config():
+    config = parse_config(BASE).attention.pattern_config()
+    assert (config.column_scorer, config.column_cap) == ("sorted", 0)
+    cfg = parse_config(BASE, ["attention.column_scorer=dense", "attention.column_cap=512"])
+    assert (cfg.attention.pattern_config().column_scorer, cfg.attention.pattern_config().column_cap) == ("dense", 512)
+    with pytest.raises(ConfigError, match="column_scorer"):
+        parse_config(BASE, ["attention.column_scorer=hashed"])
+    with pytest.raises(ConfigError, match="column_cap"):
+        parse_config(BASE, ["attention.column_cap=-1"])
