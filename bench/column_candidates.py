@@ -12,6 +12,9 @@ chooses K columns per block on the layer's lines (``--v-size``, ``--s-size``) wi
 with the sorted one at each cap (torch), and records the share of the dense scorer's columns the sorted
 one keeps (``kept_cap_<cap>``; ``kept_cap_none``: no cap).
 
+Internal tool: it reads the hashing of ``mtraining.ops.pattern.block_columns`` and the windows of
+``mtraining.ops.pattern.column_buckets`` directly, since those are what it measures.
+
     python bench/column_candidates.py --model /path/to/hf-folder --tokens corpus/train/code.npy --offset 1000000 \
         --seq-len 8192 --layers 3 11 19 27 --agreement 128 --caps 256 512 1024 \
         --out bench/results/column_candidates_smollm2_code.json
