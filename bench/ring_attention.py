@@ -262,6 +262,7 @@ def main() -> None:
         heads_kv=hkv,
         head_dim=d,
         dtype=str(dtype).removeprefix("torch."),
+        block_size=g,
         v_size=args.v_size,
         s_size=args.s_size,
     )
