@@ -2,7 +2,7 @@
 
 Each table is printed under a comment naming its report; BENCHMARKS.md indexes the reports' headlines.
 
-python bench/tables.py
+python tools/tables.py
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import statistics
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 
 
 def _load(name: str) -> list[dict]:
