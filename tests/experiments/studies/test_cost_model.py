@@ -1,4 +1,4 @@
-"""bench/cost_model.py: its predictions against measured ring times, and for larger clusters."""
+"""experiments/studies/cost_model.py: its predictions against measured ring times, and for larger clusters."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench.scripts import load_script
+from experiments.studies import cost_model
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # Issue 32: 4 x H200 as 2 "nodes" x 2 (ring_attention(..., ring="hierarchical", inner_size=2,
 # outer_comm=emulated(link)), the flat ring as 4 x 1), sparse striped, Qwen2.5-3B heads, bf16,
@@ -44,7 +44,7 @@ def test_model_predicts_the_measured_4xh200_times_within_20_percent(fwd_share):
     """From the flat ring's NVLink time alone (the per-step compute), the model predicts the hierarchical ring
     and both rings over emulated 25 and 5 GB/s links. The issue gives fwd+bwd only: the forward's share is
     assumed (2 x H200 records: 0.26-0.32), and the verdict does not depend on it."""
-    records = load_script("cost_model").annotate(_issue_records(fwd_share))
+    records = cost_model.annotate(_issue_records(fwd_share))
     ratios = [r["predicted_over_measured"] for r in records]
     assert all(0.8 <= x <= 1.2 for x in ratios), ratios
     five = {r["schedule"]: r["predicted_ms"] for r in records if r["seq_len"] == 131072 and r.get("outer_gbps") == 5}
@@ -57,7 +57,7 @@ def test_the_trainers_auto_ring_picks_the_faster_measured_ring(tmp_path):
     path = tmp_path / "ring.json"
     path.write_text(json.dumps(_issue_records(0.3)))
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "cost_model.py"), "--choices", str(path)],
+        [sys.executable, "-m", "experiments.studies.cost_model", "--choices", str(path)],
         capture_output=True,
         text=True,
         check=True,
@@ -77,7 +77,7 @@ def test_a_wrong_pick_is_flagged():
     for r in records:
         if r["schedule"] == "hierarchical":
             r.update(fwd_bwd_ms=500.0, fwd_ms=150.0, bwd_ms=350.0)
-    (case,) = load_script("cost_model").auto_choices(records)
+    (case,) = cost_model.auto_choices(records)
     assert case["auto"] == "hierarchical" and not case["right"]
     assert all(r["auto_right"] is False for r in records)
 
@@ -85,7 +85,7 @@ def test_a_wrong_pick_is_flagged():
 def test_cli_prints_and_writes_predictions(tmp_path):
     out = tmp_path / "cost.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "cost_model.py"), "--out", str(out)],
+        [sys.executable, "-m", "experiments.studies.cost_model", "--out", str(out)],
         capture_output=True,
         text=True,
         check=True,
