@@ -60,6 +60,8 @@ CLUSTERS = [
 SEQ_LENS = [512 * 1024, 1024 * 1024]
 NVLINK = ring_cost.Link(450e9, 2e-6)  # NVLink4 (H100, H200) per GPU and direction: ASSUMED
 REAL_LINKS = ("host",)  # a record's outer_link when no link is emulated (the host's own: NVLink on GPUs)
+# bench/ring_attention.py's pattern options, for records that predate their fields
+RING_DEFAULTS = dict(block_size=128, v_size=1024, s_size=6144, local_window=128, last_q=64)
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
 
@@ -144,14 +146,16 @@ def _auto_ring(record: dict):
     heads["hidden_size"] = record["heads_q"] * record["head_dim"]
     raw = dict(
         model=dict(config=dict(model_type="qwen2", **heads), dtype=record.get("dtype", "bfloat16")),
-        attention=dict(sparse=sparse, layout=record["layout"], block_size=record["block_size"]),
+        attention=dict(
+            sparse=sparse, layout=record["layout"], block_size=record.get("block_size", RING_DEFAULTS["block_size"])
+        ),
         parallel=dict(context=record["gpus"], inner_size=record["inner_size"], inter_node_gbps=gbps),
         data=dict(sources=["unused"], seq_len=record["seq_len"]),
         optim=dict(lr=1e-5),
         train=dict(steps=1),
     )
     if sparse:
-        raw["attention"].update(v_size=record["v_size"], s_size=record["s_size"])
+        raw["attention"].update({k: record.get(k, v) for k, v in RING_DEFAULTS.items() if k != "block_size"})
     return choose_ring(parse_config(raw), record["gpus"], SimpleNamespace(**heads))
 
 

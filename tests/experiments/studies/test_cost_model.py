@@ -28,7 +28,7 @@ def _issue_records(fwd_share: float) -> list[dict]:
         for link, times in links.items():
             for schedule, ms in zip(("flat", "hierarchical"), times):
                 r = dict(gpus=4, heads_q=16, heads_kv=2, head_dim=128, dtype="bfloat16", seq_len=n, inputs="structured")
-                r.update(layout="striped", block_size=128, v_size=1024, s_size=6144)
+                r.update(layout="striped", block_size=128, v_size=1024, s_size=6144, local_window=128, last_q=64)
                 r.update(
                     method="sparse_striped", schedule=schedule, inner_size=2 if schedule == "hierarchical" else None
                 )
