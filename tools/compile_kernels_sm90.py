@@ -3,7 +3,8 @@
 Run as a script in a process without TRITON_INTERPRET (tests/ops/test_kernels_compile.py does).
 ``--ptx-dir DIR`` also writes each kernel's PTX to DIR/<label>.ptx, one file per compiled
 configuration, for bench/ptx_compare.py (the PTX of two commits, compared without a GPU).
-The column scorer compiles as launched at G = 128, D = 64, with and without documents.
+The column scorer compiles as launched at G = 128, D = 64, with and without documents; the sorted column
+scorer at G = 128, D = 64 and 128, with its smallest and largest row tiles.
 The attention kernels compile with the bf16 tiles of ``launch.tile_config`` at G = 128, D = 128, each
 without packed documents (their arguments constexpr None, as launched without documents) and the
 forward, dQ, dK/dV and walk kernels also with them (labels ``*_docs``); a kernel without a DOCS
@@ -59,6 +60,15 @@ INT_POINTERS = {
     # column scorer (ops/pattern/column_kernels.py)
     "QCodes",
     "KCodes",
+    # sorted column scorer (ops/pattern/column_bucket_kernels.py)
+    "RowOrder",
+    "TileStart",
+    "RowCodes",
+    "Lo",
+    "Hi",
+    "First",
+    "KeyOrder",
+    "KeyCodes",
 }
 # The arguments of the document path: constexpr None when a kernel runs without documents.
 DOCUMENT_ARGS = ("QBound", "Unmasked", "VFirst", "VEndRow", "DocExtra", "stride_bb")
@@ -91,6 +101,12 @@ BUILDERS = [
 ]
 # The column scorer as select_block_columns launches it at G = 128, D = 64 (8 tables), 4 warps.
 SCORER = ("column_scores", "_column_score_kernel", dict(G=128, HEAD_DIM=64, BLOCK_N=64, TABLES=8))
+# The sorted column scorer as its launcher picks its tiles (8 tables, 4 warps).
+SORTED_SCORER = [
+    (f"bucket_scores_d{d}_m{m}", "_bucket_score_kernel", dict(G=128, HEAD_DIM=d, BLOCK_M=m, BLOCK_N=64, T=8))
+    for d in (64, 128)
+    for m in (16, 64)
+]
 
 
 def _modules():
@@ -106,10 +122,10 @@ def _modules():
         )
 
 
-def _scorer_module():
-    """The column scorer's kernels, None in a commit before them."""
+def _scorer_module(name: str = "column_kernels"):
+    """A column scorer's kernel module of ops/pattern/, None in a commit before it."""
     try:
-        return importlib.import_module("mtraining.ops.pattern.column_kernels")
+        return importlib.import_module(f"mtraining.ops.pattern.{name}")
     except ModuleNotFoundError:
         return None
 
@@ -186,6 +202,11 @@ def main() -> None:
             options = dict(num_warps=4, num_stages=3)
             constexprs_docs = optional_path(fn, constexprs, "DOCS", DOCUMENT_ARGS, docs)
             compile_one(label + "_docs" * docs, fn, constexprs_docs, target, options, args.ptx_dir)
+    bucket_scorer = _scorer_module("column_bucket_kernels")
+    if bucket_scorer is not None:
+        for label, name, constexprs in SORTED_SCORER:
+            options = dict(num_warps=4, num_stages=3)
+            compile_one(label, getattr(bucket_scorer, name), constexprs, target, options, args.ptx_dir)
     # the loss's rows kernel: float32 logits, bf16 gradient
     ce_signature = {
         "logits_ptr": "*fp32",

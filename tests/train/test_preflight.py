@@ -117,8 +117,14 @@ def test_a_context_extended_export_records_its_length_rope_and_dtype(tmp_path, r
     "change, expected",
     [
         ({"model": {"config": {**TINY, "vocab_size": 100}}}, "vocab_size is 100"),
-        ({"model": {"path": "models/none"}}, "is not a Hugging Face model directory"),
-        ({"data": {**RAW["data"], "tokenizer": "nowhere/tokenizer.json"}}, "no tokenizer at"),
+        (
+            {"model": {"path": "models/none"}},
+            "model.path: {tmp}/models/none does not exist (written relative in train.yaml",
+        ),
+        (
+            {"data": {**RAW["data"], "tokenizer": "nowhere/tokenizer.json"}},
+            "data.tokenizer: {tmp}/nowhere/tokenizer.json",
+        ),
         ({"model": {"config": {**TINY, "model_type": "mistral", "sliding_window": 16}}}, "sliding-window attention"),
         ({"log": {"wandb": {"project": "p"}}}, 'pip install -e ".[wandb]"'),
     ],
@@ -136,6 +142,7 @@ def test_the_launcher_reports_a_mistake_once_before_starting_ranks(tmp_path, mon
     config.write_text(yaml.safe_dump({**RAW, **change}))
     result = CliRunner().invoke(app, ["train", str(config), "--nproc", "2", "parallel.context=2"])
     assert result.exit_code == 2, result.output
+    expected = expected.format(tmp=tmp_path)
     assert result.output.count("error:") == 1 and expected in result.output and "Traceback" not in result.output
 
 
