@@ -8,7 +8,10 @@ scopes of inlined ``@triton.jit`` calls (``$L__tmp``), and a new helper function
 change the SASS (scheduling, registers, spill slots) though every PTX instruction is the same. With
 ``--ptxas`` each side is assembled as Triton assembles it, by its bundled ``ptxas`` for sm_90a
 (registers, spills, stack), disassembled (``cuobjdump -sass``), and the SASS instruction streams
-(without addresses and encodings) are compared too. Exit status 1 when any kernel differs, in its
+(without addresses and encodings) are compared too. ``--params-by-use`` names the parameters by the order
+in which the body first reads them (and, in SASS, the constant-bank addresses that hold them), so a kernel
+whose arguments are only regrouped or reordered compares equal. Each record counts the instructions on both sides
+(PTX and, with ``--ptxas``, SASS): what a change that must alter the code adds. Exit status 1 when any kernel differs, in its
 PTX or, with ``--ptxas``, its SASS (or is missing on one side).
 
     TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=<old worktree> python tests/compile_kernels_sm90.py --ptx-dir /tmp/ptx/old
@@ -38,6 +41,8 @@ PTXAS_STATS = {
     "stack_frame": re.compile(r"(\d+) bytes stack frame"),
 }
 SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+PARAM = re.compile(r"\bKERNEL_param_(\d+)\b")
+CONSTANT = re.compile(r"c\[0x0\]\[(0x[0-9a-f]+)\]")
 
 
 def normalise_ptx(ptx: str) -> list[str]:
@@ -54,6 +59,41 @@ def normalise_ptx(ptx: str) -> list[str]:
             line = re.sub(rf"\b{name}(?=\b|_param_)", "KERNEL", line)
         lines.append(line)
     return lines
+
+
+def _by_first_use(lines: list[str], pattern: re.Pattern, name: str) -> tuple[list[str], dict[str, str]]:
+    """``lines`` with each distinct match of ``pattern`` renamed ``name<k>``, k in order of first appearance."""
+    seen: dict[str, str] = {}
+
+    def rename(match: re.Match) -> str:
+        return match.group(0).replace(match.group(1), seen.setdefault(match.group(1), f"{name}{len(seen)}"))
+
+    return [pattern.sub(rename, line) for line in lines], seen
+
+
+def params_by_use(lines: list[str]) -> list[str]:
+    """Normalised PTX with the kernel's parameters named in the order its body first reads them and their
+    declarations sorted: the same instructions on the same arguments passed in another order compare equal
+    (a kernel whose arguments are regrouped, say into tuples)."""
+    start = lines.index("{")
+    body, names = _by_first_use(lines[start:], PARAM, "P")
+    header = [line for line in lines[:start] if not PARAM.search(line)]
+    declarations = sorted(  # each keeps its type; its name follows the body's order
+        PARAM.sub(lambda m: "KERNEL_param_" + names.get(m.group(1), "unused"), line).rstrip(",")
+        for line in lines[:start]
+        if PARAM.search(line)
+    )
+    return header + declarations + body
+
+
+def constants_by_use(sass: list[str]) -> list[str]:
+    """SASS with the constant-bank addresses (where the parameters live) named in order of first use."""
+    return _by_first_use(sass, CONSTANT, "K")[0]
+
+
+def ptx_instructions(lines: list[str]) -> int:
+    """How many of the normalised lines are instructions (not directives, declarations, labels or braces)."""
+    return sum(1 for line in lines if line.endswith(";") and not line.startswith("."))
 
 
 def diff_lines(old: list[str], new: list[str], context: int = 2) -> list[str]:
@@ -88,8 +128,9 @@ def assemble(ptx_path: Path, work: Path) -> tuple[dict, list[str]]:
     return stats, [m.group(1) for line in sass.splitlines() if (m := SASS_INSTRUCTION.match(line))]
 
 
-def compare(old_dir: Path, new_dir: Path, ptxas: bool = False, show: int = 40) -> list[dict]:
-    """One record per kernel label found in either dump."""
+def compare(old_dir: Path, new_dir: Path, ptxas: bool = False, show: int = 40, by_use: bool = False) -> list[dict]:
+    """One record per kernel label found in either dump; ``by_use``: parameters (PTX) and constant-bank
+    addresses (SASS) compared by order of first use (``params_by_use``)."""
     labels = sorted({p.stem for p in old_dir.glob("*.ptx")} | {p.stem for p in new_dir.glob("*.ptx")})
     records = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,18 +140,31 @@ def compare(old_dir: Path, new_dir: Path, ptxas: bool = False, show: int = 40) -
                 missing = "old" if not old_path.exists() else "new"
                 records.append(dict(kernel=label, identical=False, missing=missing))
                 continue
-            diff = diff_lines(normalise_ptx(old_path.read_text()), normalise_ptx(new_path.read_text()))
-            record = dict(kernel=label, identical=not diff, lines_changed=changed_lines(diff), diff=diff[:show])
+            old_ptx, new_ptx = normalise_ptx(old_path.read_text()), normalise_ptx(new_path.read_text())
+            if by_use:
+                old_ptx, new_ptx = params_by_use(old_ptx), params_by_use(new_ptx)
+            diff = diff_lines(old_ptx, new_ptx)
+            record = dict(
+                kernel=label,
+                identical=not diff,
+                lines_changed=changed_lines(diff),
+                ptx_instructions_old=ptx_instructions(old_ptx),
+                ptx_instructions=ptx_instructions(new_ptx),
+                diff=diff[:show],
+            )
             if ptxas:
                 old_dir_tmp, new_dir_tmp = Path(tmp, "old"), Path(tmp, "new")
                 old_dir_tmp.mkdir(exist_ok=True)
                 new_dir_tmp.mkdir(exist_ok=True)
                 old_stats, old_sass = assemble(old_path, old_dir_tmp)
                 new_stats, new_sass = assemble(new_path, new_dir_tmp)
+                if by_use:
+                    old_sass, new_sass = constants_by_use(old_sass), constants_by_use(new_sass)
                 sass_diff = diff_lines(old_sass, new_sass)
                 record.update(
                     ptxas_old=old_stats,
                     ptxas_new=new_stats,
+                    sass_instructions_old=len(old_sass),
                     sass_instructions=len(new_sass),
                     sass_identical=not sass_diff,
                     sass_lines_changed=changed_lines(sass_diff),
@@ -130,12 +184,17 @@ def main() -> int:
     parser.add_argument("old", type=Path, help="PTX dump of the reference commit")
     parser.add_argument("new", type=Path, help="PTX dump of the commit under test")
     parser.add_argument("--ptxas", action="store_true", help="also assemble both sides: registers, spills, SASS")
+    parser.add_argument(
+        "--params-by-use",
+        action="store_true",
+        help="name parameters (and SASS constant-bank addresses) by first use: arguments reordered compare equal",
+    )
     parser.add_argument("--out", type=Path, help="write the records as JSON (e.g. bench/results/ptx_compare.json)")
     parser.add_argument(
         "--why", action="append", default=[], metavar="KERNEL=TEXT", help="record why a kernel differs (repeatable)"
     )
     args = parser.parse_args()
-    records = compare(args.old, args.new, ptxas=args.ptxas)
+    records = compare(args.old, args.new, ptxas=args.ptxas, by_use=args.params_by_use)
     why = dict(note.split("=", 1) for note in args.why)
     for r in records:
         if r["kernel"] in why:
@@ -145,15 +204,21 @@ def main() -> int:
             "identical" if r["identical"] else f"DIFFERS ({r.get('lines_changed', 'missing ' + r.get('missing', ''))})"
         )
         extra = ""
+        if "ptx_instructions" in r:
+            extra = f"; PTX instructions {r['ptx_instructions_old']} -> {r['ptx_instructions']}"
         if "ptxas_new" in r:
             o, n = r["ptxas_old"], r["ptxas_new"]
             sass = "same SASS" if r["sass_identical"] else f"SASS differs ({r['sass_lines_changed']} lines)"
-            extra = f"; registers {o['registers']} -> {n['registers']}, spills {o['spill_stores']} -> {n['spill_stores']} B; {sass}"
+            extra += (
+                f"; registers {o['registers']} -> {n['registers']}, spills {o['spill_stores']} -> {n['spill_stores']} B"
+                f"; {sass}, {r['sass_instructions_old']} -> {r['sass_instructions']} instructions"
+            )
         print(f"{r['kernel']}: {status}{extra}")
     if args.out:
         header = dict(
             provenance(on_gpu=False),
             device="cpu (no GPU): PTX for sm_90 from tests/compile_kernels_sm90.py",
+            params_by_use=args.params_by_use,
             old=_source(args.old),
             new=_source(args.new),
         )
