@@ -32,6 +32,14 @@ The dK/dV block kernel walks stages 1 and 2 from the keys' side. A masked pair c
 ``_visible`` holds (written out in ``_dkdv_step``, see there). Scores are kept in base 2
 (``qk_scale`` includes log2(e), ``exp2``); the LSE written out is natural-log.
 
+Non-finite keys: a NaN or an infinity in K or V reaches only the rows that may see its key. A masked
+pair's probability is 0, but 0 x NaN is NaN inside a matrix product, so a masked tile (every stage but
+the unmasked off-diagonal blocks) checks its K or V and zeroes them where a key is not finite
+(``_masked_tile_update``: one sum per tile; the zeroing runs only for a tile that holds one), and the
+dK/dV step masks P and dS rather than the scores (a row that sees such a key has a NaN LSE or delta).
+A row that sees a key whose V is not finite comes out NaN; one that sees an infinite K gets what IEEE
+arithmetic gives its score (NaN, or a weight of 0 for a score of -inf).
+
 Packed documents (DOCS, a constexpr: without it the kernels compile as before): every row also has a
 left bound (QBound [B, Sq], the first position of its document) and a pair counts only if
 ``k_pos >= bound``. The walks (index.py) list only the key blocks some row's document reaches; stage
@@ -78,6 +86,12 @@ def _visible(q_pos, k_pos, q_bound, DOCS: tl.constexpr):
     if DOCS:
         seen = seen & (k_pos[None, :] >= q_bound[:, None])
     return seen
+
+
+@triton.jit
+def _finite(x):
+    """x with every NaN and infinity replaced by 0 (x * 0 is 0 exactly where x is finite)."""
+    return tl.where(x * 0.0 == 0.0, x, 0.0)
 
 
 @triton.jit
@@ -159,10 +173,14 @@ def _online_softmax(acc, m_i, l_i, s, v):
 
 
 @triton.jit
-def _dq_step(dq, q, do, lse2, delta, k_t, v_t, s):
-    """dQ += dS K for base-2 scores s [M, N] (-inf = masked), keys and values given transposed [D, N]."""
+def _dq_step(dq, do, lse2, delta, k_t, v_t, s, seen, MASK: tl.constexpr):
+    """dQ += dS K for base-2 scores s [M, N] (-inf = masked), keys and values given transposed [D, N];
+    MASK: dO V^T is 0 where ``seen`` [M, N] does not hold (a non-finite V of a masked pair)."""
     p = tl.exp2(s - lse2[:, None])
-    ds = p * (tl.dot(do, v_t) - delta[:, None])
+    dp = tl.dot(do, v_t)
+    if MASK:
+        dp = tl.where(seen, dp, 0.0)
+    ds = p * (dp - delta[:, None])
     return dq + tl.dot(ds.to(k_t.dtype), tl.trans(k_t))
 
 
@@ -172,7 +190,7 @@ def _query_tile_update(acc, m_i, l_i, q, do, k_t, v, s, DQ: tl.constexpr):
     online softmax into (acc, m_i, l_i). DQ: v [D, N]; acc is dQ, (m_i, l_i) the rows' base-2 LSE
     and delta, read only."""
     if DQ:
-        acc = _dq_step(acc, q, do, m_i, l_i, k_t, v, s)
+        acc = _dq_step(acc, do, m_i, l_i, k_t, v, s, None, False)
     else:
         acc, m_i, l_i = _online_softmax(acc, m_i, l_i, s, v)
     return acc, m_i, l_i
@@ -186,6 +204,40 @@ def _load_v(v_base, cols, ok, stride_vs, d, DQ: tl.constexpr):
     else:
         v = tl.load(v_base + cols[:, None] * stride_vs + d[None, :], mask=ok[:, None], other=0.0)
     return v
+
+
+@triton.jit
+def _load_t(base, cols, ok, stride_s, d):
+    """Rows ``cols`` [N] of one head's keys or values, transposed [D, N] (0 where not ``ok``)."""
+    return tl.load(base + cols[None, :] * stride_s + d[:, None], mask=ok[None, :], other=0.0)
+
+
+@triton.jit
+def _masked_tile_update(acc, m_i, l_i, q, do, k_t, v_t, seen, qk_scale, DQ: tl.constexpr):
+    """``_query_tile_update`` for a key tile whose pairs count only where ``seen`` [M, N] holds; keys and
+    values given transposed [D, N].
+
+    A masked pair's probability is 0, but 0 x NaN is NaN in a matrix product: a NaN or an infinity in K or
+    V of a key the row may not see must not meet it there. A tile that holds one (rare: a sum of x * 0 is
+    NaN) has them zeroed. Forward: V is checked, and NaN is added to each key's K column where V is not
+    finite, so its scores are NaN and the mask keeps them only for the rows that see it (K enters only the
+    scores, which the mask replaces). dQ: K is checked; dO V^T is masked like the scores (``_dq_step``). A
+    row that sees such a key already has a NaN delta or LSE.
+    """
+    if DQ:
+        if tl.sum(k_t * 0.0) != 0.0:
+            k_t = _finite(k_t)
+    else:
+        if tl.sum(v_t * 0.0) != 0.0:
+            k_t = k_t + v_t * 0.0
+            v_t = _finite(v_t)
+        v_t = tl.trans(v_t)
+    s = tl.where(seen, tl.dot(q, k_t) * qk_scale, float("-inf"))
+    if DQ:
+        acc = _dq_step(acc, do, m_i, l_i, k_t, v_t, s, seen, True)
+    else:
+        acc, m_i, l_i = _online_softmax(acc, m_i, l_i, s, v_t)
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -229,12 +281,11 @@ def _query_tile_walk(
                 col0 = tl.load(starts + j // (G // BLOCK_N)) + (j % (G // BLOCK_N)) * BLOCK_N
                 k = KDesc.load([b, col0, hk, 0]).reshape(BLOCK_N, HEAD_DIM)  # [N, D]
                 v = VDesc.load([b, col0, hk, 0]).reshape(BLOCK_N, HEAD_DIM)  # [N, D]
-                k_t = tl.trans(k)
-                if DQ:
-                    v = tl.trans(v)
                 k_pos = tl.load(KPos + col0 + tl.arange(0, BLOCK_N))
-                s = tl.where(k_pos[None, :] >= q_bound[:, None], tl.dot(q, k_t) * qk_scale, float("-inf"))
-                acc, m_i, l_i = _query_tile_update(acc, m_i, l_i, q, do, k_t, v, s, DQ)
+                seen = k_pos[None, :] >= q_bound[:, None]
+                acc, m_i, l_i = _masked_tile_update(
+                    acc, m_i, l_i, q, do, tl.trans(k), tl.trans(v), seen, qk_scale, DQ
+                )  # fmt: skip
     elif STAGE == 2:
         # diagonal: G // BLOCK_N key tiles from local key row diag (-1: the diagonal is not selected)
         diag = tl.load(DiagStart + tile_off)
@@ -243,10 +294,10 @@ def _query_tile_walk(
                 cols = diag + sub * BLOCK_N + tl.arange(0, BLOCK_N)
                 col_ok = cols < Sk
                 k_pos = tl.load(KPos + cols, mask=col_ok, other=INT_MAX)
-                k_t = tl.load(k_base + cols[None, :] * stride_ks + d[:, None], mask=col_ok[None, :], other=0.0)
-                v = _load_v(v_base, cols, col_ok, stride_vs, d, DQ)
-                s = tl.where(_visible(q_pos, k_pos, q_bound, DOCS), tl.dot(q, k_t) * qk_scale, float("-inf"))
-                acc, m_i, l_i = _query_tile_update(acc, m_i, l_i, q, do, k_t, v, s, DQ)
+                k_t = _load_t(k_base, cols, col_ok, stride_ks, d)
+                v_t = _load_t(v_base, cols, col_ok, stride_vs, d)
+                seen = _visible(q_pos, k_pos, q_bound, DOCS)
+                acc, m_i, l_i = _masked_tile_update(acc, m_i, l_i, q, do, k_t, v_t, seen, qk_scale, DQ)
     elif STAGE == 3:
         # vertical: BLOCK_V at a time of the n columns (ascending) the block may see
         q_block = tl.load(QGBlock + blk)
@@ -259,10 +310,10 @@ def _query_tile_walk(
             first = 0
         for c in range(first, n, BLOCK_V):
             cols, k_pos, use = _vertical_tile(c + tl.arange(0, BLOCK_V), n, vcols_row, KPos, mask_row, q_block, G)
-            k_t = tl.load(k_base + cols[None, :] * stride_ks + d[:, None], mask=use[None, :], other=0.0)  # [D, V]
-            v = _load_v(v_base, cols, use, stride_vs, d, DQ)
-            s = tl.where(_visible(q_pos, k_pos, q_bound, DOCS), tl.dot(q, k_t) * qk_scale, float("-inf"))
-            acc, m_i, l_i = _query_tile_update(acc, m_i, l_i, q, do, k_t, v, s, DQ)
+            k_t = _load_t(k_base, cols, use, stride_ks, d)  # [D, V]
+            v_t = _load_t(v_base, cols, use, stride_vs, d)
+            seen = _visible(q_pos, k_pos, q_bound, DOCS)
+            acc, m_i, l_i = _masked_tile_update(acc, m_i, l_i, q, do, k_t, v_t, seen, qk_scale, DQ)
     else:
         # the block's own columns: BLOCK_V at a time of the n listed (all before the block's first row)
         n = tl.load(ColCount + tile_off)
@@ -272,10 +323,15 @@ def _query_tile_walk(
             use = idx < n
             cols = tl.load(col_row + idx, mask=use, other=0)
             k_pos = tl.load(KPos + cols, mask=use, other=INT_MAX)
-            k_t = tl.load(k_base + cols[None, :] * stride_ks + d[:, None], mask=use[None, :], other=0.0)  # [D, V]
-            v = _load_v(v_base, cols, use, stride_vs, d, DQ)
-            s = tl.where(_visible(q_pos, k_pos, q_bound, DOCS), tl.dot(q, k_t) * qk_scale, float("-inf"))
-            acc, m_i, l_i = _query_tile_update(acc, m_i, l_i, q, do, k_t, v, s, DQ)
+            k_t = _load_t(k_base, cols, use, stride_ks, d)  # [D, V]
+            seen = _visible(q_pos, k_pos, q_bound, DOCS)
+            if DOCS:
+                v_t = _load_t(v_base, cols, use, stride_vs, d)
+                acc, m_i, l_i = _masked_tile_update(acc, m_i, l_i, q, do, k_t, v_t, seen, qk_scale, DQ)
+            else:  # every row of the block sees every listed column: the mask only drops padding
+                v = _load_v(v_base, cols, use, stride_vs, d, DQ)
+                s = tl.where(seen, tl.dot(q, k_t) * qk_scale, float("-inf"))
+                acc, m_i, l_i = _query_tile_update(acc, m_i, l_i, q, do, k_t, v, s, DQ)
     return acc, m_i, l_i
 
 
@@ -421,8 +477,10 @@ def _dkdv_step(
     """Accumulate dK/dV of one key tile against one query tile of head h.
 
     Rows past Sq load lse = +inf, so they add nothing (and their dQ is exactly 0); MASK applies
-    the test of ``_visible`` (with DOCS the rows' document bounds too). DQ_MODE 1 also adds this tile's dQ = dS K into the float32 DQ (Q's strides)
-    atomically; 0 leaves dQ to its own kernel. Scores are formed query-major (S = Q K^T, dP = dO V^T,
+    the test of ``_visible`` (with DOCS the rows' document bounds too) to P and dS themselves, not to the
+    scores: a row that sees a non-finite key has a NaN LSE or delta, and its pairs the mask drops must
+    still add exactly 0. DQ_MODE 1 also adds this tile's dQ = dS K into the float32 DQ (Q's strides)
+    atomically, from K with its non-finite entries zeroed (the caller's); 0 leaves dQ to its own kernel. Scores are formed query-major (S = Q K^T, dP = dO V^T,
     K and V as the shared-memory operand) and transposed for dV += P^T dO and dK += dS^T Q
     (BENCHMARKS.md, kernel variants: the key-major S^T = K Q^T is slower).
 
@@ -441,16 +499,19 @@ def _dkdv_step(
     lse = tl.load(Lse + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
     delta = tl.load(Delta + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=0.0)
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N]
+    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])  # [M, N]
     if MASK:
         q_pos = tl.load(QPos + rows, mask=row_ok, other=-1)
-        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        seen = k_pos[None, :] <= q_pos[:, None]
         if DOCS:
             q_bound = tl.load(QBound + b * stride_bb + rows, mask=row_ok, other=0)
-            s = tl.where(k_pos[None, :] >= q_bound[:, None], s, float("-inf"))
-    p = tl.exp2(s - lse2[:, None])
+            seen = seen & (k_pos[None, :] >= q_bound[:, None])
+        p = tl.where(seen, p, 0.0)
     dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-    ds = (p * (tl.dot(do, tl.trans(v)) - delta[:, None])).to(q.dtype)  # [M, N]
+    ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])  # [M, N]
+    if MASK:
+        ds = tl.where(seen, ds, 0.0)
+    ds = ds.to(q.dtype)
     dk += tl.dot(tl.trans(ds), q)
     if DQ_MODE == 1:
         dq = tl.dot(ds, k) * sm_scale
@@ -496,6 +557,8 @@ def _bwd_dkdv_block_kernel(
         V + b * stride_vb + cols[:, None] * stride_vs + hk * stride_vh + d[None, :], mask=col_ok[:, None], other=0.0
     )
     k_pos = tl.load(KPos + cols, mask=col_ok, other=INT_MAX)
+    if DQ_MODE == 1:  # dQ = dS K: the zero dS of a masked pair must not meet a non-finite key
+        k = _finite(k)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     blk = tile // (G // BLOCK_N)
@@ -585,6 +648,8 @@ def _bwd_dkdv_vertical_kernel(
         V + b * stride_vb + cols[:, None] * stride_vs + hk * stride_vh + d[None, :], mask=valid[:, None], other=0.0
     )
     k_pos = tl.load(KPos + cols, mask=valid, other=INT_MAX)
+    if DQ_MODE == 1:  # dQ = dS K: the zero dS of a masked pair must not meet a non-finite key
+        k = _finite(k)
     k_block = k_pos // G
     mask_row = DiagMask + b * stride_mb + h * stride_mh
     dk = tl.zeros([BLOCK_V, HEAD_DIM], dtype=tl.float32)
@@ -651,6 +716,8 @@ def _bwd_dkdv_column_kernel(
             V + b * stride_vb + cols[:, None] * stride_vs + hk * stride_vh + d[None, :], mask=valid[:, None], other=0.0
         )
         k_pos = tl.load(KPos + cols, mask=valid, other=INT_MAX)
+        if DQ_MODE == 1:  # dQ = dS K: the zero dS of a masked pair must not meet a non-finite key
+            k = _finite(k)
         dk = tl.zeros([BLOCK_V, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BLOCK_V, HEAD_DIM], dtype=tl.float32)
         for sub in tl.static_range(G // BLOCK_M):  # rows past Sq of a partial last block add nothing
