@@ -8,9 +8,11 @@ scopes of inlined ``@triton.jit`` calls (``$L__tmp``), and a new helper function
 change the SASS (scheduling, registers, spill slots) though every PTX instruction is the same. With
 ``--ptxas`` each side is assembled as Triton assembles it, by its bundled ``ptxas`` for sm_90a
 (registers, spills, stack), disassembled (``cuobjdump -sass``), and the SASS instruction streams
-(without addresses and encodings) are compared too. ``--params-by-use`` names the parameters by the order
-in which the body first reads them (and, in SASS, the constant-bank addresses that hold them), so a kernel
-whose arguments are only regrouped or reordered compares equal. Each record counts the instructions on both sides
+(without addresses and encodings) are compared too. ``--params-by-use`` compares the PTX up to where
+parameters are loaded and how registers are numbered (``params_by_use``), so a kernel whose arguments are
+only regrouped or reordered compares equal; its SASS may still differ, since ptxas schedules around the
+moved loads (the records count the opcodes that change), and the SASS constant-bank addresses are named by
+first use. Each record counts the instructions on both sides
 (PTX and, with ``--ptxas``, SASS): what a change that must alter the code adds. Exit status 1 when any kernel differs, in its
 PTX or, with ``--ptxas``, its SASS (or is missing on one side).
 
@@ -28,6 +30,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from common import provenance, write_results
@@ -41,7 +44,11 @@ PTXAS_STATS = {
     "stack_frame": re.compile(r"(\d+) bytes stack frame"),
 }
 SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
-PARAM = re.compile(r"\bKERNEL_param_(\d+)\b")
+LD_PARAM = re.compile(r"^ld\.param\.(\w+) (%\w+), \[KERNEL_param_(\d+)(\+\d+)?\];$")
+REGISTER = re.compile(r"%[a-z]+\d+")
+COMMUTATIVE = re.compile(r"^((?:mul\.lo|add)\.[su](?:32|64)) (%[\w.]+), (%[\w.]+), (%[\w.]+);$")
+DECLARATION = re.compile(r"^\.param .*KERNEL_param_\d+")
+PARAM_REF = re.compile(r"\bKERNEL_param_(\d+)\b")
 CONSTANT = re.compile(r"c\[0x0\]\[(0x[0-9a-f]+)\]")
 
 
@@ -61,34 +68,55 @@ def normalise_ptx(ptx: str) -> list[str]:
     return lines
 
 
-def _by_first_use(lines: list[str], pattern: re.Pattern, name: str) -> tuple[list[str], dict[str, str]]:
-    """``lines`` with each distinct match of ``pattern`` renamed ``name<k>``, k in order of first appearance."""
-    seen: dict[str, str] = {}
+def params_by_use(lines: list[str]) -> list[str]:
+    """Normalised PTX of a kernel whose arguments may come in another order (say, regrouped into tuples).
+
+    Where a parameter is loaded follows the argument order, and with it the numbering of every register, so:
+    the parameter loads are set apart, a register loaded from a parameter is named by that parameter (in
+    order of first use, with its type), every other register by first use, and the two operands of a
+    commutative integer multiply or add are sorted (their order follows value numbering). Two kernels equal
+    under it run the same instructions on the same values; the declarations (the parameters' number and
+    layout) are left out.
+    """
+    loaded: dict[str, tuple[str, str]] = {}
+    body = []
+    for line in lines[lines.index("{") :]:
+        if m := LD_PARAM.match(line):
+            loaded[m.group(2)] = (m.group(3) + (m.group(4) or ""), m.group(1))
+        else:
+            body.append(line)
+    params: dict[str, str] = {}
+    registers: dict[str, str] = {}
 
     def rename(match: re.Match) -> str:
-        return match.group(0).replace(match.group(1), seen.setdefault(match.group(1), f"{name}{len(seen)}"))
+        reg = match.group(0)
+        if reg in loaded:
+            param, kind = loaded[reg]
+            return params.setdefault(param, f"%P{len(params)}.{kind}")
+        return registers.setdefault(reg, f"%v{len(registers)}")
 
-    return [pattern.sub(rename, line) for line in lines], seen
+    def refer(match: re.Match) -> str:  # a parameter's address (a tensor descriptor's)
+        return params.setdefault(match.group(1), f"%P{len(params)}.address")
 
-
-def params_by_use(lines: list[str]) -> list[str]:
-    """Normalised PTX with the kernel's parameters named in the order its body first reads them and their
-    declarations sorted: the same instructions on the same arguments passed in another order compare equal
-    (a kernel whose arguments are regrouped, say into tuples)."""
-    start = lines.index("{")
-    body, names = _by_first_use(lines[start:], PARAM, "P")
-    header = [line for line in lines[:start] if not PARAM.search(line)]
-    declarations = sorted(  # each keeps its type; its name follows the body's order
-        PARAM.sub(lambda m: "KERNEL_param_" + names.get(m.group(1), "unused"), line).rstrip(",")
-        for line in lines[:start]
-        if PARAM.search(line)
-    )
-    return header + declarations + body
+    out = []
+    for line in body:
+        line = PARAM_REF.sub(refer, REGISTER.sub(rename, line))
+        if m := COMMUTATIVE.match(line):
+            line = f"{m.group(1)} {m.group(2)}, {', '.join(sorted((m.group(3), m.group(4))))};"
+        out.append(line)
+    return out
 
 
 def constants_by_use(sass: list[str]) -> list[str]:
     """SASS with the constant-bank addresses (where the parameters live) named in order of first use."""
-    return _by_first_use(sass, CONSTANT, "K")[0]
+    seen: dict[str, str] = {}
+    return [CONSTANT.sub(lambda m: f"c[0x0][K{seen.setdefault(m.group(1), str(len(seen)))}]", line) for line in sass]
+
+
+def opcode_changes(old: list[str], new: list[str]) -> dict[str, int]:
+    """How many more (or fewer) of each SASS opcode ``new`` runs than ``old``."""
+    counts = [Counter(line.split()[1 if line.startswith("@") else 0].split(".")[0] for line in s) for s in (old, new)]
+    return {op: counts[1][op] - counts[0][op] for op in sorted(counts[0] | counts[1]) if counts[1][op] != counts[0][op]}
 
 
 def ptx_instructions(lines: list[str]) -> int:
@@ -141,15 +169,16 @@ def compare(old_dir: Path, new_dir: Path, ptxas: bool = False, show: int = 40, b
                 records.append(dict(kernel=label, identical=False, missing=missing))
                 continue
             old_ptx, new_ptx = normalise_ptx(old_path.read_text()), normalise_ptx(new_path.read_text())
-            if by_use:
-                old_ptx, new_ptx = params_by_use(old_ptx), params_by_use(new_ptx)
-            diff = diff_lines(old_ptx, new_ptx)
+            canonical = params_by_use if by_use else list
+            diff = diff_lines(canonical(old_ptx), canonical(new_ptx))
             record = dict(
                 kernel=label,
                 identical=not diff,
                 lines_changed=changed_lines(diff),
                 ptx_instructions_old=ptx_instructions(old_ptx),
                 ptx_instructions=ptx_instructions(new_ptx),
+                parameters_old=sum(1 for line in old_ptx if DECLARATION.match(line)),
+                parameters=sum(1 for line in new_ptx if DECLARATION.match(line)),
                 diff=diff[:show],
             )
             if ptxas:
@@ -169,6 +198,7 @@ def compare(old_dir: Path, new_dir: Path, ptxas: bool = False, show: int = 40, b
                     sass_identical=not sass_diff,
                     sass_lines_changed=changed_lines(sass_diff),
                     sass_diff=sass_diff[:show],
+                    sass_opcode_changes=opcode_changes(old_sass, new_sass),
                 )
             records.append(record)
     return records
@@ -187,7 +217,7 @@ def main() -> int:
     parser.add_argument(
         "--params-by-use",
         action="store_true",
-        help="name parameters (and SASS constant-bank addresses) by first use: arguments reordered compare equal",
+        help="compare PTX up to where parameters are loaded (params_by_use): arguments reordered compare equal",
     )
     parser.add_argument("--out", type=Path, help="write the records as JSON (e.g. bench/results/ptx_compare.json)")
     parser.add_argument(

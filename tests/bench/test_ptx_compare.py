@@ -111,6 +111,15 @@ def test_parameters_by_use_match_arguments_in_another_order(tmp_path):
     assert not changed["identical"]
 
 
+def test_parameters_by_use_ignore_register_numbers_and_commuted_operands():
+    tool = load_script("ptx_compare")
+    old = ["{", "ld.param.b32 %r1, [KERNEL_param_0];", "mul.lo.s32 %r2, %r1, %r9;", "st.global.b32 [%rd3], %r2;"]
+    new = ["{", "ld.param.b32 %r7, [KERNEL_param_4];", "mul.lo.s32 %r5, %r8, %r7;", "st.global.b32 [%rd1], %r5;"]
+    assert tool.params_by_use(old) == tool.params_by_use(new)
+    other = [*new[:2], "mul.lo.s32 %r5, %r7, %r7;", new[3]]  # another operand
+    assert tool.params_by_use(old) != tool.params_by_use(other)
+
+
 SMALL_KERNEL = """.version 8.7
 .target sm_90a
 .address_size 64
