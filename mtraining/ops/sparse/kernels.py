@@ -53,7 +53,7 @@ Arguments: a tensor travels with its strides and a walk whole, as NamedTuples (`
 which Triton flattens in place; one argument (or group) per line, which ``# fmt: skip`` keeps. Triton
 3.6 specialises every int inside a tuple (``do_not_specialize`` does not reach into one), so the walks'
 list strides are specialised like any other stride: the widths are host-known per configuration, and
-marking them divisible by 16 leaves every kernel's PTX unchanged (bench/results/ptx_compare_kernel_walks.json).
+marking them divisible by 16 leaves every kernel's PTX unchanged (bench/results/ptx_compare_walk_hints.json).
 """
 
 from __future__ import annotations
