@@ -45,6 +45,10 @@ def device_name() -> str:
 
 
 def command_line() -> str:
+    """This process's command: ``python -m package.module args`` for a module run (``-m``), else ``python script args``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.origin and sys.argv and Path(sys.argv[0]).resolve() == Path(spec.origin).resolve():
+        return " ".join([Path(sys.executable).name, "-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]])
     return " ".join([Path(sys.executable).name, *sys.argv])
 
 

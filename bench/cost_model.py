@@ -1,13 +1,21 @@
-"""Predict flat vs hierarchical ring attention time (forward + backward, one layer) on larger clusters.
+"""The ring cost model (mtraining/parallel/ring_cost.py) against measurements, and on larger clusters.
 
     python bench/cost_model.py [--ring-results bench/results/ring_attention.json] [--out cost.json]
+    python bench/cost_model.py --annotate ring.json   # predictions beside every measured time of a run
 
-Per-GPU throughput (computed query-key pairs per second, forward and backward) is MEASURED: it is
-taken from the 4xH200 ring records (sparse striped and dense zigzag, the longest sequence there),
-as total pairs / (GPUs x time), so it includes the ring's per-step overheads on NVLink. Everything
-else is ASSUMED and printed: the pattern density at the target length (the measured one), the
-A100/H100 throughput relative to H200 (ratio of dense bf16 peaks), link bandwidths and latencies.
-The model itself is bench/ring_model.py.
+``--annotate``: every record of a bench/ring_attention.py run gets the model's prediction of its time
+(``predicted_fwd_ms``, ``predicted_bwd_ms``, ``predicted_ms``, ``predicted_over_measured``), the JSON is
+rewritten and a table printed. The per-step compute is MEASURED: that of the same method and length on
+the flat ring over real links (its ``fwd_ms`` / W and ``bwd_ms`` / W, the ring being compute-bound
+there: that record is the calibration and predicts itself); the links are ASSUMED (NVLink below, or the
+emulated link the record names), so what is checked is the model's schedules (flat, hierarchical,
+all-gather) and links. ring_attention.py annotates its own records.
+
+Larger clusters: per-GPU throughput (computed query-key pairs per second, forward and backward) is
+MEASURED: it is taken from the ring records (sparse striped and dense zigzag, the longest sequence
+there), as total pairs / (GPUs x time), so it includes the ring's per-step overheads on NVLink.
+Everything else is ASSUMED and printed: the pattern density at the target length (the measured one),
+the A100/H100 throughput relative to H200 (ratio of dense bf16 peaks), link bandwidths and latencies.
 """
 
 from __future__ import annotations
@@ -20,16 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.ring_model import (  # noqa: E402
-    AttentionShape,
-    Cluster,
-    Link,
-    flat_ring_time,
-    hierarchical_ring_time,
-    step_work,
-)
+from mtraining.parallel import ring_cost  # noqa: E402
 
-QWEN_3B = AttentionShape(heads_q=16, heads_kv=2, head_dim=128)  # bf16 K/V: 1024 bytes per token per layer
+QWEN_3B = ring_cost.AttentionShape(heads_q=16, heads_kv=2, head_dim=128)  # bf16 K/V: 1024 bytes per token per layer
 H200_DENSE_BF16_TFLOPS = 989.0
 CLUSTERS = [
     # name, nodes, gpus per node, throughput factor vs H200, intra link, inter link, note
@@ -38,8 +39,8 @@ CLUSTERS = [
         4,
         8,
         312.0 / H200_DENSE_BF16_TFLOPS,
-        Link(300e9, 2e-6),
-        Link(25e9, 5e-6),
+        ring_cost.Link(300e9, 2e-6),
+        ring_cost.Link(25e9, 5e-6),
         "NVLink3 300 GB/s/dir, HDR InfiniBand 25 GB/s per GPU; A100 = H200 x 312/989 (dense bf16 peaks)",
     ),
     (
@@ -47,12 +48,83 @@ CLUSTERS = [
         16,
         8,
         1.0,
-        Link(450e9, 2e-6),
-        Link(50e9, 5e-6),
+        ring_cost.Link(450e9, 2e-6),
+        ring_cost.Link(50e9, 5e-6),
         "NVLink4 450 GB/s/dir, NDR InfiniBand 50 GB/s per GPU; H100 = H200 x 1.0 (same bf16 peak)",
     ),
 ]
 SEQ_LENS = [512 * 1024, 1024 * 1024]
+NVLINK = ring_cost.Link(450e9, 2e-6)  # NVLink4 (H100, H200) per GPU and direction: ASSUMED
+REAL_LINKS = ("host",)  # a record's outer_link when no link is emulated (the host's own: NVLink on GPUs)
+ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+def _calibration_key(record: dict) -> tuple:
+    return (record["seq_len"], record.get("inputs"), record["method"])
+
+
+def is_calibration(record: dict) -> bool:
+    """A flat-ring record over real links: its per-step compute is what the predictions start from."""
+    return record.get("schedule", "flat") == "flat" and record.get("outer_link", "host") in REAL_LINKS
+
+
+def predict_record(record: dict, calibration: dict) -> ring_cost.Prediction:
+    """The model's time (seconds) of ``record``'s schedule and link, from the per-step compute of ``calibration``
+    (the same method and length on the flat ring over real links; see the module docstring)."""
+    w = record["gpus"]
+    elem = ELEMENT_BYTES[record.get("dtype", "bfloat16")]
+    shape = ring_cost.AttentionShape(record["heads_q"], record["heads_kv"], record["head_dim"], elem, max(elem, 4))
+    tokens = record["seq_len"] // w
+    work = ring_cost.StepWork(
+        calibration["fwd_ms"] / 1e3 / w,
+        calibration["bwd_ms"] / 1e3 / w,
+        tokens * shape.kv_bytes_per_token,
+        tokens * shape.grad_bytes_per_token,
+    )
+    link = record.get("outer_link", "host")
+    outer = NVLINK if link in REAL_LINKS else ring_cost.Link(record["outer_gbps"] * 1e9, record["outer_latency_s"])
+    schedule = record.get("schedule", "flat")
+    if schedule == "allgather":
+        return ring_cost.allgather_time(ring_cost.Cluster(1, w, NVLINK, NVLINK), work)
+    if schedule == "flat":  # with an emulated link every hop waits for it (ranks advance in lock step)
+        nodes = 1 if link in REAL_LINKS else w
+        return ring_cost.flat_ring_time(ring_cost.Cluster(nodes, w // nodes, NVLINK, outer), work)
+    inner = record["inner_size"]
+    return ring_cost.hierarchical_ring_time(ring_cost.Cluster(w // inner, inner, NVLINK, outer), work)
+
+
+def annotate(records: list[dict]) -> list[dict]:
+    """Add the model's prediction beside every measured time (records without a calibration get none);
+    returns the records."""
+    calibrations = {_calibration_key(r): r for r in records if is_calibration(r) and r.get("fwd_ms") == r.get("fwd_ms")}
+    for r in records:
+        calibration = calibrations.get(_calibration_key(r))
+        if calibration is None or r.get("method") == "torch_cp" or r.get("fwd_ms") != r.get("fwd_ms"):
+            continue
+        p = predict_record(r, calibration)
+        r.update(
+            predicted_fwd_ms=p.fwd * 1e3,
+            predicted_bwd_ms=p.bwd * 1e3,
+            predicted_ms=p.total * 1e3,
+            predicted_over_measured=p.total * 1e3 / r["fwd_bwd_ms"],
+            prediction_basis="calibration" if r is calibration else "flat ring over real links, same method and length",
+        )
+    return records
+
+
+def print_annotated(records: list[dict]) -> None:
+    """One line per record: measured and predicted fwd+bwd ms."""
+    print(
+        f"{'seq':>8} {'method':>20} {'schedule':>12} {'link':>26} {'measured ms':>12} {'predicted ms':>13} {'ratio':>6}"
+    )
+    for r in records:
+        if "predicted_ms" not in r:
+            continue
+        schedule = r.get("schedule", "flat") + (f" {r['inner_size']}" if r.get("inner_size") else "")
+        print(
+            f"{r['seq_len']:>8} {r['method']:>20} {schedule:>12} {r.get('outer_link', 'host'):>26} "
+            f"{r['fwd_bwd_ms']:12.2f} {r['predicted_ms']:13.2f} {r['predicted_over_measured']:6.2f}"
+        )
 
 
 def measured_throughput(records: list[dict], method: str) -> dict:
@@ -61,7 +133,7 @@ def measured_throughput(records: list[dict], method: str) -> dict:
     if not rows:
         raise SystemExit(f"no {method!r} record in the ring results; run bench/ring_attention.py first")
     r = max(rows, key=lambda row: row["seq_len"])
-    shape = AttentionShape(r["heads_q"], r["heads_kv"], r["head_dim"])
+    shape = ring_cost.AttentionShape(r["heads_q"], r["heads_kv"], r["head_dim"])
     pairs = shape.pairs(r["seq_len"], r["density"])
     return {
         "source": f"{r['device']} x{r['gpus']} ring, {method}, seq_len {r['seq_len']}, commit {r['commit']}",
@@ -75,7 +147,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ring-results", default=str(ROOT / "bench" / "results" / "ring_attention.json"))
     ap.add_argument("--out", help="also write the inputs and predictions as JSON here")
+    ap.add_argument(
+        "--annotate", type=Path, help="a bench/ring_attention.py JSON: add predictions to its records (rewritten)"
+    )
     args = ap.parse_args()
+    if args.annotate is not None:
+        records = annotate(json.loads(args.annotate.read_text()))
+        args.annotate.write_text(json.dumps(records, indent=1) + "\n")
+        print_annotated(records)
+        return
     records = json.loads(Path(args.ring_results).read_text())
     inputs = {
         "sparse": measured_throughput(records, "sparse_striped"),
@@ -94,7 +174,7 @@ def main() -> None:
     )
     out = {"inputs": inputs, "clusters": [], "predictions": []}
     for name, nodes, gpn, factor, intra, inter, note in CLUSTERS:
-        cluster = Cluster(nodes, gpn, intra, inter)
+        cluster = ring_cost.Cluster(nodes, gpn, intra, inter)
         print(
             f"\n{name}: {cluster.world_size} GPUs. ASSUMED: {note}; latency {intra.latency * 1e6:g} us "
             f"intra, {inter.latency * 1e6:g} us inter; throughput factor {factor:.3f}"
@@ -116,7 +196,7 @@ def main() -> None:
         )
         for n in SEQ_LENS:
             for kind, m in inputs.items():
-                work = step_work(
+                work = ring_cost.step_work(
                     QWEN_3B,
                     n,
                     cluster.world_size,
@@ -124,7 +204,7 @@ def main() -> None:
                     m["fwd_pairs_per_s"] * factor,
                     m["bwd_pairs_per_s"] * factor,
                 )
-                flat, hier = flat_ring_time(cluster, work), hierarchical_ring_time(cluster, work)
+                flat, hier = ring_cost.flat_ring_time(cluster, work), ring_cost.hierarchical_ring_time(cluster, work)
                 print(
                     f"  {n // 1024:4d}K {kind:6s} {work.fwd * 1e3:7.3f}/{work.bwd * 1e3:<8.3f} "
                     f"{intra.seconds(work.kv_bytes) * 1e3:12.3f}/{inter.seconds(work.kv_bytes) * 1e3:<12.3f} "

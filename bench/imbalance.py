@@ -15,6 +15,8 @@ With packed documents (``ops.Documents``) only pairs within one document count: 
 key block the keys in [max(block start, start of i's document), min(block end, i)], summed over the
 rows of each query block; a vertical adds only the rows of its own document. The ring's skipped
 steps (no key of the rows' documents) then count zero.
+
+Internal tool: counts documents as the ring does, through ``mtraining.ops.documents``.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtraining.ops.documents import Documents, resolve_documents
-from mtraining.ops.pattern import VerticalSlashPattern
-from mtraining.parallel.layout import Layout
+from mtraining.ops import Documents, VerticalSlashPattern
+from mtraining.ops.documents import resolve_documents
+from mtraining.parallel import Layout
 
 _CHUNK_ELEMENTS = 1 << 24  # bound on the [heads, verticals, query blocks] temporaries
 

@@ -12,6 +12,8 @@ records the median CUDA time of each attention kernel (torch.profiler); for the 
 the sparse forward and backward (CUDA events) and the training call (estimate + forward + backward,
 a new pattern each call). Records are appended to ``--out`` (default
 bench/results/kernel_variants.json).
+
+Internal tool: times single kernels through ``mtraining.ops.sparse.launch``.
 """
 
 from __future__ import annotations
@@ -30,10 +32,8 @@ from sparse_attention import sparse_times, sweep_pattern, training_step_ms  # no
 from tune_kernels import kernel_ms  # noqa: E402
 
 from bench.synthetic import rope_structured_qkv  # noqa: E402
-from mtraining.ops import VerticalSlashPattern  # noqa: E402
-from mtraining.ops.pattern.estimate import PatternConfig, estimate_pattern  # noqa: E402
+from mtraining.ops import PatternConfig, VerticalSlashPattern, estimate_pattern, sparse_attention  # noqa: E402
 from mtraining.ops.sparse import launch as tb  # noqa: E402
-from mtraining.ops.sparse.attention import sparse_attention  # noqa: E402
 
 
 def parse_tiles(spec: str) -> tuple[str, tb.Tiles]:

@@ -23,8 +23,8 @@ from common import provenance, write_results  # noqa: E402
 
 from bench.imbalance import imbalance_report  # noqa: E402
 from bench.synthetic import rope_structured_qkv  # noqa: E402
-from mtraining.ops.pattern.estimate import PatternConfig, estimate_pattern  # noqa: E402
-from mtraining.parallel.layout import make_layout  # noqa: E402
+from mtraining.ops import PatternConfig, estimate_pattern  # noqa: E402
+from mtraining.parallel import make_layout  # noqa: E402
 
 
 def main() -> None:

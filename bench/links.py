@@ -1,6 +1,6 @@
-"""Links between GPUs, for benchmarks: a model of one (``Link``) and its emulation in a real ring.
+"""The emulation of a slow link between GPUs in a real ring, for benchmarks and tests.
 
-``Link`` is what the ring cost model (ring_model.py) predicts with and what ``EmulatedComm`` makes the
+``Link`` (mtraining/parallel/ring_cost.py) is what the ring cost model predicts with and what ``EmulatedComm`` makes the
 hierarchical ring's outer transfers take (``ring_attention(..., ring="hierarchical",
 outer_comm=emulated(link))``): a transfer of ``B`` bytes (what this rank sends; the link is full
 duplex, one NIC per GPU) is modelled to take ``latency + B / bandwidth``. The real transfer is posted as usual; its completion
@@ -21,37 +21,15 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from mtraining.parallel.ring.comm import Comm
+from mtraining.parallel import ring_cost
+from mtraining.parallel.ring import Comm
 
 
-@dataclass(frozen=True)
-class Link:
-    """A link of ``bandwidth`` bytes/s per direction (per GPU) and ``latency`` seconds per transfer."""
-
-    bandwidth: float
-    latency: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.bandwidth > 0:
-            raise ValueError(f"a link needs bandwidth > 0 bytes/s (e.g. 25e9 for 25 GB/s), got {self.bandwidth!r}")
-        if not self.latency >= 0:
-            raise ValueError(f"a link needs latency >= 0 seconds (e.g. 5e-6), got {self.latency!r}")
-
-    def seconds(self, nbytes: float) -> float:
-        """Modelled time of one transfer of ``nbytes`` (none: 0)."""
-        return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
-
-    @property
-    def label(self) -> str:
-        return f"emulated {self.bandwidth / 1e9:g} GB/s, {self.latency * 1e6:g} us"
-
-
-def emulated(link: Link) -> Callable[[Comm], EmulatedComm]:
+def emulated(link: ring_cost.Link) -> Callable[[Comm], EmulatedComm]:
     """``outer_comm`` for ``ring_attention``: the hierarchical ring's outer transfers as slow as ``link``."""
     return functools.partial(EmulatedComm, link=link)
 
@@ -89,7 +67,7 @@ class _DelayedTransfer:
 class EmulatedComm:
     """A ring communicator (``Comm``) whose transfers complete no earlier than ``link`` would deliver them."""
 
-    def __init__(self, comm: Comm, link: Link) -> None:
+    def __init__(self, comm: Comm, link: ring_cost.Link) -> None:
         self.comm = comm
         self.link = link
         self._stream = None

@@ -18,6 +18,9 @@ cost nothing) timed in turn, no communication, next to the exact pair counts (``
 
     python bench/packed_documents.py --out $OUT/packed_documents.json
     python bench/packed_documents.py --check --device cpu --seq-len 2048 --min-doc 16 --max-doc 512 --block-size 16
+
+Internal tool: plans each rank's steps with ``mtraining.parallel.ring.plan`` and picks the backend
+with ``mtraining.ops.sparse.attention``.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from common import add_attention_shape, bench_ms, command_line, commit, device_n
 from bench.imbalance import imbalance_report  # noqa: E402
 from bench.synthetic import rope_structured_qkv  # noqa: E402
 from mtraining.ops import Documents, PatternConfig, attention_oracle, estimate_pattern, sparse_attention  # noqa: E402
-from mtraining.ops.sparse.attention import attention_delta, resolve_backend  # noqa: E402
+from mtraining.ops.sparse import attention_delta  # noqa: E402
+from mtraining.ops.sparse.attention import resolve_backend  # noqa: E402
 from mtraining.parallel import make_layout  # noqa: E402
 from mtraining.parallel.ring.plan import plan_ring  # noqa: E402
 

@@ -6,6 +6,9 @@ indices cached). For each phase prints the CUDA time of the phase (CUDA events, 
 top kernels by total CUDA time (torch.profiler), and writes them as JSON records.
 
     python bench/profile_phases.py --seq-lens 131072 262144
+
+Internal tool: times the kernels and index builders of ``mtraining.ops.sparse.launch`` and
+``mtraining.ops.sparse.index_kernels`` one by one.
 """
 
 from __future__ import annotations
@@ -22,9 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from common import bench_ms, provenance, write_results  # noqa: E402
 
 from bench.synthetic import rope_structured_qkv  # noqa: E402
-from mtraining.ops.pattern.estimate import PatternConfig, estimate_pattern  # noqa: E402
+from mtraining.ops import PatternConfig, estimate_pattern, sparse_attention  # noqa: E402
 from mtraining.ops.sparse import launch as tb  # noqa: E402
-from mtraining.ops.sparse.attention import sparse_attention  # noqa: E402
 from mtraining.ops.sparse.index_kernels import chunk_pair_triton, key_walk_triton, query_walk_triton  # noqa: E402
 
 

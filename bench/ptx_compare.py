@@ -1,4 +1,4 @@
-"""Compare the sm_90 PTX of every kernel between two dumps of tests/compile_kernels_sm90.py: no GPU needed.
+"""Compare the sm_90 PTX of every kernel between two dumps of tools/compile_kernels_sm90.py: no GPU needed.
 
 Two commits whose kernels compile to the same PTX, once stripped of what does not reach the machine
 code (``.loc``/``.file`` lines, debug sections and their labels, comments, spacing, the kernel's name, which
@@ -16,8 +16,8 @@ first use. Each record counts the instructions on both sides
 (PTX and, with ``--ptxas``, SASS): what a change that must alter the code adds. Exit status 1 when any kernel differs, in its
 PTX or, with ``--ptxas``, its SASS (or is missing on one side).
 
-    TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=<old worktree> python tests/compile_kernels_sm90.py --ptx-dir /tmp/ptx/old
-    TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=. python tests/compile_kernels_sm90.py --ptx-dir /tmp/ptx/new
+    TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=<old worktree> python tools/compile_kernels_sm90.py --ptx-dir /tmp/ptx/old
+    TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=. python tools/compile_kernels_sm90.py --ptx-dir /tmp/ptx/new
     python bench/ptx_compare.py /tmp/ptx/old /tmp/ptx/new --ptxas --out bench/results/ptx_compare.json
 """
 
@@ -247,7 +247,7 @@ def main() -> int:
     if args.out:
         header = dict(
             provenance(on_gpu=False),
-            device="cpu (no GPU): PTX for sm_90 from tests/compile_kernels_sm90.py",
+            device="cpu (no GPU): PTX for sm_90 from tools/compile_kernels_sm90.py",
             params_by_use=args.params_by_use,
             old=_source(args.old),
             new=_source(args.new),

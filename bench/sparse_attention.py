@@ -25,8 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
 from common import add_attention_shape, bench_ms, provenance, write_results  # noqa: E402
 
-from mtraining.ops import VerticalSlashPattern  # noqa: E402
-from mtraining.ops.sparse.attention import sparse_attention  # noqa: E402
+from mtraining.ops import VerticalSlashPattern, sparse_attention  # noqa: E402
 
 
 def dense_times(q, k, v, do) -> tuple[float, float]:
@@ -71,7 +70,7 @@ def sparse_times(q, k, v, do, pattern) -> tuple[float, float, float]:
 def training_step_ms(q, k, v, do, config) -> float:
     """Estimate + forward + backward as a training step runs them: a new pattern every call, so its
     kernel indices are built inside the timed region too."""
-    from mtraining.ops.pattern.estimate import estimate_pattern
+    from mtraining.ops import estimate_pattern
 
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
@@ -94,7 +93,7 @@ def sweep_pattern(b: int, h: int, n: int, g: int, density: float, n_verticals: i
 
 def run(args) -> list[dict]:
     from bench.synthetic import random_qkv, rope_structured_qkv
-    from mtraining.ops.pattern.estimate import PatternConfig, estimate_pattern
+    from mtraining.ops import PatternConfig, estimate_pattern
 
     generators = {"structured": rope_structured_qkv, "random": random_qkv}
     hq, hkv, d, g = args.heads_q, args.heads_kv, args.head_dim, args.block_size

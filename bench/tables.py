@@ -1,4 +1,6 @@
-"""Print the Markdown tables of BENCHMARKS.md from bench/results/*.json (no number is typed by hand).
+"""Print the Markdown tables of the reports in bench/reports/ from bench/results/*.json (no number is typed by hand).
+
+Each table is printed under a comment naming its report; BENCHMARKS.md indexes the reports' headlines.
 
 python bench/tables.py
 """
@@ -364,6 +366,33 @@ def checkpoint_integrity_table() -> str:
     return "\n".join(lines)
 
 
+def agreement_check_table() -> str:
+    """The rings' per-call agreement check: one check, a bare all-gather, layer-like steps with and without the
+    checks, and the position-ids read (slowest rank's medians)."""
+    head = ["backend", "ranks", "check µs", "bare all-gather µs", "layers", "tokens", "with checks ms"]
+    head += ["without ms", "position-ids read ms (tokens)", "device", "commit"]
+    lines = [_row(head), _row(["---"] * len(head))]
+    for r in _load("agreement_check"):
+        lines.append(
+            _row(
+                [
+                    r["backend"],
+                    r["world"],
+                    f"{r['check_us']:.0f}",
+                    f"{r['all_gather_us']:.0f}",
+                    r["layers"],
+                    r["seq"],
+                    f"{r['layers_ms']:.1f}",
+                    f"{r['layers_unchecked_ms']:.1f}",
+                    f"{r['position_ids_ms']:.1f} ({r['ids_len']})",
+                    r["device"],
+                    r["commit"],
+                ]
+            )
+        )
+    return "\n".join(lines)
+
+
 def loss_table() -> str:
     """LM-head cross-entropy (loss + backward) by implementation: time, peak memory, the per-chunk row
     step alone (its timing clones the logits: the clone is subtracted) and errors against float64."""
@@ -464,12 +493,12 @@ def training_tables() -> str:
 
 
 def _extension_replicates(path: Path) -> str:
-    """bench/extension_replicates.py writes its tables beside its JSON."""
+    """experiments/extension/replicates.py writes its tables beside its JSON."""
     return path.with_suffix(".md").read_text().strip()
 
 
 def extension_tables() -> str:
-    """Context extension, dense vs sparse (bench/extension.py): accuracy by length and the budget sweep, per scale."""
+    """Context extension, dense vs sparse (experiments/extension/pipeline.py): accuracy by length and the budget sweep, per scale."""
     lines = []
     for path in sorted(RESULTS.glob("extension_*.json")):
         if path.stem.endswith(("_base_search", "_base")):  # a base alone (search, --base-only): by hand
@@ -514,7 +543,7 @@ def extension_tables() -> str:
 
 
 def _extension_losses(path: Path) -> str:
-    """Mean NLL by token kind per extended model and attention (bench/extension_losses.py)."""
+    """Mean NLL by token kind per extended model and attention (experiments/extension/losses.py)."""
     r = json.loads(path.read_text())
     lines = [f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}`", ""]
     kinds = ("answer", "queried key", "rest", "all")
@@ -526,7 +555,7 @@ def _extension_losses(path: Path) -> str:
 
 def _extension_answers(path: Path) -> str:
     """Where the extension corpus' answers lie in their documents, and the packed stages' filler
-    (bench/answer_positions.py)."""
+    (experiments/extension/answer_positions.py)."""
     r = json.loads(path.read_text())
     ext = r["stages"]["extension"]
     lines = [f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}`", ""]
@@ -555,7 +584,7 @@ def _extension_answers(path: Path) -> str:
 
 
 def _extension_query_position(path: Path) -> str:
-    """Retrieval with the questions at the end or ``tail`` tokens before it (bench/query_position.py)."""
+    """Retrieval with the questions at the end or ``tail`` tokens before it (experiments/extension/query_position.py)."""
     r = json.loads(path.read_text())
     lines = [f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}`", ""]
     lines += [_row(["model / attention", "questions at the end", f"{r['tail']} tokens before it", "tail - end"])]
@@ -568,7 +597,7 @@ def _extension_query_position(path: Path) -> str:
 
 def _extension_local_verticals(path: Path) -> str:
     """Retrieval with extra columns per query block, questions at the end or ``tail`` tokens before it
-    (bench/local_verticals.py)."""
+    (experiments/extension/local_verticals.py)."""
     r = json.loads(path.read_text())
     lines = [
         f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}` ({r['model']} extension, "
@@ -596,7 +625,7 @@ def _extension_local_verticals(path: Path) -> str:
 
 
 def _extension_density(path: Path) -> str:
-    """One extended model's last-bucket perplexity and retrieval at each pattern setting (bench/extension_density.py)."""
+    """One extended model's last-bucket perplexity and retrieval at each pattern setting (experiments/extension/density.py)."""
     r = json.loads(path.read_text())
     lines = [
         f"{r['name']}: {r['device']}, commit {r['commit']}, `{r['command']}` ({r['model']} extension, "
@@ -695,23 +724,24 @@ def train_overhead_table() -> str:
 
 
 def main() -> None:
-    for title, table in (
-        ("sparse_attention", sparse_attention_table()),
-        ("block_sparse_peers", block_sparse_peers_table()),
-        ("tune_kernels", kernel_table()),
-        ("kernel_variants", kernel_variants_table()),
-        ("ring_attention", ring_table()),
-        ("layout_balance", layout_balance_table()),
-        ("estimate_cp", estimate_cp_table()),
-        ("packed_documents", packed_documents_table()),
-        ("training", training_tables()),
-        ("loss", loss_table()),
-        ("recall_cost", recall_table()),
-        ("extension", extension_tables()),
-        ("checkpoint_integrity", checkpoint_integrity_table()),
-        ("train_overhead", train_overhead_table()),
+    for title, report, table in (
+        ("sparse_attention", "sparse_attention_h200_20261123", sparse_attention_table()),
+        ("block_sparse_peers", "block_sparse_peers_h200_20261123", block_sparse_peers_table()),
+        ("tune_kernels", "kernel_tiles_h200_20261123", kernel_table()),
+        ("kernel_variants", "kernel_variants_h200_20261123", kernel_variants_table()),
+        ("ring_attention", "ring_attention_h200x2_20261123", ring_table()),
+        ("layout_balance", "ring_attention_h200x2_20261123", layout_balance_table()),
+        ("estimate_cp", "ring_attention_h200x2_20261123", estimate_cp_table()),
+        ("packed_documents", "packed_documents_h200_20261123", packed_documents_table()),
+        ("training", "training_h200_20261123", training_tables()),
+        ("loss", "training_h200_20261123", loss_table()),
+        ("recall_cost", "training_h200_20261123", recall_table()),
+        ("extension", "extension_*", extension_tables()),
+        ("checkpoint_integrity", "checkpoint_integrity_cpu_20261123", checkpoint_integrity_table()),
+        ("train_overhead", "train_overhead_cpu_20261124", train_overhead_table()),
+        ("agreement_check", "agreement_check_cpu_20261128", agreement_check_table()),
     ):
-        print(f"<!-- {title} -->\n{table}\n")
+        print(f"<!-- {title}: bench/reports/{report}.md -->\n{table}\n")
 
 
 if __name__ == "__main__":

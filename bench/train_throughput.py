@@ -2,8 +2,12 @@
 
 For each sequence length and attention mode it writes a config (Qwen2.5-3B architecture with random
 weights by default, context parallel over all GPUs, bf16, activation checkpointing), trains a few
-steps on random token ids through torchrun, and reads the trainer's metrics.jsonl: the median over
-steps after warm-up of step time and tokens/s, the peak memory and MFU.
+steps on random token ids through torchrun, and reads the trainer's metrics.jsonl as it is written:
+each step's figures are printed and the output JSON is rewritten after every step (a run cut short
+keeps what it measured; ``complete`` says whether it finished). A record holds every step and the
+median over steps after warm-up of step time and tokens/s, the peak memory (rank 0's) and MFU.
+Options that change the step (``--compile``, ``--context-mode``, ``--fused-kernels``, ...) apply to
+dense and sparse alike, so their ratio compares the attention alone.
 
     python bench/train_throughput.py --gpus 4 --seq-lens 131072 262144 524288
     python bench/train_throughput.py --arch tiny --device cpu --gpus 2 --seq-lens 2048 --steps 4   # plumbing check
@@ -12,13 +16,17 @@ steps after warm-up of step time and tokens/s, the peak memory and MFU.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -102,7 +110,7 @@ def write_config(folder: Path, args, seq_len: int, mode: str, tokens: Path, chec
     cfg = dict(
         model=dict(model, dtype="bfloat16" if args.device == "cuda" else "float32"),
         attention=attention,
-        parallel=dict(data=1, context=args.gpus),
+        parallel=dict(data=1, context=args.gpus, context_mode=args.context_mode, ring=args.ring),
         data=dict(sources=[str(tokens)], seq_len=seq_len, batch_size=1, shuffle=False),
         optim=dict(lr=1.0e-5, warmup_steps=1),
         train=dict(
@@ -113,6 +121,8 @@ def write_config(folder: Path, args, seq_len: int, mode: str, tokens: Path, chec
             fused_kernels=args.fused_kernels,
             save_attention_outputs=SAVED_OUTPUTS[args.save_attention_outputs],
             loss_impl=args.loss_impl,
+            compile=args.compile is not None,
+            compile_backend=args.compile or "inductor",
         ),
         checkpoint=dict(dir=None),
         log=dict(
@@ -127,8 +137,66 @@ def write_config(folder: Path, args, seq_len: int, mode: str, tokens: Path, chec
     return path
 
 
-def run_one(path: Path, gpus: int, log_dir: Path, warmup: int, profiled: bool) -> dict:
-    """Train as configured; medians over the steps after ``warmup`` (and before a profiled last step)."""
+class StepRows:
+    """The step rows of a run's metrics.jsonl as they are written (event rows such as the start marker left out)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+
+    def new(self) -> list[dict]:
+        """Rows of whole lines written since the last call."""
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        whole = data[: data.rfind(b"\n") + 1]
+        self._offset += len(whole)
+        rows = [json.loads(line) for line in whole.decode().splitlines() if line.strip()]
+        return [r for r in rows if "event" not in r]
+
+
+STEP_FIELDS = ("step", "step_s", "tokens_per_s", "peak_mem_gb", "mfu", "density", "loss")
+
+
+def summarize(steps: list[dict], warmup: int, profiled: bool) -> dict:
+    """Medians over the steps after ``warmup`` (and before a profiled last step; all steps when that leaves
+    none), the largest peak memory (rank 0's), and every step's own figures."""
+    if not steps:
+        return dict(steps=[])
+    timed = steps[warmup : len(steps) - profiled] or steps
+
+    def median(key: str) -> float | None:
+        return statistics.median(s[key] for s in timed) if all(key in s for s in timed) else None
+
+    return dict(
+        step_s=median("step_s"),
+        tokens_per_s=median("tokens_per_s"),
+        peak_mem_gb=max(s["peak_mem_gb"] for s in steps),
+        mfu=median("mfu"),
+        density=median("density"),
+        losses=[s["loss"] for s in steps],
+        timed_steps=len(timed),
+        steps=[{k: s.get(k) for k in STEP_FIELDS} for s in steps],
+    )
+
+
+def run_one(
+    path: Path,
+    gpus: int,
+    log_dir: Path,
+    warmup: int,
+    profiled: bool,
+    on_step: Callable[[dict], None],
+    time_limit_s: float | None = None,
+) -> dict:
+    """Train as configured through torchrun, streaming: the trainer's output is echoed as it comes and each
+    finished step's row goes to ``on_step`` at once, so a run cut short keeps the steps it measured.
+
+    ``time_limit_s``: stop the run (SIGTERM, which the trainer obeys after its current step) after that long.
+    Returns ``summarize`` of the steps, with ``error`` (the output's tail) when the run failed or was stopped.
+    """
     cmd = [
         sys.executable,
         "-m",
@@ -140,20 +208,37 @@ def run_one(path: Path, gpus: int, log_dir: Path, warmup: int, profiled: bool) -
         "train",
         str(path),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    metrics = log_dir / "metrics.jsonl"
-    if proc.returncode != 0 or not metrics.exists():
-        return dict(error=(proc.stderr or proc.stdout)[-2000:])
-    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
-    timed = steps[warmup : len(steps) - profiled] or steps
-    return dict(
-        step_s=statistics.median(s["step_s"] for s in timed),
-        tokens_per_s=statistics.median(s["tokens_per_s"] for s in timed),
-        peak_mem_gb=max(s["peak_mem_gb"] for s in steps),
-        mfu=statistics.median(s["mfu"] for s in timed) if all("mfu" in s for s in timed) else None,
-        density=statistics.median(s["density"] for s in timed) if all("density" in s for s in timed) else None,
-        losses=[s["loss"] for s in steps],
-    )
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+    fired = threading.Event()
+
+    def stop() -> None:
+        fired.set()
+        proc.terminate()
+
+    timer = threading.Timer(time_limit_s, stop) if time_limit_s else None
+    if timer is not None:
+        timer.start()
+    rows, steps, tail = StepRows(log_dir / "metrics.jsonl"), [], collections.deque(maxlen=40)
+
+    def collect() -> None:
+        for row in rows.new():
+            steps.append(row)
+            on_step(row)
+
+    for line in proc.stdout:
+        print(f"    | {line}", end="", flush=True)
+        tail.append(line)
+        collect()
+    proc.wait()
+    if timer is not None:
+        timer.cancel()
+    collect()
+    result = summarize(steps, warmup, profiled)
+    if proc.returncode != 0:
+        why = f"stopped after --time-limit-s {time_limit_s:g}" if fired.is_set() else f"exit status {proc.returncode}"
+        result["error"] = f"{why}: " + "".join(tail)[-2000:]
+    return result
 
 
 def main() -> None:
@@ -201,7 +286,36 @@ def main() -> None:
         help="profile the last step (torch.profiler, left out of the medians) and copy rank 0's table "
         "of the costliest kernels here as profile_<mode>_<seq>_<fused kernels>.txt",
     )
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        choices=["inductor", "aot_eager", "eager"],
+        help="train.compile with this backend (bare flag: inductor): torch.compile each decoder layer, the "
+        "attention call eager; dense and sparse alike",
+    )
+    p.add_argument(
+        "--context-mode",
+        choices=["ring", "allgather"],
+        default="ring",
+        help="parallel.context_mode of both modes: K/V around a ring, or all-gathered once per layer",
+    )
+    p.add_argument(
+        "--ring", choices=["auto", "flat", "hierarchical"], default="auto", help="parallel.ring of both modes"
+    )
+    p.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=None,
+        help="stop each training run after this many seconds (the steps it finished are kept)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON (default bench/results/train_throughput.json), rewritten after every step",
+    )
     args = p.parse_args()
     vocab = ARCHS[args.arch]["vocab_size"]
     records = []
@@ -220,11 +334,7 @@ def main() -> None:
                 folder = tmp / f"{mode}_{seq_len}"
                 folder.mkdir()
                 path = write_config(folder, args, seq_len, mode, tokens, checkpoint)
-                result = run_one(path, args.gpus, folder / "log", args.warmup, args.profile_dir is not None)
-                if args.profile_dir is not None and "error" not in result:
-                    args.profile_dir.mkdir(parents=True, exist_ok=True)
-                    table = folder / "log" / f"profile_step{args.steps}_rank0.txt"
-                    shutil.copy(table, args.profile_dir / f"profile_{mode}_{seq_len}_{args.fused_kernels}.txt")
+                cfg = yaml.safe_load(path.read_text())
                 rec = dict(
                     **provenance(on_gpu=args.device == "cuda"),
                     gpus=args.gpus,
@@ -232,15 +342,34 @@ def main() -> None:
                     seq_len=seq_len,
                     attention="mtraining sparse" if mode == "sparse" else "dense (cuDNN; zigzag ring if CP)",
                     layout=MODES[mode]["layout"],
-                    ring="flat",
+                    context_mode=args.context_mode,
+                    ring=args.ring,
                     init=args.init,
                     fused_kernels=args.fused_kernels,
+                    compile=args.compile or "none",
                     save_attention_outputs=SAVED_OUTPUTS[args.save_attention_outputs],
                     loss_impl=args.loss_impl,
-                    config=yaml.safe_load(path.read_text()),
-                    **result,
+                    config=cfg,
+                    complete=False,
                 )
                 records.append(rec)
+                rows: list[dict] = []
+
+                def on_step(row: dict, rec: dict = rec, rows: list = rows, mode: str = mode) -> None:
+                    rows.append(row)
+                    rec.update(summarize(rows, args.warmup, profiled))
+                    write_results("train_throughput", records, args.out)
+                    shown = " ".join(f"{k}={row[k]:.4g}" for k in STEP_FIELDS[1:] if row.get(k) is not None)
+                    print(f"{seq_len:>8} {mode:>6} step {row['step']}: {shown}", flush=True)
+
+                profiled = args.profile_dir is not None
+                result = run_one(path, args.gpus, folder / "log", args.warmup, profiled, on_step, args.time_limit_s)
+                rec.update(result, complete="error" not in result)
+                write_results("train_throughput", records, args.out)
+                if profiled and "error" not in result:
+                    args.profile_dir.mkdir(parents=True, exist_ok=True)
+                    table = folder / "log" / f"profile_step{args.steps}_rank0.txt"
+                    shutil.copy(table, args.profile_dir / f"profile_{mode}_{seq_len}_{args.fused_kernels}.txt")
                 shown = {k: rec.get(k) for k in ("step_s", "tokens_per_s", "peak_mem_gb", "mfu", "density", "error")}
                 print(f"{seq_len:>8} {mode:>6} {shown}", flush=True)
     print(f"wrote {write_results('train_throughput', records, args.out)}")

@@ -6,6 +6,8 @@ from CUDA kernel times recorded by torch.profiler (median of several runs). The 
 ``mtraining.ops.sparse.launch.tile_config``.
 
     python bench/tune_kernels.py
+
+Internal tool: sweeps the tiles of ``mtraining.ops.sparse.launch``.
 """
 
 from __future__ import annotations
@@ -23,9 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import provenance, write_results  # noqa: E402
 from sparse_attention import sweep_pattern  # noqa: E402
 
-from mtraining.ops import VerticalSlashPattern  # noqa: E402
+from mtraining.ops import VerticalSlashPattern, sparse_attention  # noqa: E402
 from mtraining.ops.sparse import launch as tb  # noqa: E402
-from mtraining.ops.sparse.attention import sparse_attention  # noqa: E402
 
 KERNELS = ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_block_kernel", "_bwd_dkdv_vertical_kernel")
 T = tb.Tiles

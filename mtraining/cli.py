@@ -1,4 +1,5 @@
 """Command line: ``mtraining train CONFIG.yaml [key=value ...]``, ``mtraining export``, ``mtraining tokenize``,
+``mtraining convert`` (GGUF -> Hugging Face folder), ``mtraining corpus`` (long documents from local files)
 and the evaluation suite under ``mtraining eval`` (ppl, niah, ruler, infinitebench, report).
 
 Run under torchrun for several ranks (``torchrun --nproc_per_node 4 -m mtraining.cli train ...``)
@@ -8,6 +9,7 @@ node of a multi-node job).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -67,6 +69,7 @@ def train(
     SIGTERM (preemption) makes the ranks finish the current step, save a checkpoint and exit 143.
     """
     from .train.config import load_config
+    from .train.errors import EXIT_INTERRUPTED, Preempted, RankStalled, RunStopped
 
     overrides = overrides or []
     try:
@@ -74,17 +77,23 @@ def train(
         launcher = nproc > 1 or nnodes > 1 or node_rank is not None or rdzv_endpoint is not None
         if launcher and "RANK" not in os.environ:
             from .train.preflight import preflight
+            from .train.rendezvous import meet_nodes
             from .train.torchrun import launch, torchrun_command
 
             args = torchrun_command(nproc, nnodes, node_rank, rdzv_endpoint)
             for warning in preflight(cfg, nproc * nnodes, nproc):
                 typer.secho(warning, fg=typer.colors.YELLOW, err=True)
+            if nnodes > 1:
+                meet_nodes(rdzv_endpoint, nnodes, node_rank, cfg.parallel.timeout_minutes * 60, say=typer.echo)
             args += ["-m", "mtraining.cli", "train", str(config), *overrides]
             raise typer.Exit(launch(args))
     except ValueError as err:
         _fail(err)
+    except RunStopped as err:  # a node missing at the rendezvous
+        _fail(err, err.exit_code)
+    except KeyboardInterrupt:
+        _fail("interrupted before the ranks started; nothing was trained", EXIT_INTERRUPTED, "stopped")
     from .train.distributed import shutdown
-    from .train.errors import EXIT_INTERRUPTED, Preempted, RankStalled, RunStopped
     from .train.trainer import Trainer
 
     try:
@@ -142,7 +151,8 @@ def tokenize(
     """Tokenise the config's text sources into the token cache now (e.g. on a login node before a job), so
     ranks only memory-map them; with OUT, also write all sources end to end as one token file."""
     from .train.config import load_config
-    from .train.data import load_sources
+    from .train.data import load_sources, write_token_file
+    from .train.errors import SaveFailed
 
     try:
         cfg = load_config(config, overrides)
@@ -152,20 +162,95 @@ def tokenize(
     for s in sources:
         typer.echo(f"{s.name}: {s.files} files, {len(s.stream):,} tokens, largest id {s.max_id}")
     if out is not None:
-        import numpy as np
+        try:
+            dtype = write_token_file(sources, out)
+        except SaveFailed as err:
+            _fail(err, err.exit_code)
+        typer.echo(f"wrote {sum(len(s.stream) for s in sources)} tokens ({dtype.name}) to {out}")
 
-        dtype = np.uint16 if max(s.max_id for s in sources) < 1 << 16 else np.uint32
-        total = sum(len(s.stream) for s in sources)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        target = np.lib.format.open_memmap(out, mode="w+", dtype=dtype, shape=(total,))
-        done = 0
-        for s in sources:
-            for start in range(0, len(s.stream), 1 << 24):
-                window = s.stream.read(start, min(len(s.stream), start + (1 << 24)))
-                target[done : done + len(window)] = window
-                done += len(window)
-        target.flush()
-        typer.echo(f"wrote {total} tokens ({np.dtype(dtype).name}) to {out}")
+
+@app.command()
+def convert(
+    gguf_file: Path = typer.Argument(
+        ..., help="A .gguf checkpoint (llama.cpp's format): Llama, Qwen2, Qwen3 or Mistral."
+    ),
+    out_dir: Path = typer.Argument(..., help="New Hugging Face folder to write (must not exist or be empty)."),
+    dtype: str = typer.Option(
+        "float32",
+        "--dtype",
+        help="Weights' dtype on disk: float32 (the dequantized values exactly), bfloat16, float16.",
+    ),
+) -> None:
+    """Write a GGUF checkpoint as a Hugging Face folder (config.json, model.safetensors, tokenizer files) that
+    model.path and `mtraining eval` accept: quantized weights are dequantized, the tokenizer is rebuilt from the
+    file's vocabulary. Needs the gguf and accelerate packages (pip install -e ".[gguf]")."""
+    from .models.convert import convert_gguf, summary
+
+    try:
+        result = convert_gguf(gguf_file, out_dir, dtype, report=lambda line: typer.echo(line, err=True))
+    except ValueError as err:
+        _fail(err)
+    typer.echo(summary(result))
+
+
+@app.command()
+def corpus(
+    out_dir: Path = typer.Argument(..., help="New folder for train/*.npy, heldout/*.jsonl and manifest.json."),
+    tokenizer: Path = typer.Option(..., "--tokenizer", help="The model's tokenizer.json or Hugging Face folder."),
+    code: list[Path] = typer.Option(
+        [], "--code", help="A site-packages folder (or tar archive): a document per package."
+    ),
+    python: list[str] = typer.Option([], "--python", help="An interpreter whose site-packages to add as --code."),
+    prose: list[Path] = typer.Option(
+        [], "--prose", help="A folder or tar archive of text files: a document per top-level entry (a book)."
+    ),
+    heldout_fraction: float = typer.Option(
+        0.05, "--heldout-fraction", help="Share of the documents within the held-out token range held out."
+    ),
+    heldout_min_tokens: int = typer.Option(
+        0, "--heldout-min-tokens", help="Shorter documents always train (e.g. 131072 to hold out 128K-long ones)."
+    ),
+    heldout_max_tokens: int = typer.Option(
+        2_000_000, "--heldout-max-tokens", help="Longer documents always train (the largest packages, big manuals)."
+    ),
+    min_tokens: int = typer.Option(0, "--min-tokens", help="Drop documents shorter than this."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the held-out split."),
+    skip_tests: bool = typer.Option(False, "--skip-tests", help="Leave out folders named test or tests."),
+    max_file_bytes: int = typer.Option(1 << 20, "--max-file-bytes", help="Leave out larger files."),
+    separator: str = typer.Option(None, "--separator", help="Token ending each document (default: the EOS)."),
+    heldout: list[str] = typer.Option([], "--heldout", help="Hold out this document too, e.g. prose/howto."),
+    workers: int = typer.Option(None, "--workers", help="Tokenising processes (default: one per CPU core)."),
+) -> None:
+    """Build a corpus of long documents from local files: Python packages (one document per package, its
+    files concatenated in sorted path order under a path header each) and prose (one document per book),
+    tokenised into token files for data.sources, with whole documents held out as JSONL for evaluation."""
+    import shlex
+    import sys
+
+    from .data.corpus import CorpusOptions, build_corpus
+    from .data.trees import site_packages
+
+    try:
+        trees = [("code", p) for p in code] + [("code", p) for exe in python for p in site_packages(exe)]
+        trees += [("prose", p) for p in prose]
+        if not trees:
+            raise ValueError("give at least one --code, --python or --prose source")
+        options = CorpusOptions(
+            heldout_fraction=heldout_fraction,
+            heldout_min_tokens=heldout_min_tokens,
+            heldout_max_tokens=heldout_max_tokens,
+            min_tokens=min_tokens,
+            seed=seed,
+            skip_tests=skip_tests,
+            max_file_bytes=max_file_bytes,
+            separator=separator,
+            heldout=tuple(heldout),
+        )
+        count = workers or len(os.sched_getaffinity(0))
+        manifest = build_corpus(out_dir, tokenizer, trees, options, count, shlex.join(["mtraining", *sys.argv[1:]]))
+    except ValueError as err:
+        _fail(err)
+    typer.echo(json.dumps(manifest["totals"], indent=1))
 
 
 def main() -> None:

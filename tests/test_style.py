@@ -1,4 +1,8 @@
-"""The code base passes the project's linter and formatter (ruff, configured in pyproject.toml)."""
+"""The code base passes the project's linter, formatter and type checker, as configured in pyproject.toml.
+
+ruff lints (a complexity limit included: C901, ``max-complexity``) and formats every Python file; mypy
+checks the package.
+"""
 
 import subprocess
 import sys
@@ -15,4 +19,12 @@ def test_ruff(args):
     assert done.returncode == 0, (
         f"ruff {' '.join(args)} failed (ruff comes with the test extra: pip install -e '.[test]'; "
         f"fix with `ruff check --fix . && ruff format .`):\n{done.stdout}{done.stderr}"
+    )
+
+
+def test_mypy():
+    done = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, (
+        f"mypy failed (it comes with the test extra: pip install -e '.[test]'; run `python -m mypy`):\n"
+        f"{done.stdout}{done.stderr}"
     )

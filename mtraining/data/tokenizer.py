@@ -16,6 +16,7 @@ from typing import overload
 from .documents import DataError
 
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+_BOUNDARY_CHARS = 1024  # characters before a continuation that decide how it is tokenised
 FOLDER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 """Files that make a folder a tokenizer folder for ``Tokenizer.from_folder``."""
 
@@ -111,6 +112,16 @@ class Tokenizer:
     def encode(self, text: str | list[str]) -> list[int] | list[list[int]]:
         """Ids of one text, or of each text of a list (one batch through the fast tokenizer)."""
         return self.hf(text, add_special_tokens=self.add_special_tokens, return_attention_mask=False)["input_ids"]
+
+    def continuation(self, prompt: str, text: str) -> list[int]:
+        """Ids of ``text`` where it follows ``prompt``: those ``encode(prompt + text)`` adds after ``encode(prompt)``
+        (read on the prompt's last ``_BOUNDARY_CHARS`` characters: tokens never reach that far), or, where the
+        two meet inside one token, ``text``'s own ids without special tokens."""
+        tail = prompt[-_BOUNDARY_CHARS:]
+        head, whole = self.encode([tail, tail + text])
+        if whole[: len(head)] == head:
+            return whole[len(head) :]
+        return self.hf(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
 
     def count(self, text: str) -> int:
         return len(self.encode(text))

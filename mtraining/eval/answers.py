@@ -3,17 +3,27 @@
 Prompts come from the seeded generators (``score_cells``) or from official files on disk
 (``score_samples`` with samples already made); either way each answer is scored by its sample's
 metric and the records keep every prompt's prediction and expected answers.
+
+Beside generation, the reference answer is scored teacher-forced in the same prefill (``Engine.respond``):
+the expected answers joined by ", " after the prompt (``reference_text``), each token's loss and whether it
+is the greedy prediction. ``forced`` in a cell is the percentage of prompts whose every reference token is
+greedy: what greedy decoding through the attention under test would produce, on every answer token (generation
+decodes the tokens after the first dense). For several expected answers the reference is one order of them, so
+there the teacher-forced reading is stricter than the generated one, which scores them in any order.
+Every cell carries 95% intervals over its prompts (``intervals``).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..data.tokenizer import Tokenizer
 from .documents import Haystack
-from .engine import Engine
+from .engine import Engine, Forced
+from .intervals import mean_of_means_interval, score_interval
 from .runtime import track
 from .scoring import mean_percent, score
 from .tasks import Sample
@@ -28,11 +38,29 @@ def middle_cut(ids: list[int], keep: int) -> list[int]:
     return ids[:head] + ids[len(ids) - (keep - head) :]
 
 
-def answer(engine: Engine, tokenizer: Tokenizer, sample: Sample) -> str:
-    """The model's greedy answer to ``sample`` (prefill through the configured attention); a prompt
-    longer than its length allows is cut in the middle first (see ``middle_cut``)."""
-    ids = middle_cut(tokenizer.encode(sample.prompt), sample.length - sample.max_new_tokens)
-    return tokenizer.decode(engine.generate(ids, sample.max_new_tokens, tokenizer.stop_ids))
+def reference_text(sample: Sample) -> str:
+    """The answer a teacher-forced reading scores after ``sample.prompt``: its expected answers joined by ", ",
+    after a space unless the prompt ends in whitespace."""
+    return ("" if sample.prompt[-1:].isspace() else " ") + ", ".join(sample.answers)
+
+
+@dataclass(frozen=True)
+class Answered:
+    """The model's greedy answer to a sample and, when asked, its reference answer scored teacher-forced."""
+
+    prediction: str
+    forced: Forced | None = None
+
+
+def answer(engine: Engine, tokenizer: Tokenizer, sample: Sample, forced: bool = True) -> Answered:
+    """The model's greedy answer to ``sample`` (prefill through the configured attention) and with ``forced``
+    the reference answer's teacher-forced scores; a prompt longer than its length allows is cut in the middle
+    first (see ``middle_cut``)."""
+    ids = tokenizer.encode(sample.prompt)
+    reference = tokenizer.continuation(sample.prompt, reference_text(sample)) if forced else None
+    ids = middle_cut(ids, sample.length - sample.max_new_tokens)
+    response = engine.respond(ids, sample.max_new_tokens, tokenizer.stop_ids, reference)
+    return Answered(tokenizer.decode(response.tokens), response.forced)
 
 
 @dataclass(frozen=True)
@@ -44,6 +72,7 @@ class Prompting:
     haystack: Haystack | None = None  # None: the built-in filler, seeded with ``seed``
     max_new_tokens: int | None = None  # None: the task's own
     show_progress: bool = True
+    forced: bool = True  # also score the reference answer teacher-forced
     # Samples already built with these settings and the same tokenizer, filled as samples are built:
     # several models that share a tokenizer build each prompt once (keys: see ``score_samples``).
     cache: dict | None = field(default=None, compare=False, repr=False)
@@ -56,6 +85,7 @@ class Prompting:
 
 
 Run = tuple[dict, dict, Callable[[], Sample]]  # (cell, record fields, the sample, made when its turn comes)
+_AHEAD, _BUILDERS = 4, 2  # samples built ahead of the one answered, on this many threads
 
 
 def score_samples(
@@ -65,21 +95,17 @@ def score_samples(
     title: str,
     show_progress: bool = True,
     cache: dict | None = None,
+    forced: bool = True,
 ) -> tuple[dict[tuple, list[float]], list[dict]]:
     """Answer and score each run's sample: the scores per cell (keyed by the tuple of the cell's
-    values) and a record per prompt (the cell's fields, then the run's own, then the outcome).
-    ``cache``: see ``Prompting.cache`` (keyed by title, the cell's and the run's values)."""
+    values) and a record per prompt (the cell's fields, then the run's own, then the outcome, with ``forced``
+    the reference's teacher-forced scores). ``cache``: see ``Prompting.cache`` (keyed by title, the cell's and
+    the run's values)."""
     scores: dict[tuple, list[float]] = {}
     records = []
-    for cell, fields, make in track(runs, len(runs), title, show_progress):
-        key = (title, *cell.values(), *fields.values())
-        sample = cache.get(key) if cache is not None else None
-        if sample is None:
-            sample = make()
-            if cache is not None:
-                cache[key] = sample
-        prediction = answer(engine, tokenizer, sample)
-        value = score(sample.metric, prediction, sample.answers)
+    for cell, fields, sample in track(_built(runs, title, cache), len(runs), title, show_progress):
+        got = answer(engine, tokenizer, sample, forced)
+        value = score(sample.metric, got.prediction, sample.answers)
         scores.setdefault(tuple(cell.values()), []).append(value)
         records.append(
             {
@@ -87,12 +113,54 @@ def score_samples(
                 **fields,
                 "prompt_tokens": min(sample.prompt_tokens, sample.length - sample.max_new_tokens),
                 "answers": sample.answers,
-                "prediction": prediction,
+                "prediction": got.prediction,
                 "metric": sample.metric,
                 "score": value,
+                **_forced_fields(got.forced),
             }
         )
     return scores, records
+
+
+def _built(runs: Sequence[Run], title: str, cache: dict | None) -> Iterator[tuple[dict, dict, Sample]]:
+    """(cell, fields, sample) of each run in order, samples taken from ``cache`` or built ``_AHEAD`` runs ahead on
+    ``_BUILDERS`` threads (building tokenises whole prompts, which releases the GIL: it overlaps the model's work)."""
+    keys = [(title, *cell.values(), *fields.values()) for cell, fields, _ in runs]
+    with ThreadPoolExecutor(_BUILDERS) as pool:
+        pending: dict[int, Future] = {}
+        for i, (cell, fields, _) in enumerate(runs):
+            for j in range(i, min(i + _AHEAD, len(runs))):
+                if j not in pending and (cache is None or keys[j] not in cache):
+                    pending[j] = pool.submit(runs[j][2])
+            sample = cache[keys[i]] if i not in pending else pending.pop(i).result()
+            if cache is not None:
+                cache[keys[i]] = sample
+            yield cell, fields, sample
+
+
+def _forced_fields(forced: Forced | None) -> dict:
+    """A prompt record's teacher-forced fields: per reference token its loss and whether it is greedy, and
+    ``forced_score`` 1.0 when all are (else 0.0); none without a teacher-forced reading."""
+    if forced is None:
+        return {}
+    return {"forced_nll": forced.nll, "forced_greedy": forced.greedy, "forced_score": float(forced.all_greedy)}
+
+
+def summarise(records: Sequence[dict]) -> dict:
+    """One cell's prompts: ``score`` (mean percent) with its 95% ``interval`` (``intervals.score_interval``),
+    ``prompts``, and from teacher-forced records ``forced`` (percent all greedy), ``forced_interval`` and
+    ``forced_nll`` (mean loss per reference token); None for the teacher-forced fields without them."""
+    scores = [r["score"] for r in records]
+    out = {"score": mean_percent(scores), "interval": list(score_interval(scores)), "prompts": len(records)}
+    forced = [r for r in records if "forced_score" in r]
+    if forced:
+        tokens = sum(len(r["forced_nll"]) for r in forced)
+        out["forced"] = mean_percent([r["forced_score"] for r in forced])
+        out["forced_interval"] = list(score_interval([r["forced_score"] for r in forced]))
+        out["forced_nll"] = sum(sum(r["forced_nll"]) for r in forced) / tokens if tokens else None
+    else:
+        out |= {"forced": None, "forced_interval": None, "forced_nll": None}
+    return out
 
 
 def score_cells(
@@ -110,26 +178,48 @@ def score_cells(
     """
     seeds = range(prompting.seed, prompting.seed + prompting.samples)
     runs = [(cell, {"seed": s}, functools.partial(prompt, cell, s)) for cell in cells for s in seeds]
-    scores, records = score_samples(engine, tokenizer, runs, title, prompting.show_progress, prompting.cache)
+    scores, records = score_samples(
+        engine, tokenizer, runs, title, prompting.show_progress, prompting.cache, prompting.forced
+    )
     return {key: mean_percent(values) for key, values in scores.items()}, records
 
 
 def task_grid(
     tasks: Sequence[str], lengths: Sequence[int], scores: dict[tuple, list[float]], records: list[dict]
 ) -> dict:
-    """{"tasks", "lengths", "scores": {task: [percent or None per length]}, "counts", "average", "records"}
-    from per-(task, length) scores; a cell without prompts scores None, the average skips it."""
+    """{"tasks", "lengths", "scores": {task: [percent or None per length]}, "counts", "average", "intervals",
+    "forced", "forced_intervals", "forced_nll", "average_interval", "records"} from per-(task, length) scores and
+    the prompts' records; a cell without prompts scores None, the average skips it. ``intervals`` and
+    ``forced_intervals`` are [low, high] per cell (``summarise``); ``average_interval`` resamples every task's
+    prompts at once (``intervals.mean_of_means_interval``)."""
+    cells = {(t, n): [r for r in records if r["task"] == t and r["length"] == n] for t in tasks for n in lengths}
+    summary = {key: summarise(found) if found else None for key, found in cells.items()}
+
+    def grid(field: str) -> dict:
+        return {t: [None if summary[(t, n)] is None else summary[(t, n)][field] for n in lengths] for t in tasks}
+
     table = {t: [mean_percent(scores[(t, n)]) if scores.get((t, n)) else None for n in lengths] for t in tasks}
     counts = {t: [len(scores.get((t, n), [])) for n in lengths] for t in tasks}
     average = []
     for i in range(len(lengths)):
         values = [table[t][i] for t in tasks if table[t][i] is not None]
         average.append(sum(values) / len(values) if values else None)
+    average_interval = [
+        list(mean_of_means_interval([[r["score"] for r in cells[(t, n)]] for t in tasks]))
+        if any(cells[(t, n)] for t in tasks)
+        else None
+        for n in lengths
+    ]
     return {
         "tasks": list(tasks),
         "lengths": list(lengths),
         "scores": table,
         "counts": counts,
         "average": average,
+        "intervals": grid("interval"),
+        "average_interval": average_interval,
+        "forced": grid("forced"),
+        "forced_intervals": grid("forced_interval"),
+        "forced_nll": grid("forced_nll"),
         "records": records,
     }

@@ -34,12 +34,17 @@ Lengths = Annotated[str, typer.Option("--lengths", help="Context lengths, e.g. 4
 Samples = Annotated[int, typer.Option("--samples", help="Sequences / prompts per cell.")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of the generated prompts.")]
 HaystackOpt = Annotated[
-    list[Path] | None, typer.Option("--haystack", help="Local text for the haystack; default: built-in filler.")
-]
-Granule = Annotated[
-    int,
+    list[Path] | None,
     typer.Option(
-        "--prefill-granule", help="Prefill the longest prompt prefix that is a multiple of this; the rest runs dense."
+        "--haystack",
+        help="Real filler: held-out documents (JSONL with a text field, text files, ...); default: built-in filler.",
+    ),
+]
+TeacherForcing = Annotated[
+    bool,
+    typer.Option(
+        "--teacher-forcing/--no-teacher-forcing",
+        help="Also score the expected answer teacher-forced, in the same prefill as the generated answer.",
     ),
 ]
 Nproc = Annotated[int, typer.Option("--nproc", help="Start this many local context-parallel ranks with torchrun.")]
@@ -85,7 +90,7 @@ def _relaunch(command: str, nproc: int) -> None:
 class _Session:
     """Loaded model, tokenizer, context-parallel group and engine for one command on this rank."""
 
-    def __init__(self, checkpoint: Path, opts: SessionOptions, granule: int = 2048) -> None:
+    def __init__(self, checkpoint: Path, opts: SessionOptions) -> None:
         import torch.distributed as dist
 
         from .engine import AttentionSpec, Engine
@@ -108,10 +113,10 @@ class _Session:
             block_size=opts.block_size,
             backend=opts.backend,
             pattern=pattern,
-            prefill_granule=granule,
             dense_layers=layers,
             ring=opts.ring,
             inner_size=inner_size,
+            context_mode=opts.context_mode,
         )
         self.engine = Engine(self.loaded.model, self.spec, self.group)
         self.checkpoint = str(checkpoint)
@@ -173,7 +178,7 @@ class _Session:
             "layout": self.spec.layout,
             "ring": self.spec.ring,
             "inner_size": self.spec.inner_size,
-            "prefill_granule": self.spec.prefill_granule,
+            "context_mode": self.spec.context_mode,
             "block_size": self.spec.block_size,
             "world_size": self.engine.world_size,
             "device": str(next(self.loaded.model.parameters()).device),
@@ -269,9 +274,9 @@ def niah(
     haystack: HaystackOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Answer tokens to generate.")] = 24,
     text_field: TextField = "text",
+    teacher_forcing: TeacherForcing = True,
     *,
     opts: SessionOptions,
-    prefill_granule: Granule = 2048,
     nproc: Nproc = 1,
 ) -> None:
     """Needle in a haystack over lengths x depths: a JSON of the grid and a heatmap PNG."""
@@ -283,7 +288,7 @@ def niah(
 
         grid, depth_list = parse_lengths(lengths), parse_numbers(depths, "depths")
         s, prompting = _prompted(
-            checkpoint, opts, prefill_granule, grid, haystack, text_field, seed, samples, max_new_tokens
+            checkpoint, opts, grid, haystack, text_field, seed, samples, max_new_tokens, teacher_forcing
         )
         result = run_niah(s.engine, s.loaded.tokenizer, grid, depth_list, prompting)
         settings = {
@@ -292,6 +297,8 @@ def niah(
             "samples": samples,
             "seed": seed,
             "max_new_tokens": max_new_tokens,
+            "haystack": [str(p) for p in haystack or []],
+            "teacher_forcing": teacher_forcing,
         }
         out, folder = s.save("niah", settings, result)
         if s.root:
@@ -323,9 +330,9 @@ def ruler(
     task: TaskName = None,
     limit: Limit = None,
     truncate: Truncate = False,
+    teacher_forcing: TeacherForcing = True,
     *,
     opts: SessionOptions,
-    prefill_granule: Granule = 2048,
     nproc: Nproc = 1,
 ) -> None:
     """RULER-style tasks generated from a seed, or RULER's own JSONL (--data): scores per task and length."""
@@ -337,15 +344,15 @@ def ruler(
         grid = parse_lengths(lengths)
         files = _Files.of(data, task, limit, truncate, max_new_tokens, tasks=tasks, haystack=haystack)
         if files:
-            s, result = _from_files("ruler", checkpoint, opts, prefill_granule, grid, files)
-            settings = files.settings(grid)
+            s, result = _from_files("ruler", checkpoint, opts, grid, files, teacher_forcing)
+            settings = files.settings(grid) | {"teacher_forcing": teacher_forcing}
         else:
             task_list = parse_tasks(tasks or "all")
             s, prompting = _prompted(
-                checkpoint, opts, prefill_granule, grid, haystack, text_field, seed, samples, max_new_tokens
+                checkpoint, opts, grid, haystack, text_field, seed, samples, max_new_tokens, teacher_forcing
             )
             result = run_ruler(s.engine, s.loaded.tokenizer, task_list, grid, prompting)
-            settings = _generated(grid, task_list, prompting)
+            settings = _generated(grid, task_list, prompting, haystack)
         _save_table(s, "ruler", "RULER-style tasks", settings, result)
 
     _run("ruler", nproc, body)
@@ -362,37 +369,39 @@ def infinitebench(
     ] = None,
     samples: Samples = 4,
     seed: Seed = 0,
+    haystack: HaystackOpt = None,
     max_new_tokens: MaxNewTokens = None,
+    text_field: TextField = "text",
     data: DataFiles = None,
     task: TaskName = None,
     limit: Limit = None,
     truncate: Truncate = False,
+    teacher_forcing: TeacherForcing = True,
     *,
     opts: SessionOptions,
-    prefill_granule: Granule = 2048,
     nproc: Nproc = 1,
 ) -> None:
-    """InfiniteBench's passkey, number string, key-value and Math.Find tasks, generated from a seed or
-    read from the benchmark's JSONL (--data): scores per task and length."""
+    """InfiniteBench's passkey, number string, key-value and Math.Find tasks, generated from a seed (passkey and
+    number string in real filler with --haystack) or read from the benchmark's JSONL (--data): scores per task and
+    length."""
 
     def body() -> None:
-        from .answers import Prompting
         from .infinitebench import TASKS, run_infinitebench
         from .ruler import parse_tasks
         from .runtime import parse_lengths
 
         grid = parse_lengths(lengths)
-        files = _Files.of(data, task, limit, truncate, max_new_tokens, tasks=tasks)
+        files = _Files.of(data, task, limit, truncate, max_new_tokens, tasks=tasks, haystack=haystack)
         if files:
-            s, result = _from_files("infinitebench", checkpoint, opts, prefill_granule, grid, files)
-            settings = files.settings(grid)
+            s, result = _from_files("infinitebench", checkpoint, opts, grid, files, teacher_forcing)
+            settings = files.settings(grid) | {"teacher_forcing": teacher_forcing}
         else:
             task_list = parse_tasks(tasks or "all", TASKS)
-            s = _Session(checkpoint, opts, prefill_granule)
-            s.check(grid, generate=True)
-            prompting = Prompting(samples, seed, max_new_tokens=max_new_tokens, show_progress=s.root)
+            s, prompting = _prompted(
+                checkpoint, opts, grid, haystack, text_field, seed, samples, max_new_tokens, teacher_forcing
+            )
             result = run_infinitebench(s.engine, s.loaded.tokenizer, task_list, grid, prompting)
-            settings = _generated(grid, task_list, prompting)
+            settings = _generated(grid, task_list, prompting, haystack)
         _save_table(s, "infinitebench", "InfiniteBench", settings, result)
 
     _run("infinitebench", nproc, body)
@@ -441,7 +450,7 @@ class _Files:
         }
 
 
-def _generated(lengths: list[int], tasks: list[str], prompting: Prompting) -> dict:
+def _generated(lengths: list[int], tasks: list[str], prompting: Prompting, haystack: list[Path] | None) -> dict:
     """The settings of a ruler or infinitebench command whose prompts are generated from a seed."""
     return {
         "lengths": lengths,
@@ -449,22 +458,24 @@ def _generated(lengths: list[int], tasks: list[str], prompting: Prompting) -> di
         "samples": prompting.samples,
         "seed": prompting.seed,
         "max_new_tokens": prompting.max_new_tokens,
+        "haystack": [str(p) for p in haystack or []],
+        "teacher_forcing": prompting.forced,
     }
 
 
 def _from_files(
-    kind: str, checkpoint: Path, opts: SessionOptions, granule: int, lengths: list[int], files: _Files
+    kind: str, checkpoint: Path, opts: SessionOptions, lengths: list[int], files: _Files, forced: bool
 ) -> tuple[_Session, dict]:
     """The session and result of a ruler or infinitebench command run on the benchmark's own files."""
     from . import datafiles
 
     load = datafiles.ruler_samples if kind == "ruler" else datafiles.infinitebench_samples
     samples = load(files.data, files.task, files.limit, files.max_new_tokens)  # format errors before the model
-    s = _Session(checkpoint, opts, granule)
+    s = _Session(checkpoint, opts)
     s.check(lengths, generate=True)
     tokenizer = s.loaded.tokenizer
     placed = datafiles.place(samples, lengths, tokenizer.count, files.truncate)
-    return s, datafiles.run_samples(s.engine, tokenizer, placed, lengths, kind, s.root)
+    return s, datafiles.run_samples(s.engine, tokenizer, placed, lengths, kind, s.root, forced)
 
 
 def _save_table(s: _Session, kind: str, title: str, settings: dict, result: dict) -> None:
@@ -498,38 +509,40 @@ def report(
 def _prompted(
     checkpoint: Path,
     opts: SessionOptions,
-    granule: int,
     lengths: list[int],
     haystack: list[Path] | None,
     text_field: str,
     seed: int,
     samples: int,
     max_new_tokens: int | None,
+    forced: bool,
 ) -> tuple[_Session, Prompting]:
-    """The session of a niah or ruler command, checked for generating at ``lengths``, and how it prompts."""
+    """The session of a command with generated prompts, checked for generating at ``lengths``, and how it prompts."""
     from .answers import Prompting
     from .documents import Haystack, load_documents
 
     stack = Haystack(load_documents(haystack, text_field), seed=seed) if haystack else Haystack(seed=seed)
-    s = _Session(checkpoint, opts, granule)
+    s = _Session(checkpoint, opts)
     s.check(lengths, generate=True)
-    return s, Prompting(samples, seed, stack, max_new_tokens, s.root)
+    return s, Prompting(samples, seed, stack, max_new_tokens, s.root, forced)
 
 
 def _print_ppl(out, data: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"perplexity: {data['label']}")
-    for col in ("length", "windows", "ppl", "first bucket", "last bucket"):
+    for col in ("length", "windows", "ppl", "first bucket", "last bucket", "last bucket 95%"):
         table.add_column(col, justify="right")
     for r in data["result"]:
         first, last = r["buckets"][0], r["buckets"][-1]
+        interval = last["ppl_interval"]
         table.add_row(
             str(r["length"]),
             str(r["windows"]),
             f"{r['ppl']:.3f}",
             f"{first['ppl']:.3f} (≤{first['end']})",
             f"{last['ppl']:.3f} ({last['start']}–{last['end']})",
+            "–" if interval is None else f"[{interval[0]:.3f}, {interval[1]:.3f}]",
         )
     out.print(table)
 
@@ -544,7 +557,15 @@ def _print_grid(out, data: dict) -> None:
         table.add_column(str(n), justify="right")
     for depth, row in zip(res["depths"], res["scores"]):
         table.add_row(f"{depth:g}%", *(f"{v:.0f}" for v in row))
+    table.add_row("all depths", *(_with_interval(c["score"], c["interval"]) for c in res["by_length"]))
+    if res["by_length"] and res["by_length"][0]["forced"] is not None:
+        forced = (_with_interval(c["forced"], c["forced_interval"]) for c in res["by_length"])
+        table.add_row("teacher-forced", *forced)
     out.print(table)
+
+
+def _with_interval(value: float, interval: list[float]) -> str:
+    return f"{value:.1f} [{interval[0]:.1f}, {interval[1]:.1f}]"
 
 
 if __name__ == "__main__":  # the command torchrun starts on every rank (rank_exit.py: how it ends)

@@ -27,6 +27,7 @@ from ..data.tokenizer import Tokenizer
 from . import infinitebench
 from .answers import score_samples, task_grid
 from .engine import Engine
+from .scoring import check_answers
 from .tasks import Sample
 
 # RULER task family (name prefix): (answer tokens, metric), from its constants.py files
@@ -118,6 +119,9 @@ def _ruler_sample(task: str, record: dict, max_new_tokens: int | None) -> Sample
     prompt, outputs = record.get("input"), record.get("outputs")
     if not isinstance(prompt, str) or not isinstance(outputs, list) or not outputs:
         raise ValueError(f"a RULER record needs a string input and a list of outputs; found fields {sorted(record)}")
+    if not all(isinstance(o, (str, int, float)) and not isinstance(o, bool) for o in outputs):
+        raise ValueError(f"a RULER record's outputs must be strings, got {outputs!r}")
+    check_answers(metric, [str(o) for o in outputs])
     prefix = record.get("answer_prefix", "")
     if not isinstance(prefix, str):
         raise ValueError(f"answer_prefix must be a string, got {prefix!r}")
@@ -172,9 +176,10 @@ def run_samples(
     lengths: Sequence[int],
     title: str,
     show_progress: bool = True,
+    forced: bool = True,
 ) -> dict:
-    """Answer placed samples: {"tasks", "lengths", "scores", "counts", "average", "records"} (records carry
-    each sample's file and id, and its prompt tokens before any truncation)."""
+    """Answer placed samples: ``answers.task_grid``'s table (records carry each sample's file and id, and its
+    prompt tokens before any truncation); ``forced``: also score each record's answers teacher-forced."""
     runs = [
         (
             {"task": s.task, "length": s.length},
@@ -183,6 +188,6 @@ def run_samples(
         )
         for s in samples
     ]
-    scores, records = score_samples(engine, tokenizer, runs, title, show_progress)
+    scores, records = score_samples(engine, tokenizer, runs, title, show_progress, forced=forced)
     tasks = list(dict.fromkeys(s.task for s in samples))
     return task_grid(tasks, sorted(lengths), scores, records)

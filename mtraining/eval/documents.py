@@ -8,13 +8,17 @@ folder of ``<id>.txt`` books per split (the original release), parquet files wit
 (the Hugging Face hub), or the Arrow files of ``datasets`` (its cache, or ``save_to_disk``; the
 metadata JSON files beside them are skipped). ``filler_sentences`` is a deterministic stream of plain
 English sentences for haystacks when the user has no text of their own.
+
+``Haystack`` makes the context of needle tasks: the built-in sentences, or real text (held-out documents,
+``--haystack``) as written, each prompt's from its own start (a document and a line in it drawn from the
+prompt's seed), so the prompts of a cell read different text.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..data.documents import TEXT_KINDS, find_files, read_documents
@@ -34,14 +38,6 @@ def load_documents(paths: Sequence[str | Path], text_field: str = "text") -> lis
     if not docs:
         raise ValueError(f"no non-empty documents found in {', '.join(map(str, paths))}")
     return docs
-
-
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
-
-
-def split_sentences(text: str) -> list[str]:
-    """Sentences of ``text`` (split after . ! ? and whitespace), whitespace-normalised, non-empty."""
-    return [" ".join(s.split()) for s in _SENTENCE_END.split(text) if s.strip()]
 
 
 # A small grammar of our own: subject, verb phrase, object, circumstance.
@@ -125,24 +121,67 @@ def filler_sentences(count: int, seed: int = 0) -> list[str]:
     return out
 
 
+_LONG_LINE = 512  # characters: longer lines are cut after their sentences, so the fitted haystack stays close
+_LINE_END = re.compile(r"(?<=\n)|(?<=[.!?] )")
+
+
+def text_pieces(text: str) -> list[str]:
+    """``text`` cut into consecutive pieces whose concatenation is ``text``: its lines (with their newline),
+    lines longer than ``_LONG_LINE`` characters cut after sentence ends (". ", "! ", "? ")."""
+    pieces = []
+    for line in text.splitlines(keepends=True):
+        if len(line) <= _LONG_LINE:
+            pieces.append(line)
+        else:
+            pieces.extend(p for p in _LINE_END.split(line) if p)
+    return pieces
+
+
 class Haystack:
-    """A source of haystack sentences: the built-in filler, or the sentences of local documents."""
+    """A source of haystack text: the built-in filler sentences, or pieces of local documents (``text_pieces``)."""
 
     def __init__(self, documents: Sequence[str] | None = None, seed: int = 0) -> None:
         self.seed = seed
-        self._sentences: list[str] | None = None
+        self._documents: list[list[str]] | None = None
         if documents is not None:
-            self._sentences = [s for doc in documents for s in split_sentences(doc)]
-            if not self._sentences:
-                raise ValueError("the haystack documents contain no sentences; pass text with punctuation")
+            self._documents = [p for p in (text_pieces(d) for d in documents if d.strip()) if p]
+            if not self._documents:
+                raise ValueError("the haystack documents hold no text; pass files with text in them")
 
     @property
     def name(self) -> str:
-        return "filler" if self._sentences is None else "documents"
+        return "filler" if self._documents is None else "documents"
 
-    def sentences(self, count: int) -> list[str]:
-        """The first ``count`` sentences (local text repeats from its start when it runs out)."""
-        if self._sentences is None:
-            return filler_sentences(count, self.seed)
-        n = len(self._sentences)
-        return [self._sentences[i % n] for i in range(count)]
+    def context(self, count: int, items: Sequence[tuple[float, str]], draw: int = 0) -> str:
+        """``count`` pieces of haystack with each (fraction, text) item inserted before piece round(fraction *
+        count) (ties keep their order). Built-in filler: the stream's first sentences (the same for every draw),
+        items among them, joined by spaces. Documents: ``count`` consecutive pieces as written, from a start
+        drawn with ``draw`` (a document and a piece in it; then the next documents in turn, cyclically), each
+        item on a line of its own. A prefix of the pieces for ``count + 1`` (the knob ``tasks.fit_knob`` searches)."""
+        pieces = filler_sentences(count, self.seed) if self._documents is None else list(self._stream(count, draw))
+        slots: dict[int, list[str]] = {}
+        for frac, text in items:
+            slots.setdefault(round(frac * count), []).append(text)
+        out: list[str] = []
+        for i in range(count + 1):
+            for text in slots.get(i, []):
+                out.append(text if self._documents is None else self._own_line(text, out))
+            if i < count:
+                out.append(pieces[i])
+        return " ".join(out) if self._documents is None else "".join(out).rstrip("\n")
+
+    @staticmethod
+    def _own_line(text: str, before: list[str]) -> str:
+        """``text`` as a line of its own after the pieces ``before``."""
+        return ("" if not before or before[-1].endswith("\n") else "\n") + text + "\n"
+
+    def _stream(self, count: int, draw: int) -> Iterator[str]:
+        docs = self._documents
+        rng = random.Random(f"mtraining-haystack-{self.seed}-{draw}")
+        doc = rng.randrange(len(docs))
+        at = rng.randrange(len(docs[doc]))
+        for _ in range(count):
+            yield docs[doc][at]
+            at += 1
+            if at == len(docs[doc]):
+                doc, at = (doc + 1) % len(docs), 0

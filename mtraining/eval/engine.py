@@ -1,4 +1,5 @@
-"""Forward passes for evaluation: per-token loss of a long sequence, and prefill + greedy answer.
+"""Forward passes for evaluation: per-token loss of a long sequence, and a prompt's greedy answer with its
+reference answer scored teacher-forced.
 
 Attention runs through the trainer's adapter (``mtraining.models``: ``attn_implementation=
 "mtraining"`` with an ``Attention``), so a long prompt sees exactly the attention of training:
@@ -11,20 +12,23 @@ Context parallelism (``group`` with W > 1 ranks, e.g. under torchrun):
   layout; each rank runs the model on its shard (RoPE gets global positions), computes the loss of
   its own tokens in chunks (no full logits), and the per-token losses are gathered back to global
   order on every rank. The sequence length must be a multiple of the layout's unit.
-- generation: the prompt's longest prefix that is a multiple of the *prefill granule* (default
-  2048 tokens, made a multiple of the layout's unit) and leaves at least one token is prefilled
-  through the ring; every rank's KV cache shard is gathered on group rank 0, which runs the
-  remaining prompt tokens (the dense tail, fewer than one granule: usually the question) and the
-  greedy answer with plain dense SDPA against the full cache, and broadcasts the answer. Decoding
-  is dense, as in sparse-prefill inference; its cost is the answer length times one pass over the
-  cache. The split does not depend on the number of ranks (while the unit divides the granule),
-  so sparse answers are the same on one process and on any such group.
+- answers (``respond``): every prompt token, the question included, is prefilled through the attention
+  under test, as sparse-prefill inference serves (MInference). One pass holds the prompt, then the
+  reference answer when one is given (scored teacher-forced), then on several ranks a padding document up
+  to the layout's unit. ``Documents.estimate_end`` at the prompt's end keeps the answer and the padding out
+  of the pattern's estimate, and document masking keeps the padding out of every other token's attention,
+  so the prompt's rows see exactly the pattern and the keys of the prompt alone: the first answer token's
+  logits (at the last prompt position) are the same on one process and on any group. The answer's rows
+  read the prompt through that pattern too (the pattern is global), so the teacher-forced scores are
+  those of the attention under test on every answer token; the answer cannot choose the lines it is read
+  with. Only generated tokens after the first decode dense: group rank 0 gathers every rank's KV cache
+  shard, keeps the prompt's positions, runs greedy steps with plain SDPA against it and broadcasts the
+  answer. Decoding costs the answer length times one pass over the cache.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -41,7 +45,34 @@ from ..train.loss import IGNORE_INDEX, token_scores
 
 DECODE_ATTENTION = "sdpa"
 _LOGIT_ELEMENTS = 1 << 26  # lm-head chunk: at most this many logits at once (256 MB in float32)
-_TAIL_CHUNK = 256  # prompt tokens per dense step after the prefill (bounds the SDPA mask)
+_PAD_ID = 0  # the padding document's token (masked out of every other document and of the estimate)
+
+
+@dataclass(frozen=True)
+class Forced:
+    """A reference answer scored teacher-forced after its prompt, one entry per answer token.
+
+    Attributes:
+        nll: -log p(answer[i] | prompt, answer[:i]), natural log.
+        greedy: whether answer[i] is the greedy prediction there.
+    """
+
+    nll: list[float]
+    greedy: list[bool]
+
+    @property
+    def all_greedy(self) -> bool:
+        """Every answer token is the greedy prediction (greedy decoding through the same attention would
+        produce the answer)."""
+        return all(self.greedy)
+
+
+@dataclass(frozen=True)
+class Response:
+    """A prompt's greedy answer and, when a reference answer was given, its teacher-forced scores."""
+
+    tokens: list[int]
+    forced: Forced | None = None
 
 
 @dataclass(frozen=True)
@@ -59,8 +90,8 @@ class AttentionSpec:
         dense_layers: layers that run dense even when ``sparse`` (as ``attention.dense_layers`` in training).
         ring: "flat" or "hierarchical" context-parallel ring (``parallel.ring`` in training).
         inner_size: ranks per inner ring of the hierarchical ring (default: LOCAL_WORLD_SIZE).
-        prefill_granule: generation prefills the longest prompt prefix that is a multiple of this
-            (rounded up to a multiple of the layout's unit); the rest runs dense.
+        context_mode: "ring" (K/V around ``ring``) or "allgather" (K/V all-gathered per layer;
+            ``parallel.context_mode`` in training).
     """
 
     sparse: bool = False
@@ -69,10 +100,10 @@ class AttentionSpec:
     backend: str = "auto"
     pattern: dict = field(default_factory=dict)
     min_sparse_len: int = 0
-    prefill_granule: int = 2048
     dense_layers: tuple[int, ...] = ()
     ring: str = "flat"
     inner_size: int | None = None
+    context_mode: str = "ring"
 
     @property
     def name(self) -> str:
@@ -123,9 +154,6 @@ class Engine:
         self.root = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         self.device = next(model.parameters()).device
         self.unit = layout_unit(spec.layout, self.world_size, spec.block_size)
-        if spec.prefill_granule < 1:
-            raise ValueError(f"prefill_granule must be a positive number of tokens, got {spec.prefill_granule}")
-        self.granule = math.lcm(self.unit, spec.prefill_granule)
         self.pattern_config = spec.pattern_config()  # ValueError for sparse options that cannot run
         if record not in ("density", "recall"):
             raise ValueError(f"record must be 'density' or 'recall', got {record!r}")
@@ -148,6 +176,7 @@ class Engine:
             backend=self.spec.backend,
             ring=self.spec.ring,
             inner_size=self.spec.inner_size,
+            context_mode=self.spec.context_mode,
         )
 
     # ------------------------------------------------------------------ sharding
@@ -214,67 +243,104 @@ class Engine:
         """float32 [L - 1] on the CPU, every rank: -log p(ids[i + 1] | ids[: i + 1])."""
         return self.token_scores(ids)[0]
 
-    # ------------------------------------------------------------------ generation
-    def _gathered_cache(self, cache, prefix_len: int):
-        """Group rank 0: a DynamicCache of the full prefix from every rank's shard; others: None."""
+    # ------------------------------------------------------------------ answers
+    def _answer_scores(self, hidden: Tensor, seq_len: int, first: int, labels: list[int]) -> tuple[Tensor, Tensor]:
+        """On the CPU, every rank: float64 [R] loss and int64 [R] greedy next token at global positions
+        first .. first + R - 1 (R = len(labels); loss 0 where the label is IGNORE_INDEX), from this rank's
+        hidden states of a ``seq_len``-token prefill; each rank scores the rows it holds."""
+        count = len(labels)
+        positions = (torch.arange(seq_len) if self.group is None else self._layout(seq_len).positions(self.rank)).to(
+            self.device
+        )
+        rows = ((positions >= first) & (positions < first + count)).nonzero().flatten()
+        at = positions[rows] - first
+        nll = torch.zeros(count, dtype=torch.float64, device=self.device)
+        greedy = torch.zeros(count, dtype=torch.int64, device=self.device)
+        if rows.numel():
+            wanted = torch.tensor(labels, device=self.device)[at]
+            loss, predicted = self._token_scores(hidden.index_select(0, rows), wanted)
+            nll[at], greedy[at] = loss.double(), predicted
+        if self.group is not None:  # each position is held by one rank: the sums are its values
+            dist.all_reduce(nll, group=self.group)
+            dist.all_reduce(greedy, group=self.group)
+        return nll.cpu(), greedy.cpu()
+
+    def _prompt_cache(self, cache, seq_len: int, keep: int):
+        """Group rank 0: a DynamicCache of the first ``keep`` positions of a ``seq_len``-token prefill (every
+        rank's shard gathered in global order); other ranks: None."""
         from transformers import DynamicCache
 
-        if self.group is None:
-            return cache
-        layout = self._layout(prefix_len)
+        layout = self._layout(seq_len) if self.group is not None else None
         full = DynamicCache(config=self.model.config) if self.is_root else None
         for idx, layer in enumerate(cache.layers):
             tensors = []
             for local in (layer.keys.contiguous(), layer.values.contiguous()):
+                if layout is None:
+                    tensors.append(local[..., :keep, :])
+                    continue
                 shards = [torch.empty_like(local) for _ in range(self.world_size)] if self.is_root else None
                 dist.gather(local, shards, dst=self.root, group=self.group)
-                tensors.append(layout.gather(shards, dim=2) if self.is_root else None)
+                tensors.append(layout.gather(shards, dim=2)[..., :keep, :] if self.is_root else None)
             if self.is_root:
                 full.update(tensors[0], tensors[1], idx)
         return full
 
-    def _decode(self, cache, tail: Sequence[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
-        """Dense steps on one process: the rest of the prompt, then greedy tokens."""
-        from transformers import DynamicCache
-
-        cache = cache if cache is not None else DynamicCache(config=self.model.config)
-        tail_ids = torch.tensor([list(tail)], device=self.device)
-        answer: list[int] = []
+    def _decode(self, cache, first: int, max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+        """Dense greedy steps on one process after ``first``, the prefill's greedy token."""
+        answer = [first]
         with _attn_implementation(self.model, DECODE_ATTENTION):
-            for start in range(0, tail_ids.shape[1], _TAIL_CHUNK):
-                out = self.model(
-                    input_ids=tail_ids[:, start : start + _TAIL_CHUNK],
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-            for _ in range(max_new_tokens):
-                token = int(out.logits[0, -1].argmax())
-                answer.append(token)
-                if token in stop_ids or len(answer) == max_new_tokens:
-                    break
-                step = torch.tensor([[token]], device=self.device)
+            while answer[-1] not in stop_ids and len(answer) < max_new_tokens:
+                step = torch.tensor([[answer[-1]]], device=self.device)
                 out = self.model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                answer.append(int(out.logits[0, -1].argmax()))
         return answer
+
+    def _sequence(self, prompt_len: int, answer_len: int) -> tuple[int, Documents | None]:
+        """(tokens of the pass, its documents) for a prompt and a reference answer: their sum rounded up to the
+        layout's unit on several ranks (a padding document fills it); documents leave every position after
+        the prompt out of the estimate (None when there is none)."""
+        real = prompt_len + answer_len
+        total = real if self.group is None else -(-real // self.unit) * self.unit
+        if total == prompt_len:
+            return total, None
+        lengths = [real] if total == real else [real, total - real]
+        return total, Documents.from_lengths(lengths, estimate_end=prompt_len)
 
     @torch.no_grad()
-    def generate(self, ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
-        """Greedy answer (at most ``max_new_tokens`` ids, stop id included) after prefilling ``ids``."""
+    def respond(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        stop_ids: Sequence[int] = (),
+        reference: Sequence[int] | None = None,
+    ) -> Response:
+        """Every rank: the greedy answer to ``prompt`` (at most ``max_new_tokens`` ids, stop id included) and,
+        with ``reference`` (answer token ids), its teacher-forced scores, from one prefill (module docstring)."""
         from transformers import DynamicCache
 
-        ids = [int(i) for i in ids]
+        ids = [int(i) for i in prompt]
+        forced = [int(i) for i in reference or ()]
         if not ids:
-            raise ValueError("cannot generate from an empty prompt")
-        prefix_len = (len(ids) - 1) // self.granule * self.granule
-        cache = None
-        if prefix_len:
-            cache = DynamicCache(config=self.model.config)
-            self._prefill(torch.tensor(ids[:prefix_len]), cache)
-            cache = self._gathered_cache(cache, prefix_len)
-        answer = self._decode(cache, ids[prefix_len:], max_new_tokens, set(stop_ids)) if self.is_root else None
+            raise ValueError("cannot answer an empty prompt")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        total, documents = self._sequence(len(ids), len(forced))
+        sequence = ids + forced + [_PAD_ID] * (total - len(ids) - len(forced))
+        cache = DynamicCache(config=self.model.config)
+        hidden = self._prefill(torch.tensor(sequence), cache, documents)[0]
+        labels = forced or [IGNORE_INDEX]  # the first answer token's row, scored or not
+        nll, greedy = self._answer_scores(hidden, total, len(ids) - 1, labels)
+        del hidden
+        cache = self._prompt_cache(cache, total, len(ids))
+        tokens = self._decode(cache, int(greedy[0]), max_new_tokens, set(stop_ids)) if self.is_root else None
         del cache
         if self.group is not None:
-            box = [answer]
+            box = [tokens]
             dist.broadcast_object_list(box, src=self.root, group=self.group)
-            answer = box[0]
-        return answer
+            tokens = box[0]
+        scored = Forced(nll.tolist(), [int(g) == t for g, t in zip(greedy, forced)]) if forced else None
+        return Response(tokens, scored)
+
+    def generate(self, ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
+        """Greedy answer (at most ``max_new_tokens`` ids, stop id included) after prefilling ``ids``."""
+        return self.respond(ids, max_new_tokens, stop_ids).tokens

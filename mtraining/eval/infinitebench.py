@@ -13,6 +13,10 @@ MInference's runner uses by default; ``sample_from_record`` renders an official 
 - ``math_find``: a Python-style list of integers in 0..99, asked for its largest, second or third
   largest, smallest, second or third smallest (distinct values) or median number.
 
+With a ``Haystack`` of real text (``--haystack``: held-out documents), passkey and number string take their
+filler from it (``Haystack.context``: each prompt's own stretch of the documents, the needle on a line of its
+own) instead of the repeated lines; key-value retrieval and Math.Find take no filler.
+
 Passkey, number string and key-value samples place their needle at a depth drawn from the seed; every
 sample's size knob (filler lines, pairs, list entries) is the largest whose prompt fits the length.
 Answers are scored as InfiniteBench's compute_scores.py does (``scoring``): the first integer of
@@ -32,7 +36,9 @@ from dataclasses import dataclass
 
 from ..data.tokenizer import Tokenizer
 from .answers import Prompting, score_samples, task_grid
+from .documents import Haystack
 from .engine import Engine
+from .scoring import check_answers
 from .tasks import Sample, fit_prompt
 
 TASKS = ("passkey", "number_string", "kv_retrieval", "math_find")
@@ -91,26 +97,33 @@ def render(task: str, record: Record) -> str:
 
 
 # ---------------------------------------------------------------------------- generators (rng, knob -> record)
-def _in_filler(needle: str, key: str, rng: random.Random, lines: int) -> tuple[str, float]:
+def _in_filler(
+    needle: str, key: str, rng: random.Random, lines: int, haystack: Haystack | None, draw: int
+) -> tuple[str, float]:
+    """The context: ``lines`` filler lines (or haystack pieces) with the needle at a depth drawn from ``rng``."""
     depth = rng.random()
+    text = needle.format(key=key)
+    if haystack is not None:
+        return haystack.context(lines, [(depth, text.rstrip("\n"))], draw), depth
     before = round(depth * lines)
-    return FILLER * before + needle.format(key=key) + FILLER * (lines - before), depth
+    return FILLER * before + text + FILLER * (lines - before), depth
 
 
-def _passkey(rng: random.Random, knob: int) -> Record:
+def _passkey(rng: random.Random, knob: int, haystack: Haystack | None = None, draw: int = 0) -> Record:
     key = "".join(str(rng.randint(0, 9)) for _ in range(5))
-    context, depth = _in_filler("The pass key is {key}. Remember it. {key} is the pass key.\n", key, rng, knob)
+    needle = "The pass key is {key}. Remember it. {key} is the pass key.\n"
+    context, depth = _in_filler(needle, key, rng, knob, haystack, draw)
     return Record(context, "What is the pass key?", [key], depth)
 
 
-def _number_string(rng: random.Random, knob: int) -> Record:
+def _number_string(rng: random.Random, knob: int, haystack: Haystack | None = None, draw: int = 0) -> Record:
     digits = [str(rng.randint(0, 9)) for _ in range(5)]
     for _ in range(5):  # five digits repeated in place: 10 digits with runs
         at = rng.randint(0, len(digits) - 1)
         digits.insert(at, digits[at])
     key = "".join(digits)
     needle = "The sequence of digits is {key}. Remember it. {key} is the sequence of digits.\n"
-    context, depth = _in_filler(needle, key, rng, knob)
+    context, depth = _in_filler(needle, key, rng, knob, haystack, draw)
     return Record(context, "What is the sequence of digits?", [key], depth)
 
 
@@ -143,24 +156,32 @@ def _math_find(rng: random.Random, knob: int, asked: str) -> Record:
     return Record(str(values), question, [f"{answer:g}"])
 
 
-def _builder(task: str, seed: int) -> Callable[[int], Record]:
+def _builder(task: str, seed: int, haystack: Haystack | None) -> Callable[[int], Record]:
     """knob -> record, from a fresh rng per call: the key, depth and question do not depend on the knob."""
     rng = functools.partial(random.Random, f"infinitebench-{task}-{seed}")
     if task == "math_find":
         asked = _MATH_FIND[seed % len(_MATH_FIND)]  # the seven questions in turn
         return lambda knob: _math_find(rng(), knob, asked)
-    build = {"passkey": _passkey, "number_string": _number_string, "kv_retrieval": _kv_retrieval}[task]
-    return lambda knob: build(rng(), knob)
+    if task == "kv_retrieval":
+        return lambda knob: _kv_retrieval(rng(), knob)
+    build = {"passkey": _passkey, "number_string": _number_string}[task]
+    return lambda knob: build(rng(), knob, haystack, seed)
 
 
 def generate(
-    task: str, length: int, seed: int, count_tokens: Callable[[str], int], max_new_tokens: int | None = None
+    task: str,
+    length: int,
+    seed: int,
+    count_tokens: Callable[[str], int],
+    max_new_tokens: int | None = None,
+    haystack: Haystack | None = None,
 ) -> Sample:
-    """One sample of ``task`` whose prompt has at most ``length - max_new_tokens`` tokens (see the module docstring)."""
+    """One sample of ``task`` whose prompt has at most ``length - max_new_tokens`` tokens (see the module docstring;
+    ``haystack``: real text for the filler of passkey and number string, None: the benchmark's lines)."""
     if task not in TASKS:
         raise ValueError(f"unknown InfiniteBench task {task!r}; use one of {', '.join(TASKS)}")
     new_tokens = MAX_NEW_TOKENS[task] if max_new_tokens is None else max_new_tokens
-    build = _builder(task, seed)
+    build = _builder(task, seed, haystack)
     knob, tokens = fit_prompt(lambda k: render(task, build(k)), count_tokens, task, length, new_tokens)
     record = build(knob)
     meta = {"knob": knob, "seed": seed, "depth": record.depth}
@@ -174,34 +195,32 @@ def run_infinitebench(
     lengths: Sequence[int],
     prompting: Prompting = Prompting(),
 ) -> dict:
-    """Generated samples of ``tasks`` at each length: {"tasks", "lengths", "scores", "counts", "average", "records"}."""
+    """Generated samples of ``tasks`` at each length: ``answers.task_grid``'s table (scores, intervals, teacher-forced
+    readings, records). A haystack of documents in ``prompting`` fills passkey and number string."""
+    haystack = prompting.haystack if prompting.haystack.name == "documents" else None
     seeds = range(prompting.seed, prompting.seed + prompting.samples)
     runs = [
         (
             {"task": t, "length": n},
             {"seed": s},
-            functools.partial(generate, t, n, s, tokenizer.count, prompting.max_new_tokens),
+            functools.partial(generate, t, n, s, tokenizer.count, prompting.max_new_tokens, haystack),
         )
         for t in tasks
         for n in lengths
         for s in seeds
     ]
-    scores, records = score_samples(engine, tokenizer, runs, "infinitebench", prompting.show_progress, prompting.cache)
-    return task_grid(tasks, lengths, scores, records)
+    scores, records = score_samples(
+        engine, tokenizer, runs, "infinitebench", prompting.show_progress, prompting.cache, prompting.forced
+    )
+    return task_grid(tasks, lengths, scores, records) | {"haystack": prompting.haystack.name}
 
 
 # ---------------------------------------------------------------------------- official records
-def _answers(task: str, raw: object) -> list[str]:
+def _answers(raw: object) -> list[str]:
     values = raw if isinstance(raw, list) else [raw]
     if not values or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in values):
         raise ValueError(f"its answer must be a string or number, or a list of them, got {raw!r}")
-    answers = [str(v) for v in values]
-    if task == "math_find":
-        try:
-            [float(a) for a in answers]
-        except ValueError:
-            raise ValueError(f"a math_find answer must be a number, got {raw!r}") from None
-    return answers
+    return [str(v) for v in values]
 
 
 def sample_from_record(task: str, raw: dict, max_new_tokens: int | None = None) -> Sample:
@@ -210,6 +229,7 @@ def sample_from_record(task: str, raw: dict, max_new_tokens: int | None = None) 
     if missing or not isinstance(raw.get("context"), str) or not isinstance(raw.get("input"), str):
         found = sorted(raw)
         raise ValueError(f"an InfiniteBench record needs string context and input and an answer; found fields {found}")
-    record = Record(raw["context"], raw["input"], _answers(task, raw["answer"]))
+    record = Record(raw["context"], raw["input"], _answers(raw["answer"]))
+    check_answers(METRICS[task], record.answers)
     new_tokens = MAX_NEW_TOKENS[task] if max_new_tokens is None else max_new_tokens
     return Sample(task, 0, render(task, record), record.answers, new_tokens, metric=METRICS[task])

@@ -87,9 +87,11 @@ def load(
     from transformers.utils import logging as hf_logging
 
     from ..models import build_model
+    from ..models.loader import refuse_gguf
 
     hf_logging.disable_progress_bar()
     path = Path(checkpoint)
+    refuse_gguf(path, "checkpoint")
     if not path.exists():
         raise ValueError(
             f"checkpoint {path} does not exist; pass a local Hugging Face directory (config.json + *.safetensors) "

@@ -34,6 +34,13 @@ class SessionOptions:
         int | None,
         typer.Option("--inner-size", help="Hierarchical ring: ranks per inner ring (default: ranks per node)."),
     ] = None
+    context_mode: Annotated[
+        str,
+        typer.Option(
+            "--context-mode",
+            help="Context parallelism: ring (K/V around --ring) or allgather (K/V gathered per layer).",
+        ),
+    ] = "ring"
     backend: Annotated[str, typer.Option("--backend", help="auto, torch or triton.")] = "auto"
     v_size: Annotated[int | None, typer.Option("--v-size", help="Sparse: verticals per head.")] = None
     s_size: Annotated[int | None, typer.Option("--s-size", help="Sparse: slashes per head.")] = None
@@ -77,6 +84,10 @@ class SessionOptions:
         """Ranks per inner ring for --ring hierarchical (validated against the world size), None for flat."""
         if self.ring not in ("flat", "hierarchical"):
             raise ValueError(f"--ring must be flat or hierarchical, got {self.ring!r}")
+        if self.context_mode not in ("ring", "allgather"):
+            raise ValueError(f"--context-mode must be ring or allgather, got {self.context_mode!r}")
+        if self.context_mode == "allgather" and self.ring == "hierarchical":
+            raise ValueError("--ring hierarchical is a ring schedule; --context-mode allgather runs no ring: drop one")
         if self.ring == "flat":
             if self.inner_size is not None:
                 raise ValueError(

@@ -3,7 +3,11 @@
 For each length L the first L tokens of every document that long (or, with ``pack``, consecutive
 L-token windows of all documents joined by EOS) are scored; the per-token losses are summed into
 buckets of positions [0, b), [b, 2b), [2b, 4b), ... so a user sees whether late tokens, which
-have more context, get a lower loss.
+have more context, get a lower loss. Held-out real documents (a JSONL corpus with a ``text`` field, or
+text files) take PG-19's role. Each perplexity carries a 95% interval over its windows (``ppl_interval``:
+the windows' mean losses resampled), and each window's per-bucket loss sums are kept with the index of
+the document it starts in (``window_records``), so two models read on the same documents pair up window
+by window.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 
 from ..data.tokenizer import Tokenizer
 from .engine import Engine
+from .intervals import mean_interval
 from .runtime import track
 
 
@@ -41,19 +46,23 @@ class _Windows:
         while len(self.ids) < len(self.docs) and not done():
             self.ids.append(self.tokenizer.encode(self.docs[len(self.ids)]))
 
-    def windows(self, length: int, samples: int, pack: bool) -> list[list[int]]:
+    def windows(self, length: int, samples: int, pack: bool) -> list[tuple[int, list[int]]]:
+        """Up to ``samples`` (index of the document the window starts in, its ``length`` ids)."""
         if pack:
             eos = self.tokenizer.eos_id
             need = length * samples
 
             self._tokenise_until(lambda: sum(len(d) + 1 for d in self.ids) >= need)
             stream: list[int] = []
-            for doc in self.ids:
+            owner: list[int] = []
+            for i, doc in enumerate(self.ids):
                 stream.extend(doc + ([eos] if eos is not None else []))
-            found = [stream[i : i + length] for i in range(0, len(stream) - length + 1, length)][:samples]
+                owner.extend([i] * (len(doc) + (eos is not None)))
+            starts = range(0, len(stream) - length + 1, length)
+            found = [(owner[i], stream[i : i + length]) for i in starts][:samples]
         else:
             self._tokenise_until(lambda: sum(len(d) >= length for d in self.ids) >= samples)
-            found = [d[:length] for d in self.ids if len(d) >= length][:samples]
+            found = [(i, d[:length]) for i, d in enumerate(self.ids) if len(d) >= length][:samples]
         if not found:
             longest = max((len(d) for d in self.ids), default=0)
             total = sum(len(d) for d in self.ids)
@@ -76,35 +85,36 @@ def run_ppl(
     pack: bool = False,
     show_progress: bool = True,
 ) -> list[dict]:
-    """Per length: windows scored, mean NLL, perplexity, and per-bucket NLL/perplexity."""
+    """Per length: windows scored, mean NLL, perplexity with its 95% interval over windows, per-bucket NLL,
+    perplexity and interval, and per window its document and bucket loss sums (module docstring)."""
     if samples < 1:
         raise ValueError(f"samples must be at least 1, got {samples}")
     source = _Windows(docs, tokenizer)
-    plan = [(n, w) for n in lengths for w in source.windows(n, samples, pack)]
-    sums = {n: torch.zeros(len(position_buckets(n, first_bucket)), dtype=torch.float64) for n in lengths}
-    windows = {n: 0 for n in lengths}
-    for length, window in track(plan, len(plan), "perplexity", show_progress):
+    plan = [(n, doc, w) for n in lengths for doc, w in source.windows(n, samples, pack)]
+    sums: dict[int, list[dict]] = {n: [] for n in lengths}
+    for length, doc, window in track(plan, len(plan), "perplexity", show_progress):
         nll = engine.token_nll(torch.tensor(window)).double()
-        for i, (a, b) in enumerate(position_buckets(length, first_bucket)):
-            sums[length][i] += nll[a:b].sum()
-        windows[length] += 1
+        edges = position_buckets(length, first_bucket)
+        sums[length].append({"document": doc, "nll": [float(nll[a:b].sum()) for a, b in edges]})
     results = []
     for n in lengths:
+        edges = position_buckets(n, first_bucket)
         buckets = []
-        for (a, b), total in zip(position_buckets(n, first_bucket), sums[n].tolist()):
-            tokens = (b - a) * windows[n]
-            buckets.append(
-                {"start": a + 1, "end": b, "tokens": tokens, "nll": total / tokens, "ppl": math.exp(total / tokens)}
-            )
-        mean = float(sums[n].sum()) / ((n - 1) * windows[n])
+        for i, (a, b) in enumerate(edges):
+            per_window = [w["nll"][i] / (b - a) for w in sums[n]]
+            buckets.append({"start": a + 1, "end": b, "tokens": (b - a) * len(per_window), **_perplexity(per_window)})
+        per_window = [sum(w["nll"]) / (n - 1) for w in sums[n]]
         results.append(
-            {
-                "length": n,
-                "windows": windows[n],
-                "tokens": (n - 1) * windows[n],
-                "nll": mean,
-                "ppl": math.exp(mean),
-                "buckets": buckets,
-            }
+            {"length": n, "windows": len(sums[n]), "tokens": (n - 1) * len(sums[n]), **_perplexity(per_window)}
+            | {"buckets": buckets, "window_records": sums[n]}
         )
     return results
+
+
+def _perplexity(per_window: list[float]) -> dict:
+    """Mean NLL of windows with equal token counts, its perplexity, and the perplexity's 95% interval over the
+    windows (None for one window)."""
+    mean = sum(per_window) / len(per_window)
+    lo, hi = mean_interval(per_window)
+    interval = None if math.isnan(lo) else [math.exp(lo), math.exp(hi)]
+    return {"nll": mean, "ppl": math.exp(mean), "ppl_interval": interval}

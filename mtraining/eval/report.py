@@ -96,7 +96,7 @@ def _niah_section(results: list[dict], out_dir: Path) -> list[str]:
         rows.append([_who(r)] + [_fmt(cols.get(n, math.nan), 1) for n in lengths] + [_fmt(overall, 1)])
     plots.niah_heatmaps([(r["label"], r["result"]) for r in results], out_dir / "niah_heatmaps.png")
     header = ["checkpoint"] + [short_length(n) for n in lengths] + ["mean"]
-    return [
+    out = [
         "## Needle in a haystack (% found, mean over depths)",
         "",
         _table(header, rows),
@@ -104,6 +104,29 @@ def _niah_section(results: list[dict], out_dir: Path) -> list[str]:
         "![needle in a haystack](niah_heatmaps.png)",
         "",
     ]
+    pooled = [r for r in results if r["result"].get("by_length")]
+    if pooled:
+        rows = []
+        for r in pooled:
+            cells = {c["length"]: c for c in r["result"]["by_length"]}
+            rows.append([_who(r)] + [_pooled_cell(cells.get(n)) for n in lengths])
+        out += [
+            "Depths pooled per length: generated / teacher-forced (all reference tokens greedy), % with 95% intervals "
+            "over the prompts:",
+            "",
+            _table(["checkpoint"] + [short_length(n) for n in lengths], rows),
+            "",
+        ]
+    return out
+
+
+def _pooled_cell(cell: dict | None) -> str:
+    if cell is None:
+        return "–"
+    text = f"{cell['score']:.1f} [{cell['interval'][0]:.1f}, {cell['interval'][1]:.1f}]"
+    if cell.get("forced") is not None:
+        text += f" / {cell['forced']:.1f} [{cell['forced_interval'][0]:.1f}, {cell['forced_interval'][1]:.1f}]"
+    return text
 
 
 def _mean(values: Sequence[float | None]) -> float | None:

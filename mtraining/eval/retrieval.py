@@ -20,22 +20,9 @@ from collections.abc import Sequence
 import torch
 
 from .engine import Engine
+from .intervals import wilson_interval
 from .ppl import position_buckets
 from .runtime import track
-
-
-def wilson_interval(hits: int, total: int, z: float = 1.96) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion, in percent (z = 1.96: 95%)."""
-    if total <= 0:
-        return (math.nan, math.nan)
-    p = hits / total
-    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
-    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
-    if hits == total:  # centre + half is 1 in exact arithmetic; keep the bound from rounding below the estimate
-        return (100 * (centre - half), 100.0)
-    if hits == 0:
-        return (0.0, 100 * (centre + half))
-    return (100 * max(0.0, centre - half), 100 * min(1.0, centre + half))
 
 
 def run_retrieval(

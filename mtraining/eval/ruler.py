@@ -29,7 +29,8 @@ def run_ruler(
     lengths: Sequence[int],
     prompting: Prompting = Prompting(),
 ) -> dict:
-    """{"tasks", "lengths", "scores": {task: [percent per length]}, "counts", "average", "records"}."""
+    """``answers.task_grid``'s table: {"tasks", "lengths", "scores": {task: [percent per length]}, "counts",
+    "average", the intervals and teacher-forced readings, "records"}; ``haystack`` names the filler."""
     haystack, max_new_tokens = prompting.haystack, prompting.max_new_tokens
     seeds = range(prompting.seed, prompting.seed + prompting.samples)
     runs = [
@@ -42,19 +43,38 @@ def run_ruler(
         for n in lengths
         for s in seeds
     ]
-    scores, records = score_samples(engine, tokenizer, runs, "ruler", prompting.show_progress, prompting.cache)
-    return task_grid(tasks, lengths, scores, records)
+    scores, records = score_samples(
+        engine, tokenizer, runs, "ruler", prompting.show_progress, prompting.cache, prompting.forced
+    )
+    return task_grid(tasks, lengths, scores, records) | {"haystack": haystack.name}
 
 
-def _cell(value: float | None) -> str:
-    return "–" if value is None else f"{value:.1f}"
+def _cell(value: float | None, interval: list[float] | None = None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.1f}" if interval is None else f"{value:.1f} [{interval[0]:.1f}, {interval[1]:.1f}]"
 
 
 def markdown_table(result: dict) -> str:
-    """Task x length table of scores (percent; – where a length has no prompt of that task) with an average row."""
+    """Task x length table of scores (percent, with the 95% interval over prompts where the result has them; –
+    where a length has no prompt of that task) with an average row, then the teacher-forced table (percent of
+    prompts whose every reference token is greedy) where the result has it."""
     lengths = result["lengths"]
     head = "| task | " + " | ".join(str(n) for n in lengths) + " |"
     rule = "|---|" + "---:|" * len(lengths)
-    rows = [f"| {t} | " + " | ".join(map(_cell, result["scores"][t])) + " |" for t in result["tasks"]]
-    rows.append("| **average** | " + " | ".join(map(_cell, result["average"])) + " |")
-    return "\n".join([head, rule, *rows])
+
+    def rows(values: dict, intervals: dict | None) -> list[str]:
+        out = []
+        for t in result["tasks"]:
+            bounds = intervals[t] if intervals else [None] * len(lengths)
+            out.append(f"| {t} | " + " | ".join(_cell(v, iv) for v, iv in zip(values[t], bounds)) + " |")
+        return out
+
+    average = zip(result["average"], result.get("average_interval") or [None] * len(lengths))
+    lines = [head, rule, *rows(result["scores"], result.get("intervals"))]
+    lines.append("| **average** | " + " | ".join(_cell(v, iv) for v, iv in average) + " |")
+    forced = result.get("forced")
+    if forced and any(v is not None for t in result["tasks"] for v in forced[t]):
+        lines += ["", "Teacher-forced (% of prompts whose every reference token is the greedy prediction):", ""]
+        lines += [head, rule, *rows(forced, result.get("forced_intervals"))]
+    return "\n".join(lines)

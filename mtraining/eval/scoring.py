@@ -106,6 +106,38 @@ METRICS: dict[str, Callable[[str, Sequence[str]], float]] = {
 }
 
 
+def _unscorable(metric: str, answer: str) -> str | None:
+    """Why no output can be scored fairly against ``answer`` under ``metric`` (None when one can)."""
+    if metric in ("substring_all", "substring_any"):
+        return None if answer.strip() else "it is found in every output, so any output scores 100%"
+    if metric in ("match_all", "match_any"):
+        return None if _tokens(answer) else "it has no letters or digits, so no output matches it"
+    if metric == "first_integer":
+        return (
+            None if _DIGITS.fullmatch(answer) else "it is not a run of digits, so no output's first integer equals it"
+        )
+    if metric == "word":
+        one_word = answer.translate(_KV_SEPARATORS).split() == [answer]
+        return None if one_word else "it is not one word (spaces or : \" ' . , ? ! { } split it), so no output holds it"
+    if metric == "first_number":
+        try:
+            value = float(answer)
+        except ValueError:
+            return "it is not a number"
+        if not math.isfinite(value) or value < 0:
+            return "no output's first number can equal it (numbers are read without a sign)"
+    return None
+
+
+def check_answers(metric: str, answers: Sequence[str]) -> None:
+    """ValueError unless every answer can be matched by some output and not by every output under ``metric``
+    (an empty RULER answer would score 100%, a passkey answer with letters 0%)."""
+    _need(answers)
+    for answer in answers:
+        if why := _unscorable(metric, answer):
+            raise ValueError(f"the answer {answer!r} cannot be scored with {metric}: {why}; fix or drop the record")
+
+
 def score(metric: str, prediction: str, answers: Sequence[str]) -> float:
     """``prediction`` scored against ``answers`` by the metric named ``metric`` (0..1)."""
     if metric not in METRICS:

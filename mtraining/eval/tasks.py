@@ -99,6 +99,7 @@ _NOUNS = (
     "glacier",
     "hammer",
 )
+KEY_WORDS = _ADJECTIVES + _NOUNS  # every word a needle key is made of
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 
@@ -135,12 +136,14 @@ def _render(parts: _Parts) -> str:
 
 
 # ---------------------------------------------------------------------------- random pieces
-def _keys(rng: random.Random, n: int) -> list[str]:
+def needle_keys(rng: random.Random, n: int) -> list[str]:
+    """``n`` distinct needle keys, each an adjective-noun pair (e.g. 'amber-falcon')."""
     pairs = rng.sample([(a, b) for a in _ADJECTIVES for b in _NOUNS], n)
     return [f"{a}-{b}" for a, b in pairs]
 
 
-def _numbers(rng: random.Random, n: int, digits: int = 7) -> list[str]:
+def needle_numbers(rng: random.Random, n: int, digits: int = 7) -> list[str]:
+    """``n`` distinct needle values of ``digits`` digits."""
     return [str(v) for v in rng.sample(range(10 ** (digits - 1), 10**digits), n)]
 
 
@@ -160,20 +163,6 @@ def _variables(rng: random.Random, n: int) -> list[str]:
     return list(names)
 
 
-def _insert(sentences: list[str], items: list[tuple[float, str]]) -> str:
-    """Insert each (fraction, text) at sentence boundary round(fraction * n), stable for ties."""
-    n = len(sentences)
-    slots: dict[int, list[str]] = {}
-    for frac, text in items:
-        slots.setdefault(round(frac * n), []).append(text)
-    out: list[str] = []
-    for i in range(n + 1):
-        out.extend(slots.get(i, []))
-        if i < n:
-            out.append(sentences[i])
-    return " ".join(out)
-
-
 def _needle(key: str, value: str) -> str:
     return f"The secret number of {key} is {value}."
 
@@ -183,13 +172,13 @@ def _build_niah(task: str, seed: int, knob: int, haystack: Haystack, depth: floa
     rng = random.Random(f"{task}-{seed}")
     n_keys = {"niah_single": 1, "niah_multikey": 4, "niah_multivalue": 1, "niah_multiquery": 4}[task]
     n_values = 4 if task == "niah_multivalue" else 1
-    keys = _keys(rng, n_keys)
-    values = _numbers(rng, n_keys * n_values)
+    keys = needle_keys(rng, n_keys)
+    values = needle_numbers(rng, n_keys * n_values)
     needles = [_needle(keys[i // n_values], v) for i, v in enumerate(values)]
     fracs = [rng.random() for _ in needles]
     if depth is not None:
         fracs[0] = depth
-    context = _insert(haystack.sentences(knob), list(zip(fracs, needles)))
+    context = haystack.context(knob, list(zip(fracs, needles)), draw=seed)
     if task in ("niah_single", "niah_multikey"):
         return _Parts(
             context, f"What is the secret number of {keys[0]}?", f"The secret number of {keys[0]} is", values[:1]
@@ -206,14 +195,14 @@ def _build_vt(seed: int, knob: int, haystack: Haystack) -> _Parts:
     rng = random.Random(f"vt-{seed}")
     hops = 4
     names = _variables(rng, 2 * (hops + 1))
-    value, other = _numbers(rng, 2, digits=5)
+    value, other = needle_numbers(rng, 2, digits=5)
     items: list[tuple[float, str]] = []
     for chain, start in ((names[: hops + 1], value), (names[hops + 1 :], other)):
         fracs = sorted(rng.random() for _ in chain)
         items.append((fracs[0], f"VAR {chain[0]} = {start}."))
         items.extend((f, f"VAR {b} = VAR {a}.") for f, a, b in zip(fracs[1:], chain, chain[1:]))
     return _Parts(
-        _insert(haystack.sentences(knob), items),
+        haystack.context(knob, items, draw=seed),
         f"Which variables are assigned the value {value}, directly or through other variables?",
         f"The variables assigned the value {value} are",
         names[: hops + 1],
@@ -280,19 +269,34 @@ def _builder(task: str, seed: int, length: int, haystack: Haystack, depth: float
     return lambda knob: _build_fwe(seed, knob)
 
 
+def sized_prompt(
+    task: str, seed: int, knob: int, haystack: Haystack | None = None, length: int = 0
+) -> tuple[str, list[str]]:
+    """``task``'s prompt at size ``knob`` and its answers, unfitted: what ``generate`` renders at the knob it fits.
+
+    ``length`` sizes the cwe list only. Corpora in the evaluation's formats are made with it.
+    """
+    parts = _builder(task, seed, length, haystack or Haystack(seed=seed), None)(knob)
+    return _render(parts), parts.answers
+
+
 # ---------------------------------------------------------------------------- fitting
 def fit_knob(
     tokens_at: Callable[[int], int], budget: int, first_step: int = 16, max_evals: int = 40
 ) -> tuple[int, int]:
     """Largest knob >= 0 with ``tokens_at(knob) <= budget`` (interpolation search); (knob, tokens).
 
-    Assumes token counts grow roughly linearly with the knob; raises ValueError if knob 0 does not fit.
+    Assumes token counts grow roughly linearly with the knob; raises ValueError if knob 0 does not fit. Each
+    ``tokens_at`` tokenises a whole prompt (a third of a second at 64K tokens on a loaded CPU), so the search
+    trusts the interpolation while it lands next to the bracket's end it last moved, the usual case once the
+    bracket is a few knobs wide, and bisects only when it keeps landing at the same end.
     """
     lo, t_lo = 0, tokens_at(0)
     if t_lo > budget:
         raise ValueError(f"needs at least {t_lo} tokens")
     hi, t_hi = None, None
     probe, t_probe = first_step, tokens_at(first_step)
+    stalled = 0  # interpolated probes in a row at one end of the bracket
     for _ in range(max_evals):
         if t_probe <= budget:
             lo, t_lo = probe, t_probe
@@ -306,8 +310,9 @@ def fit_knob(
         else:
             guess = lo + int((budget - t_lo) * (hi - lo) / max(t_hi - t_lo, 1))
             probe = min(max(guess, lo + 1), hi - 1)
-            if probe in (lo + 1, hi - 1) and hi - lo > 8:
-                probe = (lo + hi) // 2  # interpolation stalled at an end: bisect
+            stalled = stalled + 1 if probe in (lo + 1, hi - 1) else 0
+            if stalled > 2 and hi - lo > 8:
+                probe, stalled = (lo + hi) // 2, 0  # interpolation creeps at one end: bisect
         t_probe = tokens_at(probe)
     return lo, t_lo
 

@@ -14,6 +14,7 @@ along: packed ones (restarting at 0) mark documents on one device (attention.py)
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from .attention import Attention
@@ -22,6 +23,7 @@ ATTN_IMPLEMENTATION = "mtraining"
 ATTENTION_ATTR = "mtraining_binding"
 
 
+@torch.compiler.disable  # a graph break in compiled layers (compiled.py): rings and kernels run eagerly
 def mtraining_attention(
     module: nn.Module,
     query: Tensor,

@@ -22,12 +22,25 @@ what the layers do on that pass. A training step reads:
   each forward that keeps is paired with its own recompute (one pair per micro-batch).
 - outside both, layers run as a forward that records and keeps nothing.
 
+Memory: a sparse layer's pattern caches the kernels' walks of every chunk pair it meets (ops/sparse/launch.py),
+megabytes per layer at long context (heads x query blocks x listed key blocks). The autograd graph holds each
+layer's pattern from its forward to the end of the backward, so kept walks would pile up over all layers,
+memory dense attention never spends. A checkpointed forward therefore drops its walks after each layer (the
+recompute builds them again, a few launches per chunk pair), and inside ``recompute()`` a layer's walks are
+dropped when the next layer is recomputed (its backward has run by then) or when the block ends: at most one
+layer's walks are alive, as one layer's activations are.
+
 Per-call inputs of a forward belong in ``forward``'s arguments and in what it keeps, so that its
 recompute sees the same ones: the packed documents of the micro-batch (``documents``, global
-boundaries; each query attends only within its document). Outside a forward carrying documents, a
-single-device call whose ``position_ids`` restart at 0 inside a row (Hugging Face's packed convention,
-as flash-attention's varlen path reads it) gets the documents those restarts mark. The state is plain attributes, not thread-
-or context-local: on CUDA the autograd engine runs the backward, and so the recompute, on its own thread.
+boundaries; each query attends only within its document). Outside a forward carrying documents, the
+model's ``position_ids`` mark them: a document starts wherever an id does not continue the previous one
+(``ops.documents.document_starts``, flash-attention's varlen convention), read on the global sequence. On
+one device that is the layer's own ids; under context parallelism each rank holds its shard, so the ranks
+gather the ids once per position-id tensor (every layer of a model call gets the same one: one small
+agreement check, one all-gather of the ids, one host read per forward) and read the documents of the
+whole sequence. Ids that count 0..L-1 on every rank (a model called under context parallelism without
+global position ids) are refused. The state is plain attributes, not thread- or context-local: on CUDA the
+autograd engine runs the backward, and so the recompute, on its own thread.
 """
 
 from __future__ import annotations
@@ -41,10 +54,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..ops.documents import Documents
+from ..ops.documents import Documents, resolve_documents
 from ..ops.pattern import VerticalSlashPattern
 from ..ops.pattern.estimate import PatternConfig, estimate_pattern
 from ..ops.sparse.attention import sparse_attention
+from ..parallel.agreement import check_ranks_agree
 from ..parallel.estimate import estimate_pattern_cp
 from ..parallel.layout import Layout
 from ..parallel.ring import ring_attention
@@ -140,6 +154,8 @@ class Attention:
         backend: "auto", "torch" or "triton".
         ring: "flat" or "hierarchical" (``ring_attention``'s ring); ``inner_size``: ranks per inner ring
             of the hierarchical ring (default there: LOCAL_WORLD_SIZE).
+        context_mode: "ring" (K/V around ``ring``) or "allgather" (K/V all-gathered once per layer, no ring:
+            ``ring_attention(..., ring="allgather")``).
         checkpointed: the model's layers are activation-checkpointed, so a forward keeps what the
             backward's recompute replays.
     """
@@ -153,15 +169,19 @@ class Attention:
     backend: str = "auto"
     ring: Literal["flat", "hierarchical"] = "flat"
     inner_size: int | None = None
+    context_mode: Literal["ring", "allgather"] = "ring"
     checkpointed: bool = False
     _pass: _Pass | None = field(default=None, init=False, repr=False)
     _kept: _Kept | None = field(default=None, init=False, repr=False)  # the last forward's, until its recompute
     _stats: dict[int, PatternStats] = field(default_factory=dict, init=False, repr=False)
+    _replayed: VerticalSlashPattern | None = field(default=None, init=False, repr=False)  # the last recomputed layer's
     _position_documents: tuple[Tensor, int, Documents] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.cp_size > 1 and self.layout is None:
             raise ValueError("a context-parallel group needs a layout: pass layout=make_layout(...)")
+        if self.context_mode not in ("ring", "allgather"):
+            raise ValueError(f"context_mode must be 'ring' or 'allgather', got {self.context_mode!r}")
         if self.layout is not None and self.layout.world_size != self.cp_size:
             raise ValueError(
                 f"layout is for {self.layout.world_size} ranks but the context-parallel group has {self.cp_size}; "
@@ -179,6 +199,14 @@ class Attention:
         return self.pattern_config
 
     # ------------------------------------------------------------------ the protocol
+    # Note [recompute replays the pattern]
+    # With activation checkpointing the backward re-runs each layer's forward. That recompute must be the
+    # forward, pair for pair, or the gradients belong to another function:
+    # - forward() keeps the pattern (or the dense decision) of each checkpointed sparse layer, and with
+    #   save_outputs its (out, lse); recompute() takes them back instead of estimating again;
+    # - so a step pays one estimation per layer, not two, and the recompute cannot draw another pattern;
+    # - each forward pairs with its own recompute: leaving recompute() drops what was kept, and a second
+    #   forward() before the recompute is a RuntimeError (several micro-batches per step alternate them).
     @contextlib.contextmanager
     def forward(
         self,
@@ -209,8 +237,11 @@ class Attention:
         """Run the backward inside: checkpointed layers re-run their forward with what the last forward kept
         (without anything kept they estimate again, recording nothing); leaving drops what is left of it."""
         kept, self._kept = self._kept, None
-        with self._running(_Pass(replay=kept, documents=None if kept is None else kept.documents)):
-            yield
+        try:
+            with self._running(_Pass(replay=kept, documents=None if kept is None else kept.documents)):
+                yield
+        finally:
+            self._hold_walks(None)
 
     def end_step(self) -> StepStats:
         """The pattern stats recorded since the last ``end_step`` (each layer's latest), and forget them."""
@@ -239,8 +270,8 @@ class Attention:
         now = self._pass or _Pass()
         cp = self.cp_size > 1
         documents = now.documents
-        if documents is None and not cp and q.shape[1] == k.shape[1]:
-            documents = self._position_documents_of(position_ids, k.shape[1])
+        if documents is None and position_ids is not None and q.shape[1] == k.shape[1] > 0:
+            documents = self._position_documents_of(position_ids, q)
         config = self.sparse_for(layer, self.layout.seq_len if cp else k.shape[1])
         if now.replay is not None:
             pattern, reuse = now.replay.take(layer, config is not None)
@@ -259,8 +290,8 @@ class Attention:
                 return_lse=True,
                 backend=self.backend,
                 layer_idx=layer,
-                ring=self.ring,
-                inner_size=self.inner_size if self.ring == "hierarchical" else None,
+                ring="allgather" if self.context_mode == "allgather" else self.ring,
+                inner_size=self.inner_size if self.ring == "hierarchical" and self.context_mode == "ring" else None,
                 reuse=reuse,
                 documents=documents,
             )
@@ -276,20 +307,67 @@ class Attention:
                 reuse=reuse,
                 documents=documents,
             )
+        if pattern is not None and now.keep is not None:  # the recompute builds this forward's walks again
+            pattern.index_cache.clear()
+        elif now.replay is not None:
+            self._hold_walks(pattern)
         if now.keep is not None:
             now.keep.put(layer, config is not None, pattern, out, lse)
         return out
 
-    def _position_documents_of(self, position_ids: Tensor | None, seq_len: int) -> Documents | None:
-        """The documents that packed ``position_ids`` [B, S] mark by restarting at 0 (None without them or
-        with one document per row), read once per position-id tensor (one device sync)."""
-        if position_ids is None or position_ids.shape[-1] != seq_len:
-            return None
+    def _hold_walks(self, pattern: VerticalSlashPattern | None) -> None:
+        """Inside ``recompute()``: drop the kernels' walks of the layer recomputed before (the backward reaches a
+        checkpointed layer only after the later layers' backward) and keep ``pattern``'s until the next."""
+        if self._replayed is not None and self._replayed is not pattern:
+            self._replayed.index_cache.clear()
+        self._replayed = pattern
+
+    def _position_documents_of(self, position_ids: Tensor, q: Tensor) -> Documents | None:
+        """The documents that ``position_ids`` [B or 1, S] (this rank's shard) mark on the global sequence (None:
+        one document per row), read once per position-id tensor: one host read, and under context parallelism
+        a gather of every rank's ids (module docstring)."""
         held = self._position_documents
         if held is None or held[0] is not position_ids or held[1] != position_ids._version:
-            held = (position_ids, position_ids._version, Documents.from_position_ids(position_ids))
+            documents = self._read_position_documents(position_ids, q)
+            held = (position_ids, position_ids._version, documents)
             self._position_documents = held
         return held[2]
+
+    def _read_position_documents(self, ids: Tensor, q: Tensor) -> Documents | None:
+        """``_position_documents_of`` without the cache."""
+        ids = ids[None] if ids.dim() == 1 else ids
+        if self.cp_size > 1:  # every rank checks the same shapes before the gather (a mismatch would hang it)
+            fields = {
+                "position_ids": (tuple(ids.shape), str(ids.dtype)),
+                "q shape": tuple(q.shape),
+                "layout": self.layout,
+            }
+            check_ranks_agree(self.group, q.device, "position ids", fields)  # see Note [ring agreement]
+        if ids.dim() != 2 or ids.shape[1] != q.shape[1] or ids.shape[0] not in (1, q.shape[0]):
+            raise ValueError(
+                f"position_ids {tuple(ids.shape)} do not fit the layer's queries {tuple(q.shape[:2])} [batch, tokens]: "
+                "pass one id per token of this rank's shard, one row for the batch or one per batch row"
+            )
+        if self.cp_size == 1:
+            return resolve_documents(Documents.from_position_ids(ids), q.shape[0], q.shape[1])
+        layout = self.layout
+        if ids.shape[1] != layout.local_len:
+            raise ValueError(
+                f"this rank holds {ids.shape[1]} tokens but the {layout.name} layout of seq_len {layout.seq_len} over "
+                f"{self.cp_size} ranks gives {layout.local_len}; shard the full sequence with layout.shard(x, rank)"
+            )
+        global_ids = layout.all_gather(ids.to(q.device), self.group, dim=1).cpu()
+        documents = Documents.from_position_ids(global_ids)  # refuses what it cannot read, on every rank alike
+        local_index = layout.owner(torch.arange(layout.seq_len))[1]
+        if torch.equal(global_ids.long(), local_index.expand_as(global_ids)):
+            raise ValueError(
+                f"the position ids count 0..{layout.local_len - 1} on each of the {self.cp_size} context-parallel "
+                "ranks: each rank passed the positions of its own shard (what a Hugging Face model makes without "
+                "position_ids), not its part of the global sequence's; pass position_ids=layout.shard(global ids, "
+                "rank) (layout.positions(rank)[None] for one document), or the packed documents with "
+                "attention.forward(documents=Documents.from_cu_seqlens(...))"
+            )
+        return resolve_documents(documents, q.shape[0], layout.seq_len)
 
     def _decide(
         self,

@@ -33,6 +33,37 @@ RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 Init = Literal["hf", "depth_scaled"]
 
 
+# HF config fields that must be positive integers / positive finite numbers when given
+_POSITIVE_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+_POSITIVE_FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")
+
+
+def check_hf_fields(config: dict[str, Any], where: str) -> None:
+    """Impossible numbers in HF config fields fail here, not deep inside transformers; ``where`` prefixes each
+    field's name in the message (``model.config.``, or a config.json file's ``PATH: ``)."""
+    for key in _POSITIVE_INT_FIELDS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{where}{key} must be a positive integer, got {value!r}")
+    for key in _POSITIVE_FLOAT_FIELDS:
+        value = config.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+        if value is not None and not ok:
+            raise ValueError(f"{where}{key} must be a finite number > 0, got {value!r}")
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ValueError(f"{where}num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
+
+
 def build_config(
     path: str | Path | None = None,
     config: dict[str, Any] | None = None,
@@ -48,9 +79,19 @@ def build_config(
         raise ValueError("pass exactly one of path (a local HF directory) or config (a dict with model_type)")
     if path is not None:
         path = Path(path)
+        refuse_gguf(path, "model.path")
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} is not a Hugging Face model directory: it has no config.json")
-        fields = PretrainedConfig.get_config_dict(path, local_files_only=True)[0]
+        try:
+            fields = PretrainedConfig.get_config_dict(path, local_files_only=True)[0]
+        except (OSError, ValueError) as err:
+            fields = f"unreadable ({err})"
+        if not isinstance(fields, dict):
+            raise ValueError(
+                f"{path / 'config.json'} is not a Hugging Face config (a JSON object): {fields}; restore the file "
+                "from the model's source, or re-export the model"
+            )
+        check_hf_fields(fields, f"{path / 'config.json'}: ")
     else:
         fields = dict(config)
     model_type = fields.get("model_type")
@@ -61,7 +102,11 @@ def build_config(
     if set(overrides) & _WINDOW_FIELDS and "layer_types" not in overrides:
         fields.pop("layer_types", None)  # derived again from the overridden window settings
     rope_changes = _rope_changes(overrides)
-    hf_config = CONFIG_MAPPING[model_type].from_dict({**fields, **overrides})
+    try:
+        hf_config = CONFIG_MAPPING[model_type].from_dict({**fields, **overrides})
+    except Exception as err:  # transformers' field validation (its own error types): a bad value in the fields
+        where = path / "config.json" if path is not None else "model.config"
+        raise ValueError(f"{where} (with model.overrides) does not make a {model_type} config: {err}") from None
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     rope.update(rope_changes)
     rope.update(rope_parameters or {})
@@ -98,6 +143,25 @@ def _check_overrides(model_type: str | None, overrides: dict[str, Any]) -> None:
     if unknown:
         raise ValueError(
             f"model.overrides: {unknown} are not fields of a {model_type} config; known fields: {sorted(known)}"
+        )
+
+
+def head_dim(hf_config) -> int:
+    """Attention head size of a HF config (explicit head_dim, else hidden_size / heads)."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def refuse_gguf(path: str | Path, where: str) -> None:
+    """ValueError naming ``mtraining convert`` when ``path`` is a GGUF file, or a folder of GGUF files without
+    config.json: the trainer and eval load Hugging Face folders, converted once."""
+    path = Path(path)
+    found = [path] if path.suffix == ".gguf" else []
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(path.glob("*.gguf"))
+    if found:
+        raise ValueError(
+            f"{where} {found[0]} is a GGUF file; convert it once with `mtraining convert {found[0]} OUT_DIR` "
+            "and point at OUT_DIR (a Hugging Face folder)"
         )
 
 

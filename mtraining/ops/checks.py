@@ -36,6 +36,8 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, float_dtypes: tuple[torch.dtyp
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch (dim 0) and head_dim (dim 3)")
+    if q.shape[0] == 0 or q.shape[3] == 0:
+        raise ValueError(f"q {tuple(q.shape)} needs batch >= 1 and head_dim >= 1 [batch, seq, heads, head_dim]")
     hq, hkv = q.shape[2], k.shape[2]
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}) for GQA")

@@ -11,6 +11,19 @@ the layout or ring step; the kernels test ``k_pos >= bound`` next to the causal 
 key blocks a query block can see, which ring steps compute at all, the dense blocks) are taken without
 a device sync. One row of boundaries may stand for every batch row. A batch in which every row is one
 document is today's behaviour exactly: entry points turn it into ``None`` (``resolve_documents``).
+
+Packed position ids are read by one rule, ``document_starts`` (flash-attention's varlen convention): a
+document starts at the first token and wherever a position id does not continue the previous one
+(``pos[i] != pos[i - 1] + 1``), so ids restarting at 0, or at any other value, start a document. Every path
+that reads documents from position ids (one device, the Hugging Face model, context parallelism on the
+gathered global ids) calls it. What it cannot read (negative ids, fractional or falling boundaries) is
+refused with a ValueError naming the fix.
+
+``estimate_end`` marks the positions that take no part in estimating a sparse pattern (ops/pattern): from
+it on no row scores lines or ranks block columns and no document forces sinks. Evaluation uses it for a
+padding document after a prompt (a layout splits only multiples of its unit) and for answer tokens scored
+teacher-forced, which attend to the prompt but must not choose the pattern they are read with. Attention
+itself ignores it: those rows attend as any others, within their documents and the pattern.
 """
 
 from __future__ import annotations
@@ -26,22 +39,31 @@ class Documents:
     """Document starts of packed sequences of ``seq_len`` tokens, per batch row (or one row for all).
 
     Build with ``from_cu_seqlens`` (boundaries, flash-attention's varlen convention), ``from_lengths``
-    or ``from_position_ids`` (Hugging Face's packed position ids, which restart at 0 in each document).
+    or ``from_position_ids`` (packed position ids of the whole sequence, read by ``document_starts``).
 
     Attributes:
         seq_len: N, the packed sequence length.
         starts: per batch row, an int64 CPU tensor of the global positions where documents start,
             strictly ascending, starting with 0.
+        estimate_end: positions >= this take no part in estimating a sparse pattern (module docstring);
+            None: every position does.
     """
 
-    def __init__(self, starts: Sequence[Sequence[int] | Tensor], seq_len: int) -> None:
+    def __init__(self, starts: Sequence[Sequence[int] | Tensor], seq_len: int, estimate_end: int | None = None) -> None:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
-        if len(starts) == 0:
-            raise ValueError("documents need at least one batch row of starts")
+        if estimate_end is not None and (
+            isinstance(estimate_end, bool) or not isinstance(estimate_end, int) or not 1 <= estimate_end <= seq_len
+        ):
+            raise ValueError(
+                f"estimate_end must be None or an int in [1, seq_len={seq_len}] (the first position that does not "
+                f"estimate), got {estimate_end!r}"
+            )
+        if isinstance(starts, (str, bytes)) or not isinstance(starts, (Sequence, Tensor)) or len(starts) == 0:
+            raise ValueError(f"documents need a list of starts per batch row, got {starts!r}")
         rows = []
         for b, row in enumerate(starts):
-            t = torch.as_tensor(row).detach().to("cpu", torch.int64).reshape(-1)
+            t = _integers(row, f"document starts of batch row {b}")
             if t.numel() == 0 or int(t[0]) != 0:
                 raise ValueError(f"batch row {b}: the first document must start at position 0, got {t.tolist()[:4]}")
             if bool((t[1:] <= t[:-1]).any()) or int(t[-1]) >= seq_len:
@@ -52,6 +74,7 @@ class Documents:
             rows.append(t)
         self.seq_len = seq_len
         self.starts: tuple[Tensor, ...] = tuple(rows)
+        self.estimate_end = None if estimate_end == seq_len else estimate_end
         self._device_starts: dict[torch.device, Tensor] = {}
         self._cache: dict[tuple, object] = {}
         self._digest: str | None = None
@@ -60,38 +83,41 @@ class Documents:
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: Sequence[int] | Tensor | Sequence[Sequence[int] | Tensor]) -> Documents:
         """From cumulative lengths [0, l0, l0 + l1, ..., N] (flash-attention's cu_seqlens), one list per
-        batch row or one list for every row; N (the last entry) is the sequence length."""
-        rows = _rows(cu_seqlens)
-        ends = {int(torch.as_tensor(r)[-1]) for r in rows}
+        batch row or one list for every row; N (the last entry) is the sequence length. Integers rising
+        strictly from 0 (every document holds a token), every row ending at the same N."""
+        rows = [_integers(r, f"cu_seqlens row {b}") for b, r in enumerate(_rows(cu_seqlens, "cu_seqlens"))]
+        for b, t in enumerate(rows):
+            if t.numel() < 2 or int(t[0]) != 0:
+                raise ValueError(f"cu_seqlens row {b} must run from 0 to the sequence length, got {t.tolist()[:8]}")
+            falls = (t[1:] <= t[:-1]).nonzero()
+            if falls.numel():
+                i = int(falls[0]) + 1
+                raise ValueError(
+                    f"cu_seqlens row {b} must rise strictly (each document holds at least one token), but entry {i} "
+                    f"is {int(t[i])} after {int(t[i - 1])}; drop repeated boundaries and sort them"
+                )
+        ends = {int(t[-1]) for t in rows}
         if len(ends) != 1:
             raise ValueError(f"cu_seqlens rows must all end at the sequence length, got ends {sorted(ends)}")
-        seq_len = ends.pop()
-        for b, r in enumerate(rows):
-            t = torch.as_tensor(r).reshape(-1)
-            if t.numel() < 2:
-                raise ValueError(f"cu_seqlens row {b} needs at least [0, N], got {t.tolist()}")
-        return cls([torch.as_tensor(r).reshape(-1)[:-1] for r in rows], seq_len)
+        return cls([t[:-1] for t in rows], ends.pop())
 
     @classmethod
-    def from_lengths(cls, lengths: Sequence[int] | Tensor | Sequence[Sequence[int] | Tensor]) -> Documents:
-        """From document lengths in order, one list per batch row (or one list for every row)."""
-        rows = [torch.as_tensor(r).reshape(-1).long() for r in _rows(lengths)]
+    def from_lengths(
+        cls, lengths: Sequence[int] | Tensor | Sequence[Sequence[int] | Tensor], estimate_end: int | None = None
+    ) -> Documents:
+        """From document lengths in order (integers >= 1), one list per batch row (or one list for every row)."""
+        rows = [_integers(r, f"document lengths of row {b}") for b, r in enumerate(_rows(lengths, "lengths"))]
         if any(r.numel() == 0 or bool((r < 1).any()) for r in rows):
             raise ValueError("document lengths must be >= 1, at least one per batch row")
-        return cls.from_cu_seqlens([torch.cat([r.new_zeros(1), r.cumsum(0)]) for r in rows])
+        cu = cls.from_cu_seqlens([torch.cat([r.new_zeros(1), r.cumsum(0)]) for r in rows])
+        return cu if estimate_end is None else cls(cu.starts, cu.seq_len, estimate_end)
 
     @classmethod
     def from_position_ids(cls, position_ids: Tensor) -> Documents:
-        """From packed position ids [B, N] (or [N]): a document starts at row 0 and wherever the id is 0,
-        as flash-attention's varlen path reads packed position ids."""
-        ids = torch.as_tensor(position_ids)
-        if ids.dim() == 1:
-            ids = ids[None]
-        if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype.is_floating_point:
-            raise ValueError(f"position_ids must be integers [batch, seq_len], got {tuple(ids.shape)} {ids.dtype}")
-        zero = ids.detach().cpu() == 0
-        zero[:, 0] = True
-        return cls([row.nonzero().reshape(-1) for row in zero], ids.shape[1])
+        """From packed position ids [B, N] (or [N]) of the whole sequence: a document starts wherever an id
+        does not continue the previous one (``document_starts``)."""
+        starts = document_starts(position_ids)
+        return cls(starts, int(torch.as_tensor(position_ids).shape[-1]))
 
     # ----------------------------------------------------------------- facts
     @property
@@ -101,8 +127,14 @@ class Documents:
 
     @property
     def single(self) -> bool:
-        """Every row is one document: nothing to mask (``resolve_documents`` turns this into None)."""
-        return all(r.numel() == 1 for r in self.starts)
+        """Every row is one document and every position estimates: nothing to mask or leave out
+        (``resolve_documents`` turns this into None)."""
+        return self.estimate_end is None and all(r.numel() == 1 for r in self.starts)
+
+    @property
+    def estimated_len(self) -> int:
+        """The positions that take part in estimating a pattern: 0 .. estimated_len - 1."""
+        return self.seq_len if self.estimate_end is None else self.estimate_end
 
     @property
     def shared(self) -> bool:
@@ -118,7 +150,7 @@ class Documents:
         """A short hex digest of the boundaries: equal on every process for equal documents."""
         if self._digest is None:
             h = hashlib.blake2b(digest_size=8)
-            h.update(str(self.seq_len).encode())
+            h.update(f"{self.seq_len}:{self.estimate_end}".encode())
             for r in self.starts:
                 h.update(b"|" + r.numpy().tobytes())
             self._digest = h.hexdigest()
@@ -126,7 +158,8 @@ class Documents:
 
     def __repr__(self) -> str:
         counts = [r.numel() for r in self.starts]
-        return f"Documents(seq_len={self.seq_len}, batch={self.batch}, documents={counts}, digest={self.digest()})"
+        end = "" if self.estimate_end is None else f", estimate_end={self.estimate_end}"
+        return f"Documents(seq_len={self.seq_len}, batch={self.batch}, documents={counts}{end}, digest={self.digest()})"
 
     # ----------------------------------------------------------------- per position
     def _padded(self, device: torch.device) -> Tensor:
@@ -164,12 +197,64 @@ class Documents:
         return self._cache[key]
 
 
-def _rows(value) -> list:
+def document_starts(position_ids: Tensor) -> list[Tensor]:
+    """Per batch row of packed position ids [B, N] (or [N]) of the whole sequence, the indices where
+    documents start (int64, ascending, from 0): the first token, and every token whose id does not continue
+    the previous one (``pos[i] != pos[i - 1] + 1``; flash-attention's varlen convention). The one rule by
+    which position ids mark documents. Ids must be integers >= 0 (one device sync for device tensors)."""
+    if not isinstance(position_ids, Tensor):
+        raise ValueError(f"position_ids must be an integer tensor [batch, seq_len], got {type(position_ids).__name__}")
+    ids = position_ids[None] if position_ids.dim() == 1 else position_ids
+    if ids.dim() != 2 or ids.shape[1] == 0 or not _is_integer(ids.dtype):
+        raise ValueError(
+            f"position_ids must be integers [batch, seq_len] with seq_len >= 1, got {tuple(position_ids.shape)} "
+            f"{position_ids.dtype}"
+        )
+    ids = ids.detach().to("cpu", torch.int64)
+    if bool((ids < 0).any()):
+        b, i = (int(x) for x in (ids < 0).nonzero()[0])
+        raise ValueError(
+            f"position ids must be >= 0 (a token's position within its document or sequence), got {int(ids[b, i])} "
+            f"at batch row {b}, index {i}; pass the positions RoPE should see, or the boundaries as "
+            "documents=Documents.from_cu_seqlens(...)"
+        )
+    new = torch.ones_like(ids, dtype=torch.bool)
+    new[:, 1:] = ids[:, 1:] != ids[:, :-1] + 1
+    return [row.nonzero().reshape(-1) for row in new]
+
+
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _integers(value: object, what: str) -> Tensor:
+    """``value`` as a 1-D int64 CPU tensor, or a ValueError naming ``what`` when it is not a flat list of integers
+    (fractions are refused, never truncated)."""
+    try:
+        t = torch.as_tensor(value).detach()
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{what} must be a flat list of integers, got {value!r} ({e})") from None
+    if t.dim() > 1 or not _is_integer(t.dtype):
+        raise ValueError(
+            f"{what} must be a flat list of integers (token counts and positions), got {t.dtype} "
+            f"{t.reshape(-1).tolist()[:8]}; pass whole numbers (an int tensor or list of ints)"
+        )
+    return t.to("cpu", torch.int64).reshape(-1)
+
+
+def _rows(value: object, what: str) -> list:
     """One row (a flat list or 1-D tensor) as [row]; a list of rows or a 2-D tensor as its rows."""
+    if not isinstance(value, Tensor) and getattr(value, "ndim", 0) >= 1:  # a NumPy array
+        value = torch.as_tensor(value)
     if isinstance(value, Tensor):
-        return [value] if value.dim() <= 1 else list(value)
+        if value.dim() == 0 or value.dim() > 2:
+            raise ValueError(f"{what} must be one row or one row per batch row (1-D or 2-D), got {tuple(value.shape)}")
+        return [value] if value.dim() == 1 else list(value)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) == 0:
+        raise ValueError(f"{what} must be a list of integers, or one such list per batch row, got {value!r}")
     value = list(value)
-    if value and isinstance(value[0], (Sequence, Tensor)) and not isinstance(value[0], (str, bytes)):
+    first = value[0]
+    if (isinstance(first, (Sequence, Tensor)) and not isinstance(first, (str, bytes))) or getattr(first, "ndim", 0):
         return value
     return [value]
 

@@ -1,7 +1,7 @@
 """Estimate the global vertical-slash pattern from sharded q/k: every rank gets the identical pattern.
 
 The single-device estimate (``mtraining.ops.pattern.estimate``) is composed across the ranks of a layout:
-0. every rank checks that all make the same call (shapes, layout, config: ``agreement.py``, once);
+0. every rank checks that all make the same call (shapes, layout, config, documents: ``agreement.py``);
 1. the last ``last_q`` queries (globally last positions; under striped/zigzag they may sit on
    several ranks) reach every rank through one all-reduce of a zero-filled buffer (exact);
 2. each rank computes their partial LSE over its keys; an all-gather and a logsumexp over ranks
@@ -16,7 +16,8 @@ on the host from the boundaries, gathered the same way, and scored against their
 
 The positions a rank needs (its keys, the last queries, their owners) and their PositionPlan depend
 only on the layout: they are built once per layout, rank and device, so an estimate pays one
-device sync (``select_lines``) and copies no positions to the device.
+device sync of its own (``select_lines``; the agreement check reads its digests too) and copies no
+positions to the device.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from ..ops.pattern.estimate import (
     line_scores,
     select_lines,
 )
-from .agreement import check_ranks_agree
+from .agreement import check_ranks_agree, documents_field
 from .layout import Layout
 
 
@@ -83,7 +84,8 @@ def estimate_pattern_cp(
     """The pattern ``estimate_pattern`` gives on the full sequence, from this rank's shards.
 
     q [B, S/W, Hq, D], k [B, S/W, Hkv, D] in ``layout`` order. Collective: every rank of ``group``
-    must call it with its own shards; all get the same pattern. One device sync (``select_lines``).
+    must call it with its own shards; all get the same pattern. Two device syncs: the agreement check
+    and ``select_lines``.
     ``documents``: packed documents of the global sequence (the same on every rank).
     """
     fields = {
@@ -94,8 +96,25 @@ def estimate_pattern_cp(
         "pattern_config": config,
         "layer_idx": layer_idx,
         "softmax_scale": softmax_scale,
+        "documents": documents_field(documents),
     }
-    check_ranks_agree(group, q.device, "estimate_pattern_cp", fields)
+    check_ranks_agree(group, q.device, "estimate_pattern_cp", fields)  # see Note [ring agreement]
+    return estimate_agreed(q, k, config, group, layout, layer_idx, softmax_scale, documents)
+
+
+@torch.no_grad()
+def estimate_agreed(
+    q: Tensor,
+    k: Tensor,
+    config: PatternConfig,
+    group: dist.ProcessGroup | None,
+    layout: Layout,
+    layer_idx: int,
+    softmax_scale: float | None,
+    documents: Documents | None,
+) -> VerticalSlashPattern:
+    """``estimate_pattern_cp`` for a caller whose own agreement check covered these arguments (``ring_attention``
+    with a ``pattern_config``): the estimate without a second check."""
     if not isinstance(config, PatternConfig):
         raise ValueError(f"pattern_config must be a PatternConfig, got {type(config).__name__}")
     layout.check_pattern_block(config.block_size)
@@ -106,7 +125,6 @@ def estimate_pattern_cp(
     scale = resolve_scale(softmax_scale, q.shape[-1])
     documents = resolve_documents(documents, q.shape[0], n)
     if documents is not None:
-        check_ranks_agree(group, q.device, "estimate_pattern_cp", {"documents": documents.digest()})
         lines = _estimate_documents(q, k, config, group, layout, layer_idx, scale, documents)
     else:
         lines = _estimate_lines(q, k, config, group, layout, layer_idx, scale)

@@ -18,6 +18,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 
+# Note [aligned runs]
+# Every G local rows of a rank hold G consecutive global positions that start at a multiple of G
+# (G = the layout's block_size). All three layouts guarantee it; their lengths must divide accordingly.
+# What relies on it:
+# - the kernels' G-blocks fall on the pattern's global G-grid, so a block diagonal is the same set of
+#   pairs on every rank and ring step (check_pattern_block: the pattern's G divides the layout's);
+# - the walks and the estimate treat positions as runs (block starts and vertical lookups are binary
+#   searches; slash sums are strided diagonal sums);
+# - a layout deals whole G-blocks, so per-block columns are ranked by the rank that holds the block.
+# Queries that are not aligned (decoding) run dense.
 class Layout:
     """Base class: subclasses define ``_unit`` (the divisor seq_len needs) and the two maps."""
 
@@ -93,7 +103,8 @@ class Layout:
         return self.gather(shards, dim=dim)
 
     def check_pattern_block(self, block_size: int) -> None:
-        """ValueError unless a pattern on a ``block_size`` grid fits this layout's runs (G_pattern | G_layout)."""
+        """ValueError unless a pattern on a ``block_size`` grid fits this layout's runs (G_pattern | G_layout;
+        see Note [aligned runs])."""
         if self.block_size % block_size != 0:
             raise ValueError(
                 f"pattern block_size {block_size} must divide the layout's block_size {self.block_size} so kernel "

@@ -7,7 +7,6 @@ names the fix.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -15,7 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
 
-from ..models.loader import Init
+from ..models.loader import Init, check_hf_fields, refuse_gguf
 from ..ops.pattern.estimate import PatternConfig
 from ..parallel.layout import make_layout
 
@@ -23,37 +22,6 @@ from ..parallel.layout import make_layout
 class _Section(BaseModel):
     # every number must be finite: a NaN or infinite learning rate, scale or size never runs
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-# HF config fields that must be positive integers / positive finite numbers when given
-_POSITIVE_INT_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "max_position_embeddings",
-)
-_POSITIVE_FLOAT_FIELDS = ("rope_theta", "rms_norm_eps")
-
-
-def _check_hf_fields(config: dict[str, Any], where: str) -> None:
-    """Impossible numbers in ``model.config`` or ``model.overrides`` (``where``) fail here, not deep inside
-    transformers."""
-    for key in _POSITIVE_INT_FIELDS:
-        value = config.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{where}.{key} must be a positive integer, got {value!r}")
-    for key in _POSITIVE_FLOAT_FIELDS:
-        value = config.get(key)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-        if value is not None and not ok:
-            raise ValueError(f"{where}.{key} must be a finite number > 0, got {value!r}")
-    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
-    if heads and kv and heads % kv:
-        raise ValueError(f"{where}.num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
 
 
 class ModelSection(_Section):
@@ -82,6 +50,8 @@ class ModelSection(_Section):
     def _one_source(self) -> ModelSection:
         if (self.path is None) == (self.config is None):
             raise ValueError("set exactly one of model.path (a local HF directory) or model.config (random init)")
+        if self.path is not None:
+            refuse_gguf(self.path, "model.path")
         if self.path is not None and self.init != "hf":
             raise ValueError(
                 f"model.init={self.init} draws random weights; model.path loads trained ones: remove model.init"
@@ -91,8 +61,8 @@ class ModelSection(_Section):
         if self.rope_theta is not None and "rope_theta" in self.overrides:
             raise ValueError("model.rope_theta and model.overrides.rope_theta both set the RoPE base; keep one")
         if self.config is not None:
-            _check_hf_fields(self.config, "model.config")
-        _check_hf_fields(self.overrides, "model.overrides")
+            check_hf_fields(self.config, "model.config.")
+        check_hf_fields(self.overrides, "model.overrides.")
         return self
 
     def hf_kwargs(self) -> dict[str, Any]:
@@ -170,18 +140,37 @@ class ParallelSection(_Section):
     """How long a rank waits in a collective for the others before the run stops with exit code 4
     (a rank stopped responding). Covers the slowest step and the longest wait on rank 0 (saving the
     export); a watchdog reports a step running 10x longer than usual before that (train/watchdog.py)."""
-    ring: Literal["flat", "hierarchical"] = "flat"
-    """flat: one ring of all context ranks; hierarchical: an inner ring of ``inner_size`` ranks per node
-    inside an outer ring across nodes (the slow link hidden behind a whole inner cycle)."""
+    context_mode: Literal["ring", "allgather"] = "ring"
+    """ring: K/V travel around a ring of the context ranks (``parallel.ring``), each transfer hidden behind a
+    step of compute; allgather: each layer all-gathers the whole sequence's K/V once (and again in the
+    backward), attends this rank's queries to them and reduce-scatters dK/dV: no overlap, the full K/V of
+    one layer in memory (DESIGN.md, "All-gather context parallelism")."""
+    ring: Literal["auto", "flat", "hierarchical"] = "auto"
+    """auto: hierarchical where the ring cost model predicts it pays (context ranks on several nodes and a
+    link between them slow enough, ``inter_node_gbps``), flat otherwise (train/ring_choice.py; the start-up
+    summary says which and why); flat: one ring of all context ranks; hierarchical: an inner ring of
+    ``inner_size`` ranks per node inside an outer ring across nodes (the slow link hidden behind a whole
+    inner cycle)."""
     inner_size: PositiveInt | None = None
-    """Ranks per inner ring (hierarchical); default: the ranks per node (torchrun's LOCAL_WORLD_SIZE)."""
+    """Ranks per inner ring (hierarchical, and the node size that auto judges); default: the ranks per node
+    (torchrun's LOCAL_WORLD_SIZE)."""
+    inter_node_gbps: PositiveFloat = 25.0
+    """Bandwidth between nodes per GPU and direction in GB/s that ``ring: auto`` predicts with (25: HDR
+    InfiniBand, one NIC per GPU)."""
 
     @model_validator(mode="after")
     def _check_ring(self) -> ParallelSection:
+        if self.context_mode == "allgather" and self.ring == "hierarchical":
+            raise ValueError(
+                "parallel.ring=hierarchical is a ring schedule, but parallel.context_mode=allgather runs no ring: "
+                "set parallel.context_mode=ring, or drop parallel.ring"
+            )
         if self.inner_size is None:
             return self
-        if self.ring != "hierarchical":
-            raise ValueError("parallel.inner_size sizes the inner rings of parallel.ring=hierarchical; set both")
+        if self.ring == "flat":
+            raise ValueError(
+                "parallel.inner_size sizes the inner rings of parallel.ring=hierarchical (or auto); set both"
+            )
         if self.context % self.inner_size:
             raise ValueError(
                 f"parallel.inner_size ({self.inner_size}) must divide parallel.context ({self.context}): "
@@ -290,6 +279,13 @@ class TrainSection(_Section):
     fused_kernels: Literal["none", "liger"] = "none"
     """liger: liger-kernel's fused RMSNorm, SwiGLU and RoPE in the decoder layers (CUDA; pip install
     liger-kernel); none: the model's own modules."""
+    compile: bool = False
+    """torch.compile each decoder layer (as torchtitan does: one compiled block per layer, inside activation
+    checkpointing and FSDP): norms, projections, RoPE and the MLP fuse; the attention call stays eager (a
+    graph break: its kernels, rings and host-side plans run as without compile). The first step compiles."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile's backend for ``compile``: inductor (fused kernels), or aot_eager / eager (trace only: what
+    compile changes without code generation, for debugging and fast checks)."""
 
     @model_validator(mode="after")
     def _check_options(self) -> TrainSection:
@@ -437,11 +433,15 @@ class Config(_Section):
         """Tokens of one optimizer step over all ranks."""
         return self.parallel.data * self.data.batch_size * self.data.seq_len * self.micro_batches
 
-    def inner_size(self, local_world_size: int | None) -> int:
-        """Ranks per inner ring: parallel.inner_size, else the ranks per node capped at the ring; the flat
+    def inner_size(self, local_world_size: int | None, ring: str | None = None) -> int:
+        """Ranks per inner ring of ``ring`` (default parallel.ring; "auto" must be resolved first,
+        train/ring_choice.py): parallel.inner_size, else the ranks per node capped at the ring; the flat
         ring is one inner ring of all context ranks. Raises naming the values that work."""
         p = self.parallel
-        if p.ring == "flat":
+        ring = ring or p.ring
+        if ring == "auto":
+            raise ValueError("parallel.ring=auto is resolved by train/ring_choice.py before the ring is shaped")
+        if ring == "flat":
             return p.context
         if p.inner_size is not None:
             return p.inner_size
@@ -561,6 +561,20 @@ _PATH_KEYS = (
 )
 
 
+def shared_values(cfg: Config) -> dict[str, Any]:
+    """Every setting that must be the same on every rank, as "section.key" -> value: all but the paths (and
+    data.sources' paths), which nodes may spell differently for the same files. What those paths hold is
+    compared on its own: the model and tokenizer by the run's identity, the data by each source's size."""
+    values = {
+        f"{section}.{key}": value
+        for section, fields in cfg.model_dump(mode="json").items()
+        for key, value in fields.items()
+        if (section, key) not in _PATH_KEYS
+    }
+    values["data.sources"] = [s.model_dump(mode="json", exclude={"path"}) for s in cfg.data.source_specs]
+    return values
+
+
 def resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     """The config with its relative paths (and data.sources) joined to ``base``, the config file's folder.
 
@@ -591,9 +605,11 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(err)}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text ({err}); save it as UTF-8") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections (model, data, train, ...)")
     return parse_config(resolve_paths(raw, path.parent), overrides)

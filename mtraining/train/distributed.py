@@ -37,8 +37,8 @@ class ParallelState:
         return self.rank == 0
 
 
-def init_parallel(data: int, context: int, device: str = "auto", timeout_s: float = 1800.0) -> ParallelState:
-    """Join (or form) the process group and build the data x context mesh; sizes must multiply to the world.
+def join_group(device: str = "auto", timeout_s: float = 1800.0) -> torch.device:
+    """Join (or form) the default process group once; returns this rank's device.
 
     ``device``: "cuda" (one GPU per rank, NCCL), "cpu" (gloo) or "auto" (CUDA when available).
     """
@@ -59,6 +59,13 @@ def init_parallel(data: int, context: int, device: str = "auto", timeout_s: floa
             dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return where
+
+
+def init_parallel(data: int, context: int, device: str = "auto", timeout_s: float = 1800.0) -> ParallelState:
+    """Join (or form) the process group (``join_group``) and build the data x context mesh; sizes must multiply
+    to the world."""
+    where = join_group(device, timeout_s)
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != data * context:
         raise ValueError(

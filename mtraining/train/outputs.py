@@ -1,12 +1,24 @@
-"""Output folders, checked at start: a run must not train for hours and then fail at its first save."""
+"""Output folders, checked at start: a run must not train for hours and then fail at its first save.
+
+Every rank writes its checkpoint shards into ``checkpoint.dir`` and rank 0 commits them, so that folder must
+be one that every node sees (shared storage); ``check_shared_dir`` refuses one that is not. ``log.dir`` and
+``checkpoint.export_dir`` are written by rank 0 alone (each rank's profile trace aside) and need not be shared.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
+import uuid
 from pathlib import Path
 
+import torch.distributed as dist
+
+from .agree import SharedError, agree, all_gather, from_rank0, node, which_ranks
 from .config import Config
+
+_SHARED_WAIT_S = 5.0  # how long a rank looks for rank 0's file (a network file system may show it late)
 
 
 def check_output_dir(path: str | None, key: str) -> None:
@@ -46,4 +58,36 @@ def check_free_space(path: str | None, needed: int, key: str) -> None:
         raise ValueError(
             f"{key}={path} has {free / 1e9:.2f} GB free but one checkpoint takes about {needed / 1e9:.2f} GB; "
             f"free space there or set {key} to a larger disk"
+        )
+
+
+def check_shared_dir(path: str | None, key: str) -> None:
+    """Collective: SharedError on every rank unless every rank sees the folder rank 0 sees at ``path``: rank 0
+    writes a file with a fresh name there, every rank looks for it (a few seconds at most)."""
+    if path is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    marker = Path(path) / from_rank0(f".shared-check-{uuid.uuid4().hex}")
+    rank = dist.get_rank()
+
+    def write() -> None:
+        if rank == 0:
+            try:
+                marker.write_bytes(b"")
+            except OSError as err:
+                raise ValueError(f"{key}={path} is not writable ({err.strerror})") from None
+
+    agree(write)
+    deadline = time.monotonic() + _SHARED_WAIT_S
+    while not (seen := marker.is_file()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    every = all_gather((seen, node()))
+    if rank == 0:
+        marker.unlink(missing_ok=True)
+    blind = [r for r, (ok, _) in enumerate(every) if not ok]
+    if blind:
+        raise SharedError(
+            f"{key}={path} is not one folder for every rank: {which_ranks(blind, [n for _, n in every])} do not see "
+            f"the file rank 0 wrote there (each node has its own {path}); every rank writes its checkpoint shards "
+            f"into {key} and rank 0 commits them, so set {key} to a folder on storage every node mounts (an absolute "
+            "path: a relative one is relative to each node's copy of the config)"
         )

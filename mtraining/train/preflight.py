@@ -14,19 +14,16 @@ from collections.abc import Callable
 
 from ..models.loader import build_config, check_weights, sliding_window_layers
 from .config import Config
-from .data import Source, document_separator, load_sources
+from .data import Source, check_vocabulary, document_separator, load_sources
 from .outputs import check_output_dirs
 from .packing import PackedStream
+from .ring_choice import choose_ring
 
 
-def check_model(cfg: Config, hf_config, max_token_id: int) -> None:
+def check_model(cfg: Config, hf_config, sources: list[Source]) -> None:
     """ValueError naming the fix when the model cannot train on this data with mtraining attention."""
     where = cfg.model.path or "model.config"
-    if max_token_id >= hf_config.vocab_size:
-        raise ValueError(
-            f"the data holds token id {max_token_id} but the model's vocab_size is {hf_config.vocab_size}; "
-            "tokenise with the model's own tokenizer (data.tokenizer) or raise model.config.vocab_size"
-        )
+    check_vocabulary(sources, hf_config.vocab_size, cfg.data.token_dtype)
     layers = sliding_window_layers(hf_config)
     if layers:
         raise ValueError(
@@ -62,15 +59,15 @@ def check_sources(cfg: Config, sources: list[Source]) -> None:
 def preflight(cfg: Config, world_size: int, local_world_size: int, log: Callable[[str], None] = print) -> list[str]:
     """Every check possible before the ranks start (raises ValueError naming the fix); returns warnings."""
     cfg.check_world_size(world_size)
-    cfg.inner_size(local_world_size)
     check_output_dirs(cfg)
     if cfg.log.wandb is not None and importlib.util.find_spec("wandb") is None:
         raise ValueError('log.wandb needs the wandb package: pip install -e ".[wandb]" (or remove log.wandb)')
     sources = load_sources(cfg, tokenize=True, log=log)
     check_sources(cfg, sources)
     hf_config = build_config(**cfg.model.hf_kwargs())
+    choose_ring(cfg, local_world_size, hf_config)  # the ring's shape fits the world
     if cfg.model.path is not None:
         check_weights(cfg.model.path)
-    check_model(cfg, hf_config, max(s.max_id for s in sources))
+    check_model(cfg, hf_config, sources)
     document_separator(cfg)
     return [w for w in (rope_warning(cfg, hf_config),) if w]

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import checkpoints, file_digest, load_checkpoint, newest_verified
+from ..data.cache import file_digest
+from .checkpoint import checkpoints, load_checkpoint, newest_verified
 from .config import Config
 from .data import tokenizer_path
 from .optim import lr_at, set_hyperparameters

@@ -16,6 +16,10 @@ import torch
 import torch.distributed as dist
 
 
+# Note [stopping together]
+# SIGTERM only sets a flag. The trainer asks StopSignal.agreed() once per step, a single all-reduce (MAX)
+# of that flag, so every rank sees the stop at the same step, saves a checkpoint together and exits 143.
+# A rank that stopped alone would leave the others waiting in a collective.
 class StopSignal:
     """Context manager: SIGTERM sets a flag (main thread only; elsewhere it keeps its default action)."""
 

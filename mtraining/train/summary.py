@@ -1,4 +1,5 @@
-"""The start-up summary a run prints once: model, world and ring, layout, attention per layer, batch, data."""
+"""The start-up summary a run prints once: model, world and its context schedule (which ring, and why), layout,
+attention per layer, batch, data."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from torch import nn
 from .config import Config
 from .data import Source
 from .packing import PackedSamples
+from .ring_choice import RingChoice
 
 
 def _ranges(layers: list[int]) -> str:
@@ -58,7 +60,7 @@ def startup_summary(
     cfg: Config,
     model: nn.Module,
     world_size: int,
-    inner_size: int,
+    ring: RingChoice,
     device: str,
     sources: list[Source],
     samples: PackedSamples,
@@ -69,17 +71,24 @@ def startup_summary(
     params = sum(t.numel() for t in model.parameters())
     rope = dict(getattr(c, "rope_parameters", None) or {})
     origin = cfg.model.path or "random init"
+    compiled = f" (decoder layers compiled, {cfg.train.compile_backend})" if cfg.train.compile else ""
     lines = [
         f"model: {c.model_type} ({origin}), {params / 1e6:.2f}M parameters, {c.num_hidden_layers} layers, "
-        f"{cfg.model.dtype} compute; RoPE {rope.get('rope_type', 'default')} theta {rope.get('rope_theta')}, "
+        f"{cfg.model.dtype} compute{compiled}; RoPE {rope.get('rope_type', 'default')} theta {rope.get('rope_theta')}, "
         f"max_position_embeddings {c.max_position_embeddings}, training at {d.seq_len}",
     ]
-    if p.context > 1 and p.ring == "hierarchical":
-        ring = f"hierarchical ring: {p.context // inner_size} nodes x inner rings of {inner_size}"
+    if p.context == 1:
+        schedule = "no ring"
+    elif p.context_mode == "allgather":
+        schedule = "K/V all-gathered per layer, parallel.context_mode=allgather"
+    elif ring.ring == "hierarchical":
+        schedule = (
+            f"hierarchical ring: {p.context // ring.inner_size} nodes x inner rings of {ring.inner_size}; {ring.reason}"
+        )
     else:
-        ring = "flat ring" if p.context > 1 else "no ring"
+        schedule = f"flat ring; {ring.reason}"
     lines.append(
-        f"world: {world_size} ranks = data {p.data} x context {p.context} ({ring}), {device}; "
+        f"world: {world_size} ranks = data {p.data} x context {p.context} ({schedule}), {device}; "
         f"layout {cfg.attention.layout}, block {cfg.attention.block_size}, {d.seq_len // p.context} tokens per rank"
     )
     lines.append(f"attention: {attention_plan(cfg, c.num_hidden_layers)}")

@@ -21,36 +21,33 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..models import Attention, StepStats, bind, build_model
+from ..models.compiled import compile_layers
 from ..models.fused import use_liger_kernels
+from ..models.loader import head_dim
 from ..ops.documents import Documents
 from ..parallel.layout import make_layout
 from ..parallel.topology import init_ring_groups
-from .agree import agree, from_rank0
+from .agree import agree, check_same, from_rank0
 from .checkpoint import full_model_state, save_checkpoint
-from .config import Config
+from .config import Config, shared_values
 from .data import document_separator, open_sources
-from .distributed import ParallelState, init_parallel
-from .divergence import check_finite
+from .distributed import ParallelState, init_parallel, join_group
+from .divergence import check_finite, check_finite_weights
 from .errors import Preempted, RunStopped
 from .export import DTYPES, export_model
 from .loss import IGNORE_INDEX, CausalLMLoss
 from .monitor import Monitor, flops_per_token, matmul_params, peak_memory_gb, peak_tflops
 from .optim import build_optimizer, lr_at, set_lr
-from .outputs import check_free_space, check_output_dirs
+from .outputs import check_free_space, check_output_dirs, check_shared_dir
 from .packing import PackedSamples, first_draw, shard_batch
 from .preflight import check_model, check_sources, rope_warning
 from .profile import step_profiler, write_profile
 from .resume import describe_run, model_identity, resume
+from .ring_choice import choose_ring
 from .saved_outputs import device_memory, plan_saved_outputs, saved_outputs_bytes
 from .signals import StopSignal
 from .summary import startup_summary
 from .watchdog import StepWatchdog, is_collective_failure
-
-
-def _head_dim(config) -> int:
-    """Attention head size of a HF config (explicit head_dim, else hidden_size / heads)."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
 
 FsdpGroups = Literal["none", "root", "layers"]
 
@@ -101,18 +98,22 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        cfg.check_world_size(dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1)))
         timeout_s = cfg.parallel.timeout_minutes * 60
+        join_group(cfg.train.device, timeout_s)
+        # first: ranks of other configs (another parallel shape) would fail apart or build different groups and hang
+        check_same(shared_values(cfg), "configs", "start every node with the same config and key=value overrides")
+        cfg.check_world_size(dist.get_world_size())
         self.par = par = init_parallel(cfg.parallel.data, cfg.parallel.context, cfg.train.device, timeout_s)
         if not par.is_main:
             _quiet_transformers()
         agree(lambda: check_output_dirs(cfg))
+        check_shared_dir(cfg.checkpoint.dir, "checkpoint.dir")
         att, data = cfg.attention, cfg.data
-        self.inner_size = agree(lambda: cfg.inner_size(_local_world_size()))
-        if cfg.parallel.ring == "hierarchical" and par.dp_size > 1:
-            cp = par.cp_size  # the mesh is (data, context), context innermost: ring d holds ranks d*cp .. d*cp+cp-1
-            init_ring_groups(self.inner_size, [list(range(d * cp, (d + 1) * cp)) for d in range(par.dp_size)])
         self.sources = open_sources(cfg, log=self._say)
+        sizes = {
+            f"data.sources[{i}] (tokens, largest id)": [len(s.stream), s.max_id] for i, s in enumerate(self.sources)
+        }
+        check_same(sizes, "data", "give every node the same data files")
         self.separator = agree(lambda: document_separator(cfg))
         self.data = agree(self._packed_samples)
         torch.manual_seed(cfg.train.seed)
@@ -120,6 +121,12 @@ class Trainer:
         if cfg.train.fused_kernels == "liger":
             use_liger_kernels(hf)
         self.hf_config = hf.config
+        self.ring = agree(lambda: choose_ring(cfg, _local_world_size(), hf.config))
+        if self.ring.ring == "hierarchical" and par.dp_size > 1:
+            cp = par.cp_size  # the mesh is (data, context), context innermost: ring d holds ranks d*cp .. d*cp+cp-1
+            init_ring_groups(self.ring.inner_size, [list(range(d * cp, (d + 1) * cp)) for d in range(par.dp_size)])
+        if cfg.train.compile:
+            compile_layers(hf, cfg.train.compile_backend)
         self.layout = make_layout(att.layout, data.seq_len, par.cp_size, att.block_size)
         self.attention = bind(
             hf,
@@ -131,8 +138,9 @@ class Trainer:
                 min_sparse_len=att.min_sparse_len,
                 max_density=att.max_density,
                 backend=att.backend,
-                ring=cfg.parallel.ring,
-                inner_size=self.inner_size,
+                ring=self.ring.ring,
+                inner_size=self.ring.inner_size,
+                context_mode=cfg.parallel.context_mode,
                 checkpointed=cfg.train.activation_checkpointing,
             ),
         )
@@ -143,6 +151,14 @@ class Trainer:
         loss_model = CausalLMLoss(hf, cfg.train.loss_chunk_tokens, cfg.train.loss_impl)
         # what a checkpoint of this run belongs to (train/resume.py), before sharding renames nothing
         self.run_info = describe_run(cfg, model_identity(hf.config, loss_model.state_dict()), par.dp_size, par.cp_size)
+        check_same(
+            {
+                "the model (config and parameter shapes)": self.run_info["model"],
+                "the tokenizer": self.run_info["tokenizer"],
+            },
+            "models",
+            "give every node the same model folder and tokenizer",
+        )
         # float32 weights and AdamW's two moments
         params = sum(p.numel() for p in loss_model.parameters())
         agree(lambda: check_free_space(cfg.checkpoint.dir, 12 * params, "checkpoint.dir"))
@@ -167,7 +183,7 @@ class Trainer:
             run_config=cfg.model_dump(mode="json"),
         )
         summary = startup_summary(
-            cfg, hf, par.world_size, self.inner_size, str(par.device), self.sources, self.data, self.step
+            cfg, hf, par.world_size, self.ring, str(par.device), self.sources, self.data, self.step
         )
         self.monitor.write(f"run {self.monitor.run_id}")
         for line in summary + [w for w in (rope_warning(cfg, hf.config),) if w] + notes:
@@ -199,14 +215,14 @@ class Trainer:
         if cfg.train.fused_kernels == "liger" and self.par.device.type != "cuda":
             raise ValueError("train.fused_kernels=liger runs on CUDA only: set train.fused_kernels=none on the CPU")
         hf = build_model(**cfg.model.hf_kwargs(), init=cfg.model.init)
-        check_model(cfg, hf.config, max(s.max_id for s in self.sources))
+        check_model(cfg, hf.config, self.sources)
         cfg.check_layers(hf.config.num_hidden_layers)
         return hf
 
     def _flops_per_token(self, hf: nn.Module, density: float) -> float:
         c = hf.config
         return flops_per_token(
-            matmul_params(hf), c.num_hidden_layers, c.num_attention_heads, _head_dim(c), self.cfg.data.seq_len, density
+            matmul_params(hf), c.num_hidden_layers, c.num_attention_heads, head_dim(c), self.cfg.data.seq_len, density
         )
 
     # ------------------------------------------------------------------ steps
@@ -255,7 +271,7 @@ class Trainer:
             ):  # seed: the rows recall measures, the same on every rank
                 loss_sum = self.model(input_ids, labels, position_ids)
             total += loss_sum.detach()
-            with self.attention.recompute():  # activation checkpointing re-runs each layer's forward in here
+            with self.attention.recompute():  # see Note [recompute replays the pattern] (models/attention.py)
                 (loss_sum * scale).backward()
         pattern = self.attention.end_step()
         if par.world_size > 1:
@@ -282,7 +298,7 @@ class Trainer:
         c = self.hf_config
         local_tokens = self.cfg.data.batch_size * self.cfg.data.seq_len // self.par.cp_size  # one micro-batch
         act_bytes = DTYPES[self.cfg.model.dtype].itemsize
-        saved = saved_outputs_bytes(c.num_hidden_layers, local_tokens, c.num_attention_heads, _head_dim(c), act_bytes)
+        saved = saved_outputs_bytes(c.num_hidden_layers, local_tokens, c.num_attention_heads, head_dim(c), act_bytes)
         keep, why = plan_saved_outputs(int(peak.item()), saved, memory[1])
         self.save_outputs = keep
         self.monitor.write(why)
@@ -315,13 +331,17 @@ class Trainer:
         """Collective: a distributed checkpoint of the current step."""
         if self.cfg.checkpoint.dir is None:
             raise ValueError("checkpoint.dir is not set; set it to save checkpoints")
-        path = save_checkpoint(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, self.run_info)
+        self._check_weights()
+        path = save_checkpoint(
+            self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, self.run_info, self.monitor.write
+        )
         self.last_checkpoint = path
         self.monitor.write(f"saved checkpoint {path}")
         return path
 
     def export(self, out_dir: str | Path) -> Path:
         """Collective: write the current weights as a HF directory (rank 0 writes)."""
+        self._check_weights()
         state = full_model_state(self.model)
         failure = None
         if self.par.is_main:
@@ -336,6 +356,11 @@ class Trainer:
         if failure is not None:
             raise failure
         return Path(out_dir)
+
+    def _check_weights(self) -> None:
+        """Collective: Diverged unless the weights' norm is finite (divergence.check_finite_weights)."""
+        norm = torch.nn.utils.get_total_norm([p.detach() for p in self.model.parameters()])
+        check_finite_weights(self.step, _to_float(norm), self.last_checkpoint)
 
     def run(self) -> list[dict[str, float]]:
         """Train to ``train.steps``, checkpointing and exporting as configured; returns every step's metrics.
@@ -374,7 +399,7 @@ class Trainer:
             saved = ck.dir is not None and (last or (ck.every is not None and self.step % ck.every == 0))
             if saved:
                 self.save()
-            if stop.agreed():
+            if stop.agreed():  # see Note [stopping together] (signals.py)
                 if ck.dir is not None and not saved:
                     self.save()
                 where = (

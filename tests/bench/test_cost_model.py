@@ -1,4 +1,4 @@
-"""Cost model of the flat and hierarchical rings: limiting cases and the CLI."""
+"""bench/cost_model.py: its predictions against measured ring times, and for larger clusters."""
 
 from __future__ import annotations
 
@@ -9,66 +9,45 @@ from pathlib import Path
 
 import pytest
 
-from bench.ring_model import (
-    AttentionShape,
-    Cluster,
-    Link,
-    StepWork,
-    flat_ring_time,
-    hierarchical_ring_time,
-    step_work,
-)
+from tests.bench.scripts import load_script
 
-FAST = Link(1e18)
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def test_compute_bound_is_the_sum_of_compute():
-    cluster = Cluster(4, 8, FAST, FAST)
-    work = StepWork(fwd=1e-3, bwd=3e-3, kv_bytes=0, grad_bytes=0)
-    for predict in (flat_ring_time, hierarchical_ring_time):
-        p = predict(cluster, work)
-        assert p.fwd == pytest.approx(32e-3)
-        assert p.bwd == pytest.approx(96e-3)
-        assert p.total == pytest.approx(128e-3)
+# Issue 32: 4 x H200 as 2 "nodes" x 2 (ring_attention(..., ring="hierarchical", inner_size=2,
+# outer_comm=emulated(link)), the flat ring as 4 x 1), sparse striped, Qwen2.5-3B heads, bf16,
+# fwd+bwd ms (flat, hierarchical) per link.
+MEASURED_4XH200 = {
+    131072: {"host": (29.6, 30.8), 25: (32.9, 32.7), 5: (103.6, 52.5)},
+    524288: {"host": (227.4, 234.1), 25: (236.5, 238.3), 5: (440.3, 283.4)},
+}
 
 
-def test_outer_link_bound_flat_pays_every_step_hierarchical_hides_it():
-    slow = Link(1e9, 0.0)  # 1 GB/s between nodes
-    cluster = Cluster(2, 4, FAST, slow)
-    kv = 1e6  # 1 ms per outer hop; compute 0.5 ms per step: an inner cycle (2 ms) hides the hop
-    work = StepWork(fwd=0.5e-3, bwd=0.5e-3, kv_bytes=kv, grad_bytes=0)
-    flat = flat_ring_time(cluster, work)
-    hier = hierarchical_ring_time(cluster, work)
-    assert flat.fwd == pytest.approx(7 * 1e-3 + 0.5e-3)  # W - 1 slow hops
-    assert hier.fwd == pytest.approx(8 * 0.5e-3)  # pure compute
-    # with no compute at all the hierarchy still pays only O - 1 outer hops, the flat ring W - 1
-    idle = StepWork(fwd=0.0, bwd=0.0, kv_bytes=kv, grad_bytes=2 * kv)
-    assert hierarchical_ring_time(cluster, idle).fwd == pytest.approx(1e-3)
-    assert flat_ring_time(cluster, idle).fwd == pytest.approx(7e-3)
-    # backward: K/V then accumulator hops share the link; the last accumulator hop is exposed
-    assert hierarchical_ring_time(cluster, idle).bwd == pytest.approx(1e-3 + 2e-3 + 2e-3)
-    assert flat_ring_time(cluster, idle).bwd == pytest.approx(1e-3 + 6 * 3e-3 + 2e-3 + 2e-3)
+def _issue_records(fwd_share: float) -> list[dict]:
+    records = []
+    for n, links in MEASURED_4XH200.items():
+        for link, times in links.items():
+            for schedule, ms in zip(("flat", "hierarchical"), times):
+                r = dict(gpus=4, heads_q=16, heads_kv=2, head_dim=128, dtype="bfloat16", seq_len=n, inputs="structured")
+                r.update(
+                    method="sparse_striped", schedule=schedule, inner_size=2 if schedule == "hierarchical" else None
+                )
+                r.update(fwd_ms=ms * fwd_share, bwd_ms=ms * (1 - fwd_share), fwd_bwd_ms=ms, outer_link="host")
+                if link != "host":
+                    r.update(outer_link=f"emulated {link} GB/s, 5 us", outer_gbps=float(link), outer_latency_s=5e-6)
+                records.append(r)
+    return records
 
 
-def test_one_node_is_the_flat_ring_and_latency_counts():
-    cluster = Cluster(1, 4, Link(1e9, 1e-3), Link(1.0))
-    work = StepWork(fwd=0.0, bwd=0.0, kv_bytes=1e6, grad_bytes=0)
-    assert hierarchical_ring_time(cluster, work) == flat_ring_time(cluster, work)
-    assert flat_ring_time(cluster, work).fwd == pytest.approx(3 * 2e-3)
-
-
-def test_step_work_for_qwen_shape():
-    shape = AttentionShape(16, 2, 128)
-    assert shape.kv_bytes_per_token == 2 * 2 * 128 * 2
-    w = step_work(shape, 1024, 4, 1.0, 1e9, 5e8)
-    assert w.kv_bytes == 256 * 1024 and w.grad_bytes == 2 * w.kv_bytes
-    assert w.fwd == pytest.approx(1024 * 1025 / 2 * 16 / 16 / 1e9)
-    assert w.bwd == pytest.approx(2 * w.fwd)
-    with pytest.raises(ValueError, match="multiple of the 3 GPUs"):
-        step_work(shape, 1024, 3, 1.0, 1.0, 1.0)
-    with pytest.raises(ValueError, match="bandwidth > 0"):
-        Link(0.0)
+@pytest.mark.parametrize("fwd_share", [0.25, 0.3, 0.35])
+def test_model_predicts_the_measured_4xh200_times_within_20_percent(fwd_share):
+    """From the flat ring's NVLink time alone (the per-step compute), the model predicts the hierarchical ring
+    and both rings over emulated 25 and 5 GB/s links. The issue gives fwd+bwd only: the forward's share is
+    assumed (2 x H200 records: 0.26-0.32), and the verdict does not depend on it."""
+    records = load_script("cost_model").annotate(_issue_records(fwd_share))
+    ratios = [r["predicted_over_measured"] for r in records]
+    assert all(0.8 <= x <= 1.2 for x in ratios), ratios
+    five = {r["schedule"]: r["predicted_ms"] for r in records if r["seq_len"] == 131072 and r.get("outer_gbps") == 5}
+    assert five["flat"] / five["hierarchical"] > 1.5  # the slow link: the hierarchy pays, as measured (1.97x)
 
 
 def test_cli_prints_and_writes_predictions(tmp_path):

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.links import EmulatedComm, Link, emulated
+from bench.links import EmulatedComm, emulated
 from mtraining.parallel.ring.comm import RingComm
+from mtraining.parallel.ring_cost import Link
 from mtraining.parallel.topology import ring_groups
 from tests.factories import make_pattern
 from tests.rings import SEQ, G, make_inputs, ring_case

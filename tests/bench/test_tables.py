@@ -1,4 +1,4 @@
-"""bench/tables.py renders every BENCHMARKS.md table from the committed results."""
+"""bench/tables.py renders every report table from the committed results."""
 
 from __future__ import annotations
 

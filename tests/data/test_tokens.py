@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -63,13 +64,9 @@ def test_text_is_tokenised_once_per_content_and_tokenizer(tmp_path, tokenizer, m
     assert entry.open().tolist() == expected and entry.documents == 2 and entry.max_id == max(expected)
     assert entry.dtype == "uint16" and len(said) == 1
 
-    # a second call (another rank, another run) is a cache hit: no file is read in full again
+    # a second call (another rank, another run) is a cache hit: the file is hashed, not tokenised again
     monkeypatch.setattr(cache_module, "read_documents", lambda *a: pytest.fail("tokenised twice"))
-    opened = []
-    real_open = open
-    monkeypatch.setattr("builtins.open", lambda p, *a, **k: opened.append(str(p)) or real_open(p, *a, **k))
     assert cache.tokenize(source, tokenizer, "text", eos, log=said.append) == entry and len(said) == 1
-    assert str(source) not in opened  # the content digest is remembered by path, size and mtime
     monkeypatch.undo()
 
     # the key covers the content, the text field, the separator and the tokenizer's bytes
@@ -92,3 +89,60 @@ def test_a_failed_tokenisation_leaves_no_entry(tmp_path, tokenizer):
     (tmp_path / "ro" / "cache").write_text("a file, not a folder")
     with pytest.raises(DataError, match="set data.cache_dir to a writable folder"):
         TokenCache(tmp_path / "ro" / "cache").tokenize(source, tokenizer, "text", 0)
+
+
+def test_a_file_rewritten_with_the_same_size_and_time_is_tokenised_again(tmp_path, tokenizer):
+    """The cache is keyed by the file's bytes: same path, size and modification time with other words is
+    another entry (it served the old tokens when keyed by path, size and time)."""
+    source = tmp_path / "docs.jsonl"
+    source.write_text(json.dumps({"text": "Ada keeps the red lamp."}) + "\n")
+    stat = source.stat()
+    cache = TokenCache(tmp_path / "cache")
+    eos = tokenizer.separator_id(None)
+    before = cache.tokenize(source, tokenizer, "text", eos, log=lambda _: None).open().tolist()
+    source.write_text(json.dumps({"text": "Bob keeps the big lamp."}) + "\n")
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert source.stat().st_size == stat.st_size and source.stat().st_mtime_ns == stat.st_mtime_ns
+    assert cache.lookup(source, tokenizer, "text", eos) is None
+    after = cache.tokenize(source, tokenizer, "text", eos, log=lambda _: None).open().tolist()
+    assert after == [*tokenizer.encode(["Bob keeps the big lamp."])[0], eos] and after != before
+
+
+def test_a_cache_entry_cut_short_is_written_again(tmp_path, tokenizer):
+    source = tmp_path / "docs.jsonl"
+    source.write_text(json.dumps({"text": "Ada keeps the red lamp."}) + "\n")
+    cache = TokenCache(tmp_path / "cache")
+    entry = cache.tokenize(source, tokenizer, "text", 0, log=lambda _: None)
+    ids = Path(entry.path)
+    ids.write_bytes(ids.read_bytes()[:2])
+    assert cache.lookup(source, tokenizer, "text", 0) is None
+    assert cache.tokenize(source, tokenizer, "text", 0, log=lambda _: None).open().tolist() == entry.open().tolist()
+
+
+@pytest.mark.parametrize(
+    "written, read, expected",
+    [
+        (np.uint32, "uint16", "set data.token_dtype=uint32"),
+        (np.int64, "uint16", "set data.token_dtype=int64"),
+        (np.int64, "uint32", "set data.token_dtype=int64"),
+    ],
+)
+def test_raw_ids_of_a_wider_type_read_narrower_are_refused(tmp_path, written, read, expected, monkeypatch):
+    """Ids below 512 written as uint32 and read as uint16 are every id followed by a 0: ids a model accepts,
+    so training ran on garbage. Zeros between all ids (over every chunk of the scan) name the type."""
+    ids = np.random.default_rng(0).integers(1, 512, 1000).astype(written)
+    ids.tofile(tmp_path / "t.bin")
+    monkeypatch.setattr("mtraining.data.tokens._SCAN_TOKENS", 64)
+    with pytest.raises(DataError, match=f"t.bin read as data.token_dtype={read} .*{expected}"):
+        scan_max(tmp_path / "t.bin", read)
+    assert scan_max(tmp_path / "t.bin", np.dtype(written).name) == ids.max()  # the right type reads
+    with_zeros = ids.copy()
+    with_zeros[1::4] = 0  # many ids 0 (but not every second one): real ids of its type
+    with_zeros.tofile(tmp_path / "z.bin")
+    assert scan_max(tmp_path / "z.bin", np.dtype(written).name) == with_zeros.max()
+
+
+def test_a_raw_file_whose_size_the_type_does_not_divide_is_refused(tmp_path):
+    np.arange(5, dtype=np.uint16).tofile(tmp_path / "t.bin")  # 10 bytes
+    with pytest.raises(DataError, match="t.bin has 10 bytes, not a multiple of 4: .*set data.token_dtype"):
+        open_token_file(tmp_path / "t.bin", "uint32")

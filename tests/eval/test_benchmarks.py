@@ -180,7 +180,7 @@ def test_bad_files_name_the_line_and_the_fix(tmp_path):
     bad = write_jsonl(
         tmp_path / "math_find.jsonl", [{"context": "[1]", "input": "The largest number of", "answer": "x"}]
     )
-    with pytest.raises(ValueError, match="math_find answer must be a number"):
+    with pytest.raises(ValueError, match="math_find.jsonl:1: the answer 'x' cannot be scored with first_number"):
         datafiles.infinitebench_samples([bad])
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "passkey.jsonl").write_text("{not json\n")
@@ -209,6 +209,30 @@ def test_ruler_records_prompt_and_metric(tmp_path):
     with pytest.raises(ValueError, match="needs a string input and a list of outputs"):
         datafiles.ruler_samples([write_jsonl(tmp_path / "cwe.jsonl", [{"input": "x", "outputs": "y"}])])
     assert datafiles.ruler_samples([folder / "qa_1" / "validation.jsonl"])[0].task == "qa_1"
+
+
+UNSCORABLE = [
+    # (file, record, metric, why): an empty RULER answer is in every output (100%); the others in none (0%)
+    ("niah_single_1.jsonl", {"input": "x", "outputs": [""]}, "substring_all", "found in every output"),
+    ("qa_1.jsonl", {"input": "x", "outputs": ["Paris", "  "]}, "substring_any", "found in every output"),
+    ("passkey.jsonl", {"context": "c", "input": "q", "answer": "71 432"}, "first_integer", "not a run of digits"),
+    ("number_string.jsonl", {"context": "c", "input": "q", "answer": ["x1"]}, "first_integer", "not a run of digits"),
+    ("kv_retrieval.jsonl", {"context": "c", "input": "q", "answer": "a value"}, "word", "not one word"),
+    ("kv_retrieval.jsonl", {"context": "c", "input": "q", "answer": "key:"}, "word", "not one word"),
+    ("math_find.jsonl", {"context": "[1]", "input": "The largest number of", "answer": -3}, "first_number", "sign"),
+    ("math_find.jsonl", {"context": "[1]", "input": "The largest number of", "answer": "nan"}, "first_number", "sign"),
+]
+
+
+@pytest.mark.parametrize("name, record, metric, why", UNSCORABLE, ids=lambda v: str(v)[:24])
+def test_answers_that_cannot_score_are_refused_with_file_and_line(tmp_path, name, record, metric, why):
+    fine = {**record, "answer": "1"} if "context" in record else {**record, "outputs": ["1"]}
+    path = write_jsonl(tmp_path / name, [fine, record])
+    load = datafiles.infinitebench_samples if "context" in record else datafiles.ruler_samples
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(name)}:2: the answer .* cannot be scored with {metric}: .*{why}"
+    ):
+        load([path])
 
 
 def test_place_by_length_refuse_or_truncate(tmp_path):

@@ -95,7 +95,7 @@ def results(tiny, tmp_path_factory) -> Path:
         "--label",
         "sparse",
     )
-    for extra, name in (([], "dense"), (SPARSE, "sparse")):
+    for extra, name in (([], "dense"), ([*SPARSE, "--haystack", CORPUS], "sparse")):  # sparse: real filler
         ok(
             "niah",
             tiny,
@@ -103,8 +103,6 @@ def results(tiny, tmp_path_factory) -> Path:
             "0,50,100",
             "--max-new-tokens",
             "3",
-            "--prefill-granule",
-            "128",
             *common,
             *extra,
             "--out-dir",
@@ -134,6 +132,7 @@ def results(tiny, tmp_path_factory) -> Path:
         "512",
         "--samples",
         "1",
+        "--no-teacher-forcing",
         *FAST,
         "--out-dir",
         out / "dense",
@@ -152,6 +151,10 @@ def test_ppl_json(results):
         assert sum(b["tokens"] for b in r["buckets"]) == r["tokens"]
         assert r["buckets"][0]["start"] == 1 and r["buckets"][-1]["end"] == r["length"] - 1
         assert 1 < r["ppl"] < 10 * TINY["vocab_size"]
+        lo, hi = r["buckets"][-1]["ppl_interval"]  # over the two windows
+        assert lo <= r["buckets"][-1]["ppl"] <= hi and r["ppl_interval"][0] <= r["ppl"] <= r["ppl_interval"][1]
+        assert [w["document"] for w in r["window_records"]] == sorted(w["document"] for w in r["window_records"])
+        assert all(len(w["nll"]) == len(r["buckets"]) for w in r["window_records"])
     sparse = json.loads((results / "sparse" / "ppl.json").read_text())
     assert sparse["attention"] == "sparse" and sparse["pattern"]["v_size"] == 8 and 0 < sparse["sparse_density"] < 1
 
@@ -166,6 +169,12 @@ def test_niah_json_and_heatmap(results):
         )
         assert len(grid["records"]) == 6 and all(r["prompt_tokens"] <= r["length"] for r in grid["records"])
         assert (results / name / "niah.png").read_bytes()[:8] == PNG_MAGIC
+        assert grid["haystack"] == ("documents" if name == "sparse" else "filler")
+        for row, bounds, forced in zip(grid["scores"], grid["intervals"], grid["forced"]):
+            assert all(lo <= v <= hi for v, (lo, hi) in zip(row, bounds)) and all(f in (0, 100) for f in forced)
+        assert [c["prompts"] for c in grid["by_length"]] == [3, 3]  # the depths of a length pooled
+        for r in grid["records"]:
+            assert len(r["forced_nll"]) == len(r["forced_greedy"]) >= 7 and r["forced_score"] == all(r["forced_greedy"])
 
 
 def test_ruler_json_and_table(results):
@@ -174,7 +183,9 @@ def test_ruler_json_and_table(results):
     assert len(tasks) == 7 and set(data["result"]["scores"]) == set(tasks)
     assert len(data["result"]["records"]) == 7 and data["result"]["lengths"] == [512]
     table = (results / "dense" / "ruler.md").read_text()
-    assert all(t in table for t in tasks) and "average" in table
+    assert all(t in table for t in tasks) and "average" in table and "Teacher-forced" in table
+    res = data["result"]
+    assert all(len(res["forced"][t]) == len(res["intervals"][t]) == 1 for t in tasks) and res["average_interval"][0]
 
 
 def test_infinitebench_json_and_table(results):
@@ -187,6 +198,8 @@ def test_infinitebench_json_and_table(results):
         assert r["score"] == score(r["metric"], r["prediction"], r["answers"])
     table = (results / "dense" / "infinitebench.md").read_text()
     assert all(t in table for t in INFINITEBENCH) and "average" in table
+    assert "Teacher-forced" not in table and not any("forced_score" in r for r in res["records"])  # turned off
+    assert data["settings"]["teacher_forcing"] is False
 
 
 def test_report(results, tmp_path):
@@ -200,6 +213,7 @@ def test_report(results, tmp_path):
         "## InfiniteBench",
         "dense (dense, 1 rank)",
         "sparse (sparse, 1 rank)",
+        "Depths pooled per length: generated / teacher-forced",
     ):
         assert section in report
     for png in ("ppl_by_position.png", "niah_heatmaps.png", "ruler_by_length.png", "infinitebench_by_length.png"):
@@ -212,7 +226,7 @@ def test_report(results, tmp_path):
 def test_official_files_end_to_end(tiny, tmp_path):
     """InfiniteBench and RULER JSONL and a PG-19 folder of books run through the same commands."""
     ib = infinitebench_files(tmp_path / "ib", filler=5)
-    base = [*FAST, "--prefill-granule", "128"]
+    base = FAST
     ok("infinitebench", tiny, "--data", ib, "--lengths", "256,512", *base, "--out-dir", tmp_path / "ib-out")
     res = json.loads((tmp_path / "ib-out" / "infinitebench.json").read_text())["result"]
     assert sorted(res["tasks"]) == sorted(INFINITEBENCH) and res["lengths"] == [256, 512]

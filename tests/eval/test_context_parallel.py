@@ -16,52 +16,25 @@ import torch.distributed as dist
 
 from mtraining.eval.answers import Prompting
 from mtraining.eval.datafiles import infinitebench_samples, place, run_samples
-from mtraining.eval.engine import AttentionSpec, Engine
+from mtraining.eval.engine import Engine
 from mtraining.eval.infinitebench import run_infinitebench
 from mtraining.eval.loading import load_tokenizer
-from mtraining.models import build_model
-from tests.configs import TINY as TINY_BASE
 from tests.eval.official_samples import infinitebench_files
+from tests.eval.tiny_engine import SEQ, G, inputs, spec, tiny_model
 
-TINY = TINY_BASE | dict(max_position_embeddings=4096, initializer_range=0.2)
-G = 16
 TOKENIZER = Path(__file__).resolve().parents[2] / "data" / "tokenizer.json"  # 512 tokens, as the model
-SEQ = 256  # a multiple of every layout's unit for 2 and 4 ranks (zigzag on 4: 2 * 4 * 16 = 128)
-PROMPTS = (40, 200, 301)  # shorter than the prefill granule (128), and prefill + dense tail
 NEW_TOKENS = 6
-SPARSE = dict(v_size=8, s_size=24, last_q=16, local_window=16, sink_tokens=4)
+REFERENCE = [7, 70, 300, 11]  # a reference answer scored teacher-forced after each prompt
 
 
-def tiny_model():
-    torch.manual_seed(0)
-    return build_model(config=TINY).double().eval()
-
-
-def inputs():
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, TINY["vocab_size"], (SEQ,), generator=gen)
-    prompts = [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in PROMPTS]
-    return ids, prompts
-
-
-def spec(layout: str, sparse: bool) -> AttentionSpec:
-    return AttentionSpec(
-        sparse=sparse,
-        layout=layout,
-        block_size=G,
-        backend="torch",
-        pattern=SPARSE if sparse else {},
-        prefill_granule=128,
-    )
-
-
-def evaluate(group, layout: str, sparse: bool):
-    """Worker (and reference with group=None): per-token losses and predictions, greedy answers, sparse densities."""
-    engine = Engine(tiny_model(), spec(layout, sparse), group)
+def evaluate(group, layout: str, sparse: bool, ring: str = "flat", context_mode: str = "ring"):
+    """Worker (and reference with group=None): per-token losses and predictions, greedy answers and the teacher-forced
+    scores of a reference answer, sparse densities."""
+    engine = Engine(tiny_model(), spec(layout, sparse, context_mode, ring), group)
     ids, prompts = inputs()
     nll, predicted = engine.token_scores(ids)
     assert torch.equal(engine.token_nll(ids), nll)
-    answers = [engine.generate(p, NEW_TOKENS) for p in prompts]
+    answers = [engine.respond(p, NEW_TOKENS, reference=REFERENCE) for p in prompts]
     return (nll, predicted), answers, engine.densities
 
 
@@ -84,7 +57,8 @@ def test_benchmarks_on_two_ranks_answer_as_one(pool, tmp_path):
     assert any(s.prompt_tokens + s.max_new_tokens > 512 for s in samples)  # one prompt is cut
     reference, densities = benchmark_answers(None, samples)
     assert len(reference) == 2 + len(samples) and len(set(reference)) > len(reference) // 2
-    assert densities and max(densities) < 1 and min(densities) < 0.6  # the prefills really are sparse
+    assert len(densities) == len(reference)  # every prompt is prefilled through the sparse path
+    assert max(densities) <= 1 and min(densities) < 0.6  # the long prefills really are sparse (short ones keep all)
     for answers, _ in pool.run(benchmark_answers, 2, samples):
         assert answers == reference
 
@@ -104,16 +78,28 @@ def reference():
 
 
 @pytest.mark.parametrize(
-    "world, layout, sparse",
-    [(2, "striped", False), (4, "zigzag", False), (4, "contiguous", False), (2, "zigzag", True), (4, "striped", True)],
+    "world, layout, sparse, context_mode, ring",
+    [
+        (2, "striped", False, "ring", "flat"),
+        (4, "zigzag", False, "ring", "flat"),
+        (4, "contiguous", False, "ring", "flat"),
+        (2, "zigzag", True, "ring", "flat"),
+        (4, "striped", True, "ring", "flat"),
+        (4, "contiguous", True, "ring", "hierarchical"),
+        (2, "zigzag", False, "allgather", "flat"),
+        (4, "striped", True, "allgather", "flat"),
+    ],
 )
-def test_cp_matches_single_process(pool, reference, world, layout, sparse):
+def test_cp_matches_single_process(pool, reference, world, layout, sparse, context_mode, ring):
+    """Every prompt padded to the layout's unit (32 to 128 tokens) answers as on one process, unpadded."""
     (ref_nll, ref_predicted), ref_answers, ref_density = reference[sparse]
-    for (nll, predicted), answers, density in pool.run(evaluate, world, layout, sparse):
+    for (nll, predicted), answers, density in pool.run(evaluate, world, layout, sparse, ring, context_mode):
         assert nll.shape == predicted.shape == (SEQ - 1,)
         torch.testing.assert_close(nll, ref_nll, rtol=0, atol=1e-9)
         assert torch.equal(predicted, ref_predicted)
-        assert answers == ref_answers
+        for got, want in zip(answers, ref_answers, strict=True):
+            assert got.tokens == want.tokens and got.forced.greedy == want.forced.greedy
+            torch.testing.assert_close(torch.tensor(got.forced.nll), torch.tensor(want.forced.nll), rtol=0, atol=1e-9)
         if sparse:
             assert density[0] < 0.9  # the loss pass (256 tokens) really is sparse
     perplexity = torch.exp(ref_nll.mean())
@@ -139,7 +125,7 @@ def test_sparse_differs_from_dense(reference):
 
 
 def test_answers_depend_on_the_context(reference):
-    answers = reference[False][1]
+    answers = [a.tokens for a in reference[False][1]]
     assert len({tuple(a) for a in answers}) == len(answers)
     assert all(len(a) == NEW_TOKENS for a in answers)
 
@@ -151,7 +137,7 @@ def test_cp_length_must_split(pool):
 
 
 def test_generation_equals_greedy_recomputation():
-    """Prefill (granule 128) plus cached decoding answers exactly as re-running the model on the whole text each step."""
+    """Prefill plus cached decoding answers exactly as re-running the model on the whole text each step."""
     model, (_, prompts) = tiny_model(), inputs()
     engine = Engine(model, spec("striped", sparse=False), None)
     for prompt in prompts:

@@ -7,7 +7,7 @@ import torch
 
 from mtraining.eval.engine import Engine
 from mtraining.ops.documents import Documents
-from tests.eval.test_context_parallel import SEQ, TINY, inputs, spec, tiny_model
+from tests.eval.tiny_engine import SEQ, TINY, inputs, spec, tiny_model
 
 LENGTHS = (96, 64, 96)  # three packed documents, SEQ tokens in all
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from mtraining.eval.retrieval import run_retrieval, wilson_interval
+from mtraining.eval.intervals import wilson_interval
+from mtraining.eval.retrieval import run_retrieval
 
 
 class Oracle:

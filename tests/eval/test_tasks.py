@@ -8,8 +8,10 @@ from collections import Counter
 
 import pytest
 
-from mtraining.eval.answers import score_samples
-from mtraining.eval.documents import Haystack, filler_sentences, load_documents, split_sentences
+from mtraining.eval import infinitebench
+from mtraining.eval.answers import reference_text, score_samples
+from mtraining.eval.documents import Haystack, filler_sentences, load_documents, text_pieces
+from mtraining.eval.engine import Response
 from mtraining.eval.ppl import position_buckets
 from mtraining.eval.runtime import parse_lengths
 from mtraining.eval.scoring import match_all, match_any, mean_percent
@@ -126,14 +128,50 @@ def test_fit_knob_finds_the_largest_fitting_size():
         assert tokens <= budget < base + slope * (knob + 1)
 
 
-def test_haystack_from_documents_repeats():
-    stack = Haystack(["One. Two! Three?"])
-    assert stack.sentences(5) == ["One.", "Two!", "Three?", "One.", "Two!"]
+CODE = "import os\n\n\ndef main():\n    return os.getcwd()\n"
+PROSE = "A first sentence. " * 40 + "\nA short line.\n"
+
+
+def test_text_pieces_keep_the_text_as_written():
+    for text in (CODE, PROSE, "no newline at the end"):
+        assert "".join(text_pieces(text)) == text
+    assert text_pieces(CODE)[:3] == ["import os\n", "\n", "\n"]
+    assert max(len(p) for p in text_pieces(PROSE)) <= 512  # the long line cut after its sentences
+
+
+def test_haystack_from_documents_draws_each_prompt_its_own_text():
+    stack = Haystack([CODE, PROSE, "Third document.\n"], seed=1)
     assert stack.name == "documents" and Haystack().name == "filler"
+    first = stack.context(30, [], draw=0)
+    assert first == stack.context(30, [], draw=0) and first != stack.context(30, [], draw=1)
+    assert stack.context(31, [], draw=0).startswith(first)  # a knob's context is a prefix of the next one's
+    assert len({stack.context(10, [], draw=d) for d in range(20)}) > 5
+    needle = "The secret number of amber-heron is 1234567."
+    text = stack.context(30, [(0.5, needle)], draw=0)
+    assert needle in text.splitlines()  # a line of its own, the text around it as written (line breaks aside)
+    assert text.replace(needle, "").replace("\n", "") == first.replace("\n", "")
     assert filler_sentences(50, 1)[:10] == filler_sentences(10, 1)
-    assert split_sentences("A b.  C\nd? E") == ["A b.", "C d?", "E"]
-    with pytest.raises(ValueError, match="no sentences"):
+    assert Haystack(seed=1).context(3, [(1.0, needle)]) == " ".join([*filler_sentences(3, 1), needle])
+    with pytest.raises(ValueError, match="hold no text"):
         Haystack(["   "])
+
+
+def test_real_filler_reaches_niah_vt_and_passkey():
+    stack = Haystack([CODE * 30, PROSE * 10], seed=0)
+    for task in ("niah_single", "vt"):
+        sample = generate(task, 1500, 2, words, stack)
+        assert "os.getcwd()" in sample.prompt or "A first sentence." in sample.prompt
+        assert sample.prompt_tokens <= 1500 - sample.max_new_tokens
+    passkey = infinitebench.generate("passkey", 1500, 2, words, haystack=stack)
+    assert "The grass is green" not in passkey.prompt and f"The pass key is {passkey.answers[0]}." in passkey.prompt
+    assert "The grass is green" in infinitebench.generate("passkey", 1500, 2, words).prompt
+
+
+def test_reference_text_follows_the_prompt():
+    sample = generate("niah_multivalue", 1500, 0, words)
+    assert reference_text(sample) == " " + ", ".join(sample.answers)
+    kv = infinitebench.generate("kv_retrieval", 1500, 0, words)
+    assert kv.prompt.endswith(": ") and reference_text(kv) == kv.answers[0]
 
 
 # ---------------------------------------------------------------------------- scoring
@@ -173,8 +211,8 @@ class _Chars:
 class _Answers:
     """An engine whose greedy answer is always ' 1234567.'."""
 
-    def generate(self, ids, max_new_tokens, stop_ids):
-        return [ord(c) for c in " 1234567."]
+    def respond(self, ids, max_new_tokens, stop_ids, reference=None):
+        return Response([ord(c) for c in " 1234567."])
 
 
 def test_prompting_cache_builds_each_sample_once():
@@ -189,10 +227,10 @@ def test_prompting_cache_builds_each_sample_once():
 
     cache = {}
     runs = [({"task": "niah_single", "length": 600}, {"seed": s}, make(s)) for s in (0, 1)]
-    first = score_samples(_Answers(), _Chars(), runs, "t", show_progress=False, cache=cache)
-    again = score_samples(_Answers(), _Chars(), runs, "t", show_progress=False, cache=cache)
+    first = score_samples(_Answers(), _Chars(), runs, "t", show_progress=False, cache=cache, forced=False)
+    again = score_samples(_Answers(), _Chars(), runs, "t", show_progress=False, cache=cache, forced=False)
     assert built == [0, 1] and len(cache) == 2 and again == first
-    other = score_samples(_Answers(), _Chars(), runs, "other title", show_progress=False, cache=cache)
+    other = score_samples(_Answers(), _Chars(), runs, "other title", show_progress=False, cache=cache, forced=False)
     assert built == [0, 1, 0, 1] and other[0] == first[0]  # keys carry the title
 
 

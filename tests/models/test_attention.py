@@ -18,6 +18,7 @@ from mtraining.models import Attention, attention, bind, build_model
 from mtraining.ops.pattern.estimate import PatternConfig
 from mtraining.train.loss import CausalLMLoss
 from tests.configs import SMALL
+from tests.numerics import sdpa_by_document
 
 MODEL = dict(model_type="qwen2", **SMALL)
 SPARSE = PatternConfig(v_size=8, s_size=16, last_q=8, block_size=16, sink_tokens=2, local_window=16)
@@ -200,3 +201,53 @@ def test_documents_of_a_forward_reach_its_recompute(monkeypatch):
         start += n
     with dense_att.forward():  # without documents the later documents see the earlier ones
         assert not torch.allclose(dense(input_ids=ids, use_cache=False).logits[:, 20:], packed[:, 20:], atol=1e-3)
+
+
+# --------------------------------------------------------------------------- documents from position ids
+# per batch row: (document lengths, the position id each document starts at); issue 34.2
+POSITION_LAYOUTS = {
+    "restart at 0": [([30, 41, 25], [0, 0, 0])],
+    "restart elsewhere": [([30, 41, 25], [0, 5, 3])],
+    "first document cut": [([30, 41, 25], [7, 0, 12])],
+    "rows differ": [([30, 41, 25], [0, 5, 0]), ([64, 32], [0, 9])],
+    "one document": [([96], [10])],
+    "tokens alone": [([1] * 96, [0] * 96)],
+}
+
+
+def _position_ids(layout: list) -> tuple[torch.Tensor, list[list[int]]]:
+    """Packed position ids [B, S] of ``layout`` (POSITION_LAYOUTS) and each row's document lengths."""
+    rows = [torch.cat([torch.arange(n) + first for n, first in zip(*row)]) for row in layout]
+    return torch.stack(rows), [row[0] for row in layout]
+
+
+@pytest.mark.parametrize("name", sorted(POSITION_LAYOUTS))
+def test_position_ids_mark_documents_where_they_do_not_continue(name):
+    """One device: a document starts wherever a position id does not continue the previous one (flash-attention's
+    varlen convention), whatever value it restarts at; each equals SDPA run on that document alone."""
+    ids, lengths = _position_ids(POSITION_LAYOUTS[name])
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(ids.shape[0], ids.shape[1], h, 16, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    out = Attention().attend(0, q, k, v, 0.25, ids)
+    torch.testing.assert_close(out, sdpa_by_document(q, k, v, lengths, 0.25), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "ids,match",
+    [
+        (torch.tensor([[0, 1, 2, -1, 0, 1]]), "position ids must be >= 0"),
+        (torch.tensor([[0.0, 1.0, 2.0, 0.0, 1.0, 2.0]]), "integers"),
+        (torch.arange(5)[None], r"position_ids \(1, 5\) do not fit"),
+        (torch.arange(6).repeat(3, 1), r"position_ids \(3, 6\) do not fit"),
+    ],
+)
+def test_position_ids_it_cannot_read_are_refused(ids, match):
+    q = torch.randn(2, 6, 4, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match=match):
+        Attention().attend(0, q, q[:, :, :2], q[:, :, :2], 0.25, ids)
+
+
+def test_no_tokens_read_no_position_ids():
+    q = torch.randn(1, 0, 4, 16, dtype=torch.float64)
+    out = Attention().attend(0, q, q[:, :, :2], q[:, :, :2], 0.25, torch.zeros(1, 0, dtype=torch.long))
+    assert out.shape == q.shape

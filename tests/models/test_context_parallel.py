@@ -5,9 +5,16 @@ each rank feeds its layout shard (tokens, labels, global position ids). The summ
 gradients summed over ranks must equal the single-process run of the same model on the whole
 sequence: dense, sparse with a full budget (= dense), and sparse with a small budget (= the
 single-device sparse run, since the pattern is global). Recall and density must agree too.
+
+Packed position ids mark documents under context parallelism as on one device (issue 34.2): the ranks read
+them on the gathered global sequence, and each document's logits and gradients equal the model run on that
+document alone.
 """
 
 from __future__ import annotations
+
+import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -128,3 +135,89 @@ def test_dense_layers_and_min_sparse_len_fall_back_to_dense():
     for run in (by_layer, by_len):
         assert torch.equal(run[0], dense[0]) and not run[2]
     assert set(one[2]) == {1}
+
+
+# --------------------------------------------------------------------------- documents from position ids
+DOC_SEQ = 192  # a multiple of 2 * W * BLOCK for 2 and 3 ranks (zigzag)
+DOC_IDS = {  # (document lengths, the position id each starts at): they cross the shards of every layout
+    "restart at 0": ([70, 90, 32], [0, 0, 0]),
+    "restart elsewhere": ([70, 90, 32], [0, 5, 3]),
+}
+DOC_FULL = dataclasses.replace(FULL, v_size=DOC_SEQ, s_size=DOC_SEQ)  # every pair: the dense result
+
+
+def _logits_and_grads(model, ids, pos) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The model's logits and the gradients of their summed squares (no attention bound: one device, dense)."""
+    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    logits.square().sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return logits.detach(), grads
+
+
+def _documents_from_position_ids_on_ranks() -> dict:
+    """Per (ids, layout, case): max differences of the gathered logits and summed gradients against the model on
+    each document alone, and the stats; with ids that count each shard's own positions, every rank's error."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    ids = torch.randint(0, VOCAB, (1, DOC_SEQ), generator=torch.Generator().manual_seed(2))
+    report = {}
+    for name, (lengths, firsts) in DOC_IDS.items():
+        pos = torch.cat([torch.arange(n) + first for n, first in zip(lengths, firsts)])[None]
+        bind(model, Attention())
+        alone = [_logits_and_grads(model, ids[:, s : s + n], pos[:, s : s + n]) for s, n in _spans(lengths)]
+        ref_logits = torch.cat([a[0] for a in alone], 1)
+        ref_grads = {n: sum(a[1][n] for a in alone) for n in alone[0][1]}
+        for layout_name in LAYOUTS:
+            layout = make_layout(layout_name, DOC_SEQ, world, BLOCK)
+            for case, cfg in (("dense", None), ("full", DOC_FULL)):
+                attention = bind(
+                    model, Attention(group=dist.group.WORLD, layout=layout, pattern_config=cfg, backend="torch")
+                )
+                block = attention.forward(record="recall") if cfg is not None else contextlib.nullcontext()
+                with block:  # a user's plain call (dense), or the trainer's protocol without documents (full)
+                    local = model(
+                        input_ids=layout.shard(ids, rank), position_ids=layout.shard(pos, rank), use_cache=False
+                    ).logits
+                local.square().sum().backward()
+                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+                model.zero_grad(set_to_none=True)
+                for g in grads.values():
+                    dist.all_reduce(g)
+                logits = layout.all_gather(local.detach(), None, dim=1)
+                stats = attention.end_step().layers.values()
+                report[(name, layout_name, case)] = (
+                    float((logits - ref_logits).abs().max()),
+                    max(float((grads[n] - ref_grads[n]).abs().max() / ref_grads[n].abs().max()) for n in grads),
+                    [(s.density, s.recall) for s in stats],
+                )
+    layout = make_layout("striped", DOC_SEQ, world, BLOCK)
+    bind(model, Attention(group=dist.group.WORLD, layout=layout, backend="torch"))
+    try:  # no position_ids: Hugging Face counts each rank's shard from 0
+        model(input_ids=layout.shard(ids, rank), use_cache=False)
+        report["local ids"] = "no error"
+    except ValueError as e:
+        report["local ids"] = str(e)
+    return report
+
+
+def _spans(lengths: list[int]) -> list[tuple[int, int]]:
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0).tolist()
+    return list(zip(starts, lengths))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_position_ids_mark_documents_under_context_parallelism(world_size):
+    reports = run_local(_documents_from_position_ids_on_ranks, world_size)
+    report = reports[0]
+    assert len(report) == len(DOC_IDS) * len(LAYOUTS) * 2 + 1
+    for key, value in report.items():
+        if key == "local ids":
+            continue
+        logits_diff, grad_diff, stats = value
+        assert logits_diff < 1e-10 and grad_diff < 1e-10, (key, logits_diff, grad_diff)
+        if key[2] == "full":  # density and recall over the pairs within documents: all of them
+            assert stats and all(abs(d - 1) < 1e-9 and abs(r - 1) < 1e-9 for d, r in stats), (key, stats)
+    messages = {r["local ids"] for r in reports}
+    assert len(messages) == 1, messages  # the same error on every rank
+    assert f"count 0..{DOC_SEQ // world_size - 1} on each of the {world_size}" in messages.pop()

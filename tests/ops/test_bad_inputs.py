@@ -270,3 +270,26 @@ def test_nonfinite_keys_in_a_ring_step(tensor, value):
     clean = (t.nan_to_num(0.0, 0.0, 0.0).double() for t in (q, bad_k, bad_v, do))
     ref = _forward_backward("oracle", *clean, pattern, q_pos, k_pos)
     _check_blind(got, ref, _allowed(pattern, q_pos, k_pos, None), bad, 2e-5, spots)
+
+
+# ----------------------------------------------------------------------------- 34.8 empty calls
+@pytest.mark.parametrize("fn", ["torch", "triton"])
+@pytest.mark.parametrize("keys", [0, 32])
+def test_no_query_rows_give_empty_results(fn, keys):
+    """A zero-length sequence (no queries; keys or none): an empty out and lse and zero key gradients, on every
+    backend (the Triton path launches nothing)."""
+    q, k, v, _ = make_qkv(B, 0, keys, HQ, HKV, D, torch.float32, 0)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = sparse_attention(q, k, v, return_lse=True, backend=fn)
+    assert out.shape == (B, 0, HQ, D) and lse.shape == (B, HQ, 0) and lse.dtype == torch.float32
+    out.sum().backward()
+    assert torch.equal(k.grad, torch.zeros_like(k)) and torch.equal(v.grad, torch.zeros_like(v))
+
+
+@pytest.mark.parametrize("fn", ["torch", "triton", "oracle"])
+@pytest.mark.parametrize("shape", [(0, 16, HQ, D), (1, 16, HQ, 0)], ids=["no batch rows", "no head dim"])
+def test_empty_batch_or_head_dim_is_refused(fn, shape):
+    q = torch.randn(shape)
+    k = q[:, :, :HKV]
+    with pytest.raises(ValueError, match="needs batch >= 1 and head_dim >= 1"):
+        _run(fn, q, k, k, None, None, None)

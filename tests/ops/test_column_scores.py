@@ -19,6 +19,7 @@ DOCUMENTS = {
     None: None,
     "shared": Documents.from_lengths([30, 50, 40]),
     "per_row": Documents.from_lengths([[70, 50], [5, 100, 15]]),
+    "estimate_end": Documents.from_lengths([75, 45], estimate_end=70),  # rows from 70 on rank nothing
 }
 STRIDED = torch.cat(
     [torch.arange(r * G, min((r + 1) * G, N)) for r in (1, 3, 5, 7)]

@@ -13,7 +13,7 @@ import torch
 
 from mtraining.ops import Documents, PatternConfig, attention_oracle, estimate_pattern, sparse_attention
 from mtraining.ops.dense import dense_backend
-from mtraining.ops.documents import resolve_documents
+from mtraining.ops.documents import document_starts, resolve_documents
 from mtraining.ops.pattern import estimate
 from mtraining.ops.pattern.estimate import select_lines
 from mtraining.ops.sparse import attention_backward, attention_delta, attention_forward
@@ -42,6 +42,23 @@ def test_constructors_agree():
     assert cut.starts[0].tolist() == [0, 2]
 
 
+@pytest.mark.parametrize(
+    "ids,starts",
+    [
+        ([0, 1, 2, 0, 1], [0, 3]),  # Hugging Face's packing: restarts at 0
+        ([0, 1, 2, 3, 5, 6, 7], [0, 4]),  # a document whose ids run 5.. (issue 34.2)
+        ([4, 5, 6, 2, 3, 9], [0, 3, 5]),  # any value that does not continue the previous one
+        ([0, 1, 1, 2], [0, 2]),  # a repeated id
+        ([0, 0, 0], [0, 1, 2]),  # every token alone
+        ([10, 11, 12, 13], [0]),  # one document, ids offset
+    ],
+)
+def test_a_document_starts_where_the_position_ids_do_not_continue(ids, starts):
+    """The one rule (flash-attention's varlen convention): pos[i] != pos[i - 1] + 1 starts a document."""
+    assert [r.tolist() for r in document_starts(torch.tensor(ids))] == [starts]
+    assert Documents.from_position_ids(torch.tensor([ids])).starts[0].tolist() == starts
+
+
 def test_batch_rows_and_resolution():
     docs = Documents.from_lengths([[4, 4], [8]])
     assert docs.batch == 2 and not docs.shared and not docs.single
@@ -60,6 +77,22 @@ def test_batch_rows_and_resolution():
         (lambda: Documents.from_cu_seqlens([[0, 4, 8], [0, 9]]), "end at the sequence length"),
         (lambda: Documents.from_lengths([3, 0]), ">= 1"),
         (lambda: Documents.from_position_ids(torch.zeros(2, 2, 2, dtype=torch.long)), "position_ids"),
+        (
+            lambda: Documents.from_position_ids(torch.tensor([0, 1, 2, -1, 0])),
+            r"must be >= 0 .*, got -1 at batch row 0, index 3",
+        ),
+        (lambda: Documents.from_position_ids(torch.tensor([0.0, 1.0])), "integers"),
+        (lambda: Documents.from_position_ids(torch.tensor([True, False])), "integers"),
+        (lambda: Documents.from_cu_seqlens([0, 2.5, 8]), "cu_seqlens row 0 must be a flat list of integers"),
+        (lambda: Documents.from_cu_seqlens(torch.tensor([0.0, 4.0, 8.0])), "integers"),
+        (lambda: Documents.from_cu_seqlens([0, 6, 4, 8]), "rise strictly .* entry 2 is 4 after 6"),
+        (lambda: Documents.from_cu_seqlens([0, 4, 4, 8]), "rise strictly .* entry 2 is 4 after 4"),
+        (lambda: Documents.from_cu_seqlens([2, 4, 8]), "from 0 to the sequence length"),
+        (lambda: Documents.from_cu_seqlens([8]), "from 0 to the sequence length"),
+        (lambda: Documents.from_cu_seqlens(8), "list of integers"),
+        (lambda: Documents.from_cu_seqlens([0, [4], 8]), "flat list of integers"),
+        (lambda: Documents.from_lengths([2.5, 5.5]), "integers"),
+        (lambda: Documents([[0, 2.5]], 8), "integers"),
         (lambda: resolve_documents(Documents.from_lengths([4, 4]), 1, 16), "16"),
         (lambda: resolve_documents(Documents.from_lengths([[4, 4]] * 2), 3, 8), "batch rows"),
         (lambda: resolve_documents([0, 4], 1, 8), "Documents"),

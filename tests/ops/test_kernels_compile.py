@@ -16,7 +16,7 @@ def test_kernels_compile_for_hopper(tmp_path):
     except ImportError:
         pytest.skip("this Triton has no ahead-of-time compile API")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).resolve().parents[1] / "compile_kernels_sm90.py"
+    script = Path(__file__).resolve().parents[2] / "tools" / "compile_kernels_sm90.py"
     cmd = [sys.executable, str(script), "--ptx-dir", str(tmp_path)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]

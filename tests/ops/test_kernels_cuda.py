@@ -1,6 +1,6 @@
 """Kernels in bf16 on a GPU up to 32K tokens, against the plain-PyTorch backend in float32.
 
-The torch backend is itself checked against the float64 oracle (tests/test_kernels.py and the ring
+The torch backend is itself checked against the float64 oracle (tests/ops/test_kernels.py and the ring
 tests), and is exact math in float32, so it is the reference at lengths the oracle cannot hold.
 Run on a lent GPU: ``python -m pytest -q -m cuda``.
 """

@@ -89,7 +89,7 @@ def error_case(group, kwargs, env=None):
         ({"ring": "hierarchical", "inner_size": 3}, None, r"inner_size 3 does not divide .* world size 4.*\[1, 2, 4\]"),
         ({"ring": "hierarchical"}, None, "LOCAL_WORLD_SIZE.*or pass inner_size="),
         ({"ring": "hierarchical"}, "3", r"inner_size 3 does not divide"),
-        ({"ring": "tree"}, None, "ring must be 'flat' or 'hierarchical'"),
+        ({"ring": "tree"}, None, "ring must be 'flat', 'hierarchical' or 'allgather'"),
         ({"inner_size": 2}, None, "needs ring='hierarchical'"),
     ],
 )

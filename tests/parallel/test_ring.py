@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.links import Link, emulated
+from bench.links import emulated
 from bench.synthetic import rope_structured_qkv
 from mtraining.ops import PatternConfig, VerticalSlashPattern, estimate_pattern
 from mtraining.parallel import make_layout, ring_attention
 from mtraining.parallel.estimate import estimate_pattern_cp
+from mtraining.parallel.ring_cost import Link
 from tests.factories import make_pattern
 from tests.numerics import rel_err
 from tests.rings import CONFIGS, LAYOUTS, SEQ, G, check_ring, make_inputs, ring_case
@@ -167,8 +168,8 @@ def _nccl_worker(rank: int, world: int, store_path: str) -> None:
             delta = attention_delta(df, ref_out)
             grads = attention_backward(df, qf, kf, vf, ref_lse, delta, pattern, pos, pos, d**-0.5, backend="torch")
             mine = layout.positions(rank).cuda()
-            # flat; hierarchical as world/2 "nodes" over a real link and over an emulated slow one
-            rings = [dict(ring="flat")]
+            # flat; all-gather; hierarchical as world/2 "nodes" over a real link and over an emulated slow one
+            rings = [dict(ring="flat"), dict(ring="allgather")]
             if world % 2 == 0:
                 hier = dict(ring="hierarchical", inner_size=world // 2)
                 rings += [hier, dict(hier, outer_comm=emulated(Link(25e9, 5e-6)))]

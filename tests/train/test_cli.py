@@ -39,7 +39,8 @@ def test_train_with_torchrun_two_ranks_writes_metrics_checkpoint_and_export(tmp_
     assert all(0 < r["density"] <= 1 and 0 < r["recall"] <= 1 and r["tokens_per_s"] > 0 for r in rows)
     assert (tmp_path / "ck" / "step_00000003" / ".metadata").is_file()
     assert (tmp_path / "hf" / "model.safetensors").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
-    for line in ("world: 2 ranks = data 1 x context 2 (flat ring)", "attention: layer 0 dense; layers 1-3 sparse"):
+    world = "world: 2 ranks = data 1 x context 2 (flat ring; parallel.ring=auto: one node)"
+    for line in (world, "attention: layer 0 dense; layers 1-3 sparse"):
         assert line in run.stdout, run.stdout
     assert run.stdout.count("model: qwen2") == 1  # one summary (rank 0), no progress bar off a terminal
     assert "train:" not in run.stderr
@@ -88,8 +89,9 @@ def test_two_nodes_on_one_host_train_the_hierarchical_ring_like_the_flat_ring(tm
     outputs = [p.communicate(timeout=600)[0] for p in (flat, *nodes)]
     for p, out in zip((flat, *nodes), outputs):
         assert p.returncode == 0, out[-4000:]
-    assert "world: 4 ranks = data 1 x context 4 (hierarchical ring: 2 nodes x inner rings of 2)" in outputs[1]
-    assert "world: 4 ranks = data 1 x context 4 (flat ring)" in outputs[0]
+    hierarchical = "(hierarchical ring: 2 nodes x inner rings of 2; parallel.ring=hierarchical)"
+    assert f"world: 4 ranks = data 1 x context 4 {hierarchical}" in outputs[1]
+    assert "world: 4 ranks = data 1 x context 4 (flat ring; parallel.ring=auto: one node)" in outputs[0]
     assert "model: qwen2" not in outputs[2]  # node 1 holds ranks 2 and 3: no summary, no metrics
     (_, hierarchical), (_, reference) = _rows(tmp_path / "nodes"), _rows(tmp_path / "flat")
     assert [r["step"] for r in hierarchical] == [1, 2, 3]

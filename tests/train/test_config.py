@@ -91,7 +91,11 @@ def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
         (["data.sources=[{path: a, weight: 1}, b]"], "give every source a weight or none"),
         (["data.sources=[{path: a, weight: -1}]"], "data.sources.0.SourceSpec.weight"),
         (["data.global_batch_tokens=1000"], "must be a multiple of the tokens of one micro-batch"),
-        (["parallel.inner_size=2"], "set both"),
+        (["parallel.ring=flat", "parallel.inner_size=2"], "set both"),
+        (
+            ["parallel.context_mode=allgather", "parallel.ring=hierarchical"],
+            "parallel.context_mode=allgather runs no ring",
+        ),
         (["data.reset_position_ids=true"], "only exist with data.document_masking: true"),
         (["parallel.ring=hierarchical", "parallel.inner_size=3"], "use one of [1, 2, 4]"),
         (["model.rope_theta=1e6", "model.overrides={rope_theta: 2e6}"], "keep one"),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mtraining.data.tokenizer import TextTokenizer, Tokenizer
+from mtraining.models import build_config
 from mtraining.parallel.layout import make_layout
 from mtraining.train.config import parse_config
 from mtraining.train.data import load_sources, open_sources
@@ -75,6 +76,41 @@ def test_data_errors_name_the_fix(tmp_path):
         _config(tmp_path, [{"path": "a", "weight": 1.0}, "b"])
     with pytest.raises(ValueError, match="lower data.seq_len"):
         PackedSamples(np.arange(10), seq_len=16)
+
+
+def test_ids_beyond_the_vocabulary_name_the_file_and_the_token_type(tmp_path):
+    """uint16 ids read as uint32 pair up into ids above 65535: refused, naming the file and data.token_dtype
+    (as for ids of another tokenizer)."""
+    from mtraining.train.preflight import check_model
+
+    np.random.default_rng(0).integers(1, 512, 100).astype(np.uint16).tofile(tmp_path / "ids.bin")
+    np.save(tmp_path / "fine.npy", np.arange(10, dtype=np.uint16))
+    cfg = _config(tmp_path, [str(tmp_path / "fine.npy"), str(tmp_path / "ids.bin")])
+    sources = load_sources(cfg, tokenize=True)
+    assert sources[0].max_id == 9 and sources[1].max_id > 65535
+    with pytest.raises(ValueError, match=r"ids\.bin holds token id \d+ but the model's vocab_size is 512; .*uint16 ids "
+                       "read as uint32 pair up .*set data.token_dtype to that type"):  # fmt: skip
+        check_model(cfg, build_config(config=cfg.model.config), sources)
+    right = _config(tmp_path, [str(tmp_path / "ids.bin")], token_dtype="uint16")
+    check_model(right, build_config(config=cfg.model.config), load_sources(right, tokenize=True))
+
+
+def test_a_token_file_that_cannot_be_written_is_a_save_failure(tmp_path):
+    """`mtraining tokenize CONFIG OUT` into a folder that cannot be made: exit 5's error, not a traceback, and
+    an earlier OUT is replaced whole or not at all."""
+    from mtraining.train.data import write_token_file
+    from mtraining.train.errors import SaveFailed
+
+    np.save(tmp_path / "c.npy", np.array([7, 8, 9], dtype=np.uint16))
+    sources = load_sources(_config(tmp_path, [str(tmp_path / "c.npy")]), tokenize=True)
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(
+        SaveFailed, match=r"writing the token file .*file/out\.npy failed: File exists .*; choose another folder"
+    ):
+        write_token_file(sources, tmp_path / "file" / "out.npy")
+    out = tmp_path / "out.npy"
+    assert write_token_file(sources, out) == np.uint16 and np.load(out).tolist() == [7, 8, 9]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npy", "file", "out.npy"]  # no temporary file left
 
 
 def test_packing_predicts_every_token_once_and_orders_deterministically():

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,11 +26,18 @@ import yaml
 from typer.testing import CliRunner
 
 from mtraining.cli import app
-from mtraining.train.checkpoint import MANIFEST, newest_verified, read_manifest, save_checkpoint, verify_checkpoint
+from mtraining.train.checkpoint import (
+    MANIFEST,
+    newest_verified,
+    pick_checkpoint,
+    read_manifest,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from mtraining.train.config import ConfigError, load_config, parse_config
 from mtraining.train.errors import Diverged, RankStalled, SaveFailed
 from mtraining.train.launch import run_local
-from tests.train.test_trainer import RAW, SMALL_BUDGET, _config, _train
+from tests.train.trainer_runs import RAW, SMALL_BUDGET, make_config, run_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARD = "__0_0.distcp"  # the shard a one-rank run writes
@@ -43,7 +52,7 @@ def _message(fn, *args) -> str:
 
 def _write_config(path: Path, *overrides: str) -> Path:
     """The test config with overrides as a YAML file (for the CLI)."""
-    cfg = _config(*SMALL_BUDGET, *overrides)
+    cfg = make_config(*SMALL_BUDGET, *overrides)
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     return path
 
@@ -99,30 +108,37 @@ def test_check_finite_names_the_step_the_quantity_and_the_last_checkpoint():
     assert "the gradient norm is nan" in msg and "loss is" not in msg and "no checkpoint was saved yet" in msg
 
 
+def _diverge(tmp_path: Path, *overrides: str) -> tuple[Path, Path, Path, str]:
+    """(checkpoint.dir, export_dir, config, output) of a run with ``overrides`` that must stop with exit 3."""
+    ck, hf = tmp_path / "ck", tmp_path / "hf"
+    settings = ["optim.warmup_steps=0", f"checkpoint.dir={ck}", f"checkpoint.export_dir={hf}", *overrides]
+    config = _write_config(tmp_path / "diverge.yaml", *settings)
+    code, out = run_local(_invoke, 1, ["train", config])[0]
+    assert code == Diverged.exit_code and "Traceback" not in out, out
+    return ck, hf, config, out
+
+
 def test_a_diverging_run_stops_with_exit_code_3_and_writes_no_nan(tmp_path):
     """lr=1e6 without clipping: the gradient norm turns NaN at step 3; the step is not applied, the run
     exits 3 naming step 3 and the last good checkpoint, and neither step_3 nor the export is written."""
-    ck, hf = tmp_path / "ck", tmp_path / "hf"
-    config = _write_config(
-        tmp_path / "diverge.yaml",
-        "optim.lr=1e6",
-        "optim.grad_clip=null",
-        "optim.warmup_steps=0",
-        "train.steps=6",
-        f"checkpoint.dir={ck}",
-        "checkpoint.every=1",
-        f"checkpoint.export_dir={hf}",
+    ck, hf, config, out = _diverge(
+        tmp_path, "optim.lr=1e6", "optim.grad_clip=null", "train.steps=6", "checkpoint.every=1"
     )
-    code, out = run_local(_invoke, 1, ["train", config])[0]
-    assert code == Diverged.exit_code, out
     assert "step 3 diverged: the gradient norm is nan" in out and f"{ck / 'step_00000002'}" in out
-    assert "Traceback" not in out
     assert sorted(p.name for p in ck.iterdir()) == ["step_00000001", "step_00000002"]
     assert not (hf / "model.safetensors").exists()
     from mtraining.train.export import load_trained_model
 
     model, _ = load_trained_model(load_config(config), ck, report=print)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_weights_blown_up_by_the_last_update_are_neither_saved_nor_exported(tmp_path):
+    """lr=1e35: step 1's loss and gradients are finite, and its update makes weights of about 1e35, which the
+    check before an update never sees when it is the last one (the run exported them with exit 0)."""
+    ck, hf, _, out = _diverge(tmp_path, "optim.lr=1e35", "train.steps=1")
+    assert "step 1 diverged: its update made the weights' norm inf" in out and "no checkpoint was saved yet" in out
+    assert not list(ck.iterdir()) and not (hf / "model.safetensors").exists()
 
 
 def _finite_checks(cfg) -> tuple[list[tuple[int, float]], list[dict]]:
@@ -135,12 +151,14 @@ def _finite_checks(cfg) -> tuple[list[tuple[int, float]], list[dict]]:
         check(step, loss, grad_norm, last_checkpoint)
 
     trainer.check_finite = spy  # in this forked rank only
-    return checked, _train(cfg)
+    return checked, run_trainer(cfg)
 
 
 def test_with_accumulation_the_divergence_check_runs_once_per_optimizer_step():
     """Three micro-batches a step: one check per step, after all of them, on the loss of the whole step."""
-    checked, history = run_local(_finite_checks, 1, _config(*SMALL_BUDGET, "train.steps=2", "train.grad_accum=3"))[0]
+    checked, history = run_local(_finite_checks, 1, make_config(*SMALL_BUDGET, "train.steps=2", "train.grad_accum=3"))[
+        0
+    ]
     assert [step for step, _ in checked] == [1, 2]
     assert [loss for _, loss in checked] == [m["loss"] for m in history]
 
@@ -222,7 +240,7 @@ def test_ranks_agree_to_stop_when_one_of_them_got_sigterm():
 def trained(tmp_path_factory) -> Path:
     """Checkpoints step_1 and step_2 of a one-rank run (train.steps=2)."""
     ck = tmp_path_factory.mktemp("trained") / "ck"
-    run_local(_train, 1, _config(*SMALL_BUDGET, "train.steps=2", "checkpoint.every=1", f"checkpoint.dir={ck}"))
+    run_local(run_trainer, 1, make_config(*SMALL_BUDGET, "train.steps=2", "checkpoint.every=1", f"checkpoint.dir={ck}"))
     return ck
 
 
@@ -260,24 +278,74 @@ def _leftovers(folder: Path) -> None:
     (folder.parent / "step_00000004").mkdir()  # a step folder with nothing in it
 
 
-CORRUPTIONS = [
-    (_flip, "__0_0.distcp does not match its SHA-256"),
-    (_truncate, "__0_0.distcp has"),
-    (_shard_of_another_save, "__0_0.distcp does not match its SHA-256"),
-    (_no_manifest, "has no manifest.json (an older format)"),
-    (_no_metadata, ".metadata is missing"),
-    (_garbled_manifest, "manifest.json is unreadable"),
+def _no_shard(folder: Path) -> None:
+    (folder / SHARD).unlink()
+
+
+def _other_format(folder: Path) -> None:
+    manifest = json.loads((folder / MANIFEST).read_text())
+    (folder / MANIFEST).write_text(json.dumps({**manifest, "format": 2}))
+
+
+# (damage to the newest checkpoint, what the message says, refused): a corrupt one is skipped for the one
+# before; one that may be whole but cannot be verified here is refused with the fix, never skipped (a run
+# that skipped one restarted from an older step and its first save overwrote it)
+DAMAGES = [
+    (_flip, "__0_0.distcp does not match its SHA-256", False),
+    (_truncate, "__0_0.distcp has", False),
+    (_shard_of_another_save, "__0_0.distcp does not match its SHA-256", False),
+    (_garbled_manifest, "manifest.json is unreadable", False),
+    (_no_manifest, "step_00000002 has no manifest.json (an older format: a checkpoint of an earlier version", True),
+    (_other_format, "step_00000002 has manifest format 2, this version reads 1: it was written by another", True),
+    (_no_shard, "step_00000002 lacks __0_0.distcp, listed in its manifest.json", True),
+    (_no_metadata, "step_00000002 lacks .metadata, listed in its manifest.json", True),
 ]
 
 
-@pytest.mark.parametrize("corrupt, why", CORRUPTIONS, ids=lambda v: getattr(v, "__name__", ""))
-def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(trained, tmp_path, corrupt, why):
+@pytest.mark.parametrize("damage, why, refused", DAMAGES, ids=lambda v: getattr(v, "__name__", ""))
+def test_a_damaged_newest_checkpoint_is_skipped_or_refused(trained, tmp_path, damage, why, refused):
     ck = shutil.copytree(trained, tmp_path / "ck")
-    corrupt(ck / "step_00000002")
+    damage(ck / "step_00000002")
+    if refused:
+        for pick in (newest_verified, pick_checkpoint):  # resume's, and the export's and evaluation's
+            with pytest.raises(ValueError, match=re.escape(why)):
+                pick(ck, print)
+        return
     notes: list[str] = []
     path, manifest = newest_verified(ck, notes.append)
     assert path.name == "step_00000001" and manifest["step"] == 1
     assert len(notes) == 1 and notes[0].startswith(f"skipping checkpoint {ck / 'step_00000002'}: ") and why in notes[0]
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_an_older_format_checkpoint_is_kept_and_can_be_adopted(trained, tmp_path):
+    """The run refuses it, naming the fix, and writes nothing; once adopted it is the one resumed from."""
+    ck = shutil.copytree(trained, tmp_path / "ck")
+    _no_manifest(ck / "step_00000002")
+    before = _files(ck)
+    cfg = make_config(*SMALL_BUDGET, "train.steps=3", "checkpoint.every=1", f"checkpoint.dir={ck}")
+    msg = str(pytest.raises(RuntimeError, run_local, run_trainer, 1, cfg).value)
+    assert "It is neither loaded nor replaced: move it out of" in msg and "mtraining.train.checkpoint adopt" in msg
+    assert _files(ck) == before
+    from mtraining.train.checkpoint import main as checkpoint_main
+
+    assert checkpoint_main(["adopt", str(ck / "step_00000002")]) == 0
+    assert checkpoint_main(["adopt", str(ck / "step_00000002")]) == 2  # it has a manifest now
+    assert run_local(_resume_step, 1, cfg)[0] == (2, "step_00000002")
+
+
+def test_a_save_keeps_the_corrupt_checkpoint_it_replaces(trained, tmp_path, capfd):
+    """Resumed from step_1 past a corrupt step_2, the save of step 2 keeps the corrupt one aside."""
+    ck = shutil.copytree(trained, tmp_path / "ck")
+    _flip(ck / "step_00000002")
+    corrupt = (ck / "step_00000002" / SHARD).read_bytes()
+    run_local(run_trainer, 1, make_config(*SMALL_BUDGET, "train.steps=2", "checkpoint.every=1", f"checkpoint.dir={ck}"))
+    assert (ck / "step_00000002.unverified" / SHARD).read_bytes() == corrupt
+    assert verify_checkpoint(ck / "step_00000002") is None
+    assert "kept step_00000002, which did not verify, as step_00000002.unverified" in capfd.readouterr().out
 
 
 def test_leftovers_of_interrupted_saves_are_ignored(trained, tmp_path):
@@ -301,7 +369,7 @@ def test_resume_falls_back_past_a_truncated_checkpoint(trained, tmp_path, capfd)
     """The trainer resumes from step_1 (a truncated newest checkpoint crashed resume before) and says why."""
     ck = shutil.copytree(trained, tmp_path / "ck")
     _truncate(ck / "step_00000002")
-    cfg = _config(*SMALL_BUDGET, "train.steps=2", f"checkpoint.dir={ck}")
+    cfg = make_config(*SMALL_BUDGET, "train.steps=2", f"checkpoint.dir={ck}")
     assert run_local(_resume_step, 1, cfg)[0] == (1, "step_00000001")
     out = capfd.readouterr().out
     assert "skipping checkpoint" in out and "truncated" in out and "resumed from" in out
@@ -311,14 +379,14 @@ def _killed_while_saving(cfg) -> None:
     """A checkpoint.resume=false run killed at the commit of its first save (step 1)."""
     import mtraining.train.checkpoint as checkpoint
 
-    checkpoint._commit = lambda partial, final: os._exit(9)
-    _train(cfg)
+    checkpoint._commit = lambda *args: os._exit(9)
+    run_trainer(cfg)
 
 
 def test_a_run_killed_while_overwriting_a_step_leaves_the_old_one_whole(trained, tmp_path):
     ck = shutil.copytree(trained, tmp_path / "ck")
     before = read_manifest(ck / "step_00000001")
-    cfg = _config(
+    cfg = make_config(
         *SMALL_BUDGET, "train.steps=2", "checkpoint.every=1", "checkpoint.resume=false", f"checkpoint.dir={ck}"
     )
     start = time.monotonic()
@@ -334,7 +402,7 @@ def test_a_checkpoint_of_another_model_is_refused(trained, tmp_path):
     """3 layers against a 2-layer checkpoint (and 1 layer): refused at start, nothing overwritten."""
     ck = shutil.copytree(trained, tmp_path / "ck")
     for layers, where in ((3, "only in this model (e.g. model.model.layers.2."), (1, "only in the checkpoint")):
-        cfg = _config(
+        cfg = make_config(
             *SMALL_BUDGET, f"model.config.num_hidden_layers={layers}", "train.steps=3", f"checkpoint.dir={ck}"
         )
         msg = str(pytest.raises(RuntimeError, run_local, _resume_step, 1, cfg).value)
@@ -357,6 +425,168 @@ def test_export_and_eval_verify_the_checkpoint(trained, tmp_path):
 
     with pytest.raises(ValueError, match="does not verify: __0_0.distcp does not match its SHA-256"):
         load(ck / "step_00000002", config=config)
+
+
+# ---------------------------------------------------------------------------------------------- multi-node launches
+def _check_same(values: list[dict]) -> None:
+    from mtraining.train.agree import check_same
+
+    check_same(values[torch.distributed.get_rank()], "configs", "start every node with the same config")
+
+
+def test_ranks_with_different_values_are_refused_naming_each_key_and_its_ranks():
+    same = {"optim.lr": 0.1, "data.seq_len": 128, "train.seed": 0}
+    values = [same, same, same, {**same, "train.seed": 1, "data.seq_len": 64}]
+    msg = str(pytest.raises(RuntimeError, run_local, _check_same, 4, values).value)
+    assert "the ranks run with different configs (data.seq_len: 128 on ranks 0-2; 64 on ranks 3 | train.seed: " in msg
+    assert "0 on ranks 0-2; 1 on ranks 3); start every node with the same config" in msg
+    run_local(_check_same, 2, [same, dict(reversed(same.items()))])  # the same values in another order
+
+
+def _train_with_the_rank_as_seed(overrides: list[str]) -> list[dict]:
+    return run_trainer(make_config(*overrides, f"train.seed={torch.distributed.get_rank()}"))
+
+
+def test_a_trainer_refuses_ranks_of_different_configs():
+    """Two ranks of another train.seed drew different samples into one step (exit 0 on spliced data)."""
+    overrides = [*SMALL_BUDGET, "parallel.context=2", "train.steps=1"]
+    msg = str(pytest.raises(RuntimeError, run_local, _train_with_the_rank_as_seed, 2, overrides).value)
+    assert "SharedError: the ranks run with different configs (train.seed: 0 on ranks 0; 1 on ranks 1)" in msg
+
+
+def _shared(folders: list[str]) -> None:
+    from mtraining.train.outputs import check_shared_dir
+
+    check_shared_dir(folders[torch.distributed.get_rank()], "checkpoint.dir")
+
+
+def test_a_checkpoint_dir_that_is_not_shared_is_refused(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run_local(_shared, 2, [str(tmp_path / "a")] * 2)
+    msg = str(pytest.raises(RuntimeError, run_local, _shared, 2, [str(tmp_path / "a"), str(tmp_path / "b")]).value)
+    assert f"checkpoint.dir={tmp_path / 'a'} is not one folder for every rank: ranks 1 do not see" in msg
+    assert "set checkpoint.dir to a folder on storage every node mounts" in msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"] and not list((tmp_path / "a").iterdir())
+
+
+def _newest(roots: list[str]) -> str:
+    return newest_verified(roots[torch.distributed.get_rank()], print)[0].name
+
+
+def test_a_checkpoint_whose_shards_lie_on_another_disk_names_them(trained, tmp_path):
+    """Rank 1 lists no checkpoint in its own folder: every rank walks rank 0's list (the walks once paired
+    different collectives and crashed with a TypeError) and the files rank 1 lacks are named."""
+    (tmp_path / "elsewhere").mkdir()
+    msg = str(pytest.raises(RuntimeError, run_local, _newest, 2, [str(trained), str(tmp_path / "elsewhere")]).value)
+    assert "step_00000002 lacks __0_0.distcp, listed in its manifest.json" in msg and "TypeError" not in msg
+
+
+def _meet(port: int, nnodes: int, node: int, timeout_s: float) -> str:
+    """meet_nodes in a thread: "met", or the error's type and message."""
+    from mtraining.train.rendezvous import meet_nodes
+
+    try:
+        meet_nodes(f"localhost:{port}", nnodes, node, timeout_s, say=lambda _: None)
+        return "met"
+    except (ValueError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+
+
+def test_nodes_meet_once_each_and_free_the_port():
+    """A second launcher claiming node 1 is refused, the three nodes meet; node 0 frees the port when the
+    meeting ends (torchrun hosts its own store there next). A node 1 without node 0 times out (exit 4)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    port = _free_port()
+    with ThreadPoolExecutor(4) as pool:
+        host, first = pool.submit(_meet, port, 3, 0, 60), pool.submit(_meet, port, 3, 1, 60)
+        time.sleep(2.0)  # both in the meeting, which waits for node 2
+        second = pool.submit(_meet, port, 3, 1, 60)
+        refused = second.result()
+        last = pool.submit(_meet, port, 3, 2, 60)
+        assert [host.result(), first.result(), last.result()] == ["met"] * 3
+    assert refused.startswith("ValueError: --node-rank 1 is taken by the launcher on ") and "(pid " in refused
+    torch.distributed.TCPStore("localhost", port, is_master=True, wait_for_workers=False)  # the port is free
+    alone = _meet(_free_port(), 2, 1, 1.0)
+    assert alone.startswith("NodesMissing: node 0 did not open the rendezvous at localhost:") and "within 1 s" in alone
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _node(tmp_path: Path, node: int, port: int, *overrides: str) -> subprocess.Popen:
+    """``mtraining train --nproc 1 --nnodes 2`` as node ``node`` of a job whose rendezvous is localhost:PORT."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "mtraining.cli",
+        "train",
+        str(_write_config(tmp_path / "nodes.yaml", "parallel.context=2")),
+    ]
+    cmd += ["--nproc", "1", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", f"localhost:{port}"]
+    out = open(tmp_path / f"node{node}.txt", "w")  # closed with the test's folder
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731 (a test harness may ignore it)
+    return subprocess.Popen(
+        [*cmd, *overrides], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=default_sigint
+    )
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[int]:
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.parametrize("case", ["another seed", "own checkpoint dirs"])
+def test_two_nodes_that_differ_are_refused_before_training(tmp_path, case):
+    """Two launchers as two nodes, each with its own checkpoint.dir (a folder on each node's disk): they meet,
+    torchrun starts one rank each, and the ranks refuse: another train.seed on node 1 is named first; with the
+    same config, the unshared checkpoint.dir (both saved "whole" checkpoints missing each other's shards)."""
+    port = _free_port()
+    seed = ["train.seed=1"] if case == "another seed" else []
+    procs = [_node(tmp_path, n, port, f"checkpoint.dir={tmp_path / f'ck{n}'}", *(seed if n else [])) for n in (0, 1)]
+    codes = _finish(procs)
+    out = (tmp_path / "node0.txt").read_text()
+    assert codes == [2, 2], out + (tmp_path / "node1.txt").read_text()
+    if case == "another seed":
+        assert "the ranks run with different configs (train.seed: 0 on ranks 0 (node 0); 1 on ranks 1 (node 1))" in out
+    else:
+        assert f"checkpoint.dir={tmp_path / 'ck0'} is not one folder for every rank: ranks 1 (node 1) do not see" in out
+    assert not list((tmp_path / "ck0").iterdir()) and not list((tmp_path / "ck1").iterdir())
+
+
+def test_a_node_that_never_comes_stops_the_other_with_exit_4(tmp_path):
+    """parallel.timeout_minutes=0.05 (3 s): node 0 says whom it waits for, then exits 4 naming node 1."""
+    start = time.monotonic()
+    code = _finish([_node(tmp_path, 0, _free_port(), "parallel.timeout_minutes=0.05")])[0]
+    out = (tmp_path / "node0.txt").read_text()
+    assert code == 4, out
+    assert "1 of 2 nodes arrived; missing node(s) 1" in out
+    assert "node(s) 1 did not reach the rendezvous at localhost:" in out and "within 3 s" in out
+    assert time.monotonic() - start < 120 and "Traceback" not in out
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_ctrl_c_stops_a_node_waiting_for_the_others(tmp_path, node):
+    """Node 0 waits for node 1, node 1 for node 0 to open the rendezvous: the first Ctrl-C ends either (130)."""
+    proc = _node(tmp_path, node, _free_port())
+    log = tmp_path / f"node{node}.txt"
+    deadline = time.monotonic() + 180
+    while "waiting" not in log.read_text() and time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    code = _finish([proc], timeout=30)[0]
+    assert code == 130 and time.monotonic() - start < 10, log.read_text()
+    assert "stopped: interrupted before the ranks started" in log.read_text()
 
 
 # ---------------------------------------------------------------------------------------------- 4 a stuck peer
@@ -383,7 +613,7 @@ def _pause_rank1_at_step3(cfg) -> list[dict]:
 def test_a_paused_rank_is_named_and_the_run_stops_after_the_timeout(capfd):
     """parallel.timeout_minutes=0.1 (6 s): the watchdog names rank 1 while rank 0 waits, then the timed-out
     collective becomes RankStalled naming step 3; the harness kills the paused rank."""
-    cfg = _config(*SMALL_BUDGET, "parallel.context=2", "train.steps=6", "parallel.timeout_minutes=0.1")
+    cfg = make_config(*SMALL_BUDGET, "parallel.context=2", "train.steps=6", "parallel.timeout_minutes=0.1")
     start = time.monotonic()
     with pytest.raises(RuntimeError) as err:
         run_local(_pause_rank1_at_step3, 2, cfg, group_timeout_s=6, grace_s=2)
@@ -400,13 +630,13 @@ def test_the_timeout_setting_reaches_the_process_group(monkeypatch):
 
     seen = []
 
-    def init_parallel(data, context, device, timeout_s):
+    def join_group(device, timeout_s):
         seen.append(timeout_s)
         raise ValueError("stop here")
 
-    monkeypatch.setattr(trainer, "init_parallel", init_parallel)
+    monkeypatch.setattr(trainer, "join_group", join_group)
     with pytest.raises(ValueError, match="stop here"):
-        trainer.Trainer(_config(*SMALL_BUDGET, "parallel.timeout_minutes=2.5"))
+        trainer.Trainer(make_config(*SMALL_BUDGET, "parallel.timeout_minutes=2.5"))
     assert seen == [150.0]
 
 
@@ -484,15 +714,64 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
 def test_output_folders_are_checked_at_start(tmp_path):
     """A file or a read-only folder as checkpoint.dir fails before torchrun starts (not at the first save)."""
     (tmp_path / "file").write_text("")
-    if os.geteuid() == 0:  # root writes through permission bits; sysfs refuses new files to anyone
-        read_only = Path("/sys")
-    else:
-        read_only = tmp_path / "ro"
-        read_only.mkdir(mode=0o500)
+    read_only = _read_only(tmp_path)
     for folder, expected in ((tmp_path / "file", "is a file, not a folder"), (read_only, "is not writable")):
         config = _write_config(tmp_path / "c.yaml", f"checkpoint.dir={folder}", "parallel.context=2")
         result = CliRunner().invoke(app, ["train", str(config), "--nproc", "2"])
         assert result.exit_code == 2 and f"checkpoint.dir={folder} {expected}" in result.output, result.output
+
+
+def _read_only(tmp_path: Path) -> Path:
+    """A folder nobody can write into: sysfs for root (who writes through permission bits), else a 0o500 one."""
+    if os.geteuid() == 0:
+        return Path("/sys")
+    (tmp_path / "ro").mkdir(mode=0o500)
+    return tmp_path / "ro"
+
+
+def test_files_that_are_not_utf8_are_named(tmp_path):
+    """A config or budgets file with invalid UTF-8 names the file (the message was the codec's alone)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"train:\n  steps: \xff\xfe\n")
+    result = CliRunner().invoke(app, ["train", str(bad)])
+    assert result.exit_code == 2 and f"{bad} is not UTF-8 text" in result.output, result.output
+    budgets = tmp_path / "budgets.yaml"
+    budgets.write_bytes(b"default: {v_size: 4, s_size: \xff}\n")
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({**RAW, "attention": {**RAW["attention"], "budgets": str(budgets)}}))
+    result = CliRunner().invoke(app, ["train", str(config)])
+    assert result.exit_code == 2 and f"budgets file {budgets} cannot be read as UTF-8 text" in result.output
+    assert "Traceback" not in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ('{"model_type": "qwen2", broken', "is not a Hugging Face config (a JSON object): unreadable"),
+        ("[1, 2]", "is not a Hugging Face config (a JSON object): [1, 2]"),
+        ('{"model_type": "qwen2", "hidden_size": "big"}', "config.json: hidden_size must be a positive integer"),
+        (
+            '{"model_type": "qwen2", "rope_scaling": 5}',
+            "config.json (with model.overrides) does not make a qwen2 config",
+        ),
+    ],
+)
+def test_a_corrupt_config_json_names_the_file(tmp_path, content, expected):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(content)
+    config = _write_config(tmp_path / "c.yaml", "model.config=null", f"model.path={tmp_path / 'model'}")
+    code, out = run_local(_invoke, 1, ["train", config])[0]
+    assert code == 2 and expected in out and "Traceback" not in out, out
+
+
+def test_export_and_tokenize_into_a_folder_that_cannot_be_written_exit_5(trained, tmp_path):
+    read_only = _read_only(tmp_path)
+    config = _write_config(tmp_path / "c.yaml", "train.steps=2", f"checkpoint.dir={trained}")
+    for command in (["export", config, read_only / "out"], ["tokenize", config, read_only / "out.npy"]):
+        result = CliRunner().invoke(app, [str(a) for a in command])
+        assert result.exit_code == 5, result.output
+        assert "fix its permissions or choose another folder" in result.output, result.output
+        assert "Traceback" not in result.output
 
 
 def test_a_full_disk_at_save_says_so(tmp_path, monkeypatch):
@@ -532,7 +811,7 @@ def _current(overrides: list[str], trained: Path, model: dict | None = None) -> 
     """describe_run of the test config with overrides (the model part taken from the checkpoint)."""
     from mtraining.train.resume import describe_run
 
-    cfg = _config(*SMALL_BUDGET, "train.steps=2", *overrides)
+    cfg = make_config(*SMALL_BUDGET, "train.steps=2", *overrides)
     saved = read_manifest(trained / "step_00000002")["run"]
     return cfg, describe_run(cfg, model or saved["model"], 1, 1), saved
 
@@ -620,9 +899,9 @@ def test_the_readme_resume_with_more_steps_needs_the_key(trained, tmp_path):
     continued with the key, taking the new schedule and the new optimizer settings."""
     ck = shutil.copytree(trained, tmp_path / "ck")
     more = ["train.steps=8", f"checkpoint.dir={ck}", "optim.weight_decay=0.0"]
-    msg = str(pytest.raises(RuntimeError, run_local, _resume_and_report, 1, _config(*SMALL_BUDGET, *more)).value)
+    msg = str(pytest.raises(RuntimeError, run_local, _resume_and_report, 1, make_config(*SMALL_BUDGET, *more)).value)
     assert "resuming step_00000002 with another schedule (optim.weight_decay 0.1 -> 0.0, train.steps 2 -> 8" in msg
-    cfg = _config(*SMALL_BUDGET, *more, "checkpoint.allow_changed_schedule=true")
+    cfg = make_config(*SMALL_BUDGET, *more, "checkpoint.allow_changed_schedule=true")
     step, lr, weight_decay = run_local(_resume_and_report, 1, cfg)[0]
     from mtraining.train.optim import lr_at
 

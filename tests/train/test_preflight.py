@@ -11,11 +11,13 @@ import pytest
 import torch
 import yaml
 
+from mtraining.data.tokens import TokenPart
 from mtraining.models import build_config
 from mtraining.train.config import parse_config
+from mtraining.train.data import Source
 from mtraining.train.launch import run_local
 from mtraining.train.preflight import check_model, rope_warning
-from tests.train.test_trainer import RAW as TRAINER_RAW
+from tests.train.trainer_runs import RAW as TRAINER_RAW
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data"
@@ -33,7 +35,12 @@ RAW = {
     "fields, max_id, expected",
     [
         ({}, 511, None),
-        ({}, 512, "the data holds token id 512 but the model's vocab_size is 512"),
+        (
+            {},
+            512,
+            "corpus.bin holds token id 512 but the model's vocab_size is 512; if its ids were written with a "
+            "narrower type than data.token_dtype=uint32",
+        ),
         (
             {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1},
             10,
@@ -45,11 +52,12 @@ RAW = {
 def test_model_checks_name_the_fix(fields, max_id, expected):
     cfg = parse_config(RAW)
     hf_config = build_config(config={**TINY, **fields})
+    sources = [Source("corpus.bin", [TokenPart("corpus.bin", "uint32", 10, max_id, "corpus.bin")], None, 1)]
     if expected is None:
-        check_model(cfg, hf_config, max_id)
+        check_model(cfg, hf_config, sources)
         return
     with pytest.raises(ValueError, match=expected):
-        check_model(cfg, hf_config, max_id)
+        check_model(cfg, hf_config, sources)
 
 
 def test_rope_warning_when_the_sequence_outgrows_the_model_with_rope_unchanged():

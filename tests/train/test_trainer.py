@@ -12,54 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtraining.train.config import Config, parse_config
+from mtraining.train.config import Config
 from mtraining.train.launch import run_local
-
-DATA = Path(__file__).resolve().parents[2] / "data"
-RAW = {
-    "model": {
-        "config": {
-            "model_type": "qwen2",
-            "vocab_size": 512,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 1024,
-            "tie_word_embeddings": True,
-        },
-        "dtype": "float32",
-    },
-    "attention": {"layout": "striped", "block_size": 16, "backend": "torch", "last_q": 16, "local_window": 16},
-    "data": {"sources": [str(DATA / "tiny_corpus.jsonl")], "tokenizer": str(DATA / "tokenizer.json"), "seq_len": 128},
-    "train": {"steps": 4, "seed": 0, "loss_chunk_tokens": 96, "device": "cpu"},
-    "optim": {"lr": 1e-2, "warmup_steps": 1},
-    "log": {"progress": False, "every": 1},
-}
-FULL_BUDGET = ["attention.v_size=128", "attention.s_size=128"]
-SMALL_BUDGET = ["attention.v_size=16", "attention.s_size=32"]
-
-
-def _config(*overrides: str) -> Config:
-    return parse_config(RAW, list(overrides))
-
-
-def _train(cfg: Config) -> list[dict]:
-    from mtraining.train.trainer import Trainer
-
-    trainer = Trainer(cfg)
-    try:
-        return trainer.run()
-    finally:
-        trainer.close()
+from tests.train.trainer_runs import FULL_BUDGET, SMALL_BUDGET, make_config, run_trainer
 
 
 def test_context_and_data_parallel_runs_equal_one_process():
     """Same losses (float32 reduction order aside) for 1 rank, CP=2 and DP=2 x CP=2; the loss falls."""
-    single = run_local(_train, 1, _config("data.batch_size=2", *FULL_BUDGET))[0]
-    cp = run_local(_train, 2, _config("parallel.context=2", "data.batch_size=2", *FULL_BUDGET))
-    dp_cp = run_local(_train, 4, _config("parallel.data=2", "parallel.context=2", "data.batch_size=1", *FULL_BUDGET))
+    single = run_local(run_trainer, 1, make_config("data.batch_size=2", *FULL_BUDGET))[0]
+    cp = run_local(run_trainer, 2, make_config("parallel.context=2", "data.batch_size=2", *FULL_BUDGET))
+    dp_cp = run_local(
+        run_trainer, 4, make_config("parallel.data=2", "parallel.context=2", "data.batch_size=1", *FULL_BUDGET)
+    )
     reference = torch.tensor([m["loss"] for m in single])
     for run in (cp[0], cp[1], dp_cp[0], dp_cp[3]):
         torch.testing.assert_close(torch.tensor([m["loss"] for m in run]), reference, rtol=2e-5, atol=0)
@@ -87,7 +51,7 @@ def _stop_and_resume(cfg: Config, export_dir: str) -> dict:
 
 
 def test_checkpoint_resume_is_bit_identical_and_export_loads(tmp_path):
-    cfg = _config("parallel.context=2", *SMALL_BUDGET, f"checkpoint.dir={tmp_path / 'ck'}")
+    cfg = make_config("parallel.context=2", *SMALL_BUDGET, f"checkpoint.dir={tmp_path / 'ck'}")
     out = run_local(_stop_and_resume, 2, cfg, str(tmp_path / "hf"))[0]
     assert out["start"] == 2
     assert out["resumed"]["loss"] == out["losses"][2]  # bit-identical
@@ -109,11 +73,25 @@ def test_checkpoint_resume_is_bit_identical_and_export_loads(tmp_path):
 def test_activation_checkpointing_replays_the_forward_patterns():
     """With checkpointing the backward recomputes each layer with the forward's pattern: same losses as without."""
     sparse = ("attention.v_size=8", "attention.s_size=16", "attention.max_density=null", "train.steps=3")
-    with_ckpt = run_local(_train, 1, _config(*sparse, "train.activation_checkpointing=true"))[0]
-    without = run_local(_train, 1, _config(*sparse, "train.activation_checkpointing=false"))[0]
+    with_ckpt = run_local(run_trainer, 1, make_config(*sparse, "train.activation_checkpointing=true"))[0]
+    without = run_local(run_trainer, 1, make_config(*sparse, "train.activation_checkpointing=false"))[0]
     assert all(0 < m["density"] < 1 for m in with_ckpt)
     torch.testing.assert_close(
         torch.tensor([m["loss"] for m in with_ckpt]), torch.tensor([m["loss"] for m in without]), rtol=1e-6, atol=0
+    )
+
+
+def test_compiled_layers_train_like_eager():
+    """train.compile (each decoder layer compiled, attention a graph break) on a context-parallel ring with FSDP:
+    the eager losses, to float32 rounding. The aot_eager backend traces what inductor compiles
+    without generating code (inductor's C++ build takes minutes on this CPU; the GPU benchmark runs inductor)."""
+    common = (*SMALL_BUDGET, "attention.max_density=null", "train.steps=2", "parallel.context=2")
+    eager = run_local(run_trainer, 2, make_config(*common))[0]
+    compile_options = ("train.compile=true", "train.compile_backend=aot_eager")
+    compiled = run_local(run_trainer, 2, make_config(*common, *compile_options))[0]
+    assert all(0 < m["density"] < 1 for m in compiled)
+    torch.testing.assert_close(
+        torch.tensor([m["loss"] for m in compiled]), torch.tensor([m["loss"] for m in eager]), rtol=1e-5, atol=0
     )
 
 
@@ -122,11 +100,11 @@ def test_saved_attention_outputs_replace_the_recomputed_attention():
     steps, one rank and a context-parallel ring."""
     sparse = ("attention.v_size=8", "attention.s_size=16", "attention.max_density=null", "train.steps=3")
     for ranks, extra in ((1, ()), (2, ("parallel.context=2",))):
-        saved = run_local(_train, ranks, _config(*sparse, *extra, "train.save_attention_outputs=true"))[0]
-        plain = run_local(_train, ranks, _config(*sparse, *extra))[0]
+        saved = run_local(run_trainer, ranks, make_config(*sparse, *extra, "train.save_attention_outputs=true"))[0]
+        plain = run_local(run_trainer, ranks, make_config(*sparse, *extra))[0]
         assert [(m["loss"], m["grad_norm"]) for m in saved] == [(m["loss"], m["grad_norm"]) for m in plain]
     with pytest.raises(ValueError, match="activation_checkpointing=true"):
-        _config("train.save_attention_outputs=true", "train.activation_checkpointing=false")
+        make_config("train.save_attention_outputs=true", "train.activation_checkpointing=false")
 
 
 def _train_reporting_saved_outputs(cfg: Config) -> tuple[list[dict], bool]:
@@ -153,31 +131,31 @@ def test_auto_saved_outputs_follow_the_first_steps_memory(monkeypatch, fits):
     )
     total = 10**12
     monkeypatch.setattr("mtraining.train.trainer.device_memory", lambda device: (total // 2 if fits else total, total))
-    auto, kept = run_local(_train_reporting_saved_outputs, 2, _config(*sparse))[0]
+    auto, kept = run_local(_train_reporting_saved_outputs, 2, make_config(*sparse))[0]
     assert kept == fits
-    no_recompute = _config(*sparse, "train.activation_checkpointing=false")
+    no_recompute = make_config(*sparse, "train.activation_checkpointing=false")
     assert no_recompute.train.save_attention_outputs == "auto"
     assert not run_local(_train_reporting_saved_outputs, 2, no_recompute)[0][1]
     monkeypatch.undo()
-    plain, kept = run_local(_train_reporting_saved_outputs, 2, _config(*sparse, "train.save_attention_outputs=false"))[
-        0
-    ]
+    plain, kept = run_local(
+        _train_reporting_saved_outputs, 2, make_config(*sparse, "train.save_attention_outputs=false")
+    )[0]
     assert not kept
     assert [(m["loss"], m["grad_norm"]) for m in auto] == [(m["loss"], m["grad_norm"]) for m in plain]
-    assert not run_local(_train_reporting_saved_outputs, 1, _config("train.steps=1", *SMALL_BUDGET))[0][1]  # CPU
+    assert not run_local(_train_reporting_saved_outputs, 1, make_config("train.steps=1", *SMALL_BUDGET))[0][1]  # CPU
 
 
 def test_recall_measured_only_when_asked():
     """log.recall=false: logged steps report density but skip the recall pass (and its cost)."""
-    quiet = run_local(_train, 1, _config("train.steps=2", "log.recall=false", *SMALL_BUDGET))[0]
-    measured = run_local(_train, 1, _config("train.steps=2", *SMALL_BUDGET))[0]
+    quiet = run_local(run_trainer, 1, make_config("train.steps=2", "log.recall=false", *SMALL_BUDGET))[0]
+    measured = run_local(run_trainer, 1, make_config("train.steps=2", *SMALL_BUDGET))[0]
     assert all("density" in m and "recall" not in m for m in quiet)
     assert all(0 < m["recall"] <= 1 for m in measured)
 
 
 def test_profile_step_writes_a_trace_and_a_table_per_rank(tmp_path):
     """log.profile_step: that step runs under torch.profiler; each rank writes its trace and op table."""
-    cfg = _config(
+    cfg = make_config(
         "train.steps=2",
         "log.profile_step=2",
         f"log.dir={tmp_path}",
@@ -185,7 +163,7 @@ def test_profile_step_writes_a_trace_and_a_table_per_rank(tmp_path):
         "parallel.context=2",
         *SMALL_BUDGET,
     )
-    run_local(_train, 2, cfg)
+    run_local(run_trainer, 2, cfg)
     files = sorted(p.name for p in tmp_path.glob("profile_*"))  # after every rank has finished
     assert files == [f"profile_step2_rank{r}.{ext}" for r in (0, 1) for ext in ("json", "txt")]
     table = (tmp_path / "profile_step2_rank0.txt").read_text()
@@ -195,7 +173,7 @@ def test_profile_step_writes_a_trace_and_a_table_per_rank(tmp_path):
 
 def test_profile_step_needs_a_log_dir():
     with pytest.raises(ValueError, match="set log.dir"):
-        _config("log.profile_step=1")
+        make_config("log.profile_step=1")
 
 
 def _train_and_weights(cfg: Config) -> tuple[list[dict], dict]:
@@ -213,28 +191,30 @@ def test_accumulated_micro_batches_equal_one_large_batch():
     """4 micro-batches of 1 sequence (train.grad_accum, or with gradients reduced once per step) give the losses,
     gradient norms and weights of one batch of 4, to float32 rounding, on 2 context ranks."""
     common = ("parallel.context=2", *SMALL_BUDGET, "train.steps=2")
-    big, big_state = run_local(_train_and_weights, 2, _config(*common, "data.batch_size=4"))[0]
+    big, big_state = run_local(_train_and_weights, 2, make_config(*common, "data.batch_size=4"))[0]
     variants = (("train.grad_accum=4",), ("train.grad_accum=4", "train.defer_grad_sync=true"))
     for variant in variants:
-        runs, state = run_local(_train_and_weights, 2, _config(*common, *variant))[0]
+        runs, state = run_local(_train_and_weights, 2, make_config(*common, *variant))[0]
         for key in ("loss", "grad_norm"):
             got, want = (torch.tensor([m[key] for m in r]) for r in (runs, big))
             torch.testing.assert_close(got, want, rtol=2e-5, atol=0, msg=f"{variant} {key}")
         for name, tensor in big_state.items():
             torch.testing.assert_close(state[name], tensor, rtol=1e-4, atol=1e-5, msg=f"{variant} {name}")
-    assert big[0]["tokens_per_s"] > 0 and _config(*common, "data.global_batch_tokens=512").micro_batches == 4
+    assert big[0]["tokens_per_s"] > 0 and make_config(*common, "data.global_batch_tokens=512").micro_batches == 4
     with pytest.raises(ValueError, match="contradicts data.global_batch_tokens"):
-        _config(*common, "data.global_batch_tokens=512", "train.grad_accum=2")
+        make_config(*common, "data.global_batch_tokens=512", "train.grad_accum=2")
     with pytest.raises(ValueError, match="must be a multiple of the tokens of one micro-batch"):
-        _config(*common, "data.global_batch_tokens=300")
+        make_config(*common, "data.global_batch_tokens=300")
 
 
 def test_hierarchical_ring_trains_like_the_flat_ring():
     """parallel.ring=hierarchical in each of 2 data-parallel groups (inner rings of 1 rank, outer rings of 2:
     the ring groups of every context group are made up front): the flat ring's losses, to float32 rounding."""
     common = ("parallel.data=2", "parallel.context=2", *SMALL_BUDGET, "train.steps=3")
-    flat = run_local(_train, 4, _config(*common))
-    hierarchical = run_local(_train, 4, _config(*common, "parallel.ring=hierarchical", "parallel.inner_size=1"))
+    flat = run_local(run_trainer, 4, make_config(*common))
+    hierarchical = run_local(
+        run_trainer, 4, make_config(*common, "parallel.ring=hierarchical", "parallel.inner_size=1")
+    )
     for rank in (0, 3):
         torch.testing.assert_close(
             torch.tensor([m["loss"] for m in hierarchical[rank]]),
@@ -248,18 +228,19 @@ def test_hierarchical_ring_trains_like_the_flat_ring():
     "overrides, local_world_size, expected",
     [
         (["parallel.ring=hierarchical", "parallel.inner_size=3"], None, r"use one of \[1, 2, 4\]"),
-        (["parallel.inner_size=2"], None, "set both"),
+        (["parallel.ring=flat", "parallel.inner_size=2"], None, "set both"),
         (["parallel.ring=hierarchical"], None, "launch with torchrun"),
         (["parallel.ring=hierarchical"], 3, r"set parallel.inner_size to one of \[1, 2, 4\]"),
         (["parallel.ring=hierarchical"], 2, 2),  # two nodes of 2 ranks
         (["parallel.ring=hierarchical"], 8, 4),  # the whole ring fits in one node: one inner ring
         (["parallel.ring=hierarchical", "parallel.inner_size=1"], 8, 1),
-        ([], 2, 4),  # flat: one ring of all context ranks
+        (["parallel.ring=flat"], 2, 4),  # flat: one ring of all context ranks
+        ([], 2, "resolved by train/ring_choice.py"),  # auto: chosen first
     ],
 )
 def test_ring_shape_is_validated_against_the_world(overrides, local_world_size, expected):
     def shape() -> int:
-        return _config("parallel.context=4", *SMALL_BUDGET, *overrides).inner_size(local_world_size)
+        return make_config("parallel.context=4", *SMALL_BUDGET, *overrides).inner_size(local_world_size)
 
     if isinstance(expected, int):
         assert shape() == expected
@@ -273,12 +254,12 @@ def test_document_masking_on_context_parallel_ranks_equals_one_process():
     the documents change the losses (the tiny corpus' samples hold boundaries)."""
     masked = ["data.document_masking=true", "data.reset_position_ids=true", "train.steps=3"]
     for budget in (FULL_BUDGET, SMALL_BUDGET):
-        single = run_local(_train, 1, _config("data.batch_size=2", *budget, *masked))[0]
-        cp = run_local(_train, 2, _config("parallel.context=2", "data.batch_size=2", *budget, *masked))
+        single = run_local(run_trainer, 1, make_config("data.batch_size=2", *budget, *masked))[0]
+        cp = run_local(run_trainer, 2, make_config("parallel.context=2", "data.batch_size=2", *budget, *masked))
         reference = torch.tensor([m["loss"] for m in single])
         for run in cp:
             torch.testing.assert_close(torch.tensor([m["loss"] for m in run]), reference, rtol=2e-5, atol=0)
-    unmasked = run_local(_train, 1, _config("data.batch_size=2", *SMALL_BUDGET, "train.steps=3"))[0]
+    unmasked = run_local(run_trainer, 1, make_config("data.batch_size=2", *SMALL_BUDGET, "train.steps=3"))[0]
     assert any(abs(a["loss"] - b["loss"]) > 1e-4 for a, b in zip(unmasked, single))
 
 
@@ -299,7 +280,7 @@ def fixed_seed_steps() -> dict:
     common = ("attention.v_size=8", "attention.s_size=16", "attention.dense_layers=[0]", "attention.max_density=null")
     runs = {}
     for name, (ranks, overrides) in FIXED_SEED_RUNS.items():
-        history = run_local(_train, ranks, _config(*common, "train.steps=3", *overrides))[0]
+        history = run_local(run_trainer, ranks, make_config(*common, "train.steps=3", *overrides))[0]
         runs[name] = [[m[k] for k in ("loss", "grad_norm", "density", "recall")] for m in history]
     return runs
 
@@ -345,9 +326,9 @@ def test_one_float32_rank_runs_without_fsdp_and_its_checkpoints_resume_on_a_ring
     ring = ("parallel.context=2",)
     for first, then, folder in (((), ring, "one_to_two"), (ring, (), "two_to_one")):
         saved = (*common, f"checkpoint.dir={tmp_path / folder}")
-        run_local(_steps_then_save, 2 if first else 1, _config(*saved, *first), 2)
-        resumed = run_local(_steps_then_save, 2 if then else 1, _config(*saved, *then), 1)[0]
-        whole = run_local(_steps_then_save, 2 if then else 1, _config(*common, *then), 3)[0]
+        run_local(_steps_then_save, 2 if first else 1, make_config(*saved, *first), 2)
+        resumed = run_local(_steps_then_save, 2 if then else 1, make_config(*saved, *then), 1)[0]
+        whole = run_local(_steps_then_save, 2 if then else 1, make_config(*common, *then), 3)[0]
         torch.testing.assert_close(resumed[0], whole[2], rtol=2e-5, atol=0)
 
 
@@ -371,7 +352,7 @@ def test_one_bfloat16_rank_casts_the_whole_model_at_once(monkeypatch, defer):
     per-layer wrapping's bit for bit."""
     import mtraining.train.trainer as trainer_module
 
-    cfg = _config(
+    cfg = make_config(
         *SMALL_BUDGET,
         "model.dtype=bfloat16",
         "train.steps=3",

@@ -5,7 +5,7 @@ keeps its evidence only if those rows attend to it too. Here every query block r
 the attention its own rows would give them beyond the pattern, and keeps the ``per_block`` best
 (``VerticalSlashPattern.with_block_columns``). Ranking every row against every key is the quadratic work
 sparse attention avoids, and cheaper proxies (pooled queries, key-block bounds, every 4th row) miss the
-evidence, which is one row's attention to one key (DESIGN.md, bench/local_verticals.py). So only the pairs
+evidence, which is one row's attention to one key (DESIGN.md, experiments/extension/local_verticals.py). So only the pairs
 whose query and key share a bucket of a random-hyperplane sign hash (in any of ``tables`` hashes of ``bits``
 bits) are scored, each as the probability the row would give the key next to the mass the pattern keeps in
 the row, exp(score - the row's LSE over the pattern), summed over the block's rows.
@@ -81,7 +81,8 @@ def select_block_columns(
     q [B, Sq, Hq, D] at global positions ``q_pos`` (default 0..Sq-1; whole query blocks), k [B, N, Hkv, D]
     the whole sequence's keys in position order (Hq a multiple of Hkv). A block's candidates are the keys
     before its first row that the pattern does not keep for it, within the document of some row of the block,
-    sharing a hash bucket with one of its rows; a key no row of the block meets is never chosen.
+    sharing a hash bucket with one of its rows; a key no row of the block meets is never chosen. Rows from
+    ``documents.estimate_end`` on rank nothing.
     ``scorer``: "auto" scores with the Triton kernel on CUDA and the torch reference elsewhere (see
     ``column_scores_reference`` and ``column_kernels.column_scores_triton``; "triton" runs the kernel in
     Triton's interpreter on the CPU).
@@ -167,6 +168,8 @@ def column_scores_reference(
         mates = bucket_mates(q_codes[:, :, rows], k_codes)  # [B, H, R, N]
         before = k_pos[None, :] < (pos // g * g)[:, None]  # keys before the row's block
         candidate = mates & before & seen & ~kept
+        if documents is not None and documents.estimate_end is not None:  # rows that do not estimate rank nothing
+            candidate &= (pos < documents.estimate_end)[:, None]
         probs = (logits - pattern_lse).exp_().masked_fill_(~candidate, 0.0)
         held, block_of_row = torch.unique(pos // g, return_inverse=True)  # the chunk's blocks, ascending
         yield probs.new_zeros(b, hq, held.shape[0], n).index_add_(2, block_of_row, probs), held

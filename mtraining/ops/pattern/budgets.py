@@ -106,21 +106,26 @@ def load_budgets(path: str | Path) -> Budgets:
     if not path.is_file():
         raise ValueError(f"budgets file {path} does not exist; pass the path of a .yaml/.yml/.json budgets file")
     suffix = path.suffix.lower()
-    text = path.read_text()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise ValueError(f"budgets file {path} must end in .json, .yaml or .yml (the suffix picks the parser)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(
+            f"budgets file {path} cannot be read as UTF-8 text ({err}); write it as a UTF-8 file"
+        ) from None
     if suffix == ".json":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}: invalid JSON ({err}); fix the syntax") from None
-    elif suffix in (".yaml", ".yml"):
+    else:
         import yaml
 
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as err:
             raise ValueError(f"{path}: invalid YAML ({err}); fix the syntax") from None
-    else:
-        raise ValueError(f"budgets file {path} must end in .json, .yaml or .yml (the suffix picks the parser)")
     return Budgets.from_dict(data, source=str(path))
 
 

@@ -116,7 +116,8 @@ def column_scores_triton(
 
     The rows' LSE over the pattern comes from the sparse forward (Triton backend). Unlike the reference,
     a row the pattern leaves without keys (never one of an estimated pattern, which keeps the local
-    window) adds nothing to its block's scores.
+    window) adds nothing to its block's scores. Rows from ``documents.estimate_end`` on add nothing either
+    (their LSE is set to +inf).
     """
     b, sq, hq, d = q.shape
     n = k.shape[1]
@@ -135,6 +136,8 @@ def column_scores_triton(
     k_codes = k_codes.to(torch.int32).transpose(-1, -2).contiguous()  # [B, H, T, N]
     k_pos = torch.arange(n, dtype=torch.int32, device=q.device)
     _, lse = attention_forward(q, k, k, pattern, q_pos, k_pos, scale, backend="triton", q_bound=q_bound)
+    if documents is not None and documents.estimate_end is not None:  # rows that do not estimate weigh 0
+        lse.masked_fill_(q_pos >= documents.estimate_end, float("inf"))
     vmask = pattern.vertical_mask().to(torch.int8)
     dmask = pattern.diag_mask().to(torch.int8)
     blocks = triton.cdiv(sq, g)

@@ -493,11 +493,14 @@ def _estimate_lines(
 def scoring_rows(documents: Documents, row: int, last_q: int) -> tuple[Tensor, Tensor]:
     """(positions, left bounds) int64 CPU [R] of the rows that score the lines of batch row ``row``: the last
     min(last_q, length) positions of every document (a document shorter than ``last_q`` scores with all
-    its rows), in ascending order."""
+    its rows), in ascending order. Positions from ``documents.estimate_end`` on do not score: a document
+    that crosses it scores with its last rows before it, one that starts after it with none."""
+    end = documents.estimated_len
     starts = documents.starts[min(row, documents.batch - 1)]
-    lengths = documents.lengths(min(row, documents.batch - 1))
-    take = lengths.clamp(max=last_q)
-    ends = starts + lengths
+    ends = (starts + documents.lengths(min(row, documents.batch - 1))).clamp(max=end)
+    starts = starts[starts < end]
+    ends = ends[: starts.numel()]
+    take = (ends - starts).clamp(max=last_q)
     pos = torch.cat([torch.arange(e - t, e) for e, t in zip(ends.tolist(), take.tolist())])
     return pos, torch.repeat_interleave(starts, take)
 
@@ -570,12 +573,15 @@ def _document_spans(pos: Tensor, bound: Tensor, k_pos: Tensor) -> list[tuple[int
 
 
 def document_sinks(documents: Documents, sink_tokens: int, device: torch.device) -> Tensor:
-    """Boolean [B or 1, 1, N]: the first ``sink_tokens`` positions of every document (forced verticals)."""
+    """Boolean [B or 1, 1, N]: the first ``sink_tokens`` positions of every document (forced verticals),
+    those before ``documents.estimate_end`` only."""
+    end = documents.estimated_len
 
     def build() -> Tensor:
         mask = torch.zeros(documents.batch, 1, documents.seq_len, dtype=torch.bool)
         for b in range(documents.batch):
-            starts, lengths = documents.starts[b], documents.lengths(b).clamp(max=sink_tokens)
+            starts = documents.starts[b]
+            lengths = ((starts + documents.lengths(b)).clamp(max=end) - starts).clamp(min=0, max=sink_tokens)
             sinks = torch.repeat_interleave(starts, lengths)
             sinks += torch.arange(sinks.numel()) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
             mask[b, 0, sinks] = True

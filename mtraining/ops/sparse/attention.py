@@ -256,6 +256,8 @@ def _plan_call(
         check_pattern(pattern, q, span)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     documents = resolve_documents(documents, q.shape[0], span=span)
+    if q.shape[1] == 0:  # no rows: nothing to launch; the torch backend gives the empty out and lse
+        return ChunkPlan(pattern, q_pos, k_pos, scale, "torch", None)
     if documents is not None:
         return plan_chunk(
             q,

@@ -1,10 +1,11 @@
 """``ring_attention``: context-parallel causal attention over a process group, in any layout.
 
-A call checks that every rank makes the same call (``agreement.py``, once per shape and layout), validates
+A call checks that every rank makes the same call (``agreement.py``, on every call), validates
 its inputs (validation.py), estimates the global pattern if asked (``parallel/estimate.py``), plans every
 ring step (plan.py: which steps compute, dense blocks or the backend) and runs a schedule under the
 autograd op (op.py): the flat ring (flat.py) or the hierarchical ring of inner rings inside nodes and an
-outer ring across nodes (hierarchical.py, process groups from ``parallel/topology.py``).
+outer ring across nodes (hierarchical.py, process groups from ``parallel/topology.py``), or no ring at all:
+K/V all-gathered once and the local queries computed as one chunk pair (allgather.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from ...ops.documents import Documents, resolve_documents
 from ...ops.pattern import PatternConfig, VerticalSlashPattern
 from ...ops.sparse.attention import Backend, resolve_backend
 from ..agreement import check_ranks_agree
-from ..estimate import estimate_pattern_cp
+from ..estimate import estimate_agreed
 from ..layout import Layout
 from ..topology import ring_groups
+from .allgather import AllGather, plan_allgather
 from .comm import Comm, RingComm
 from .flat import FlatRing
 from .hierarchical import HierarchicalRing
@@ -29,11 +31,12 @@ from .op import RingAttention, Schedule
 from .plan import plan_ring
 from .validation import call_fields, check_arguments, check_ring_inputs
 
-RINGS = ("flat", "hierarchical")
+RINGS = ("flat", "hierarchical", "allgather")
 
 
 def _schedule(
     group: dist.ProcessGroup | None,
+    layout: Layout,
     ring: str,
     inner_size: int | None,
     q: Tensor,
@@ -41,13 +44,14 @@ def _schedule(
 ) -> Schedule:
     """The schedule of this call, with its communicators (built per call: nothing cached on groups)."""
     world = dist.get_world_size(group)
-    if ring == "flat":
+    if ring in ("flat", "allgather"):
         if inner_size is not None and inner_size != world:
-            raise ValueError(
-                f"inner_size={inner_size} needs ring='hierarchical' (the flat ring is one ring of all ranks)"
-            )
+            raise ValueError(f"inner_size={inner_size} needs ring='hierarchical' (ring={ring!r} has no inner rings)")
         if outer_comm is not None:
-            raise ValueError("outer_comm wraps the outer ring of ring='hierarchical'; the flat ring has none")
+            raise ValueError(f"outer_comm wraps the outer ring of ring='hierarchical'; ring={ring!r} has none")
+    if ring == "allgather":
+        return AllGather(group, layout, q.device)
+    if ring == "flat":
         return FlatRing(RingComm(group, q.device), dist.get_rank(group), world)
     groups = ring_groups(group, inner_size)  # validates inner_size; creates the groups on first use
     inner = RingComm(groups.inner, q.device) if groups.inner is not None else None
@@ -90,7 +94,9 @@ def ring_attention(
         backend: "auto" (Triton on CUDA, plain PyTorch elsewhere), "triton" or "torch".
         layer_idx: the layer, for per-layer budgets of ``pattern_config``.
         ring: "flat", or "hierarchical": an inner ring of ``inner_size`` ranks per node (default
-            LOCAL_WORLD_SIZE) inside an outer ring across nodes; inner_size = W is the flat schedule.
+            LOCAL_WORLD_SIZE) inside an outer ring across nodes; inner_size = W is the flat schedule; or
+            "allgather": no ring, K/V of every rank gathered once and the local queries computed against
+            them (allgather.py: no overlap, the whole sequence's K/V in memory).
         reuse: (out, lse) that an earlier call with the same inputs returned: the forward ring is skipped
             and the backward uses them (for the forward that activation checkpointing recomputes).
         outer_comm: benchmarks and tests only: wraps the hierarchical ring's outer-ring communicator
@@ -109,23 +115,32 @@ def ring_attention(
     """
     check_arguments(q, k, v, layout)
     fields = call_fields(
-        q, k, v, layout, pattern, pattern_config, softmax_scale, backend, layer_idx, ring, inner_size, reuse is not None
+        q,
+        k,
+        v,
+        layout,
+        pattern,
+        pattern_config,
+        softmax_scale,
+        backend,
+        layer_idx,
+        ring,
+        inner_size,
+        reuse is not None,
+        documents,
     )
-    check_ranks_agree(group, q.device, "ring_attention", fields)
+    check_ranks_agree(group, q.device, "ring_attention", fields)  # see Note [ring agreement]
     if ring not in RINGS:
-        raise ValueError(f"ring must be 'flat' or 'hierarchical', got {ring!r}")
+        raise ValueError(f"ring must be 'flat', 'hierarchical' or 'allgather', got {ring!r}")
     name = resolve_backend(backend, q.device)
     check_ring_inputs(q, k, v, dist.get_world_size(group), layout, pattern, pattern_config, name)
     check_reuse(reuse, q)
     documents = resolve_documents(documents, q.shape[0], layout.seq_len)
-    if documents is not None:  # once per documents (a digest per call): every rank must pass the same
-        check_ranks_agree(group, q.device, "ring_attention", {"documents": documents.digest()})
-    schedule = _schedule(group, ring, inner_size, q, outer_comm)
+    schedule = _schedule(group, layout, ring, inner_size, q, outer_comm)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     if pattern_config is not None:
-        pattern = estimate_pattern_cp(
-            q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale, documents
-        )
-    plan = plan_ring(q, k, pattern, layout, dist.get_rank(group), scale, name, documents)
+        pattern = estimate_agreed(q.detach(), k.detach(), pattern_config, group, layout, layer_idx, scale, documents)
+    plan_call = plan_allgather if ring == "allgather" else plan_ring
+    plan = plan_call(q, k, pattern, layout, dist.get_rank(group), scale, name, documents)
     out, lse = RingAttention.apply(q, k, v, plan, schedule, reuse)
     return (out, lse) if return_lse else out

@@ -1,4 +1,4 @@
-"""The autograd op every ring schedule runs under: forward and backward passes of a ``Schedule``."""
+"""The autograd op every context-parallel schedule runs under: forward and backward passes of a ``Schedule``."""
 
 from __future__ import annotations
 
@@ -7,18 +7,21 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from ...ops.sparse.attention import ChunkPlan
 from .plan import RingPlan
+
+Plan = RingPlan | ChunkPlan  # a ring's steps, or the all-gather's one chunk pair
 
 
 class Schedule(Protocol):
-    """A ring schedule (flat.py, hierarchical.py): how K/V (and dK/dV) travel between the ranks."""
+    """A schedule (flat.py, hierarchical.py, allgather.py): how K/V (and dK/dV) travel between the ranks."""
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, plan: RingPlan) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, plan: Plan) -> tuple[Tensor, Tensor]:
         """(out in the accumulation dtype, lse) of this rank's queries against every rank's keys."""
         ...
 
     def backward(
-        self, do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, plan: RingPlan
+        self, do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, plan: Plan
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv) in the accumulation dtype for this rank's shard."""
         ...
@@ -31,7 +34,7 @@ class RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan, schedule: Schedule, reuse):
+    def forward(ctx, q, k, v, plan: Plan, schedule: Schedule, reuse):
         if reuse is not None:
             out, lse = reuse
         else:

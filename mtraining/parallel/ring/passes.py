@@ -52,7 +52,7 @@ def forward_pass(
         if i < last:
             nxt = kv_spares[i % 2]
             transfer = comm.start(cur, nxt)
-        out, lse = plan.attend(src, q, cur[0], cur[1], out_dtype, out, lse)
+        out, lse = plan.attend(src, q, cur[0], cur[1], out_dtype, out, lse)  # see Note [skipped steps]
         if i < last:
             transfer.wait()
             cur = nxt

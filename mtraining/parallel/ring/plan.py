@@ -157,6 +157,12 @@ class RingPlan:
         return None if step is None else step.backward(do, q, k, v, out, lse, delta)
 
 
+# Note [skipped steps]
+# plan_ring is the one place where a ring step decides to skip its compute: RingPlan.steps[src] is None
+# when no local query sees a key of rank src (with documents: of its own document). A skipped step still
+# passes its K/V (and in the backward its partial dK/dV) on, so every rank runs the same number of
+# transfers and the ring keeps moving. The schedules (flat.py, hierarchical.py, passes.py) never decide;
+# they call RingPlan.attend and RingPlan.grads, which return what they were given for a skipped step.
 def plan_ring(
     q: Tensor,
     k: Tensor,

@@ -10,6 +10,7 @@ from torch import Tensor
 from ...ops.checks import check_pattern
 from ...ops.pattern import PatternConfig, VerticalSlashPattern
 from ...ops.sparse.attention import check_backend_inputs
+from ..agreement import documents_field
 from ..layout import Layout
 
 
@@ -26,9 +27,11 @@ def call_fields(
     ring: str,
     inner_size: int | None,
     reuse: bool,
+    documents: object,
 ) -> dict[str, object]:
     """What every rank of a ring call must share (``agreement.check_ranks_agree``), from this rank's
-    arguments. The pattern enters by its grid and shape, not its contents (read on the device)."""
+    arguments. The pattern enters by its grid and shape, not its contents (read on the device); the
+    documents by their boundaries' digest."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return {
         "q shape": tuple(q.shape),
@@ -49,6 +52,7 @@ def call_fields(
         "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE") if ring == "hierarchical" else None,
         "reuse": reuse,
         "gradients": grad,
+        "documents": documents_field(documents),
     }
 
 

@@ -1,0 +1,1 @@
+"""Experiments built on mtraining's public API (experiments/README.md). The core never imports them."""

@@ -1,0 +1,195 @@
+"""``python -m experiments.real_extension``: fast and accurate at once on a real model (issue 31, items 4-6).
+
+A pretrained GGUF model (SmolLM2-135M-Instruct, 8K native) is extended to --length (64K) with YaRN, once per arm
+(dense; the paper's adaptive sparse setting; fixed budgets ...) on the same real long documents (site-packages
+code and Python's documentation, document masking), for each seed; every trained model is read dense (sparse arms
+also sparse) with NIAH and RULER-style prompts in held-out filler and perplexity by position on held-out documents;
+the adaptive model's own Q/K time each sparse arm against dense attention at 64K, 128K and 512K. Exit status: 0
+done, 3 call again (--max-minutes reached; the same command continues), 4 the base does not retrieve, 2 a bad
+command. ``--plan`` prints the stages with their expected times; ``--report-from`` pools result folders (one per
+machine, split by seed) into real_extension.json, .md and .png in bench/results/.
+
+    python -m experiments.real_extension --plan --gguf smollm2.gguf --code-python python3 --prose docs.tar.xz
+    python -m experiments.real_extension --gguf smollm2.gguf --code-python python3 --prose docs.tar.xz \\
+        --seeds 0 1 --work runs/rx --out runs/rx/out --tar $OUT/results.tgz --max-minutes 9
+    python -m experiments.real_extension --report-from results/a/out results/b/out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from bench.common import RESULTS_DIR
+
+from ..common.background import Background
+from ..common.stages import LOG, Clock, OutOfTime, Refused, say, write_json
+from ..common.training import ROOT
+from . import report
+from .pipeline import BaseDoesNotRetrieve, Experiment, Sources, pack, record_call
+from .settings import PRESETS, Settings, arm
+
+# Settings a work folder keeps from its first call: its trainings and cached reads depend on them.
+FIXED = (*report.SAME, "checkpoint_every", "device", "backend")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--preset", choices=sorted(PRESETS), default="gpu", help="defaults: gpu (one H200, 64K) or toy (CPU)"
+    )
+    src = p.add_argument_group("inputs")
+    src.add_argument("--gguf", type=Path, help="the base checkpoint (GGUF); needed until <work>/model exists")
+    src.add_argument(
+        "--code-python", action="append", default=[], help="an interpreter whose site-packages are code documents"
+    )
+    src.add_argument("--code", type=Path, action="append", default=[], help="a folder of packages (code documents)")
+    src.add_argument("--prose", type=Path, action="append", default=[], help="a prose archive (tools/prose_archive.py)")
+    src.add_argument(
+        "--heldout",
+        action="append",
+        default=None,
+        help="hold out this document too (default: prose/howto with --prose)",
+    )
+    run = p.add_argument_group("the run")
+    run.add_argument("--work", type=Path, default=None, help="stage outputs (default runs/real_extension)")
+    run.add_argument("--out", type=Path, default=None, help="small results that must survive (default <work>/out)")
+    run.add_argument("--tar", type=Path, default=None, help="pack --out into this .tgz at the end of every call")
+    run.add_argument("--max-minutes", type=float, default=None, help="start no stage that would end later; exit 3")
+    run.add_argument("--plan", action="store_true", help="print the stages and their expected times, run nothing")
+    run.add_argument(
+        "--base-read", action=argparse.BooleanOptionalAction, default=True, help="read the base at every length"
+    )
+    run.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True, help="run the speed stage")
+    exp = p.add_argument_group("the experiment (default: the preset's)")
+    exp.add_argument("--length", type=int)
+    exp.add_argument("--seeds", type=int, nargs="+")
+    exp.add_argument("--arms", nargs="+", help="dense, adaptive, vVsS (fixed lines), tPvVsS, vVsScC (columns)")
+    exp.add_argument("--default", dest="default_arm", help="the configuration the report marks as the default")
+    exp.add_argument("--steps", type=int)
+    exp.add_argument("--lr", type=float)
+    exp.add_argument("--warmup", type=int)
+    exp.add_argument("--gpus", type=int, help="ranks of the striped ring each training runs on")
+    exp.add_argument("--niah-prompts", type=int, help="NIAH prompts per length")
+    exp.add_argument("--ruler-samples", type=int, help="prompts per RULER-style task and length")
+    exp.add_argument("--ruler-tasks", nargs="+")
+    exp.add_argument("--ppl-windows", type=int, help="held-out documents per length for perplexity")
+    exp.add_argument("--base-prompts", type=int, help="NIAH prompts of the base check")
+    exp.add_argument("--base-gate", type=float, help="percent the base check must be able to reach (0: none)")
+    exp.add_argument("--heldout-fraction", type=float)
+    exp.add_argument("--speed-lengths", type=int, nargs="+")
+    exp.add_argument("--speed-layers", type=int, nargs="+")
+    exp.add_argument("--speed-repeats", type=int)
+    exp.add_argument("--workers", type=int, help="corpus and prompt-building processes (default: the spare cores)")
+    rep = p.add_argument_group("report")
+    rep.add_argument("--report-from", type=Path, nargs="+", help="pool these result folders (--out of each machine)")
+    rep.add_argument("--report-out", type=Path, default=RESULTS_DIR, help="where the pooled report goes")
+    return p
+
+
+def settings_of(args: argparse.Namespace) -> Settings:
+    """The preset with the options given; ValueError naming an option that cannot run."""
+    s = PRESETS[args.preset]
+    fields = ("length", "steps", "lr", "warmup", "gpus", "niah_prompts", "ruler_samples", "ppl_windows", "base_prompts")
+    fields += ("base_gate", "heldout_fraction", "speed_repeats", "workers", "default_arm")
+    s = replace(s, **{f: getattr(args, f) for f in fields if getattr(args, f) is not None})
+    for f in ("seeds", "ruler_tasks", "speed_lengths", "speed_layers"):
+        if getattr(args, f) is not None:
+            s = replace(s, **{f: tuple(getattr(args, f))})
+    if args.arms is not None:
+        s = replace(s, arms=tuple(arm(name) for name in args.arms))
+    s.check()
+    return s
+
+
+def check_work(work: Path, settings: Settings) -> None:
+    """Refuse a work folder made with other ``FIXED`` settings (its trainings and reads would not pair)."""
+    path = work / "settings.json"
+    mine = {k: v for k, v in json.loads(json.dumps(asdict(settings))).items() if k in FIXED}
+    if not path.exists():
+        write_json(path, mine)
+        return
+    theirs = json.loads(path.read_text())
+    differ = sorted(k for k in FIXED if theirs.get(k) != mine.get(k))
+    if differ:
+        raise Refused(
+            f"{work} was made with other {differ} ({', '.join(f'{k}={theirs.get(k)!r}' for k in differ)}): give "
+            "another --work or the same settings"
+        )
+
+
+def print_plan(experiment: Experiment, max_minutes: float | None) -> None:
+    rows = experiment.plan()
+    width = max(len(r["stage"]) for r in rows)
+    total = 0.0
+    for r in rows:
+        if r["done"]:
+            print(f"{r['stage']:<{width}}  done")
+        elif r["background"]:
+            print(f"{r['stage']:<{width}}  on the spare cores, beside the stages below")
+        else:
+            total += r["expected"].seconds
+            print(f"{r['stage']:<{width}}  {r['expected']}")
+    line = f"to run: ~{total / 60:.1f} minutes"
+    if max_minutes:
+        line += f", about {max(1, -(-total // (60 * max_minutes))):.0f} call(s) of --max-minutes {max_minutes:g}"
+    print(line)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.report_from:
+        try:
+            path = report.write_report(args.report_from, args.report_out, default=args.default_arm)
+        except ValueError as err:
+            p.error(str(err))
+        print(f"wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+        return
+    try:
+        settings = settings_of(args)
+    except ValueError as err:
+        p.error(str(err))
+    heldout = (
+        args.heldout if args.heldout is not None else (["prose/howto"] if args.prose and args.preset == "gpu" else [])
+    )
+    resolved = lambda paths: tuple(p.resolve() for p in paths)  # noqa: E731 - the corpus runs from the repository
+    gguf = args.gguf.resolve() if args.gguf else None
+    sources = Sources(gguf, tuple(args.code_python), resolved(args.code), resolved(args.prose), tuple(heldout))
+    work = (args.work or ROOT / "runs" / "real_extension").resolve()  # training configs name absolute paths
+    out = (args.out or work / "out").resolve()
+    experiment = Experiment(settings, sources, work, out, args.base_read, args.speed)
+    if args.plan:
+        print_plan(experiment, args.max_minutes)
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    LOG.append(out / "real_extension.log")
+    Clock.stop_after(args.max_minutes)
+    say(f"real-model extension to {settings.length}, seeds {list(settings.seeds)}, arms {[a.name for a in settings.arms]}: work {work}, results {out}")  # fmt: skip
+    status = 1  # an unexpected error (its traceback follows)
+    record_call(out, settings, sources, None)
+    try:
+        check_work(work, settings)
+        with Background(settings.workers) as background:
+            experiment.background = background
+            experiment.run()
+        status = 0
+        say("done")
+    except Refused as err:
+        say(f"refused: {err}")
+        status = 2
+    except OutOfTime:
+        say(f"stopped after {args.max_minutes} minutes: run the same command again to continue")
+        status = 3
+    except BaseDoesNotRetrieve as err:
+        say(f"stopped: {err}")
+        status = 4
+    finally:
+        record_call(out, settings, sources, status)
+        if args.tar is not None:
+            pack(out, args.tar)
+    sys.exit(status)

@@ -1,0 +1,453 @@
+"""The experiment's report: result folders of one or more machines pooled by seed, one record per configuration.
+
+Each seed trained every arm on the same data, so a seed gives one paired difference per arm, read and length:
+the arm's model (read dense, or read with its own sparse attention) minus the dense arm's model read dense, in
+last-bucket perplexity (percent), NIAH and RULER-style points (generated answers; NIAH also teacher-forced).
+Over n >= 3 seeds each difference gets a Student t interval (``mtraining.eval.seeds``): the one-sided 95% bounds
+``ppl_change_hi``, ``niah_change_lo`` and ``ruler_change_lo``. With fewer seeds the means are given and the bounds
+are None (the record says why). Speed comes from the speed stage (dense over sparse attention time on the model's
+own Q/K, per length) and end to end from the trainings' tokens per second.
+
+Writes ``real_extension.json`` (the records), ``real_extension.md`` (tables per length and read) and
+``real_extension.png`` (attention speedup against accuracy change, one panel per metric).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from mtraining.eval.seeds import MIN_SEEDS, ppl_change_pct, seed_interval
+
+GOAL = {"speedup": 3.0, "speedup_length": 131072, "ppl_change_hi": 1.0, "niah_change_lo": -3.0, "ruler_change_lo": -3.0}
+METRICS = ("ppl", "niah", "niah_forced", "ruler")
+# Settings that must agree for folders to pool: what the models were trained and read with.
+SAME = (
+    "length", "steps", "lr", "warmup", "code_weight", "gpus", "dtype", "block_size", "last_q", "local_window",
+    "sink_tokens", "eval_seed", "niah_prompts", "depths", "ruler_samples", "ruler_tasks", "ppl_windows",
+    "first_bucket", "heldout_fraction",
+)  # fmt: skip
+
+
+def load_folder(folder: Path) -> dict:
+    """One result folder: run.json, the base check, the trainings' summaries, the reads and the speed figures."""
+    run = folder / "run.json"
+    if not run.exists():
+        raise ValueError(f"{folder} is not a result folder of this experiment (no run.json); pass --out folders")
+    base = folder / "base_check.json"
+    speed = folder / "speed.json"
+    return {
+        "folder": str(folder),
+        "run": json.loads(run.read_text()),
+        "base_check": json.loads(base.read_text()) if base.exists() else None,
+        "train": {p.stem: json.loads(p.read_text()) for p in sorted((folder / "train").glob("*.json"))},
+        "eval": {p.stem: json.loads(p.read_text()) for p in sorted((folder / "eval").glob("*.json"))},
+        "speed": json.loads(speed.read_text()) if speed.exists() else [],
+    }
+
+
+def pool(folders: Sequence[dict]) -> dict:
+    """The folders' results as one: settings checked equal (``SAME``), seeds distinct, trainings and reads merged
+    (keyed ``seed<S>_<arm>`` and ``seed<S>_<arm>__<read>``), speed figures of every folder listed."""
+    if not folders:
+        raise ValueError("no result folders given")
+    first = folders[0]["run"]["settings"]
+    arms = {a["name"]: a for f in folders for a in f["run"]["settings"]["arms"]}
+    for f in folders[1:]:
+        theirs = f["run"]["settings"]
+        differ = [k for k in SAME if theirs.get(k) != first.get(k)]
+        if differ:
+            raise ValueError(
+                f"{f['folder']} and {folders[0]['folder']} differ in {differ}: their models or reads do not pair; "
+                "pool only folders of one experiment"
+            )
+    owner: dict[int, str] = {}
+    for f in folders:
+        for seed in _seeds_of(f):
+            if seed in owner:
+                raise ValueError(f"seed {seed} is in {owner[seed]} and {f['folder']}: give each seed's folder once")
+            owner[seed] = f["folder"]
+    pooled = {"settings": first, "arms": arms, "seeds": sorted(owner), "train": {}, "eval": {}, "speed": []}
+    for f in folders:
+        pooled["train"] |= f["train"]
+        pooled["eval"] |= f["eval"]
+        pooled["speed"] += f["speed"]
+    pooled["base_check"] = next((f["base_check"] for f in folders if f["base_check"]), None)
+    pooled["calls"] = [c for f in folders for c in f["run"].get("calls", [])]
+    pooled["sources"] = folders[0]["run"].get("sources", {})
+    return pooled
+
+
+def _seeds_of(folder: dict) -> list[int]:
+    return sorted({int(name.split("_")[0].removeprefix("seed")) for name in [*folder["train"], *folder["eval"]] if name.startswith("seed")})  # fmt: skip
+
+
+def cell_metrics(cell: dict) -> dict:
+    """A read's figures at one length: last-bucket perplexity, NIAH (generated and teacher-forced) and the RULER-style
+    average, in percent."""
+    return {
+        "ppl": cell["ppl"]["buckets"][-1]["ppl"],
+        "niah": cell["niah"]["score"],
+        "niah_forced": cell["niah"]["forced"],
+        "ruler": cell["ruler"]["average"],
+    }
+
+
+def read_metrics(read: dict) -> dict[int, dict]:
+    return {cell["length"]: cell_metrics(cell) for cell in read["cells"]}
+
+
+def differences(pooled: dict, arm: str, read: str) -> dict[int, dict[str, dict[int, float]]]:
+    """Per length, metric and seed: ``arm``'s model read ``read`` (dense / sparse) minus the dense model read dense
+    (perplexity in percent, the others in points); seeds lacking either read are left out."""
+    out: dict[int, dict[str, dict[int, float]]] = {}
+    for seed in pooled["seeds"]:
+        ours, theirs = pooled["eval"].get(f"seed{seed}_{arm}__{read}"), pooled["eval"].get(f"seed{seed}_dense__dense")
+        if ours is None or theirs is None:
+            continue
+        a, b = read_metrics(ours), read_metrics(theirs)
+        for n in sorted(set(a) & set(b)):
+            row = out.setdefault(n, {m: {} for m in METRICS})
+            row["ppl"][seed] = ppl_change_pct(a[n]["ppl"], b[n]["ppl"])
+            for m in METRICS[1:]:
+                if a[n][m] is not None and b[n][m] is not None:
+                    row[m][seed] = a[n][m] - b[n][m]
+    return out
+
+
+def summarise(values: dict[int, float]) -> dict:
+    """The mean over seeds of one difference and, with ``MIN_SEEDS`` or more, its t interval and one-sided bounds."""
+    seeds = sorted(values)
+    data = [values[s] for s in seeds]
+    out = {"seeds": seeds, "values": data, "mean": sum(data) / len(data) if data else None}
+    if len(data) >= MIN_SEEDS:
+        found = seed_interval(data)
+        out |= {"interval": [found.low, found.high], "lower_bound": found.lower_bound, "upper_bound": found.upper_bound}
+    else:
+        out |= {"interval": None, "lower_bound": None, "upper_bound": None}
+        out["note"] = f"{len(data)} seed(s): no interval over seeds (needs {MIN_SEEDS})"
+    return out
+
+
+def bounds(per_metric: dict[str, dict[int, float]]) -> dict:
+    """One length and read: the headline fields (means and the bounds the goal reads) and every metric's summary."""
+    found = {m: summarise(v) for m, v in per_metric.items()}
+    return {
+        "ppl_change_pct": found["ppl"]["mean"],
+        "ppl_change_hi": found["ppl"]["upper_bound"],
+        "niah_change": found["niah"]["mean"],
+        "niah_change_lo": found["niah"]["lower_bound"],
+        "niah_forced_change_lo": found["niah_forced"]["lower_bound"],
+        "ruler_change": found["ruler"]["mean"],
+        "ruler_change_lo": found["ruler"]["lower_bound"],
+        "metrics": found,
+    }
+
+
+def worst(by_length: dict[int, dict]) -> dict:
+    """The bounds at the worst length (largest perplexity bound, smallest NIAH and RULER-style bounds); None where
+    a length has none."""
+
+    def pick(field: str, fn):
+        values = [row[field] for row in by_length.values()]
+        return None if not values or any(v is None for v in values) else fn(values)
+
+    return {
+        "ppl_change_hi": pick("ppl_change_hi", max),
+        "niah_change_lo": pick("niah_change_lo", min),
+        "ruler_change_lo": pick("ruler_change_lo", min),
+    }
+
+
+def speed_of(pooled: dict, arm: str) -> tuple[dict[int, float], dict[int, float]]:
+    """(attention speedup, pattern density) per length from the speed figures (the first folder's at a length)."""
+    speedup, density = {}, {}
+    for found in pooled["speed"]:
+        n = found["length"]
+        if arm in found["arms"] and n not in speedup:
+            speedup[n] = found["arms"][arm]["attention_speedup"]
+            density[n] = found["arms"][arm]["density"]
+    return speedup, density
+
+
+def training_of(pooled: dict, arm: str) -> dict:
+    """Means over seeds of the arm's trainings: density, step time, tokens/s, peak memory, final loss; and the
+    end-to-end speedup (tokens/s over the dense arm's, paired by seed)."""
+    runs = {s: pooled["train"].get(f"seed{s}_{arm}") for s in pooled["seeds"]}
+    runs = {s: r for s, r in runs.items() if r is not None}
+
+    def mean(field: str):
+        values = [r[field] for r in runs.values() if r.get(field) is not None]
+        return sum(values) / len(values) if values else None
+
+    ratios = []
+    for s, r in runs.items():
+        dense = pooled["train"].get(f"seed{s}_dense")
+        if dense and r.get("tokens_per_s_median") and dense.get("tokens_per_s_median"):
+            ratios.append(r["tokens_per_s_median"] / dense["tokens_per_s_median"])
+    out = {k: mean(k) for k in ("density", "step_s", "tokens_per_s_median", "peak_mem_gb", "final_loss", "wall_s")}
+    return out | {"seeds": sorted(runs), "e2e_speedup": sum(ratios) / len(ratios) if ratios else None}
+
+
+def records(pooled: dict) -> list[dict]:
+    """One record per configuration (the dense arm first, at speedup 1 and change 0)."""
+    s = pooled["settings"]
+    calls = pooled["calls"]
+    common = {
+        "model": Path(pooled["sources"].get("gguf") or "base").name,
+        "length": s["length"],
+        "gpus": s["gpus"],
+        "device": sorted({c.get("device") for c in calls}) if calls else None,
+        "commit": sorted({c.get("commit") for c in calls}) if calls else None,
+        "command": sorted({c.get("command") for c in calls}) if calls else None,
+    }
+    out = []
+    for name, arm in pooled["arms"].items():
+        train = training_of(pooled, name)
+        speedup, density = speed_of(pooled, name)
+        record = {"config": name, "arm": arm, **common, "seeds": train["seeds"], "density": train["density"]}
+        record |= {"attention_speedup": speedup, "attention_density": density, "training": train}
+        if not arm["sparse"]:
+            zero = {"ppl_change_pct": 0.0, "ppl_change_hi": 0.0, "niah_change_lo": 0.0, "ruler_change_lo": 0.0}
+            measured = sorted({found["length"] for found in pooled["speed"]})
+            record |= zero | {"density": 1.0, "attention_speedup": dict.fromkeys(measured, 1.0), "sparse_read": None}
+            out.insert(0, record)
+            continue
+        reads = {}
+        for read in ("dense", "sparse"):
+            per_length = {n: bounds(v) for n, v in differences(pooled, name, read).items()}
+            reads[read] = {"by_length": per_length, "worst": worst(per_length)}
+        at_l = reads["dense"]["by_length"].get(s["length"], {})
+        record |= {k: at_l.get(k) for k in ("ppl_change_pct", "ppl_change_hi", "niah_change_lo", "ruler_change_lo")}
+        sparse_l = reads["sparse"]["by_length"].get(s["length"], {})
+        record["sparse_read"] = {k: sparse_l.get(k) for k in ("ppl_change_pct", "ppl_change_hi", "niah_change_lo", "ruler_change_lo")}  # fmt: skip
+        record["reads"] = reads
+        record["goal"] = goal(record)
+        out.append(record)
+    return out
+
+
+def goal(record: dict) -> dict:
+    """Whether a configuration meets issue 31's goal on what was measured: speedup at 128K and, read dense, every
+    length's bounds, over at least ``MIN_SEEDS`` seeds (None where a figure is missing)."""
+    speed = record["attention_speedup"].get(GOAL["speedup_length"])
+    bound = record["reads"]["dense"]["worst"]
+    checks = {
+        "seeds": len(record["seeds"]) >= MIN_SEEDS,
+        "speedup": None if speed is None else speed >= GOAL["speedup"],
+        "ppl": None if bound["ppl_change_hi"] is None else bound["ppl_change_hi"] <= GOAL["ppl_change_hi"],
+        "niah": None if bound["niah_change_lo"] is None else bound["niah_change_lo"] >= GOAL["niah_change_lo"],
+        "ruler": None if bound["ruler_change_lo"] is None else bound["ruler_change_lo"] >= GOAL["ruler_change_lo"],
+    }
+    return checks | {"met": all(v is True for v in checks.values())}
+
+
+# ---------------------------------------------------------------------------------------------- Markdown
+def _num(value, digits: int = 2, sign: bool = False) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
+
+
+def _change(summary: dict, digits: int = 2) -> str:
+    """mean [low, high] of one metric's differences over seeds (the mean alone below ``MIN_SEEDS``)."""
+    text = _num(summary["mean"], digits, sign=True)
+    if summary["interval"] is not None:
+        low, high = summary["interval"]
+        text += f" [{low:+.{digits}f}, {high:+.{digits}f}]"
+    return text
+
+
+def markdown(pooled: dict, found: list[dict], picture: str | None) -> str:
+    s = pooled["settings"]
+    seeds = pooled["seeds"]
+    lines = [
+        f"# Real-model context extension: {found[0]['model']}, {s['length']} tokens",
+        "",
+        f"Seeds {seeds}; {s['steps']} steps at lr {s['lr']:g} on {s['gpus']} GPU(s); devices {found[0]['device']}; "
+        f"commits {found[0]['commit']}. Changes are the arm's model minus the dense arm's model read dense, paired "
+        f"by seed: mean [95% t interval over seeds] (no interval under {MIN_SEEDS} seeds). Perplexity: last position "
+        "bucket, percent; NIAH and RULER-style: points, generated answers (NIAH also teacher-forced).",
+        "",
+    ]
+    if len(seeds) < MIN_SEEDS:
+        lines += [f"**{len(seeds)} seed(s): means only, no intervals over seeds.**", ""]
+    lines += [
+        "## Goal (issue 31)",
+        "",
+        "| config | seeds | speedup at 128K | ppl bound | NIAH bound | RULER bound | met |",
+    ]
+    lines += ["|---|---:|---:|---:|---:|---:|---|"]
+    for r in found[1:]:
+        w, g = r["reads"]["dense"]["worst"], r["goal"]
+        speed = r["attention_speedup"].get(GOAL["speedup_length"])
+        lines.append(
+            f"| {r['config']} | {len(r['seeds'])} | {_num(speed)} | {_num(w['ppl_change_hi'], sign=True)} | "
+            f"{_num(w['niah_change_lo'], 1, True)} | {_num(w['ruler_change_lo'], 1, True)} | {'yes' if g['met'] else 'no'} |"
+        )
+    lines += ["", "Bounds: worst over the lengths read (perplexity upper, NIAH and RULER-style lower; read dense).", ""]
+    for read in ("dense", "sparse"):
+        lines += [f"## Read {read}", ""]
+        lengths = sorted({n for r in found[1:] for n in r["reads"][read]["by_length"]})
+        for n in lengths:
+            lines += [
+                f"### {n} tokens",
+                "",
+                "| config | density | ppl change % | NIAH pts | NIAH forced pts | RULER pts |",
+            ]
+            lines += ["|---|---:|---:|---:|---:|---:|"]
+            for r in found[1:]:
+                row = r["reads"][read]["by_length"].get(n)
+                if row is None:
+                    continue
+                m = row["metrics"]
+                lines.append(
+                    f"| {r['config']} | {_num(r['density'], 3)} | {_change(m['ppl'])} | {_change(m['niah'], 1)} | "
+                    f"{_change(m['niah_forced'], 1)} | {_change(m['ruler'], 1)} |"
+                )
+            lines.append("")
+    lines += _absolute(pooled) + _training_table(found) + _speed_table(found) + _base(pooled)
+    if picture:
+        lines += [f"![attention speedup against accuracy change]({picture})", ""]
+    return "\n".join(lines)
+
+
+def _absolute(pooled: dict) -> list[str]:
+    """Each read's figures, means over seeds, per length."""
+    lines = ["## Figures read (means over seeds)", "", "| model | read | length | ppl (last bucket) | NIAH % | NIAH forced % | RULER % |"]  # fmt: skip
+    lines += ["|---|---|---:|---:|---:|---:|---:|"]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for read in pooled["eval"].values():
+        model = read["model"].split("/", 1)[-1]
+        groups.setdefault((model, read["attention"]), []).append(read_metrics(read))
+    for (model, attention), found in sorted(groups.items()):
+        for n in sorted(found[0]):
+            mean = {m: _mean([f[n][m] for f in found if n in f]) for m in METRICS}
+            lines.append(
+                f"| {model} | {attention} | {n} | {_num(mean['ppl'], 3)} | {_num(mean['niah'], 1)} | "
+                f"{_num(mean['niah_forced'], 1)} | {_num(mean['ruler'], 1)} |"
+            )
+    return lines + [""]
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _training_table(found: list[dict]) -> list[str]:
+    lines = ["## Training (means over seeds)", "", "| config | density | s/step | tokens/s | vs dense | peak GB | final loss |"]  # fmt: skip
+    lines += ["|---|---:|---:|---:|---:|---:|---:|"]
+    for r in found:
+        t = r["training"]
+        lines.append(
+            f"| {r['config']} | {_num(t['density'], 3)} | {_num(t['step_s'])} | {_num(t['tokens_per_s_median'], 0)} | "
+            f"{_num(t['e2e_speedup'])} | {_num(t['peak_mem_gb'], 1)} | {_num(t['final_loss'], 3)} |"
+        )
+    return lines + [""]
+
+
+def _speed_table(found: list[dict]) -> list[str]:
+    lengths = sorted({n for r in found for n in r["attention_speedup"]})
+    if not lengths:
+        return ["## Speed", "", "No speed figures in these folders.", ""]
+    lines = ["## Attention speed (estimate + forward + backward against dense forward + backward, the model's Q/K)", ""]
+    lines += ["| config | " + " | ".join(f"{n} speedup (density)" for n in lengths) + " |"]
+    lines += ["|---|" + "---:|" * len(lengths)]
+    for r in found[1:]:
+        cells = [f"{_num(r['attention_speedup'].get(n))} ({_num(r['attention_density'].get(n), 3)})" for n in lengths]
+        lines.append(f"| {r['config']} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _base(pooled: dict) -> list[str]:
+    found = pooled["base_check"]
+    if not found:
+        return []
+    low, high = found["interval"]
+    return [
+        "## Base check",
+        "",
+        f"NIAH at its native {found['length']} tokens: {found['score']:.1f}% [{low:.1f}, {high:.1f}] generated, "
+        f"{_num(found.get('forced'), 1)}% teacher-forced, {found['prompts']} prompts.",
+        "",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- picture
+def picture(found: list[dict], default: str | None, path: Path) -> Path:
+    """Attention speedup (x, log) against the change at the trained length (one panel per metric), read dense
+    (filled) and read sparse (open), with the two-sided t interval over seeds as bars; dense at (1, 0); the
+    default configuration starred. x: the speedup at 128K where measured, else at the longest length measured,
+    else the end-to-end training speedup."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    length = found[0]["length"]
+    measured = sorted({n for r in found for n in r["attention_speedup"]})
+    at = GOAL["speedup_length"] if GOAL["speedup_length"] in measured else (measured[-1] if measured else None)
+    panels = (("ppl", "perplexity change, %", GOAL["ppl_change_hi"]), ("niah", "NIAH change, points", GOAL["niah_change_lo"]), ("ruler", "RULER-style change, points", GOAL["ruler_change_lo"]))  # fmt: skip
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, (metric, title, bound) in zip(axes, panels):
+        ax.axhline(0, color="grey", lw=0.8)
+        ax.axhline(bound, color="tab:red", lw=0.8, ls="--")
+        ax.plot([1.0], [0.0], "ko")
+        ax.annotate("dense", (1.0, 0.0), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        for r in found[1:]:
+            x = r["attention_speedup"].get(at) if at is not None else r["training"]["e2e_speedup"]
+            if x is None:
+                continue
+            for read, style in (("dense", "o"), ("sparse", "s")):
+                row = r["reads"][read]["by_length"].get(length)
+                if row is None or row["metrics"][metric]["mean"] is None:
+                    continue
+                m = row["metrics"][metric]
+                err = (
+                    None if m["interval"] is None else [[m["mean"] - m["interval"][0]], [m["interval"][1] - m["mean"]]]
+                )
+                face = "tab:blue" if read == "dense" else "none"
+                ax.errorbar([x], [m["mean"]], yerr=err, fmt=style, color="tab:blue", mfc=face, capsize=3)
+                if read == "dense":
+                    label = r["config"] + (" (default)" if r["config"] == default else "")
+                    ax.annotate(label, (x, m["mean"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+                if r["config"] == default and read == "dense":
+                    ax.plot([x], [m["mean"]], "*", color="tab:orange", ms=14, zorder=0)
+        ax.set_xscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(f"attention speedup at {at} tokens" if at is not None else "end-to-end training speedup")
+    fig.suptitle(
+        f"{found[0]['model']} extended to {length}: change at {length} (filled: read dense, open: read sparse; "
+        f"bars: 95% t interval over seeds; dashed: the goal)",
+        fontsize=10,
+    )
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def write_report(folders: Sequence[Path], out: Path, name: str = "real_extension", default: str | None = None) -> Path:
+    """The pooled report of ``folders`` into ``out``: ``<name>.json``, ``.md`` and ``.png``; returns the JSON's path."""
+    pooled = pool([load_folder(Path(f)) for f in folders])
+    found = records(pooled)
+    default = default or pooled["settings"].get("default_arm")
+    out.mkdir(parents=True, exist_ok=True)
+    png = picture(found, default, out / f"{name}.png") if len(found) > 1 else None
+    (out / f"{name}.md").write_text(markdown(pooled, found, png.name if png else None) + "\n")
+    path = out / f"{name}.json"
+    result = {"name": name, "folders": [str(f) for f in folders], "default": default, "records": found}
+    path.write_text(json.dumps(result, indent=1, default=_jsonable) + "\n")
+    return path
+
+
+def _jsonable(value):
+    return str(value)
+
+
+def write_folder_report(out: Path) -> None:
+    """This folder's own report (``out/report/``), once it holds any read."""
+    if any((out / "eval").glob("*.json")):
+        write_report([out], out / "report")

@@ -1,0 +1,220 @@
+"""What the real-model extension experiment runs: the arms, the RoPE scaling, the schedule, the evaluation's sizes,
+the speed stage's lengths, and the time each stage is expected to take.
+
+``Arm`` is one attention configuration (``dense``, the paper's ``adaptive`` setting, fixed lines-only budgets such
+as ``v1024s2048``, lines + per-block columns such as ``v1024s2048c64``); ``arm(name)`` reads one from its name.
+``Settings`` holds one experiment's choices; ``PRESETS`` the defaults for the GPU (SmolLM2-135M 8K -> 64K on one
+H200) and for the CPU toy the tests run. ``Costs`` estimates each stage from FLOP counts and replaces an estimate by
+a measurement once a stage of the same kind has run.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from mtraining.eval.tasks import TASKS
+
+
+def rope_scaling(length: int, native: int) -> dict:
+    """The model's RoPE for training and reading at ``length`` tokens, pretrained at ``native``: YaRN with factor
+    length / native over the native length (the paper scales Qwen2.5-3B so: factor 16 over 32,768). The one place
+    this choice is made; the trainer merges it into the base's ``rope_parameters`` (its rope_theta is kept)."""
+    if length <= native:
+        raise ValueError(
+            f"the extension length {length} must exceed the base's native length {native} (its config's "
+            "max_position_embeddings): pass a larger --length"
+        )
+    return {"rope_type": "yarn", "factor": length / native, "original_max_position_embeddings": native}
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One attention configuration, trained and read.
+
+    ``threshold``: keep per head the fewest lines holding that fraction of the estimated attention mass, with
+    ``v_size``/``s_size`` as caps; without it they are fixed budgets. ``columns``: key columns chosen per query
+    block on top of the lines (``attention.block_columns``). At a length under twice a budget the budget is
+    lowered to half the length: a prompt fills its length only up to its answer, and a pattern that keeps more
+    than half the lines is about dense anyway."""
+
+    name: str
+    sparse: bool
+    threshold: float | None = None
+    v_size: int = 0
+    s_size: int = 0
+    columns: int = 0
+
+    def pattern(self, length: int, settings: Settings) -> dict:
+        """The ``attention`` fields (PatternConfig's) of this arm at ``length`` tokens; {} for dense."""
+        if not self.sparse:
+            return {}
+        fields = dict(
+            v_size=min(self.v_size, length // 2),
+            s_size=min(self.s_size, length // 2),
+            last_q=min(settings.last_q, length),
+            local_window=settings.local_window,
+            sink_tokens=settings.sink_tokens,
+        )
+        if self.threshold is not None:
+            fields["threshold"] = self.threshold
+        if self.columns:
+            fields["block_columns"] = self.columns
+        return fields
+
+
+ADAPTIVE = Arm("adaptive", True, threshold=0.9, v_size=4096, s_size=4096)  # the paper's: 90% mass, caps 4096
+_BUDGET = re.compile(r"(?:t(\d+))?v(\d+)s(\d+)(?:c(\d+))?")
+
+
+def arm(name: str) -> Arm:
+    """The arm named ``name``: ``dense``, ``adaptive``, or ``[tP]vVsS[cC]`` (threshold P percent as caps, else fixed
+    V verticals and S slashes per head, plus C columns per query block), e.g. ``v1024s2048``, ``t90v4096s4096``,
+    ``v1024s2048c64``. ValueError naming the forms otherwise."""
+    if name == "dense":
+        return Arm("dense", False)
+    if name == "adaptive":
+        return ADAPTIVE
+    found = _BUDGET.fullmatch(name)
+    if found is None:
+        raise ValueError(
+            f"unknown arm {name!r}: use dense, adaptive, or a budget like v1024s2048 (fixed lines), t90v4096s4096 "
+            "(90% of the mass, capped) or v1024s2048c64 (plus 64 columns per query block)"
+        )
+    t, v, s, c = found.groups()
+    threshold = int(t) / 100 if t else None
+    if threshold is not None and not 0 < threshold <= 1:
+        raise ValueError(f"arm {name!r}: the threshold is a percentage in 1..100, got {t}")
+    return Arm(name, True, threshold=threshold, v_size=int(v), s_size=int(s), columns=int(c or 0))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One experiment's choices (``PRESETS`` holds the defaults; the command line replaces fields).
+
+    Training: ``steps`` at ``length`` tokens per step (batch 1 per rank group), ``lr`` after ``warmup`` steps
+    (constant then, as the paper's), AdamW betas (0.9, 0.95) without weight decay, ``code_weight`` of the samples
+    from code and the rest from prose, document masking, a checkpoint every ``checkpoint_every`` steps, ``gpus``
+    ranks of one striped ring. Evaluation at ``length`` / 8, / 4, / 2 and ``length``: ``niah_prompts`` per length
+    (spread over ``depths``), ``ruler_samples`` per RULER-style task and length, ``ppl_windows`` held-out documents
+    per length; the base is checked on ``base_prompts`` NIAH prompts at its native length and must reach
+    ``base_gate`` percent (the upper end of its 95% interval; 0: no check). Speed: Q/K/V of ``speed_layers``
+    dumped at ``speed_lengths``, timed ``speed_repeats`` times per call."""
+
+    length: int = 65536
+    eval_fractions: tuple[int, ...] = (8, 4, 2, 1)  # the evaluation's lengths: length / each
+    seeds: tuple[int, ...] = (0, 1, 2)
+    arms: tuple[Arm, ...] = (Arm("dense", False), ADAPTIVE)
+    default_arm: str = "adaptive"
+    steps: int = 30
+    lr: float = 1e-4
+    warmup: int = 3
+    code_weight: float = 0.7
+    checkpoint_every: int = 10
+    gpus: int = 1
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    backend: str = "auto"
+    block_size: int = 128
+    last_q: int = 64
+    local_window: int = 128
+    sink_tokens: int = 4
+    eval_seed: int = 0
+    niah_prompts: int = 20
+    depths: tuple[int, ...] = (0, 25, 50, 75, 100)
+    ruler_samples: int = 2
+    ruler_tasks: tuple[str, ...] = TASKS
+    ppl_windows: int = 8
+    first_bucket: int = 1024
+    base_prompts: int = 20
+    base_gate: float = 50.0
+    heldout_fraction: float = 0.15
+    speed_lengths: tuple[int, ...] = (65536, 131072, 524288)
+    speed_layers: tuple[int, ...] = (3, 15, 27)
+    speed_repeats: int = 5
+    workers: int | None = None  # corpus and prompt-building processes (default: the spare cores)
+    costs: Costs = field(default_factory=lambda: Costs())
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """The evaluation's lengths: L/8, L/4, L/2, L (the toy: L/2, L)."""
+        return tuple(self.length // d for d in self.eval_fractions)
+
+    @property
+    def sparse_arms(self) -> tuple[Arm, ...]:
+        return tuple(a for a in self.arms if a.sparse)
+
+    def check(self) -> None:
+        """ValueError naming the option for settings that cannot run."""
+        names = [a.name for a in self.arms]
+        if "dense" not in names or len(set(names)) != len(names):
+            raise ValueError(f"--arms needs dense (every change is paired against it) and no repeats, got {names}")
+        if self.default_arm not in names:
+            raise ValueError(f"--default {self.default_arm!r} is not among --arms {names}")
+        unit = max(self.eval_fractions) * self.block_size * self.gpus
+        if self.length % unit:
+            raise ValueError(
+                f"--length {self.length} must be a multiple of {unit} (the shortest evaluation length's divisor x "
+                "block size x GPUs) so that every evaluation length splits into whole blocks on every rank"
+            )
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise ValueError(f"--seeds takes distinct non-negative integers, got {list(self.seeds)}")
+        for name in ("steps", "niah_prompts", "ruler_samples", "ppl_windows", "speed_repeats", "gpus"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.speed_repeats < 5 and self.device == "cuda":
+            raise ValueError(
+                f"--speed-repeats must be at least 5 on a GPU (a median of 5 or more), got {self.speed_repeats}"
+            )
+        unknown = sorted(set(self.ruler_tasks) - set(TASKS))
+        if unknown:
+            raise ValueError(f"--ruler-tasks: unknown {unknown}; use some of {', '.join(TASKS)}")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Expected seconds of each stage: FLOPs of the model at the stage's lengths over ``flops_per_s``, plus the fixed
+    costs of a process (``startup_s``: imports, loading, kernel compilation) and of each generated token
+    (``token_s``). Estimates, not measurements (a GPU's rate: about half of an H200's dense bf16 peak); the driver
+    replaces them by what finished stages of the same kind measured (``Timings``)."""
+
+    flops_per_s: float = 3e14
+    startup_s: float = 40.0
+    token_s: float = 0.012
+    prompt_s: float = 0.05  # per prompt: tokenising it and the host work around its prefill
+
+
+PRESETS: dict[str, Settings] = {
+    "gpu": Settings(),
+    "toy": Settings(
+        length=1024,
+        eval_fractions=(2, 1),
+        seeds=(0,),
+        arms=(Arm("dense", False), arm("t90v32s64")),
+        default_arm="t90v32s64",
+        steps=2,
+        lr=1e-3,
+        warmup=1,
+        checkpoint_every=1,
+        device="cpu",
+        dtype="float32",
+        backend="torch",
+        block_size=32,
+        last_q=32,
+        local_window=32,
+        niah_prompts=1,
+        depths=(50,),
+        ruler_samples=1,
+        ruler_tasks=("niah_multikey", "vt"),
+        ppl_windows=1,
+        first_bucket=128,
+        base_prompts=1,
+        base_gate=0.0,
+        heldout_fraction=0.5,
+        speed_lengths=(1024,),
+        speed_layers=(0, 1),
+        speed_repeats=2,
+        workers=2,
+        costs=Costs(flops_per_s=2e9, startup_s=15.0, token_s=0.01, prompt_s=0.05),
+    ),
+}

@@ -1,0 +1,41 @@
+"""bench/train_throughput.py at a toy size on gloo ranks: both modes train, every step is kept as it comes."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests.bench.scripts import load_script
+
+
+def test_both_modes_run_and_every_step_is_recorded(tmp_path, monkeypatch, capsys):
+    """Dense then sparse (the second run crashed on metrics.jsonl's start event row), with --compile for both."""
+    bench = load_script("train_throughput")
+    out = tmp_path / "tt.json"
+    args = ["--arch", "tiny", "--device", "cpu", "--gpus", "2", "--seq-lens", "256", "--steps", "2", "--warmup", "1"]
+    monkeypatch.setattr(sys, "argv", ["train_throughput.py", *args, "--compile", "aot_eager", "--out", str(out)])
+    bench.main()
+    dense, sparse = json.loads(out.read_text())
+    for rec in (dense, sparse):
+        assert rec["complete"] and "error" not in rec, rec.get("error")
+        assert rec["device"] == "cpu" and rec["gpus"] == 2 and rec["compile"] == "aot_eager"
+        assert rec["config"]["train"]["compile"] and rec["config"]["train"]["compile_backend"] == "aot_eager"
+        assert [s["step"] for s in rec["steps"]] == [1, 2] and rec["timed_steps"] == 1
+        assert rec["step_s"] == rec["steps"][1]["step_s"] > 0 and rec["peak_mem_gb"] > 0
+    assert dense["density"] is None and 0 < sparse["density"] <= 1
+    printed = capsys.readouterr().out
+    assert "     256  dense step 1: step_s=" in printed and "     256 sparse step 2: step_s=" in printed
+
+
+def test_step_rows_skip_events_and_unfinished_lines(tmp_path):
+    bench = load_script("train_throughput")
+    path = tmp_path / "metrics.jsonl"
+    rows = bench.StepRows(path)
+    assert rows.new() == []
+    path.write_text('{"event": "start", "step": 0}\n{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert rows.new() == [{"step": 1, "loss": 2.0}]
+    with open(path, "a") as f:
+        f.write('ss": 1.5}\n')
+    assert rows.new() == [{"step": 2, "loss": 1.5}]
+    summary = bench.summarize([{"step": 1, "step_s": 3.0, "loss": 2.0, "peak_mem_gb": 1.0}], warmup=2, profiled=False)
+    assert summary["step_s"] == 3.0 and summary["timed_steps"] == 1 and summary["mfu"] is None

@@ -1,0 +1,109 @@
+"""The whole experiment at toy size on the CPU: a GGUF written by the test -> convert -> corpus (a folder of packages
+and a prose archive) -> base check -> extend (2 steps, 1024 tokens, dense and a sparse arm, one process) -> every
+read -> the speed stage (SDPA's math path as the dense reference) -> the report, for two machines' folders (seed 0
+and seed 1) pooled; a call stopped by --max-minutes exits 3 and the same command finishes it; a base that clearly
+does not retrieve exits 4."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from tests.gguf_files import write_tiny_gguf
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[3]
+ARM = "t90v32s64"  # the toy preset's sparse arm
+
+
+def inputs(tmp: Path) -> list[str]:
+    """The toy's sources: a tiny GGUF pretrained at 512 tokens, three packages, a prose archive of two books."""
+    write_tiny_gguf(tmp / "tiny.gguf", context=512)
+    for name, src in (("mtdata", "data"), ("mteval", "eval"), ("mtring", "parallel/ring")):
+        shutil.copytree(ROOT / "mtraining" / src, tmp / "site" / name, ignore=shutil.ignore_patterns("__pycache__"))
+    with tarfile.open(tmp / "books.tar.xz", "w:xz") as tar:
+        for book, line in (
+            ("tides", "The tide came in over the flats at dusk. "),
+            ("hills", "Sheep graze the hills. "),
+        ):
+            data = (line * 150).encode()
+            info = tarfile.TarInfo(f"{book}/chapter1.txt")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return ["--gguf", str(tmp / "tiny.gguf"), "--code", str(tmp / "site"), "--prose", str(tmp / "books.tar.xz")]
+
+
+def experiment(*args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "experiments.real_extension", *map(str, args)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+
+
+def test_the_pipeline_at_toy_size_over_two_folders(tmp_path):
+    work = tmp_path / "work"
+    common = ["--preset", "toy", *inputs(tmp_path), "--heldout", "code/mteval", "--work", work]
+
+    planned = experiment(*common, "--plan", "--max-minutes", "1")
+    assert planned.returncode == 0, planned.stderr
+    assert (
+        "train seed 0 dense" in planned.stdout and "speed at 1024" in planned.stdout and "to run: ~" in planned.stdout
+    )
+    assert not work.exists()  # a plan runs nothing
+
+    a = experiment(*common, "--seeds", "0", "--out", tmp_path / "a", "--tar", tmp_path / "a.tgz")
+    assert a.returncode == 0, a.stdout[-3000:] + a.stderr[-3000:]
+    out = tmp_path / "a"
+    reads = sorted(p.stem for p in (out / "eval").glob("*.json"))
+    assert reads == ["base__dense", "seed0_dense__dense", f"seed0_{ARM}__dense", f"seed0_{ARM}__sparse"]
+    sparse = json.loads((out / "eval" / f"seed0_{ARM}__sparse.json").read_text())
+    assert [c["length"] for c in sparse["cells"]] == [512, 1024] and all(0 < c["density"] < 1 for c in sparse["cells"])
+    cell = sparse["cells"][-1]
+    assert {r["task"] for r in cell["ruler"]["records"]} == {"niah_multikey", "vt"}
+    assert all("forced_nll" in r for r in cell["niah"]["records"])  # teacher-forced beside generation
+    trained = json.loads((out / "train" / f"seed0_{ARM}.json").read_text())
+    assert trained["steps"] == 2 and 0 < trained["density"] < 1 and trained["step_s"] > 0
+    assert trained["config"]["model"]["rope_parameters"] == {
+        "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 512,
+    }  # fmt: skip
+    (speed,) = json.loads((out / "speed.json").read_text())
+    assert speed["length"] == 1024 and speed["arms"][ARM]["attention_speedup"] > 0
+    assert set(speed["layers"]) == {"0", "1"}
+    with tarfile.open(tmp_path / "a.tgz") as tar:
+        assert "a/speed.json" in tar.getnames() and "a/run.json" in tar.getnames()
+
+    # machine B: seed 1 only; its first call stops at the deadline (exit 3), the same command finishes it
+    b = [*common, "--seeds", "1", "--out", tmp_path / "b", "--no-speed", "--no-base-read"]
+    stopped = experiment(*b, "--max-minutes", "0.02")
+    assert stopped.returncode == 3, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert "run the same command again" in stopped.stdout
+    finished = experiment(*b)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    calls = json.loads((tmp_path / "b" / "run.json").read_text())["calls"]
+    assert [c["exit"] for c in calls] == [3, 0]
+
+    pooled = experiment("--report-from", tmp_path / "a", tmp_path / "b", "--report-out", tmp_path / "report")
+    assert pooled.returncode == 0, pooled.stderr
+    records = json.loads((tmp_path / "report" / "real_extension.json").read_text())["records"]
+    dense, arm = records
+    assert dense["config"] == "dense" and dense["ppl_change_pct"] == 0.0 and dense["attention_speedup"] == {"1024": 1.0}
+    assert arm["config"] == ARM and arm["seeds"] == [0, 1] and arm["length"] == 1024 and arm["gpus"] == 1
+    assert arm["ppl_change_pct"] is not None and arm["ppl_change_hi"] is None  # 2 seeds: means, no bounds
+    assert "no interval over seeds" in arm["reads"]["dense"]["by_length"]["1024"]["metrics"]["ppl"]["note"]
+    assert arm["sparse_read"]["ppl_change_pct"] is not None and arm["attention_speedup"]["1024"] > 0
+    assert "2 seed(s): means only" in (tmp_path / "report" / "real_extension.md").read_text()
+    assert (tmp_path / "report" / "real_extension.png").stat().st_size > 0
+
+    again = experiment(*common, "--seeds", "0", "--out", tmp_path / "a", "--steps", "3")
+    assert again.returncode == 2 and "other ['steps']" in again.stdout  # a work folder keeps its schedule
+
+    gated = experiment(*common, "--seeds", "0", "--out", tmp_path / "c", "--base-gate", "50", "--base-prompts", "8")
+    assert gated.returncode == 4 and "clearly below 50%" in gated.stdout, gated.stdout[-3000:]

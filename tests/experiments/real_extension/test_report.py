@@ -1,0 +1,163 @@
+"""The report's arithmetic on result folders written by the test: differences paired by seed, t bounds over seeds
+(checked against scipy), no bounds under three seeds, pooling refusals, the goal; and the settings' arms, RoPE and
+checks, and the stage estimates."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+from experiments.common.stages import Refused
+from experiments.real_extension import report
+from experiments.real_extension.cli import check_work
+from experiments.real_extension.costs import Estimator, Shape, Timings
+from experiments.real_extension.settings import ADAPTIVE, PRESETS, Arm, arm, rope_scaling
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = replace(PRESETS["gpu"], length=4096, eval_fractions=(2, 1))
+# per seed: (dense model read dense, adaptive read dense, adaptive read sparse) -> (ppl, niah, forced, ruler) at 4096
+FIGURES = {
+    0: ((10.0, 80.0, 70.0, 50.0), (10.1, 82.0, 70.0, 49.0), (10.3, 75.0, 60.0, 45.0)),
+    1: ((11.0, 70.0, 65.0, 40.0), (11.0, 72.0, 66.0, 42.0), (11.5, 70.0, 60.0, 41.0)),
+    2: ((12.0, 90.0, 85.0, 60.0), (11.9, 86.0, 80.0, 61.0), (12.4, 88.0, 80.0, 58.0)),
+}
+
+
+def cell(length: int, ppl: float, niah: float, forced: float, ruler: float) -> dict:
+    return {
+        "length": length,
+        "ppl": {"buckets": [{"ppl": 2 * ppl}, {"ppl": ppl}]},
+        "niah": {"score": niah, "forced": forced},
+        "ruler": {"average": ruler},
+        "density": None,
+    }
+
+
+def folder(path: Path, seeds: list[int], settings=SETTINGS, speed: bool = True) -> Path:
+    """A result folder as a machine leaves it (the fields the report reads)."""
+    for sub in ("train", "eval"):
+        (path / sub).mkdir(parents=True)
+    run = {"settings": json.loads(json.dumps(asdict(settings))), "sources": {"gguf": "/x/smol.gguf"}}
+    run["calls"] = [{"device": "H200", "commit": "abc", "command": "python -m experiments.real_extension", "exit": 0}]
+    (path / "run.json").write_text(json.dumps(run))
+    for seed in seeds:
+        for name, tokens, density in (("dense", 1000.0, None), ("adaptive", 2500.0, 0.1)):
+            summary = {"tokens_per_s_median": tokens, "density": density, "step_s": 1.0, "final_loss": 2.0}
+            (path / "train" / f"seed{seed}_{name}.json").write_text(json.dumps(summary))
+        reads = (("dense", "dense", "dense"), ("adaptive", "dense", "dense"), ("adaptive", "sparse", "adaptive"))
+        for (model, read, attention), figures in zip(reads, FIGURES[seed]):
+            cells = [cell(2048, 5.0, 90.0, 90.0, 50.0), cell(4096, *figures)]
+            record = {"model": f"seed{seed}/{model}", "attention": attention, "cells": cells}
+            (path / "eval" / f"seed{seed}_{model}__{read}.json").write_text(json.dumps(record))
+    if speed:
+        found = [{"length": n, "arms": {"adaptive": {"attention_speedup": x, "density": 0.1}}} for n, x in ((65536, 2.0), (131072, 3.5))]  # fmt: skip
+        (path / "speed.json").write_text(json.dumps(found))
+    return path
+
+
+def test_changes_are_paired_by_seed_with_t_bounds_over_three_seeds(tmp_path):
+    folders = [folder(tmp_path / "a", [0, 1]), folder(tmp_path / "b", [2], speed=False)]
+    path = report.write_report(folders, tmp_path / "out")
+    dense, adaptive = json.loads(path.read_text())["records"]
+    assert dense["config"] == "dense" and dense["attention_speedup"] == {"65536": 1.0, "131072": 1.0}
+    assert adaptive["seeds"] == [0, 1, 2] and adaptive["attention_speedup"] == {"65536": 2.0, "131072": 3.5}
+    ppl = [100 * (FIGURES[s][1][0] / FIGURES[s][0][0] - 1) for s in (0, 1, 2)]
+    niah = [FIGURES[s][1][1] - FIGURES[s][0][1] for s in (0, 1, 2)]
+    ruler_sparse = [FIGURES[s][2][3] - FIGURES[s][0][3] for s in (0, 1, 2)]  # read sparse: against dense read dense
+
+    def one_sided(values, sign):
+        mean, se = sum(values) / 3, stats.tstd(values) / math.sqrt(3)
+        return mean + sign * stats.t.ppf(0.95, 2) * se
+
+    assert adaptive["ppl_change_pct"] == pytest.approx(sum(ppl) / 3)
+    assert adaptive["ppl_change_hi"] == pytest.approx(one_sided(ppl, +1))
+    assert adaptive["niah_change_lo"] == pytest.approx(one_sided(niah, -1))
+    assert adaptive["sparse_read"]["ruler_change_lo"] == pytest.approx(one_sided(ruler_sparse, -1))
+    low, high = adaptive["reads"]["dense"]["by_length"]["4096"]["metrics"]["ppl"]["interval"]
+    half = stats.t.ppf(0.975, 2) * stats.tstd(ppl) / math.sqrt(3)
+    assert (low, high) == pytest.approx((sum(ppl) / 3 - half, sum(ppl) / 3 + half))
+    worst = adaptive["reads"]["dense"]["worst"]  # 2048: every seed equal, so no change there
+    assert worst["ppl_change_hi"] == pytest.approx(max(0.0, one_sided(ppl, +1)))
+    assert adaptive["goal"]["seeds"] and adaptive["goal"]["speedup"] and adaptive["training"]["e2e_speedup"] == 2.5
+    assert adaptive["goal"]["met"] is False  # NIAH's lower bound is below -3 points
+    md = (tmp_path / "out" / "real_extension.md").read_text()
+    assert "| adaptive | 3 | 3.50 |" in md and (tmp_path / "out" / "real_extension.png").exists()
+
+
+def test_under_three_seeds_the_means_come_without_bounds(tmp_path):
+    path = report.write_report([folder(tmp_path / "a", [0, 1])], tmp_path / "out")
+    adaptive = json.loads(path.read_text())["records"][1]
+    assert adaptive["niah_change_lo"] is None and adaptive["ppl_change_hi"] is None
+    assert adaptive["ppl_change_pct"] is not None and adaptive["goal"]["met"] is False
+    assert "2 seed(s): means only" in (tmp_path / "out" / "real_extension.md").read_text()
+
+
+def test_folders_that_do_not_pair_are_refused(tmp_path):
+    a = folder(tmp_path / "a", [0])
+    with pytest.raises(ValueError, match="seed 0 is in"):
+        report.pool([report.load_folder(a), report.load_folder(folder(tmp_path / "b", [0]))])
+    other = folder(tmp_path / "c", [1], replace(SETTINGS, steps=99))
+    with pytest.raises(ValueError, match=r"differ in \['steps'\]"):
+        report.pool([report.load_folder(a), report.load_folder(other)])
+    with pytest.raises(ValueError, match="no run.json"):
+        report.load_folder(tmp_path)
+
+
+def test_arms_are_read_from_their_names():
+    assert arm("adaptive") == ADAPTIVE and arm("dense") == Arm("dense", False)
+    assert arm("v1024s2048c64") == Arm("v1024s2048c64", True, None, 1024, 2048, 64)
+    assert arm("t90v4096s4096").threshold == 0.9
+    for bad in ("v1024", "sparse", "t0v1s1"):
+        with pytest.raises(ValueError, match="arm"):
+            arm(bad)
+    fields = ADAPTIVE.pattern(8192, PRESETS["gpu"])
+    assert fields == dict(v_size=4096, s_size=4096, last_q=64, local_window=128, sink_tokens=4, threshold=0.9)
+    assert ADAPTIVE.pattern(4096, PRESETS["gpu"])["v_size"] == 2048  # a prompt is shorter than its length
+
+
+def test_rope_and_settings_checks_name_the_option():
+    assert rope_scaling(65536, 8192) == {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192}
+    with pytest.raises(ValueError, match="--length"):
+        rope_scaling(8192, 8192)
+    gpu = PRESETS["gpu"]
+    gpu.check()
+    for changes, option in (
+        (dict(length=65536 + 128), "--length"),
+        (dict(arms=(ADAPTIVE,)), "--arms"),
+        (dict(default_arm="v1s1"), "--default"),
+        (dict(seeds=(0, 0)), "--seeds"),
+        (dict(speed_repeats=3), "--speed-repeats"),
+        (dict(ruler_tasks=("qa",)), "--ruler-tasks"),
+    ):
+        with pytest.raises(ValueError, match=option):
+            replace(gpu, **changes).check()
+
+
+def test_a_work_folder_keeps_its_schedule(tmp_path):
+    check_work(tmp_path, SETTINGS)
+    check_work(tmp_path, replace(SETTINGS, seeds=(5,), speed_lengths=(1024,)))  # free to change between calls
+    with pytest.raises(Refused, match=r"other \['lr'\]"):
+        check_work(tmp_path, replace(SETTINGS, lr=1.0))
+
+
+def test_estimates_count_flops_until_a_stage_is_measured(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    config = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
+    (model / "config.json").write_text(json.dumps(config | dict(intermediate_size=1536, vocab_size=49152)))
+    assert Shape.of(model) == Shape()  # SmolLM2-135M's, which the estimates assume before the conversion
+    timings = Timings(tmp_path / "timings.json")
+    estimate = Estimator(PRESETS["gpu"], Shape.of(model), timings)
+    flops = 4 * Shape().forward_flops(65536)
+    assert estimate.train_step(Arm("dense", False)).seconds == pytest.approx(flops / 3e14)
+    assert not estimate.train(ADAPTIVE, 30).measured
+    timings.record("train:adaptive:step", 0.5)
+    timings.record("train:adaptive:fixed", 20.0)
+    found = Estimator(PRESETS["gpu"], Shape(), Timings(tmp_path / "timings.json")).train(ADAPTIVE, 30)
+    assert found.measured and found.seconds == pytest.approx(35.0)
