@@ -103,22 +103,10 @@ class QueryWalk(NamedTuple):
         vfirst: Tensor | None = None,
     ) -> QueryWalk:
         """The walk of these lists, with their strides."""
-        per_block = _shared_strides(count, diag, vcount, unmasked, vfirst)
-        return cls(
-            q_gblock,
-            starts,
-            count,
-            diag,
-            diag_mask,
-            vcols,
-            vcount,
-            unmasked,
-            vfirst,
-            *starts.stride()[:3],
-            *per_block,
-            *diag_mask.stride()[:2],
-            *vcols.stride()[:2],
-        )
+        s, m, w = starts.stride(), diag_mask.stride(), vcols.stride()
+        cb, ch = _shared_strides(count, diag, vcount, unmasked, vfirst)
+        lists = (q_gblock, starts, count, diag, diag_mask, vcols, vcount, unmasked, vfirst)
+        return cls(*lists, s[0], s[1], s[2], cb, ch, m[0], m[1], w[0], w[1])
 
 
 class KeyWalk(NamedTuple):
@@ -167,21 +155,11 @@ class KeyWalk(NamedTuple):
         vend: Tensor | None = None,
     ) -> KeyWalk:
         """The walk of these lists (and ``pair``'s diagonal mask and vertical columns), with their strides."""
-        return cls(
-            starts,
-            count,
-            diag,
-            vstart,
-            pair.diag_mask,
-            pair.vcols,
-            unmasked,
-            vend,
-            *starts.stride()[:3],
-            *_shared_strides(count, diag, unmasked),
-            *_shared_strides(vstart, vend),
-            *pair.diag_mask.stride()[:2],
-            *pair.vcols.stride()[:2],
-        )
+        s, m, w = starts.stride(), pair.diag_mask.stride(), pair.vcols.stride()
+        cb, ch = _shared_strides(count, diag, unmasked)
+        tb, th = _shared_strides(vstart, vend)
+        lists = (starts, count, diag, vstart, pair.diag_mask, pair.vcols, unmasked, vend)
+        return cls(*lists, s[0], s[1], s[2], cb, ch, tb, th, m[0], m[1], w[0], w[1])
 
 
 def _shared_strides(*lists: Tensor | None) -> tuple[int, int]:

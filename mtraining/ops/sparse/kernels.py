@@ -445,7 +445,7 @@ def _fwd_kernel(
         total = w_prev + w_new
         out = (prev_out * w_prev[:, None] + out * w_new[:, None]) / tl.where(total == 0.0, 1.0, total)[:, None]
         lse = tl.where(top == float("-inf"), float("-inf"), top_safe + tl.log(tl.where(total == 0.0, 1.0, total)))
-    tl.store(out_ptr, out.to(Out.ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(out_ptr, out.to(Out.ptr.dtype.element_ty), mask=row_ok[:, None])  # type: ignore[attr-defined]
     tl.store(lse_ptr, lse, mask=row_ok)
 
 
