@@ -61,7 +61,7 @@ INT_POINTERS = {
     # per-block columns
     "ColRows",
     "ColCount",
-    # column scorer (ops/pattern/column_kernels.py)
+    # column scorer (ops/estimate/column_kernels.py)
     "QCodes",
     "KCodes",
 }
@@ -167,11 +167,14 @@ def _modules():
 
 
 def _scorer_module():
-    """The column scorer's kernels, None in a commit before them."""
-    try:
-        return importlib.import_module("mtraining.ops.pattern.column_kernels")
-    except ModuleNotFoundError:
-        return None
+    """The column scorer's kernels (in ops/pattern/ before the estimator moved to ops/estimate/), None in a
+    commit before them."""
+    for name in ("mtraining.ops.estimate.column_kernels", "mtraining.ops.pattern.column_kernels"):
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+    return None
 
 
 def _source() -> dict:

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from ..models import ATTN_IMPLEMENTATION, Attention, bind
 from ..models.attention import Record
 from ..ops.documents import Documents
-from ..ops.pattern.estimate import PatternConfig
+from ..ops.estimate.estimator import PatternConfig
 from ..parallel.layout import Layout, make_layout
 from ..train.loss import IGNORE_INDEX, token_scores
 

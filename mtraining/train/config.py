@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
 
 from ..models.loader import Init, check_hf_fields, refuse_gguf
-from ..ops.pattern.estimate import PatternConfig
+from ..ops.estimate.estimator import PatternConfig
 from ..parallel.layout import make_layout
 
 
@@ -101,7 +101,7 @@ class AttentionSection(_Section):
     threshold: float | None = Field(None, gt=0, le=1)
     """Keep the fewest lines reaching this estimated attention mass instead of fixed budgets."""
     budgets: str | None = None
-    """Pattern file with per-layer/per-head budgets (mtraining.ops.pattern.budgets)."""
+    """Pattern file with per-layer/per-head budgets (mtraining.ops.estimate.budgets)."""
     block_columns: int = Field(0, ge=0)
     """Key columns chosen per query block of block_size rows on top of the lines (questions asked
     mid-document keep their evidence); backend torch only for now. 0: none."""

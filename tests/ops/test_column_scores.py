@@ -1,5 +1,5 @@
-"""The Triton column scorer (ops/pattern/column_kernels.py, in the interpreter) against the torch reference
-(ops/pattern/block_columns.py): the same scores and the same chosen columns."""
+"""The Triton column scorer (ops/estimate/column_kernels.py, in the interpreter) against the torch reference
+(ops/estimate/block_columns.py): the same scores and the same chosen columns."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mtraining.ops import Documents
-from mtraining.ops.pattern.block_columns import column_scores_reference, select_block_columns
-from mtraining.ops.pattern.column_kernels import column_scores_triton
+from mtraining.ops.estimate.block_columns import column_scores_reference, select_block_columns
+from mtraining.ops.estimate.column_kernels import column_scores_triton
 from mtraining.ops.pattern.vertical_slash import VerticalSlashPattern
 
 G, D, N = 16, 16, 120  # N % G != 0: a partial last block

@@ -159,7 +159,7 @@ def test_block_columns_bf16_match_fp32_reference(seq, batch, documents, dq_mode)
 def test_column_scorer_matches_the_reference_on_cuda(documents):
     """The Triton column scorer in bf16 picks the torch reference's columns (float32 scores of the same bf16
     inputs; the rows' LSE from the bf16 sparse forward) at G = 128, 4K tokens, GQA."""
-    from mtraining.ops.pattern.block_columns import select_block_columns
+    from mtraining.ops.estimate.block_columns import select_block_columns
 
     gen = torch.Generator().manual_seed(11 + documents)
     b, seq, hq, hkv, d, g = 1, 4096, 4, 2, 64, 128

@@ -23,13 +23,13 @@ import triton.language as tl
 from torch import Tensor
 
 from ..documents import Documents
+from ..pattern.vertical_slash import VerticalSlashPattern
 from ..sparse import attention_forward
 from ..sparse.attention import check_backend_inputs
 from ..sparse.index import check_aligned_positions
 from ..sparse.kernels import LOG2E, HeadTensor, PerHead, RowStats, given
 from ..sparse.launch import bound_args, unit_stride
-from .block_columns import hashed_heads
-from .vertical_slash import VerticalSlashPattern
+from .hashing import hashed_heads
 
 _LOG2E = tl.constexpr(LOG2E)
 SCORE_BYTES = 256 << 20  # float32 scores held at once per chunk of query blocks
