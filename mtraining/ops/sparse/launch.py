@@ -15,6 +15,7 @@ import triton
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..backend import Chunk
 from ..pattern import VerticalSlashPattern
 from . import kernels
 from .index import (
@@ -185,22 +186,17 @@ def _launch(tiles: Tiles) -> dict:
 
 # ----------------------------------------------------------------------------- the backend contract
 def forward(
+    chunk: Chunk,
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    pattern: VerticalSlashPattern | None,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    scale: float,
     out_dtype: torch.dtype,
     merge_into: tuple[Tensor, Tensor] | None = None,
-    q_bound: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(out [B, Sq, Hq, D] in out_dtype, lse [B, Hq, Sq] float32); with ``merge_into`` (out, lse) of
-    earlier keys, the kernel merges its result into them in place and returns them. ``q_bound``
-    [B or 1, Sq] int32: the rows' document bounds (packed documents)."""
+    """``AttentionBackend.forward`` (ops/backend.py) by the forward kernel, which merges into ``merge_into`` itself."""
+    q_pos, k_pos, scale, q_bound = chunk.q_pos, chunk.k_pos, chunk.scale, chunk.q_bound
     q, k, v = unit_stride(q, k, v)
-    pattern = _resolve(q, pattern, q_pos, k_pos)
+    pattern = _resolve(q, chunk.pattern, q_pos, k_pos)
     b, sq, hq, d = q.shape
     t = tile_config(pattern.block_size, d, q.device, q.dtype).fwd
     walk = query_walk(pattern, q_pos, k_pos, q_bound)
@@ -306,26 +302,20 @@ def _dkdv_columns(bw: _Backward, columns: ColumnWalk) -> None:
 
 
 def backward(
+    chunk: Chunk,
     do: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
     lse: Tensor,
     delta: Tensor,
-    pattern: VerticalSlashPattern | None,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    scale: float,
     dq_dtype: torch.dtype | None = None,
-    q_bound: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) float32 for the pairs of this chunk pair, given the full-row lse and delta
-    (``q_bound``: the rows' document bounds, as in ``forward``).
-
-    dq comes in ``dq_dtype`` if given (the dQ kernel writes it directly: no float32 copy).
-    """
+    """``AttentionBackend.backward`` (ops/backend.py) by the dQ and dK/dV kernels; the dQ kernel writes dq in ``dq_dtype``
+    directly (no float32 copy)."""
+    q_pos, k_pos, scale, q_bound = chunk.q_pos, chunk.k_pos, chunk.scale, chunk.q_bound
     do, q, k, v = unit_stride(do, q, k, v)
-    pattern = _resolve(q, pattern, q_pos, k_pos)
+    pattern = _resolve(q, chunk.pattern, q_pos, k_pos)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     cfg = tile_config(pattern.block_size, d, q.device, q.dtype)
