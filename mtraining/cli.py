@@ -74,7 +74,7 @@ def train(
     overrides = overrides or []
     try:
         cfg = load_config(config, overrides)
-        launcher = nproc > 1 or nnodes > 1 or node_rank is not None or rdzv_endpoint is not None
+        launcher = nproc != 1 or nnodes != 1 or node_rank is not None or rdzv_endpoint is not None
         if launcher and "RANK" not in os.environ:
             from .train.preflight import preflight
             from .train.rendezvous import meet_nodes
@@ -151,11 +151,13 @@ def tokenize(
     """Tokenise the config's text sources into the token cache now (e.g. on a login node before a job), so
     ranks only memory-map them; with OUT, also write all sources end to end as one token file."""
     from .train.config import load_config
-    from .train.data import load_sources, write_token_file
+    from .train.data import check_token_file_target, load_sources, write_token_file
     from .train.errors import SaveFailed
 
     try:
         cfg = load_config(config, overrides)
+        if out is not None:
+            check_token_file_target(out)
         sources = load_sources(cfg, tokenize=True, log=typer.echo)
     except ValueError as err:
         _fail(err)

@@ -1,15 +1,16 @@
 """Tokenise each text file once, into a cache keyed by its content and the tokenizer.
 
 The cache folder (``data.cache_dir``; default ``$MTRAINING_CACHE``, else ``~/.cache/mtraining``) holds
-``tokens/<key>.bin``: the file's documents tokenised, each followed by the separator id (uint16 when the
-vocabulary fits, else uint32), and ``tokens/<key>.json``, its record (written last: an entry without its
+``tokens/<key>.bin``: the file's documents tokenised (blank ones skipped), each followed by the separator id
+(uint16 when the vocabulary fits, else uint32), and ``tokens/<key>.json``, its record (written last: an entry without its
 record does not exist; one whose ids file is not the size its record says is written again). ``key`` =
-sha256 of the format version, the file's sha256, the tokenizer.json's sha256, the text field and the
-separator id.
+sha256 of the format version, the file's sha256, the tokenizer.json's sha256, how text is tokenised
+(``TEXT_OPTIONS``: special-token strings are text), the text field and the separator id. A document holding
+the separator id is refused (the separator must be a special token).
 
 The file's SHA-256 is computed from its bytes at every start (0.8 CPU-seconds per GiB measured here, where
-xxh3-128 takes 0.2 and BLAKE2b 1.35; SHA-256 keeps the keys of caches written before), so a file rewritten
-with the same size and modification time is tokenised again, never served stale.
+xxh3-128 takes 0.2 and BLAKE2b 1.35), so a file rewritten with the same size and modification time is
+tokenised again, never served stale.
 
 Files are written under a temporary name and renamed, so concurrent writers (one per node) and
 interrupted runs never leave a half-written entry behind.
@@ -27,9 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from .documents import DataError, read_documents
-from .tokenizer import Tokenizer
+from .tokenizer import TEXT_OPTIONS, Tokenizer, refuse_separator_inside
 
-FORMAT = "mtraining-tokens-1"
+FORMAT = "mtraining-tokens-2"
 _BATCH_DOCS = 256
 _BATCH_CHARS = 16 << 20
 _HASH_CHUNK = 16 << 20
@@ -95,7 +96,8 @@ class TokenCache:
     def _entry(self, path: Path, tokenizer: Tokenizer, text_field: str, separator_id: int) -> Path:
         if tokenizer.fingerprint is None:
             raise DataError(f"{tokenizer.path} is not one tokenizer.json; token caches need one (data.tokenizer)")
-        parts = (FORMAT, file_digest(path), tokenizer.fingerprint, text_field, str(separator_id))
+        options = json.dumps(TEXT_OPTIONS, sort_keys=True)
+        parts = (FORMAT, file_digest(path), tokenizer.fingerprint, options, text_field, str(separator_id))
         return self._folder("tokens") / hashlib.sha256("|".join(parts).encode()).hexdigest()
 
     @staticmethod
@@ -132,12 +134,23 @@ class TokenCache:
         dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
         log(f"tokenising {path} into {entry}.bin")
         stats = {"tokens": 0, "documents": 0, "max_id": -1}
+        separator = np.asarray([separator_id], dtype=np.int64)
+        blank = [0]
+
+        def written(docs: Iterator[str]) -> Iterator[str]:
+            for doc in docs:
+                if doc.strip():
+                    yield doc
+                else:
+                    blank[0] += 1
 
         def write(tmp: Path) -> None:
             with open(tmp, "wb") as out:
-                for batch in _batches(read_documents(path, text_field)):
-                    ids = [i for doc in tokenizer.encode(batch) for i in (*doc, separator_id)]
-                    array = np.asarray(ids, dtype=np.int64)
+                for batch in _batches(written(read_documents(path, text_field))):
+                    docs = [np.asarray(doc, dtype=np.int64) for doc in tokenizer.encode(batch)]
+                    for n, doc in enumerate(docs, start=stats["documents"] + 1):
+                        refuse_separator_inside(doc, separator_id, tokenizer, f"{path}: document {n}")
+                    array = np.concatenate([part for doc in docs for part in (doc, separator)])
                     stats["tokens"] += len(array)
                     stats["documents"] += len(batch)
                     stats["max_id"] = max(stats["max_id"], int(array.max()))
@@ -146,7 +159,7 @@ class TokenCache:
         bin_path = entry.with_suffix(".bin")
         _write_atomic(bin_path, write)
         if not stats["tokens"]:
-            raise DataError(f"{path} holds no documents")
+            raise DataError(f"{path} holds no documents" + (f", only {blank[0]} blank ones" if blank[0] else ""))
         cached = CachedTokens(
             path=str(bin_path),
             dtype=dtype.name,

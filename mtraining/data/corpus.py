@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from .documents import DataError
-from .tokenizer import TextTokenizer
+from .tokenizer import TextTokenizer, refuse_separator_inside
 from .trees import CODE_SUFFIXES, MAX_FILE_BYTES, PROSE_SUFFIXES, TreeDocument, TreeFile, package_licenses, read_tree
 
 FORMAT = "mtraining-corpus-1"
@@ -129,15 +129,12 @@ _TOKENIZER = None
 
 def _init_worker(tokenizer_file: str) -> None:
     global _TOKENIZER
-    from tokenizers import Tokenizer
-
-    _TOKENIZER = Tokenizer.from_file(tokenizer_file)
-    _TOKENIZER.encode_special_tokens = True  # '<|endoftext|>' in a document is text, not a separator
+    _TOKENIZER = TextTokenizer(tokenizer_file)  # '<|endoftext|>' in a document is text, not a separator
 
 
 def _encode(task: tuple[list[tuple[TreeFile, str]], bool]) -> np.ndarray:
     files, first = task
-    return np.asarray(_TOKENIZER.encode(_text(files, first), add_special_tokens=False).ids, dtype=np.uint32)
+    return np.asarray(_TOKENIZER.encode(_text(files, first)), dtype=np.uint32)
 
 
 def _parts(kept: list[tuple[TreeFile, str]]) -> list[tuple[list[tuple[TreeFile, str]], bool]]:
@@ -244,7 +241,7 @@ def build_corpus(
         )
         tasks = [(i, part) for i, k in enumerate(kept) for part in _parts(k)]
         encoded = pool.imap(_encode, [part for _, part in tasks], chunksize=1)
-        result = _collect(docs, kept, tasks, encoded, separator, dtype, options, _Progress(len(docs), log))
+        result = _collect(docs, kept, tasks, encoded, tok, separator, dtype, options, _Progress(len(docs), log))
     after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the workers, ended and waited for by the pool
     seconds = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     manifest = _write(out_dir, result, docs, kept, tree_records, skipped, tok, separator, dtype, options, command)
@@ -264,7 +261,7 @@ class _Result:
     train: dict[str, list[np.ndarray]]
 
 
-def _collect(docs, kept, tasks, encoded, separator, dtype, options, progress) -> _Result:
+def _collect(docs, kept, tasks, encoded, tok, separator, dtype, options, progress) -> _Result:
     """Route each document's ids, as they arrive in order, to its kind's training stream or the held-out set."""
     result = _Result({}, {}, {})
     current: list[np.ndarray] = []
@@ -275,8 +272,7 @@ def _collect(docs, kept, tasks, encoded, separator, dtype, options, progress) ->
             continue
         ids = np.concatenate(current)
         current = []
-        if (ids == separator).any():
-            raise DataError(f"{docs[i].name}: the separator id {separator} occurs inside the document")
+        refuse_separator_inside(ids, separator, tok, f"document {docs[i].name}")
         result.tokens[i] = len(ids)
         done_tokens += len(ids)
         if len(ids) < options.min_tokens:

@@ -89,8 +89,16 @@ def _walk(folder: Path, kinds: tuple[str, ...]) -> list[Path]:
             found.extend(_dataset_files(here) if "table" in kinds else [])
             continue
         dirs.sort()
-        found.extend(here / n for n in sorted(names) if file_kind(n) in kinds and n not in HF_METADATA)
+        found.extend(_regular(here / n) for n in sorted(names) if file_kind(n) in kinds and n not in HF_METADATA)
     return found
+
+
+def _regular(path: Path) -> Path:
+    """``path``, a regular file (or a link to one); DataError for a FIFO, socket or device, whose reading
+    waits for a writer forever."""
+    if not path.is_file():
+        raise DataError(f"{path} is not a regular file (a FIFO, socket or device); give a file")
+    return path
 
 
 def find_files(source: str | Path, kinds: tuple[str, ...] = TEXT_KINDS + ("tokens",)) -> list[Path]:
@@ -110,7 +118,7 @@ def find_files(source: str | Path, kinds: tuple[str, ...] = TEXT_KINDS + ("token
                 raise DataError(f"folder {path} holds no {_supported(kinds)} files")
             files.extend(inside)
         elif file_kind(path) in kinds:
-            files.append(path)
+            files.append(_regular(path))
         elif not glob.has_magic(text):
             raise DataError(f"{path}: unsupported file type; use one of {_supported(kinds)}")
     if not files:

@@ -4,6 +4,11 @@ Training and evaluation differ in two options, both explicit: whether ``encode``
 special tokens (a BOS before prompts; never inside training documents, which are joined by a
 separator instead), and where the EOS comes from (the one the tokenizer declares; documents fall back
 to common EOS names because they need a separator, answers stop only at a declared EOS).
+
+Text is always text: a special-token string written inside a document or a prompt (``<|endoftext|>`` in
+a tokenizer's source, ``<|im_end|>`` in a chat log) is tokenised as the characters it is made of
+(``TEXT_OPTIONS``), so special ids come only from ``add_special_tokens`` and a separator id only ever ends
+a document. The token cache keys its entries by ``TEXT_OPTIONS``.
 """
 
 from __future__ import annotations
@@ -13,8 +18,12 @@ import json
 from pathlib import Path
 from typing import overload
 
+import numpy as np
+
 from .documents import DataError
 
+TEXT_OPTIONS = {"split_special_tokens": True}
+"""How ``Tokenizer.encode`` reads text: special-token strings as plain text (part of the token cache's key)."""
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 _BOUNDARY_CHARS = 1024  # characters before a continuation that decide how it is tokenised
 FOLDER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -95,6 +104,11 @@ class Tokenizer:
         raise DataError(f"cannot tell the EOS token of {self.path}; set data.separator (e.g. '</s>')")
 
     @property
+    def special_tokens(self) -> list[str]:
+        """The strings of the special tokens (text that spells one is still tokenised as text)."""
+        return [t.content for t in self.hf.added_tokens_decoder.values() if t.special]
+
+    @property
     def stop_ids(self) -> list[int]:
         """Token ids that end an answer: the declared EOS, if any."""
         tid = self._id(self.eos) if self.eos else None
@@ -110,8 +124,11 @@ class Tokenizer:
     @overload
     def encode(self, text: list[str]) -> list[list[int]]: ...
     def encode(self, text: str | list[str]) -> list[int] | list[list[int]]:
-        """Ids of one text, or of each text of a list (one batch through the fast tokenizer)."""
-        return self.hf(text, add_special_tokens=self.add_special_tokens, return_attention_mask=False)["input_ids"]
+        """Ids of one text, or of each text of a list (one batch through the fast tokenizer); special-token
+        strings in the text are text (``TEXT_OPTIONS``)."""
+        return self.hf(text, add_special_tokens=self.add_special_tokens, return_attention_mask=False, **TEXT_OPTIONS)[
+            "input_ids"
+        ]
 
     def continuation(self, prompt: str, text: str) -> list[int]:
         """Ids of ``text`` where it follows ``prompt``: those ``encode(prompt + text)`` adds after ``encode(prompt)``
@@ -121,13 +138,24 @@ class Tokenizer:
         head, whole = self.encode([tail, tail + text])
         if whole[: len(head)] == head:
             return whole[len(head) :]
-        return self.hf(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        return self.hf(text, add_special_tokens=False, return_attention_mask=False, **TEXT_OPTIONS)["input_ids"]
 
     def count(self, text: str) -> int:
         return len(self.encode(text))
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
+
+
+def refuse_separator_inside(ids: np.ndarray, separator: int, tokenizer: Tokenizer, where: str) -> None:
+    """DataError when a document's ids (``where`` names it) hold the separator: a separator the text can spell
+    (not a special token) would make document boundaries where none was written."""
+    if (ids == separator).any():
+        token = tokenizer.hf.convert_ids_to_tokens(separator)
+        raise DataError(
+            f"{where} holds the separator {token!r} (id {separator}) inside its text, so its documents could not "
+            "be told apart; name a special token of the tokenizer as the separator (its EOS, the default)"
+        )
 
 
 def TextTokenizer(path: str | Path) -> Tokenizer:  # noqa: N802 - the name training code and bench scripts use

@@ -50,10 +50,11 @@ def open_token_file(path: Path, token_dtype: str = "uint32") -> np.ndarray:
     return tokens
 
 
-def scan_max(path: Path, token_dtype: str = "uint32") -> int:
+def scan_max(path: Path, token_dtype: str = "uint32", separator: int | None = None) -> int:
     """Largest token id of a token file, read in chunks through one buffer (no mapping of the whole file).
 
-    DataError for a negative id, and for a raw file whose ids look like a wider type's (module docstring)."""
+    DataError for a negative id, for a raw file whose ids look like a wider type's (module docstring), and, with
+    ``separator`` (document masking finds documents by it), for a file that never holds that id."""
     tokens = open_token_file(path, token_dtype)
     if not len(tokens):
         raise DataError(f"{path} holds no tokens")
@@ -62,7 +63,7 @@ def scan_max(path: Path, token_dtype: str = "uint32") -> int:
     del tokens
     # raw files: the factors f (wider type = f x this one) whose ids off the multiples of f are all zero so far
     zero_between = [f for f in (2, 4) if path.suffix != ".npy" and f * dtype.itemsize <= 8 and count % f == 0]
-    best = 0
+    best, separated = 0, separator is None
     buffer = np.empty(min(count, _SCAN_TOKENS), dtype=dtype)
     with open(path, "rb") as f:
         f.seek(offset)
@@ -75,10 +76,17 @@ def scan_max(path: Path, token_dtype: str = "uint32") -> int:
             if dtype.kind == "i" and chunk.min() < 0:
                 raise DataError(f"{path} holds a negative token id near token {done}; token ids are >= 0")
             best = max(best, int(chunk.max()))
+            separated = separated or bool((chunk == separator).any())
             if zero_between:
                 nonzero = np.count_nonzero(chunk)
                 zero_between = [k for k in zero_between if np.count_nonzero(chunk[(-done) % k :: k]) == nonzero]
             done += n
+    if not separated:
+        raise DataError(
+            f"{path} never holds the separator id {separator}, so data.document_masking would find no documents "
+            "in it; write it with the separator after each document (mtraining corpus and tokenize do), set "
+            "data.separator to the token its documents end with, or set data.document_masking: false"
+        )
     if zero_between and count >= _EVIDENCE:
         factor = max(zero_between)
         wider = {4: "uint32 (or int32)", 8: "int64"}[factor * dtype.itemsize]

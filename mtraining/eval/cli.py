@@ -93,6 +93,7 @@ class _Session:
     def __init__(self, checkpoint: Path, opts: SessionOptions) -> None:
         import torch.distributed as dist
 
+        from ..train.outputs import check_output_dir
         from .engine import AttentionSpec, Engine
         from .loading import load, pick_device
         from .runtime import init_group, is_root
@@ -120,6 +121,7 @@ class _Session:
         )
         self.engine = Engine(self.loaded.model, self.spec, self.group)
         self.checkpoint = str(checkpoint)
+        check_output_dir(str(opts.folder(self._label())), "--out-dir")  # before the evaluation runs
         self.started = time.time()
 
     def check(self, lengths: list[int], generate: bool) -> None:
@@ -164,10 +166,13 @@ class _Session:
             write_json(folder / f"{kind}.json", out)
         return out, folder
 
+    def _label(self) -> str:
+        return self.opts.label or f"{self.loaded.name}-{self.spec.name}"
+
     def _header(self, kind: str, settings: dict) -> dict:
         return {
             "kind": kind,
-            "label": self.opts.label or f"{self.loaded.name}-{self.spec.name}",
+            "label": self._label(),
             "checkpoint": self.checkpoint,
             "attention": self.spec.name,
             "pattern": self.spec.pattern if self.spec.sparse else None,
@@ -474,6 +479,7 @@ def _from_files(
     s = _Session(checkpoint, opts)
     s.check(lengths, generate=True)
     tokenizer = s.loaded.tokenizer
+    datafiles.refuse_special_tokens(samples, tokenizer.special_tokens)
     placed = datafiles.place(samples, lengths, tokenizer.count, files.truncate)
     return s, datafiles.run_samples(s.engine, tokenizer, placed, lengths, kind, s.root, forced)
 

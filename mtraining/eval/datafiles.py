@@ -125,6 +125,8 @@ def _ruler_sample(task: str, record: dict, max_new_tokens: int | None) -> Sample
     prefix = record.get("answer_prefix", "")
     if not isinstance(prefix, str):
         raise ValueError(f"answer_prefix must be a string, got {prefix!r}")
+    if not prompt + prefix:
+        raise ValueError("the prompt (input + answer_prefix) is empty; fix or drop the record")
     new_tokens = budget if max_new_tokens is None else max_new_tokens
     return Sample(task, 0, prompt + prefix, [str(o) for o in outputs], new_tokens, metric=metric)
 
@@ -141,6 +143,20 @@ def ruler_samples(
         return path.parent.name if stem in ("validation", "test") else stem
 
     return _load(paths, limit, task_of, lambda t, r: _ruler_sample(t, r, max_new_tokens))
+
+
+def refuse_special_tokens(samples: Sequence[Sample], special_tokens: Sequence[str]) -> None:
+    """ValueError naming the record when a prompt spells one of the tokenizer's special tokens: a file prepared
+    with a chat template. Prompts are read as text (the BOS comes from the tokenizer), so the template would
+    reach the model as plain characters."""
+    for s in samples:
+        spelled = next((t for t in special_tokens if t in s.prompt), None)
+        if spelled is not None:
+            raise ValueError(
+                f"{s.meta['file']} record {s.meta['id']} spells the special token {spelled!r} (a chat template?); "
+                "prompts are read as text and get the tokenizer's BOS, so prepare the files without a template "
+                "(RULER: prepare.py --model_template_type base) or remove the token from the record"
+            )
 
 
 def place(

@@ -189,6 +189,15 @@ class Engine:
             return full
         return self._layout(seq_len).shard(full, self.rank)
 
+    def _check_ids(self, largest: int) -> None:
+        """ValueError when a token id has no embedding row: the tokenizer is another model's."""
+        rows = self.model.get_input_embeddings().num_embeddings
+        if largest >= rows:
+            raise ValueError(
+                f"token id {largest} is beyond the model's {rows} embeddings: the tokenizer is not the model's; "
+                "pass --tokenizer with the tokenizer it was trained with"
+            )
+
     def _prefill(self, ids: Tensor, cache=None, documents: Documents | None = None) -> Tensor:
         """Run the base model on ``ids`` [seq] through the configured attention; local hidden states.
         ``documents``: packed documents of ``ids`` (global boundaries), each attending only within itself."""
@@ -226,6 +235,7 @@ class Engine:
         seq_len = ids.shape[0]
         if seq_len < 2:
             raise ValueError("scoring needs sequences of at least 2 tokens")
+        self._check_ids(int(ids.max()))
         if seq_len % self.unit and self.group is not None:
             raise ValueError(
                 f"length {seq_len} cannot be split by the {self.spec.layout} layout over {self.world_size} ranks; "
@@ -324,6 +334,7 @@ class Engine:
             raise ValueError("cannot answer an empty prompt")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        self._check_ids(max(ids + forced))
         total, documents = self._sequence(len(ids), len(forced))
         sequence = ids + forced + [_PAD_ID] * (total - len(ids) - len(forced))
         cache = DynamicCache(config=self.model.config)

@@ -42,6 +42,8 @@ from .scoring import check_answers
 from .tasks import Sample, fit_prompt
 
 TASKS = ("passkey", "number_string", "kv_retrieval", "math_find")
+RETRIEVED = ("passkey", "number_string", "kv_retrieval")
+"""Tasks whose answer is copied from the context: a record whose context lacks it cannot be answered."""
 MAX_NEW_TOKENS = {"passkey": 6, "number_string": 12, "kv_retrieval": 50, "math_find": 3}
 METRICS = {
     "passkey": "first_integer",
@@ -231,5 +233,11 @@ def sample_from_record(task: str, raw: dict, max_new_tokens: int | None = None) 
         raise ValueError(f"an InfiniteBench record needs string context and input and an answer; found fields {found}")
     record = Record(raw["context"], raw["input"], _answers(raw["answer"]))
     check_answers(METRICS[task], record.answers)
+    lost = [a for a in record.answers if task in RETRIEVED and a not in record.context]
+    if lost:
+        raise ValueError(
+            f"the answer {lost[0]!r} cannot be scored with {METRICS[task]}: it is not in the context, so no model "
+            "can retrieve it; fix or drop the record"
+        )
     new_tokens = MAX_NEW_TOKENS[task] if max_new_tokens is None else max_new_tokens
     return Sample(task, 0, render(task, record), record.answers, new_tokens, metric=METRICS[task])

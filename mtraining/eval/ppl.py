@@ -1,9 +1,9 @@
 """Long-document perplexity at several lengths, with the loss per position bucket.
 
 For each length L the first L tokens of every document that long (or, with ``pack``, consecutive
-L-token windows of all documents joined by EOS) are scored; the per-token losses are summed into
-buckets of positions [0, b), [b, 2b), [2b, 4b), ... so a user sees whether late tokens, which
-have more context, get a lower loss. Held-out real documents (a JSONL corpus with a ``text`` field, or
+L-token windows of all documents joined by the separator training uses: the EOS) are scored; the
+per-token losses are summed into buckets of positions [0, b), [b, 2b), [2b, 4b), ... so a user sees
+whether late tokens, which have more context, get a lower loss. Held-out real documents (a JSONL corpus with a ``text`` field, or
 text files) take PG-19's role. Each perplexity carries a 95% interval over its windows (``ppl_interval``:
 the windows' mean losses resampled), and each window's per-bucket loss sums are kept with the index of
 the document it starts in (``window_records``), so two models read on the same documents pair up window
@@ -49,15 +49,15 @@ class _Windows:
     def windows(self, length: int, samples: int, pack: bool) -> list[tuple[int, list[int]]]:
         """Up to ``samples`` (index of the document the window starts in, its ``length`` ids)."""
         if pack:
-            eos = self.tokenizer.eos_id
+            separator = self.tokenizer.separator_id(None)  # training's: the declared EOS, else a common EOS name
             need = length * samples
 
             self._tokenise_until(lambda: sum(len(d) + 1 for d in self.ids) >= need)
             stream: list[int] = []
             owner: list[int] = []
             for i, doc in enumerate(self.ids):
-                stream.extend(doc + ([eos] if eos is not None else []))
-                owner.extend([i] * (len(doc) + (eos is not None)))
+                stream.extend([*doc, separator])
+                owner.extend([i] * (len(doc) + 1))
             starts = range(0, len(stream) - length + 1, length)
             found = [(owner[i], stream[i : i + length]) for i in starts][:samples]
         else:

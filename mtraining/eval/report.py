@@ -159,9 +159,11 @@ def _task_section(results: list[dict], out_dir: Path, title: str, plot: str) -> 
 
 def build_report(paths: Sequence[str | Path], out_dir: str | Path) -> Path:
     """Write ``out_dir/report.md`` and its PNGs from the results under ``paths``; returns the report path."""
+    from ..train.outputs import check_output_dir
+
     found = collect(paths)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_output_dir(str(out_dir), "--out-dir")
     lines = ["# Evaluation report", ""]
     every = {(r["label"], r["checkpoint"], r["attention"]) for rs in found.values() for r in rs}
     lines += [f"- **{label}**: `{ckpt}`, {attention} attention" for label, ckpt, attention in sorted(every)] + [""]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from .adapter import ATTN_IMPLEMENTATION, register
@@ -217,9 +218,22 @@ def build_model(
         if init != "hf":
             raise ValueError(f"init={init!r} draws random weights; a model loaded from {path} keeps its trained ones")
         check_weights(path)
-        return AutoModelForCausalLM.from_pretrained(
-            path, config=hf_config, attn_implementation=attn_implementation, dtype=torch.float32, local_files_only=True
-        )
+        try:
+            return AutoModelForCausalLM.from_pretrained(
+                path,
+                config=hf_config,
+                attn_implementation=attn_implementation,
+                dtype=torch.float32,
+                local_files_only=True,
+            )
+        except (OSError, RuntimeError, SafetensorError) as err:  # a cut file; weights of another config
+            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+            if "ignore_mismatched_sizes" in detail:  # transformers logs the table of shapes above
+                detail = "its weights' shapes do not fit its config.json (the table above lists them)"
+            raise ValueError(
+                f"the weights in {path} cannot be loaded ({detail}); copy the folder again, or export it again "
+                "with `mtraining export`"
+            ) from None
     model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation, dtype=torch.float32)
     if init == "depth_scaled":
         depth_scaled_init(model)

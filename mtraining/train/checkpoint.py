@@ -142,17 +142,26 @@ def _commit(partial: Path, final: Path, report: Callable[[str], None]) -> None:
     if isinstance(files, str) or any(_problems(final, files, sorted(files))):
         kept = _unused_name(final, ".unverified")
         os.replace(final, kept)
-        os.replace(partial, final)
         report(f"kept {final.name}, which did not verify, as {kept.name} (this save replaces it)")
-    elif final.exists():
+    replace_folder(partial, final)
+
+
+def replace_folder(written: Path, final: Path) -> None:
+    """Rename the folder ``written`` to ``final``; an existing ``final`` is moved aside first and removed only
+    after the rename, so an interruption leaves one of them whole."""
+    if final.exists():
         old = final.with_name(final.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
-        os.replace(partial, final)
+        os.replace(written, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
-        os.replace(partial, final)
-    fd = os.open(final.parent, os.O_RDONLY)
+        os.replace(written, final)
+    _sync_folder(final.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)  # the rename itself survives a crash
     finally:

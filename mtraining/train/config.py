@@ -502,6 +502,27 @@ class ConfigError(ValueError):
     """A config that cannot run; the message names the fix."""
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader refusing a key given twice in one mapping (YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                raise ConfigError(
+                    f"the key {key!r} is given twice (lines {lines[key]} and {line}); YAML would keep the last "
+                    "alone: merge them into one"
+                )
+            lines[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Set ``section.key=value`` entries (values parsed as YAML) on a nested dict, returning a copy."""
     out = yaml.safe_load(yaml.safe_dump(raw)) or {}
@@ -517,10 +538,12 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
                 raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
             node = child
         try:
-            node[leaf] = yaml.safe_load(value)
+            node[leaf] = _load_yaml(value)
         except yaml.YAMLError as err:
             problem = getattr(err, "problem", None) or err
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem}); fix or quote it") from None
+        except ConfigError as err:
+            raise ConfigError(f"override {item!r}: {err}") from None
     return out
 
 
@@ -602,14 +625,18 @@ def resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read a YAML config file (relative paths in it are relative to its folder) and apply ``key=value`` overrides."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a folder, not a YAML config file; give the config's path (see configs/)")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = _load_yaml(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {_yaml_problem(err)}") from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path} is not UTF-8 text ({err}); save it as UTF-8") from None
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections (model, data, train, ...)")
     return parse_config(resolve_paths(raw, path.parent), overrides)

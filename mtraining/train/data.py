@@ -99,15 +99,18 @@ def load_sources(cfg: Config, tokenize: bool, log: Callable[[str], None] = print
     d = cfg.data
     cache = TokenCache(d.cache_dir)
     specs = [(spec, find_files(spec.path)) for spec in d.source_specs]
+    _refuse_outputs_inside(specs, cfg, cache)
     tokenizer = _tokenizer(cfg, [f for _, files in specs for f in files if file_kind(f) != "tokens"])
     separator = tokenizer.separator_id(d.separator) if tokenizer is not None else None
+    token_files = any(file_kind(f) == "tokens" for _, files in specs for f in files)
+    boundary = document_separator(cfg) if token_files else None  # None without document masking
     sources = []
     for spec, files in specs:
         parts = []
         for path in files:
             if file_kind(path) == "tokens":
                 ids = open_token_file(path, d.token_dtype)
-                max_id = scan_max(path, d.token_dtype)
+                max_id = scan_max(path, d.token_dtype, boundary)
                 parts.append(TokenPart(str(path), ids.dtype.name, len(ids), max_id, str(path)))
                 continue
             text_field = spec.text_field or d.text_field
@@ -125,6 +128,29 @@ def load_sources(cfg: Config, tokenize: bool, log: Callable[[str], None] = print
     return sources
 
 
+def _refuse_outputs_inside(specs: list, cfg: Config, cache: TokenCache) -> None:
+    """DataError when a folder the run writes (the token cache, checkpoints, logs, the export) lies in a data
+    source: its files (.bin ids, .json records, metrics.jsonl) would be read as data from the next start on."""
+    outputs = {
+        "data.cache_dir": cache.root,
+        "checkpoint.dir": cfg.checkpoint.dir,
+        "checkpoint.export_dir": cfg.checkpoint.export_dir,
+        "log.dir": cfg.log.dir,
+    }
+    for key, out in outputs.items():
+        if out is None:
+            continue
+        root = Path(out).expanduser().absolute()
+        for spec, files in specs:
+            folder = Path(spec.path).expanduser().absolute()
+            inside = folder.is_dir() and root.is_relative_to(folder)
+            if inside or any(Path(f).absolute().is_relative_to(root) for f in files):
+                raise DataError(
+                    f"data source {spec.path!r} holds {key}={out}: what the run writes there would be read as "
+                    f"data; set {key} to a folder outside the data"
+                )
+
+
 def check_vocabulary(sources: list[Source], vocab_size: int, token_dtype: str) -> None:
     """ValueError naming the file when a token id is not below the model's vocab_size."""
     for part in (p for s in sources for p in s.parts):
@@ -138,6 +164,17 @@ def check_vocabulary(sources: list[Source], vocab_size: int, token_dtype: str) -
             )
         raise ValueError(
             f"{part.origin} holds token id {part.max_id} but the model's vocab_size is {vocab_size}; {hint}"
+        )
+
+
+def check_token_file_target(out: Path) -> None:
+    """ValueError unless ``out`` names a new ``.npy`` file: an existing file (a data source among them) is never
+    written over, and another ending would be read back as a raw ``.bin`` with the .npy header as ids."""
+    if out.suffix != ".npy":
+        raise ValueError(f"{out}: a token file is written as .npy (its header says its type); name it {out.stem}.npy")
+    if out.exists():
+        raise ValueError(
+            f"{out} exists; choose a new file name, or remove it first (a token file is never written over)"
         )
 
 

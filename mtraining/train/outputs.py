@@ -18,6 +18,8 @@ import torch.distributed as dist
 from .agree import SharedError, agree, all_gather, from_rank0, node, which_ranks
 from .config import Config
 
+EXPORT_RECORD = "mtraining_export.json"
+"""The file every export writes last: a folder holding it may be replaced by a later export."""
 _SHARED_WAIT_S = 5.0  # how long a rank looks for rank 0's file (a network file system may show it late)
 
 
@@ -39,8 +41,39 @@ def check_output_dir(path: str | None, key: str) -> None:
         ) from None
 
 
+def check_export_target(out: str | Path, cfg: Config, key: str) -> None:
+    """ValueError unless an export may go to ``out``: a new or empty folder, or an earlier export (its
+    ``EXPORT_RECORD``); neither the model folder (model.path) nor the tokenizer's folder the run reads, nor a
+    folder holding checkpoint.dir or log.dir (an export replaces its folder whole)."""
+    out = Path(out)
+    target = out.resolve()
+    for read_key, read in (("model.path", cfg.model.path), ("data.tokenizer", cfg.data.tokenizer)):
+        folder = Path(read).resolve() if read is not None else None
+        if folder is not None and target == (folder.parent if folder.is_file() else folder):
+            raise ValueError(
+                f"{key}={out} is the folder of {read_key}: the export would replace the files this run reads; "
+                f"set {key} to another folder"
+            )
+    for other_key, other in (("checkpoint.dir", cfg.checkpoint.dir), ("log.dir", cfg.log.dir)):
+        if other is not None and Path(other).resolve().is_relative_to(target):
+            raise ValueError(
+                f"{key}={out} holds {other_key}={other}: an export replaces its folder whole; set {key} to a "
+                "folder of its own (e.g. beside the checkpoints)"
+            )
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{key}={out} is a file, not a folder; set {key} to a folder")
+    found = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if found and EXPORT_RECORD not in found:
+        raise ValueError(
+            f"{key}={out} holds files that no export wrote ({', '.join(found[:5])}{', ...' if len(found) > 5 else ''})"
+            f"; set {key} to a new folder, or empty that one"
+        )
+
+
 def check_output_dirs(cfg: Config) -> None:
     """Every folder the run will write into."""
+    if cfg.checkpoint.export_dir is not None:
+        check_export_target(cfg.checkpoint.export_dir, cfg, "checkpoint.export_dir")
     for key, path in (
         ("checkpoint.dir", cfg.checkpoint.dir),
         ("checkpoint.export_dir", cfg.checkpoint.export_dir),

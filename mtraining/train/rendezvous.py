@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -28,10 +29,15 @@ _KEY = "mtraining/nodes/{stage}/{node}"
 _POLL_S = 0.2
 _SAY_EVERY_S = 15.0
 _CONNECT_S = 2.0  # a client's connection attempt; Ctrl-C is seen between attempts
+_ANSWER_S = 20.0  # how long a connected client may wait for the store's answer (a store answers in milliseconds)
 
 
 class NodesMissing(RankStalled):
     """A node of a multi-node launch did not arrive (or left) within the time-out (exit 4)."""
+
+
+class NotARendezvous(ValueError):
+    """The endpoint's port is held by a program that is not node 0's launcher."""
 
 
 def meet_nodes(
@@ -41,10 +47,18 @@ def meet_nodes(
     again when this returns); NodesMissing after ``timeout_s``; ValueError for a port in use or a
     ``node_rank`` that another launcher holds."""
     host, _, port = endpoint.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # [::1]
     deadline = time.monotonic() + timeout_s
     if node_rank == 0:
         store = _host_store(host, int(port), endpoint)
     else:
+        try:
+            socket.getaddrinfo(host, int(port))
+        except socket.gaierror as err:
+            raise ValueError(
+                f"cannot resolve the host {host} of --rdzv-endpoint {endpoint} ({err.strerror}); give node 0's "
+                "address or a name this node resolves"
+            ) from None
         store = _connect(host, int(port), endpoint, deadline, timeout_s, say)
     me = f"{uuid.uuid4().hex} {socket.gethostname()} (pid {os.getpid()})"  # unique even between threads
     holder = store.compare_set(_KEY.format(stage="arrived", node=node_rank), "", me).decode()
@@ -80,8 +94,9 @@ def _connect(
         left = deadline - time.monotonic()
         try:
             socket.create_connection((host, port), timeout=max(0.1, min(_CONNECT_S, left))).close()
-            timeout = datetime.timedelta(seconds=max(1.0, min(_CONNECT_S, left)))
-            return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+            return _client(host, port, endpoint, datetime.timedelta(seconds=max(1.0, min(_CONNECT_S, left))))
+        except NotARendezvous:
+            raise
         except (OSError, RuntimeError, ValueError):
             time.sleep(_POLL_S)
         now = time.monotonic()
@@ -94,6 +109,31 @@ def _connect(
         if now - said >= _SAY_EVERY_S:
             say(f"waiting for node 0 to open the rendezvous at {endpoint} ({deadline - now:.0f} s left)")
             said = now
+
+
+def _client(host: str, port: int, endpoint: str, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A TCPStore client, made in a thread: a store answers at once, but the client waits forever (and deaf to
+    Ctrl-C) on a port where another program listens without answering, so that is refused after _ANSWER_S."""
+    made: list = []
+
+    def connect() -> None:
+        try:
+            made.append(dist.TCPStore(host, port, is_master=False, timeout=timeout))
+        except Exception as err:  # handed to the caller
+            made.append(err)
+
+    thread = threading.Thread(target=connect, name="rendezvous-client", daemon=True)
+    thread.start()
+    thread.join(_ANSWER_S)
+    if not made:
+        raise NotARendezvous(
+            f"{endpoint} accepts connections but does not answer as node 0's rendezvous within {_ANSWER_S:.0f} s: "
+            "another program listens on that port; give --rdzv-endpoint a free port of node 0 (the same on every "
+            "node)"
+        )
+    if isinstance(made[0], Exception):
+        raise made[0]
+    return made[0]
 
 
 def _wait(

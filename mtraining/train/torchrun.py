@@ -50,6 +50,8 @@ def torchrun_command(
     host, sep, port = rdzv_endpoint.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"--rdzv-endpoint must look like HOST:PORT, e.g. node-0:29500, got {rdzv_endpoint!r}")
+    if not 0 < int(port) < 1 << 16:
+        raise ValueError(f"--rdzv-endpoint {rdzv_endpoint}: port {port} is not a port: give one of 1 .. 65535")
     return cmd + [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--rdzv-endpoint={rdzv_endpoint}"]
 
 

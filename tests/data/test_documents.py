@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,9 @@ BAD_INPUTS = [
     ("unsupported file type", _file("x.csv", b"a,b"), r"unsupported file type"),
     ("missing path", lambda t: t / "nowhere.jsonl", r"nowhere\.jsonl does not exist"),
     ("empty folder", lambda t: (t / "empty").mkdir() or t / "empty", r"folder .*empty holds no"),
+    # reading a FIFO waits for a writer forever
+    ("a FIFO", lambda t: os.mkfifo(t / "f.jsonl") or t / "f.jsonl", r"f\.jsonl is not a regular file"),
+    ("a FIFO in a folder", lambda t: os.mkfifo(t / "f.jsonl") or t, r"f\.jsonl is not a regular file"),
 ]
 
 

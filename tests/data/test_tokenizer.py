@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mtraining.data.cache import TokenCache
@@ -67,16 +68,36 @@ def test_training_separator_prefers_the_declared_eos(tmp_path):
     assert TextTokenizer(tmp_path).separator_id("<|endoftext|>") == EOS
 
 
-def test_token_cache_keys_are_unchanged(tmp_path):
-    """The fingerprint is the tokenizer.json's sha256, so caches written before stay valid."""
+def test_token_cache_keys_cover_the_text_options(tmp_path):
+    """The key holds the tokenizer.json's sha256 and the options documents are tokenised with, so an entry
+    written with other options (special-token strings read as special ids: the key below) is not served."""
     tok = TextTokenizer(DATA / "tokenizer.json")
     digest = hashlib.sha256((DATA / "tokenizer.json").read_bytes()).hexdigest()
     assert tok.fingerprint == digest == "9e062da238b83765467e71d57b79b6820873bd81255f6943ac85166819711919"
     source = tmp_path / "docs.jsonl"
     source.write_text(json.dumps({"text": "Ada keeps the red lamp."}) + "\n")
-    entry = TokenCache(tmp_path / "cache").tokenize(source, tok, "text", EOS, log=lambda _: None)
-    assert Path(entry.path).stem == "e1268ddd4f58aa6cf90f8b019903a1d29b4f3d9860997bd6fc0cb7c8e6856b7c"
+    cache = TokenCache(tmp_path / "cache")
+    stale = tmp_path / "cache" / "tokens" / "e1268ddd4f58aa6cf90f8b019903a1d29b4f3d9860997bd6fc0cb7c8e6856b7c"
+    stale.parent.mkdir(parents=True)
+    np.asarray([7, EOS], dtype=np.uint16).tofile(stale.with_suffix(".bin"))
+    record = {"dtype": "uint16", "tokens": 2, "documents": 1, "max_id": 7, "source": "x", "tokenizer": "y"}
+    stale.with_suffix(".json").write_text(json.dumps(record))
+    assert cache.lookup(source, tok, "text", EOS) is None
+    entry = cache.tokenize(source, tok, "text", EOS, log=lambda _: None)
     assert entry.open().tolist() == [*IDS[:8], EOS]
+
+
+@pytest.mark.parametrize("name", ["file", "eos", "bos"])
+def test_special_token_strings_in_text_never_give_special_ids(folders, name):
+    """Training documents and evaluation prompts read '<|endoftext|>' in their text as text; a prompt's BOS
+    comes from the tokenizer alone."""
+    text = 'Ada said "<|endoftext|>" twice<|endoftext|>'
+    for tok in (TextTokenizer(folders[name]), load_tokenizer(folders[name])):
+        ids = tok.encode(text)
+        bos = [EOS] if tok.add_special_tokens and name == "bos" else []
+        assert ids[: len(bos)] == bos and EOS not in ids[len(bos) :]
+        assert tok.encode([text]) == [ids] and tok.count(text) == len(ids)
+        assert tok.decode(ids) == text
 
 
 def test_train_and_eval_share_one_class_and_only_exact_files_key_caches(folders, tmp_path):

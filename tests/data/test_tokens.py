@@ -146,3 +146,39 @@ def test_a_raw_file_whose_size_the_type_does_not_divide_is_refused(tmp_path):
     np.arange(5, dtype=np.uint16).tofile(tmp_path / "t.bin")  # 10 bytes
     with pytest.raises(DataError, match="t.bin has 10 bytes, not a multiple of 4: .*set data.token_dtype"):
         open_token_file(tmp_path / "t.bin", "uint32")
+
+
+@pytest.mark.parametrize("name", ["docs.jsonl", "doc.txt"])
+def test_special_token_strings_in_text_are_text(tmp_path, tokenizer, name):
+    """'<|endoftext|>' written in a document (a tokenizer's source, a chat log) is text: the separator id
+    only ever ends a document, so document masking finds the documents that were written."""
+    texts = ['TOKEN = "<|endoftext|>"', "Who?"] if name.endswith("jsonl") else ["a <|endoftext|> b"]
+    source = tmp_path / name
+    source.write_text("\n".join(json.dumps({"text": t}) for t in texts) if name.endswith("jsonl") else texts[0])
+    eos = tokenizer.separator_id(None)
+    ids = TokenCache(tmp_path / "cache").tokenize(source, tokenizer, "text", eos, log=lambda _: None).open().tolist()
+    ends = [i for i, t in enumerate(ids) if t == eos]
+    assert len(ends) == len(texts) and ends[-1] == len(ids) - 1
+    assert tokenizer.decode(ids[: ends[0]]).strip() == texts[0]
+
+
+def test_a_separator_that_text_can_spell_is_refused(tmp_path, tokenizer):
+    """A data.separator that is not a special token occurs inside documents: their boundaries would be guessed."""
+    source = tmp_path / "docs.jsonl"
+    source.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": "the cat sat on the hat"}) + "\n")
+    separator = tokenizer.separator_id("Ġh")
+    with pytest.raises(DataError, match=r"docs.jsonl: document 2 holds the separator 'Ġh' \(id 300\).*special token"):
+        TokenCache(tmp_path / "cache").tokenize(source, tokenizer, "text", separator, log=lambda _: None)
+
+
+def test_blank_documents_are_skipped_and_a_file_of_them_is_refused(tmp_path, tokenizer):
+    """A blank record was a lone separator: a file of them trained on separators alone with exit 0."""
+    source = tmp_path / "docs.jsonl"
+    source.write_text("\n".join(json.dumps({"text": t}) for t in ["", "Who?", "  \n", "Ada."]) + "\n")
+    eos = tokenizer.separator_id(None)
+    entry = TokenCache(tmp_path / "cache").tokenize(source, tokenizer, "text", eos, log=lambda _: None)
+    assert entry.documents == 2
+    assert entry.open().tolist() == [i for doc in tokenizer.encode(["Who?", "Ada."]) for i in (*doc, eos)]
+    source.write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": " "}) + "\n")
+    with pytest.raises(DataError, match="docs.jsonl holds no documents, only 2 blank ones"):
+        TokenCache(tmp_path / "cache").tokenize(source, tokenizer, "text", eos, log=lambda _: None)

@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,8 @@ from mtraining.eval.infinitebench import FILLER, MAX_NEW_TOKENS, TASKS, generate
 from mtraining.eval.scoring import score
 from tests.eval.counting import bpe_count, words
 from tests.eval.official_samples import KEY, OTHER, infinitebench_files, needle_context, ruler_files, write_jsonl
+
+DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 # ---------------------------------------------------------------------------- generated tasks
@@ -174,7 +177,9 @@ def test_benchmark_files_go_through_the_shared_reader(tmp_path):
 
 
 def test_bad_files_name_the_line_and_the_fix(tmp_path):
-    bad = write_jsonl(tmp_path / "passkey.jsonl", [{"id": 0, "context": "x", "input": "q", "answer": ["1"]}, {"id": 1}])
+    bad = write_jsonl(
+        tmp_path / "passkey.jsonl", [{"id": 0, "context": "key 1", "input": "q", "answer": ["1"]}, {"id": 1}]
+    )
     with pytest.raises(ValueError, match=r"passkey.jsonl:2: an InfiniteBench record needs .*found fields \['id'\]"):
         datafiles.infinitebench_samples([bad])
     bad = write_jsonl(
@@ -221,18 +226,27 @@ UNSCORABLE = [
     ("kv_retrieval.jsonl", {"context": "c", "input": "q", "answer": "key:"}, "word", "not one word"),
     ("math_find.jsonl", {"context": "[1]", "input": "The largest number of", "answer": -3}, "first_number", "sign"),
     ("math_find.jsonl", {"context": "[1]", "input": "The largest number of", "answer": "nan"}, "first_number", "sign"),
+    # a retrieval answer the context does not hold: no model can find it
+    ("passkey.jsonl", {"context": "The pass key is 5.", "input": "q", "answer": "7"}, "first_integer", "not in the"),
+    ("kv_retrieval.jsonl", {"context": '{"a": "b"}', "input": "q", "answer": "zz"}, "word", "not in the context"),
 ]
 
 
 @pytest.mark.parametrize("name, record, metric, why", UNSCORABLE, ids=lambda v: str(v)[:24])
 def test_answers_that_cannot_score_are_refused_with_file_and_line(tmp_path, name, record, metric, why):
-    fine = {**record, "answer": "1"} if "context" in record else {**record, "outputs": ["1"]}
+    fine = {**record, "context": "1", "answer": "1"} if "context" in record else {**record, "outputs": ["1"]}
     path = write_jsonl(tmp_path / name, [fine, record])
     load = datafiles.infinitebench_samples if "context" in record else datafiles.ruler_samples
     with pytest.raises(
         ValueError, match=rf"{re.escape(name)}:2: the answer .* cannot be scored with {metric}: .*{why}"
     ):
         load([path])
+
+
+def test_a_ruler_record_without_a_prompt_is_refused_with_file_and_line(tmp_path):
+    path = write_jsonl(tmp_path / "vt.jsonl", [{"input": "x", "outputs": ["1"]}, {"input": "", "outputs": ["1"]}])
+    with pytest.raises(ValueError, match=r"vt\.jsonl:2: the prompt \(input \+ answer_prefix\) is empty"):
+        datafiles.ruler_samples([path])
 
 
 def test_place_by_length_refuse_or_truncate(tmp_path):
@@ -253,7 +267,37 @@ def test_place_by_length_refuse_or_truncate(tmp_path):
         datafiles.place(samples, [6], words)
 
 
+def test_prompts_that_spell_a_special_token_are_refused(tmp_path):
+    """A RULER file prepared with a chat template spells its special tokens; read as text, the template would
+    reach the model as plain characters."""
+    from mtraining.eval.loading import load_tokenizer
+
+    specials = load_tokenizer(DATA / "tokenizer.json").special_tokens
+    assert specials == ["<|endoftext|>"]
+    fine = {"input": "Where is the key?", "outputs": ["1"]}
+    templated = {"input": "<|endoftext|>user: Where is the key?", "outputs": ["1"]}
+    datafiles.refuse_special_tokens(datafiles.ruler_samples([write_jsonl(tmp_path / "a/vt.jsonl", [fine])]), specials)
+    samples = datafiles.ruler_samples([write_jsonl(tmp_path / "b/vt.jsonl", [fine, templated])])
+    with pytest.raises(
+        ValueError, match=r"vt.jsonl record 2 spells the special token '<\|endoftext\|>'.*template_type base"
+    ):
+        datafiles.refuse_special_tokens(samples, specials)
+
+
 # ---------------------------------------------------------------------------- PG-19 for perplexity
+def test_packed_perplexity_windows_join_documents_with_the_separator():
+    """A bare tokenizer.json declares no EOS: --pack ran the documents together with nothing between them."""
+    from mtraining.eval.loading import load_tokenizer
+    from mtraining.eval.ppl import _Windows
+
+    tok = load_tokenizer(DATA / "tokenizer.json")
+    assert tok.eos_id is None
+    docs = ["Ada keeps the red lamp.", "Who?"]
+    first, second = (tok.encode(d) for d in docs)
+    window = _Windows(docs, tok).windows(len(first) + 1 + len(second), 1, pack=True)[0]
+    assert window == (0, [*first, 0, *second])
+
+
 def test_pg19_folder_of_books(tmp_path):
     """The original release: one <id>.txt per book under train/, validation/, test/ and a metadata.csv."""
     for split, books in (("test", {"10146": "First book.", "3027": "Second book."}), ("train", {"1": "Train."})):

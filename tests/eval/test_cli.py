@@ -221,6 +221,7 @@ def test_report(results, tmp_path):
     assert "does not exist" in fails("report", tmp_path / "nothing-here.json")
     (tmp_path / "empty").mkdir()
     assert "no evaluation results" in fails("report", tmp_path / "empty")
+    assert "is a file, not a folder" in fails("report", results, "--out-dir", tmp_path / "report.md")
 
 
 def test_official_files_end_to_end(tiny, tmp_path):
@@ -321,6 +322,8 @@ def test_bad_input_names_the_fix(tiny, tmp_path):
     assert "--inner-size sizes the inner rings" in fails("niah", tiny, *base, "--inner-size", "2")
     assert "unknown tasks" in fails("ruler", tiny, *base, "--tasks", "niah_single,sudoku")
     assert "use a longer length" in fails("ruler", tiny, *base[2:], "--lengths", "64", "--tasks", "cwe")
+    (tmp_path / "a-file").write_text("")  # found before the evaluation runs, not when its results are written
+    assert "--out-dir=" in fails("ppl", tiny, "--data", CORPUS, *base[:-2], "--out-dir", tmp_path / "a-file")
 
 
 def test_torchrun_two_ranks_match_one_on_either_ring(tiny, tmp_path):

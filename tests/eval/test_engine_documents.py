@@ -49,3 +49,16 @@ def test_record_must_be_known():
     with pytest.raises(ValueError, match="record must be"):
         Engine(tiny_model(), spec("striped", sparse=False), None, record="off")
     assert TINY["max_position_embeddings"] >= SEQ
+
+
+def test_ids_beyond_the_embeddings_and_answers_of_no_tokens_are_refused():
+    """A tokenizer with more ids than the model (another model's) crashed in the embedding (a device assert on
+    a GPU); an answer budget of 0 tokens scored an empty answer."""
+    engine = Engine(tiny_model(), spec("striped", sparse=False), None)
+    beyond = [1, 2, TINY["vocab_size"]]
+    with pytest.raises(ValueError, match=f"token id {TINY['vocab_size']} is beyond the model's 512 embeddings"):
+        engine.token_scores(torch.tensor(beyond))
+    with pytest.raises(ValueError, match="beyond the model's 512 embeddings: the tokenizer is not"):
+        engine.generate(beyond, 4)
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 1, got 0"):
+        engine.generate([1, 2, 3], 0)

@@ -91,3 +91,20 @@ def test_depth_scaled_init_refuses_a_model_with_trained_weights(tmp_path):
     build_model(config=dict(model_type="qwen2", **SMALL)).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="keeps its trained ones"):
         build_model(path=tmp_path, init="depth_scaled")
+
+
+@pytest.mark.parametrize(
+    "damage, expected",
+    [("truncated", "Error while deserializing header"), ("other config", "do not fit")],
+)
+def test_a_model_folder_whose_weights_cannot_load_is_refused_by_name(tmp_path, damage, expected):
+    """A copy cut short or a config.json of another model: a ValueError naming the folder, not the loader's
+    traceback."""
+    build_model(config=dict(model_type="qwen2", **SMALL)).save_pretrained(tmp_path)
+    if damage == "truncated":
+        weights = tmp_path / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+    else:
+        build_config(config=dict(model_type="qwen2", **SMALL | dict(hidden_size=48))).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"{tmp_path}.*cannot be loaded.*{expected}"):
+        build_model(path=tmp_path)

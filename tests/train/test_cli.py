@@ -118,6 +118,8 @@ def test_torchrun_command_for_one_node_and_several():
         ((8, 4, 0, None), "--rdzv-endpoint HOST:PORT"),
         ((8, 4, 0, "node-0"), "must look like HOST:PORT"),
         ((8, 1, 1, None), "add --nnodes N"),
+        ((8, 2, 0, "node-0:99999"), "port 99999 is not a port: give one of 1 .. 65535"),
+        ((8, 2, 1, "node-0:0"), "port 0 is not a port"),
     ):
         with pytest.raises(ValueError, match=expected):
             torchrun_command(*args)

@@ -135,6 +135,20 @@ def test_bad_override_syntax():
         apply_overrides({"train": {"steps": 1}}, ["train.steps.x=1"])
 
 
+def test_a_key_given_twice_is_refused_with_its_lines(tmp_path):
+    """YAML keeps the last of two equal keys: a second `train:` section silently dropped the first's keys."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(yaml.safe_dump(BASE) + "train: {steps: 1}\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: the key 'train' is given twice \(lines \d+ and \d+\)"):
+        load_config(twice)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("train:\n  steps: 10\n  seed: 1\n  seed: 2\n")
+    with pytest.raises(ConfigError, match=r"the key 'seed' is given twice \(lines 3 and 4\)"):
+        load_config(nested)
+    with pytest.raises(ConfigError, match="the key 'a' is given twice"):
+        apply_overrides({}, ["train.x={a: 1, a: 2}"])
+
+
 def test_cli_reports_config_errors_without_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({**BASE, "train": {"steps": 10, "lr": 1.0}}))
@@ -143,6 +157,11 @@ def test_cli_reports_config_errors_without_traceback(tmp_path):
     assert "train.lr: unknown key" in result.output and "Traceback" not in result.output
     result = CliRunner().invoke(app, ["train", str(tmp_path / "missing.yaml")])
     assert result.exit_code == 2 and "does not exist" in result.output
+    result = CliRunner().invoke(app, ["train", str(tmp_path)])
+    assert result.exit_code == 2 and "is a folder, not a YAML config file" in result.output
+    for nproc in ("0", "-2"):
+        result = CliRunner().invoke(app, ["train", str(ROOT / "configs" / "tiny_cpu.yaml"), "--nproc", nproc])
+        assert result.exit_code == 2 and "--nproc and --nnodes must be at least 1" in result.output, result.output
     result = CliRunner().invoke(app, ["train", str(ROOT / "configs" / "tiny_cpu.yaml"), "--nproc", "3"])
     assert result.exit_code == 2 and "parallel.data x parallel.context" in result.output
 
@@ -163,6 +182,11 @@ def test_cli_tokenize_fills_the_cache_and_writes_the_token_stream(tmp_path):
     assert saved.dtype == np.uint16 and np.array_equal(saved, expected)
     again = CliRunner().invoke(app, args[:2] + args[3:])  # cached: nothing tokenised
     assert again.exit_code == 0 and "tokenising" not in again.output
+    # an existing file (a source among them) is never written over; a .bin would be read back with the header
+    for target, why in ((out, "exists; choose a new file name"), (tmp_path / "t.bin", "name it t.npy")):
+        refused = CliRunner().invoke(app, [*args[:2], str(target), *args[3:]])
+        assert refused.exit_code == 2 and why in refused.output, refused.output
+    assert np.array_equal(np.load(out), expected) and not (tmp_path / "t.bin").exists()
 
 
 def test_budgets_file_gives_per_layer_per_head_budgets(tmp_path):

@@ -230,3 +230,30 @@ def test_documents_from_separators_sharded_with_the_layout(name):
     same = samples.clone()
     same[1] = same[0]
     assert shard_batch(same, layout, 0, separator=sep).documents.batch == 1  # one row of boundaries for all
+
+
+def test_document_masking_refuses_a_token_file_without_its_separator(tmp_path):
+    """Masking found no document in a token file written without the separator (or with another model's EOS):
+    every sample trained as one document, with exit 0."""
+    tokenizer = str(DATA / "tokenizer.json")
+    ids = np.asarray(TextTokenizer(tokenizer).encode(["Ada keeps the red lamp. " * 40])[0], dtype=np.uint16)
+    np.save(tmp_path / "t.npy", ids)
+    masked = _config(tmp_path, [str(tmp_path / "t.npy")], tokenizer=tokenizer, document_masking=True)
+    with pytest.raises(ValueError, match="t.npy never holds the separator id 0, so data.document_masking would"):
+        load_sources(masked, tokenize=True)
+    assert load_sources(_config(tmp_path, [str(tmp_path / "t.npy")], tokenizer=tokenizer), tokenize=True)
+    np.save(tmp_path / "t.npy", np.append(ids, 0).astype(np.uint16))
+    assert load_sources(masked, tokenize=True)
+
+
+@pytest.mark.parametrize("key", ["data.cache_dir", "checkpoint.dir", "log.dir", "checkpoint.export_dir"])
+def test_a_run_output_inside_a_data_folder_is_refused(tmp_path, key):
+    """What the run writes there was read as data from the next start on (a cache's .json record, a manifest or
+    metrics.jsonl as documents without text, a cache's .bin as token ids)."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text('{"text": "Ada keeps the red lamp."}\n' * 50)
+    out = str(tmp_path / "data" / "out")
+    cfg = _config(tmp_path, [str(tmp_path / "data")], tokenizer=str(DATA / "tokenizer.json"))
+    cfg = parse_config(cfg.model_dump(), [f"{key}={out}"])
+    with pytest.raises(ValueError, match=f"holds {key}=.*data/out: .*set {key} to a folder outside the data"):
+        load_sources(cfg, tokenize=True)

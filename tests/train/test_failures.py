@@ -512,6 +512,25 @@ def test_nodes_meet_once_each_and_free_the_port():
     assert alone.startswith("NodesMissing: node 0 did not open the rendezvous at localhost:") and "within 1 s" in alone
 
 
+def test_a_rendezvous_that_cannot_be_reached_is_named_at_once(monkeypatch):
+    """A host name that does not resolve, and a port where another program listens (a store client waits
+    there forever, deaf to Ctrl-C), are refused in seconds instead of waiting out the time-out."""
+    from mtraining.train import rendezvous
+    from mtraining.train.rendezvous import meet_nodes
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="cannot resolve the host no-such-host.invalid of --rdzv-endpoint"):
+        meet_nodes("no-such-host.invalid:29500", 2, 1, 60, say=lambda _: None)
+    monkeypatch.setattr(rendezvous, "_ANSWER_S", 1.0)
+    with socket.socket() as other:  # listens, never answers
+        other.bind(("localhost", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(ValueError, match=f"localhost:{port} accepts connections but does not answer as"):
+            meet_nodes(f"localhost:{port}", 2, 1, 60, say=lambda _: None)
+    assert time.monotonic() - start < 30
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))

@@ -151,3 +151,52 @@ def test_a_malformed_data_file_is_one_message_naming_file_and_line(tmp_path, mon
     result = CliRunner().invoke(app, ["train", str(config), "--nproc", "2", "parallel.context=2"])
     assert result.exit_code == 2 and result.output.count("error:") == 1 and "Traceback" not in result.output
     assert f"{tmp_path / 'docs.jsonl'}:2: not valid JSON" in result.output
+
+
+def _tiny_export(cfg, out) -> None:
+    from mtraining.models import build_model
+    from mtraining.train.export import export_model
+
+    hf = build_model(**cfg.model.hf_kwargs())
+    export_model(cfg, hf.state_dict(), hf.config, out)
+
+
+def test_an_export_replaces_only_an_earlier_export_and_never_the_base_model(tmp_path, monkeypatch):
+    """checkpoint.export_dir (or `mtraining export`'s OUT) that is model.path, or a folder holding files no
+    export wrote, is refused before anything is written; an earlier export is replaced whole, and an export
+    that fails half way leaves it as it was."""
+    from mtraining.train import export as export_module
+    from mtraining.train.outputs import check_output_dirs
+
+    cfg = parse_config(RAW)
+    out = tmp_path / "export"
+    _tiny_export(cfg, out)
+    first = (out / "model.safetensors").read_bytes()
+    based = parse_config(RAW, [f"model.path={out}", "model.config=null", f"checkpoint.export_dir={out}"])
+    with pytest.raises(
+        ValueError, match="checkpoint.export_dir=.* is the folder of model.path: the export would replace"
+    ):
+        check_output_dirs(based)
+    for inside in ("checkpoint.dir", "log.dir"):  # empty at the start, replaced whole by the export at the end
+        with pytest.raises(ValueError, match=f"export.* holds {inside}=.*an export replaces its folder whole"):
+            check_output_dirs(parse_config(RAW, [f"{inside}={tmp_path / 'run' / 'sub'}", f"checkpoint.export_dir={tmp_path / 'run'}"]))  # fmt: skip
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": 1}')
+    with pytest.raises(ValueError, match=r"mine holds files that no export wrote \(config.json\)"):
+        check_output_dirs(parse_config(RAW, [f"checkpoint.export_dir={mine}"]))
+    with pytest.raises(ValueError, match="holds files that no export wrote"):
+        _tiny_export(cfg, mine)
+    assert [p.name for p in mine.iterdir()] == ["config.json"] and "mine" in (mine / "config.json").read_text()
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export_module, "export_hf", broken)
+    with pytest.raises(Exception, match="no space left"):
+        _tiny_export(cfg, out)
+    assert (out / "model.safetensors").read_bytes() == first and not list(tmp_path.glob("*.partial*"))
+    monkeypatch.undo()
+    torch.manual_seed(1)
+    _tiny_export(cfg, out)  # an earlier export: replaced
+    assert (out / "model.safetensors").read_bytes() != first and not list(tmp_path.glob("export.*"))
