@@ -2,7 +2,8 @@
 
 Phases (structured inputs, Qwen2.5-3B attention shape, online pattern v_size/s_size):
 estimate (pattern estimation), walks (kernel index building), forward, backward (kernels only,
-indices cached). For each phase prints the CUDA time of the phase (CUDA events, median) and the
+indices cached); with ``--block-columns K`` the estimate also chooses K per-block columns per query block
+(``--column-scorer``: sorted or dense). For each phase prints the CUDA time of the phase (CUDA events, median) and the
 top kernels by total CUDA time (torch.profiler), and writes them as JSON records.
 
     python bench/profile_phases.py --seq-lens 131072 262144
@@ -49,11 +50,19 @@ def main() -> None:
     p.add_argument("--seq-lens", type=int, nargs="+", default=[131072])
     p.add_argument("--v-size", type=int, default=1024)
     p.add_argument("--s-size", type=int, default=6144)
+    p.add_argument("--block-columns", type=int, default=0, help="per-block columns chosen by the estimate")
+    p.add_argument("--column-scorer", choices=["sorted", "dense"], default="sorted")
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     hq, hkv, d, g = 16, 2, 128, 128
-    config = PatternConfig(v_size=args.v_size, s_size=args.s_size, block_size=g)
+    config = PatternConfig(
+        v_size=args.v_size,
+        s_size=args.s_size,
+        block_size=g,
+        block_columns=args.block_columns,
+        column_scorer=args.column_scorer,
+    )
     records = []
     for n in args.seq_lens:
         q, k, v = rope_structured_qkv(1, n, hq, hkv, d, dtype=torch.bfloat16, device="cuda", seed=0)
@@ -82,6 +91,8 @@ def main() -> None:
                 dict(
                     **provenance(),
                     seq_len=n,
+                    block_columns=args.block_columns,
+                    column_scorer=args.column_scorer if args.block_columns else None,
                     density=float(pattern.density().mean()),
                     phase=name,
                     ms=ms,

@@ -8,7 +8,8 @@ call: sparse_total_ms, what the speedup is computed from), and cuDNN SDPA on the
 same run.
 A density sweep times hand-made local + vertical patterns of about 1%, 3%, 10%, 30% density.
 ``--block-columns K ...`` also times the estimated lines plus K per-block columns per query block
-(``PatternConfig.block_columns``: their estimate and their kernel stage), next to the lines alone.
+(``PatternConfig.block_columns``: their estimate and their kernel stage), next to the lines alone, once per
+``--column-scorers`` (sorted: candidates from sorted hash codes; dense: every pair scored).
 
     python bench/sparse_attention.py --seq-lens 32768 65536 131072 262144
 """
@@ -106,21 +107,24 @@ def run(args) -> list[dict]:
         block_size=g,
     )
     records: list[dict] = []
+    scorers = [(0, "sorted")] + [(c, scorer) for c in args.block_columns for scorer in args.column_scorers]
     configs = {
-        columns: PatternConfig(v_size=args.v_size, s_size=args.s_size, block_size=g, block_columns=columns)
-        for columns in (0, *args.block_columns)
+        (columns, scorer): PatternConfig(
+            v_size=args.v_size, s_size=args.s_size, block_size=g, block_columns=columns, column_scorer=scorer
+        )
+        for columns, scorer in scorers
     }
     for n in args.seq_lens:
         for kind in args.inputs:
             q, k, v = generators[kind](1, n, hq, hkv, d, dtype=torch.bfloat16, device="cuda", seed=0)
             do = torch.randn_like(q)
             dense_f, dense_fb = dense_times(q, k, v, do)
-            cases = [("estimated", args.v_size, args.s_size, None, columns) for columns in configs]
+            cases = [("estimated", args.v_size, args.s_size, None, key) for key in configs]
             if n in args.sweep_lens and kind == "structured":
-                cases += [("sweep", None, None, target, 0) for target in args.sweep]
-            for source, v_size, s_size, target, columns in cases:
+                cases += [("sweep", None, None, target, (0, "sorted")) for target in args.sweep]
+            for source, v_size, s_size, target, (columns, scorer) in cases:
                 if source == "estimated":
-                    config = configs[columns]
+                    config = configs[columns, scorer]
                     est_ms = bench_ms(lambda: estimate_pattern(q, k, config), warmup_ms=50, rep_ms=300)
                     pattern = estimate_pattern(q, k, config)
                     total = training_step_ms(q, k, v, do, config)
@@ -140,6 +144,7 @@ def run(args) -> list[dict]:
                     v_size=v_size,
                     s_size=s_size,
                     block_columns=columns,
+                    column_scorer=scorer if columns else None,
                     density=density,
                     estimate_ms=est_ms,
                     sparse_fwd_ms=f,
@@ -155,7 +160,8 @@ def run(args) -> list[dict]:
                 )
                 records.append(rec)
                 print(
-                    f"{n:>7} {kind:>10} {source:>9} cols={columns:>4} dens={density:6.3f} est={est_ms:6.2f} fwd={f:7.2f} "
+                    f"{n:>7} {kind:>10} {source:>9} cols={columns:>4}{'/' + scorer if columns else ''} "
+                    f"dens={density:6.3f} est={est_ms:6.2f} fwd={f:7.2f} "
                     f"bwd={b:7.2f} fb={fb:7.2f} dense_fb={dense_fb:7.2f} speedup={rec['speedup_fwd_bwd']:5.2f} "
                     f"over_ideal={rec['over_ideal']:4.2f} bwd/fwd={b / f:4.2f}",
                     flush=True,
@@ -174,6 +180,9 @@ def main() -> None:
     p.add_argument("--sweep", type=float, nargs="*", default=[0.01, 0.03, 0.1, 0.3])
     p.add_argument("--sweep-lens", type=int, nargs="*", default=[131072])
     p.add_argument("--block-columns", type=int, nargs="*", default=[], help="per-block column counts to time too")
+    p.add_argument(
+        "--column-scorers", nargs="+", default=["sorted"], choices=["sorted", "dense"], help="with --block-columns"
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():

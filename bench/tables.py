@@ -723,6 +723,39 @@ def train_overhead_table() -> str:
     return "\n".join(lines)
 
 
+def column_candidates_table() -> str:
+    """The sorted column scorer's windows and agreement per layer on a model's Q/K (bench/column_candidates.py):
+    skew (pair slots over a balanced hash's), the longest window, the largest bucket's share of the keys, and the
+    share of the dense scorer's columns the sorted one keeps, uncapped and at each cap (mean over heads [worst])."""
+    blocks = []
+    for name in ("column_candidates_smollm2_code", "column_candidates_smollm2_prose"):
+        records = _load(name)
+        if not records:
+            continue
+        caps = [k.removeprefix("kept_cap_") for k in records[0] if k.startswith("kept_cap_")]
+        head = ["layer", "skew mean [max]", "longest window", "largest bucket"] + [f"kept, cap {c}" for c in caps]
+        first = records[0]
+        lines = [
+            f"`{name}`: {first['seq_len']} tokens of `{Path(first['tokens']).name}` from {first['offset']}, "
+            f"{first['agreement_per_block']} columns per {first['block_size']}-row block, "
+            f"{first['tables']} tables x {first['bits']} bits, commit {first['commit']}:",
+            "",
+            _row(head),
+            _row(["---"] * len(head)),
+        ]
+        for layer in sorted({r["layer"] for r in records}):
+            rs = [r for r in records if r["layer"] == layer]
+            skew = [r["skew"] for r in rs]
+            kept = [
+                f"{statistics.mean(r[f'kept_cap_{c}'] for r in rs):.3f} [{min(r[f'kept_cap_{c}'] for r in rs):.3f}]"
+                for c in caps
+            ]
+            cells = [layer, f"{statistics.mean(skew):.2f} [{max(skew):.2f}]", f"{max(r['window_max'] for r in rs):.0f}"]
+            lines.append(_row(cells + [f"{max(r['largest_bucket_share'] for r in rs):.2f}"] + kept))
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
 def main() -> None:
     for title, report, table in (
         ("sparse_attention", "sparse_attention_h200_20261123", sparse_attention_table()),
@@ -740,6 +773,7 @@ def main() -> None:
         ("checkpoint_integrity", "checkpoint_integrity_cpu_20261123", checkpoint_integrity_table()),
         ("train_overhead", "train_overhead_cpu_20261124", train_overhead_table()),
         ("agreement_check", "agreement_check_cpu_20261128", agreement_check_table()),
+        ("column_candidates", "column_scorer_cpu_20261128", column_candidates_table()),
     ):
         print(f"<!-- {title}: bench/reports/{report}.md -->\n{table}\n")
 

@@ -1,6 +1,9 @@
-"""Command line: ``mtraining train CONFIG.yaml [key=value ...]``, ``mtraining export``, ``mtraining tokenize``,
-``mtraining convert`` (GGUF -> Hugging Face folder), ``mtraining corpus`` (long documents from local files)
-and the evaluation suite under ``mtraining eval`` (ppl, niah, ruler, infinitebench, report).
+"""Command line: ``mtraining train CONFIG.yaml [key=value ...]``, ``mtraining check``, ``mtraining export``,
+``mtraining tokenize``, ``mtraining convert`` (GGUF -> Hugging Face folder), ``mtraining corpus`` (long documents
+from local files) and the evaluation suite under ``mtraining eval`` (ppl, niah, ruler, infinitebench, report).
+
+Every command that reads a training config takes its overrides the same way: ``section.key=value``
+arguments after the positional ones (``train.steps=10 data.cache_dir=/scratch/cache``), values read as YAML.
 
 Run under torchrun for several ranks (``torchrun --nproc_per_node 4 -m mtraining.cli train ...``)
 or let ``--nproc N`` start torchrun for you (with ``--nnodes/--node-rank/--rdzv-endpoint`` on each
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import typer
@@ -22,6 +26,22 @@ app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Ultra-long-context training with dynamic sparse attention."
 )
 app.add_typer(eval_app, name="eval")
+
+
+Overrides = typer.Argument(None, help="section.key=value overrides, e.g. train.steps=10 (values are YAML).")
+
+
+def _only_overrides(args: list[str] | None) -> list[str]:
+    """The overrides of a command whose positional arguments after its own are all overrides."""
+    from .train.config import split_overrides
+
+    other, overrides = split_overrides(args)
+    if other:
+        raise ValueError(
+            f"{other[0]!r} is not a section.key=value override (e.g. train.steps=10); overrides come after the "
+            "command's own arguments"
+        )
+    return overrides
 
 
 def _fail(err: Exception | str, code: int = 2, prefix: str = "error") -> None:
@@ -43,7 +63,7 @@ def train(
     config: Path = typer.Argument(
         ..., help="YAML config (see configs/); relative paths in it are relative to its folder."
     ),
-    overrides: list[str] = typer.Argument(None, help="section.key=value overrides, e.g. train.steps=10."),
+    overrides: list[str] = Overrides,
     nproc: int = typer.Option(
         1,
         "--nproc",
@@ -63,19 +83,20 @@ def train(
     One node: `mtraining train CONFIG --nproc 8`. Several: on node n of N, `mtraining train CONFIG --nproc 8
     --nnodes N --node-rank n --rdzv-endpoint NODE0:29500` (torchrun with the same options works too:
     `torchrun --nnodes N --node-rank n --rdzv-endpoint NODE0:29500 --nproc-per-node 8 -m mtraining.cli train
-    CONFIG`). Before starting the ranks the launcher checks the config, output folders, data, tokenizer and
-    model once and tokenises text sources into the token cache.
+    CONFIG`). Before starting the ranks the launcher runs the checks of `mtraining check` (every problem at
+    once, exit 2) and tokenises text sources into the token cache.
 
     SIGTERM (preemption) makes the ranks finish the current step, save a checkpoint and exit 143.
     """
     from .train.config import load_config
     from .train.errors import EXIT_INTERRUPTED, Preempted, RankStalled, RunStopped
 
-    overrides = overrides or []
     try:
+        overrides = _only_overrides(overrides)
         cfg = load_config(config, overrides)
         launcher = nproc != 1 or nnodes != 1 or node_rank is not None or rdzv_endpoint is not None
         if launcher and "RANK" not in os.environ:
+            from .train.check import CHECKED_ENV
             from .train.preflight import preflight
             from .train.rendezvous import meet_nodes
             from .train.torchrun import launch, torchrun_command
@@ -86,6 +107,7 @@ def train(
             if nnodes > 1:
                 meet_nodes(rdzv_endpoint, nnodes, node_rank, cfg.parallel.timeout_minutes * 60, say=typer.echo)
             args += ["-m", "mtraining.cli", "train", str(config), *overrides]
+            os.environ[CHECKED_ENV] = "1"  # the ranks need not check again
             raise typer.Exit(launch(args))
     except ValueError as err:
         _fail(err)
@@ -116,12 +138,89 @@ def train(
         shutdown()
 
 
+@app.command(epilog="Exit codes: 0 nothing stops the run (warnings may be printed); 2 problems (all listed).")
+def check(
+    config: Path = typer.Argument(..., help="YAML config, as for train."),
+    overrides: list[str] = Overrides,
+    nproc: int = typer.Option(
+        None, "--nproc", help="Ranks per node, as the run will be launched (default: all on one)."
+    ),
+    nnodes: int = typer.Option(1, "--nnodes", help="Nodes, as the run will be launched."),
+    node_rank: int = typer.Option(None, "--node-rank", help="Accepted so that train's launch options can be pasted."),
+    rdzv_endpoint: str = typer.Option(None, "--rdzv-endpoint", help="Accepted and checked as train checks it."),
+    gpu: str = typer.Option("h100", "--gpu", help="GPU of the estimates: h100, h200, a100 or a100-40gb."),
+    usd_per_gpu_hour: float = typer.Option(None, "--usd-per-gpu-hour", help="Also print the run's cost at this price."),
+) -> None:
+    """Check a run without GPUs and report every problem at once: the config (with "did you mean"), the world
+    and ring shape as launched, output folders, packages, the model folder (config.json, the weights' shapes from
+    the safetensors headers), the tokenizer, every data source, the resume against the newest checkpoint (a changed
+    schedule is refused here), free disk, shared storage on several nodes; then an estimate of the memory per GPU
+    and of the time per step (train/estimate.py says how). The trainer runs the same checks before it starts.
+    """
+    from .train.check import Launch, Report, check_run
+    from .train.config import parse_config_partly, read_config
+    from .train.estimate import GPUS, ModelShape, cost_line, memory_per_gpu, time_per_step
+    from .train.torchrun import torchrun_command
+
+    started = time.perf_counter()
+    report = Report()
+    try:
+        if gpu not in GPUS:
+            raise ValueError(f"--gpu must be one of {', '.join(GPUS)}, got {gpu!r}")
+        data, relative_to = read_config(config, _only_overrides(overrides))
+        if node_rank is not None or rdzv_endpoint is not None:
+            torchrun_command(nproc or 1, nnodes, node_rank, rdzv_endpoint)
+    except ValueError as err:
+        _fail(err)
+    cfg, report.problems = parse_config_partly(data)
+    if cfg is not None:
+        cfg._relative_to = relative_to
+        launch = Launch(nproc or max(1, cfg.world_size // nnodes), nnodes)
+        found_report, found = check_run(cfg, launch)
+        for name in ("problems", "warnings", "notes"):
+            getattr(report, name).extend(getattr(found_report, name))
+        typer.echo(
+            f"{config}: {launch.nnodes} node(s) x {launch.nproc} ranks, {cfg.parallel.data} data x "
+            f"{cfg.parallel.context} context"
+        )
+        if cfg.train.device == "cpu":
+            report.notes.append("estimates: none for train.device=cpu (they are for GPUs)")
+        elif found.model is not None and found.ring is not None and cfg.world_size == launch.world_size:
+            shape = ModelShape.of(found.model)
+            memory = memory_per_gpu(cfg, shape, GPUS[gpu])
+            timing = time_per_step(cfg, shape, GPUS[gpu], launch.nproc, found.ring)
+            report.notes += memory.lines + timing.lines
+            if usd_per_gpu_hour is not None:
+                report.notes.append(cost_line(timing.total, cfg.train.steps, cfg.world_size, usd_per_gpu_hour))
+            if memory.total > GPUS[gpu].memory:
+                report.warnings.append(
+                    f"the estimated memory per GPU ({memory.total / 1e9:.0f} GB) exceeds the {GPUS[gpu].name}'s: "
+                    "spread the sequence over more ranks (parallel.context), keep activation checkpointing on, or "
+                    "lower train.loss_chunk_tokens"
+                )
+    for line in report.notes:
+        typer.echo(line)
+    for line in report.warnings:
+        typer.secho(f"warning: {line}", fg=typer.colors.YELLOW, err=True)
+    elapsed = time.perf_counter() - started
+    if report.problems:
+        typer.secho(
+            f"{len(report.problems)} problem{'s' if len(report.problems) > 1 else ''} (checked in {elapsed:.1f} s):",
+            fg=typer.colors.RED,
+            err=True,
+        )
+        for line in report.problems:
+            typer.secho(f"  - {line}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    typer.echo(f"no problems found (checked in {elapsed:.1f} s)")
+
+
 @app.command()
 def export(
     config: Path = typer.Argument(..., help="The YAML config the checkpoint was trained with."),
     out: Path = typer.Argument(..., help="Output HF directory (config.json + model.safetensors)."),
+    overrides: list[str] = Overrides,
     checkpoint: Path = typer.Option(None, "--checkpoint", help="A step_N folder; default: newest in checkpoint.dir."),
-    overrides: list[str] = typer.Option([], "--set", help="section.key=value overrides."),
 ) -> None:
     """Write the weights of a distributed checkpoint as a Hugging Face model directory (one process).
 
@@ -133,7 +232,12 @@ def export(
     from .train.export import export_checkpoint
 
     try:
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, _only_overrides(overrides))
+        if checkpoint is not None and not checkpoint.exists():
+            raise ValueError(
+                f"--checkpoint {checkpoint} does not exist; pass a step_N folder of checkpoint.dir "
+                f"({cfg.checkpoint.dir}), or leave --checkpoint out for its newest checkpoint that verifies"
+            )
         path = export_checkpoint(cfg, checkpoint or cfg.checkpoint.dir, out, report=typer.echo)
     except ValueError as err:
         _fail(err)
@@ -145,16 +249,23 @@ def export(
 @app.command()
 def tokenize(
     config: Path = typer.Argument(..., help="YAML config whose data.sources and tokenizer to use."),
-    out: Path = typer.Argument(None, help="Also write every source's tokens, concatenated, to this .npy file."),
-    overrides: list[str] = typer.Option([], "--set", help="section.key=value overrides."),
+    args: list[str] = typer.Argument(
+        None,
+        help="[OUT.npy] [section.key=value ...]: also write every source's tokens, concatenated, to OUT.npy; "
+        "overrides as for train.",
+    ),
 ) -> None:
     """Tokenise the config's text sources into the token cache now (e.g. on a login node before a job), so
     ranks only memory-map them; with OUT, also write all sources end to end as one token file."""
-    from .train.config import load_config
+    from .train.config import load_config, split_overrides
     from .train.data import check_token_file_target, load_sources, write_token_file
     from .train.errors import SaveFailed
 
     try:
+        paths, overrides = split_overrides(args)
+        if len(paths) > 1:
+            raise ValueError(f"tokenize takes one OUT file, got {paths}; overrides look like section.key=value")
+        out = Path(paths[0]) if paths else None
         cfg = load_config(config, overrides)
         if out is not None:
             check_token_file_target(out)

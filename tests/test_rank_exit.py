@@ -49,6 +49,7 @@ def test_the_command_leaves_with_os_exit_and_its_code(monkeypatch, capsys, raise
         assert printed.startswith("Traceback")
 
 
+@pytest.mark.slow
 def test_the_installed_script_goes_through_it():
     """`mtraining` (pyproject's script) runs cli.main, which leaves through run_command; its exit code is the
     command's."""

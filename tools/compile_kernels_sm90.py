@@ -3,7 +3,8 @@
 Run as a script in a process without TRITON_INTERPRET (tests/ops/test_kernels_compile.py does).
 ``--ptx-dir DIR`` also writes each kernel's PTX to DIR/<label>.ptx, one file per compiled
 configuration, for bench/ptx_compare.py (the PTX of two commits, compared without a GPU).
-The column scorer compiles as launched at G = 128, D = 64, with and without documents.
+The column scorer compiles as launched at G = 128, D = 64, with and without documents; the sorted column
+scorer at G = 128, D = 64 and 128, with its smallest and largest row tiles.
 The attention kernels compile with the bf16 tiles of ``launch.tile_config`` at G = 128, D = 128, each
 without packed documents (their arguments constexpr None, as launched without documents) and the
 forward, dQ, dK/dV and walk kernels also with them (labels ``*_docs``); a kernel without a DOCS
@@ -64,6 +65,15 @@ INT_POINTERS = {
     # column scorer (ops/estimate/column_kernels.py)
     "QCodes",
     "KCodes",
+    # sorted column scorer (ops/estimate/column_bucket_kernels.py)
+    "RowOrder",
+    "TileStart",
+    "RowCodes",
+    "Lo",
+    "Hi",
+    "First",
+    "KeyOrder",
+    "KeyCodes",
 }
 # The arguments of the document path: constexpr None when a kernel runs without documents (an argument,
 # or a field of a NamedTuple argument: the walks' document lists).
@@ -136,6 +146,25 @@ SCORER = (
         ("DiagMask", "stride_x"): None,
     },
 )
+# The sorted column scorer as its launcher picks its tiles (8 tables, 4 warps).
+SORTED_SCORER = [
+    (
+        f"bucket_scores_d{d}_m{m}",
+        "_bucket_score_kernel",
+        {
+            "G": 128,
+            "HEAD_DIM": d,
+            "BLOCK_M": m,
+            "BLOCK_N": 64,
+            "T": 8,
+            ("Stats", "delta"): None,
+            ("VMask", "stride_x"): None,
+            ("DiagMask", "stride_x"): None,
+        },
+    )
+    for d in (64, 128)
+    for m in (16, 64)
+]
 
 
 def _jit(fn):
@@ -166,12 +195,12 @@ def _modules():
         )
 
 
-def _scorer_module():
-    """The column scorer's kernels (in ops/pattern/ before the estimator moved to ops/estimate/), None in a
-    commit before them."""
-    for name in ("mtraining.ops.estimate.column_kernels", "mtraining.ops.pattern.column_kernels"):
+def _scorer_module(name: str = "column_kernels"):
+    """A column scorer's kernel module (in ops/pattern/ before the estimator moved to ops/estimate/), None in a
+    commit before it."""
+    for package in ("mtraining.ops.estimate", "mtraining.ops.pattern"):
         try:
-            return importlib.import_module(name)
+            return importlib.import_module(f"{package}.{name}")
         except ModuleNotFoundError:
             continue
     return None
@@ -281,6 +310,11 @@ def main() -> None:
             options = dict(num_warps=4, num_stages=3)
             constexprs_docs = optional_path(fn, constexprs, "DOCS", DOCUMENT_ARGS, docs)
             compile_one(label + "_docs" * docs, fn, constexprs_docs, target, options, args.ptx_dir)
+    bucket_scorer = _scorer_module("column_bucket_kernels")
+    if bucket_scorer is not None:
+        for label, name, constexprs in SORTED_SCORER:
+            options = dict(num_warps=4, num_stages=3)
+            compile_one(label, _jit(getattr(bucket_scorer, name)), constexprs, target, options, args.ptx_dir)
     # the loss's rows kernel: float32 logits, bf16 gradient
     ce_signature = {
         "logits_ptr": "*fp32",

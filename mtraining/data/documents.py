@@ -107,9 +107,8 @@ def find_files(source: str | Path, kinds: tuple[str, ...] = TEXT_KINDS + ("token
     matches = sorted(Path(p) for p in glob.glob(text, recursive=True)) if glob.has_magic(text) else [Path(text)]
     if not matches or not matches[0].exists():
         what = "matches no file or folder" if glob.has_magic(text) else "does not exist"
-        raise DataError(
-            f"data source {text} {what}; check the path (relative paths in a config are relative to its folder)"
-        )
+        where = "" if os.path.isabs(text) else f" (relative to the working directory, {os.getcwd()})"
+        raise DataError(f"data source {text} {what}{where}; check the path")
     files: list[Path] = []
     for path in matches:
         if path.is_dir():

@@ -2,15 +2,18 @@
 
 Several ranks (context parallelism): run under torchrun, e.g.
 ``torchrun --nproc-per-node 4 -m mtraining.eval.cli niah CKPT --lengths 128K,512K``, or pass
-``--nproc 4`` to have the command start torchrun on this machine. Rank 0 prints and writes files.
+``--nproc 4`` to have the command start torchrun on this machine: it first checks everything it can
+without the model's weights (options, lengths, files, the model's config, RoPE range and memory), so a
+mistake is one message and exit status 2 before any rank starts. Rank 0 prints and writes files; an
+error every rank meets is printed once, by rank 0.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -22,6 +25,7 @@ from .options import SessionOptions, with_session_options
 
 if TYPE_CHECKING:
     from .answers import Prompting
+    from .documents import Haystack
 
 eval_app = typer.Typer(
     add_completion=False,
@@ -67,12 +71,17 @@ MaxNewTokens = Annotated[int | None, typer.Option("--max-new-tokens", help="Answ
 
 
 def _fail(err: Exception) -> None:
-    typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+    """Print the error and exit 2; under torchrun only rank 0 prints (every rank meets the same error)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
 
 
 def _relaunch(command: str, nproc: int) -> None:
-    """Run this same command under torchrun with ``nproc`` local ranks, and exit with its status."""
+    """Run this same command under torchrun with ``nproc`` local ranks and exit with its status: the ranks' own
+    code when they say why (2 for a mistake), without torchrun's traceback (mtraining/train/torchrun.py)."""
+    from ..train.torchrun import launch, torchrun_command
+
     argv = sys.argv[1:]
     args = argv[argv.index(command) + 1 :] if command in argv else argv
     cleaned, skip = [], False
@@ -83,8 +92,55 @@ def _relaunch(command: str, nproc: int) -> None:
             skip = True
         elif not arg.startswith("--nproc="):
             cleaned.append(arg)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    raise typer.Exit(subprocess.call(cmd + ["-m", "mtraining.eval.cli", command, *cleaned]))
+    raise typer.Exit(launch(torchrun_command(nproc) + ["-m", "mtraining.eval.cli", command, *cleaned]))
+
+
+def _model_checks(hf_config, spec, opts: SessionOptions, lengths: list[int], world_size: int, generate: bool) -> None:
+    """What the model's config decides: dense layers that exist, sparse budgets within the lengths, the RoPE range,
+    the memory of the longest length."""
+    from .loading import check_rope_range, pick_device, pick_dtype
+    from .memory import check_memory
+
+    missing = [layer for layer in spec.dense_layers if layer >= hf_config.num_hidden_layers]
+    if spec.sparse and missing:
+        raise ValueError(
+            f"dense layers {missing} do not exist: the model has {hf_config.num_hidden_layers} layers (0 to "
+            f"{hf_config.num_hidden_layers - 1}); fix --dense-layers (or attention.dense_layers of --config)"
+        )
+    pattern = spec.pattern_config()
+    sparse_lengths = [n for n in lengths if n >= spec.min_sparse_len]
+    if pattern is not None and sparse_lengths:  # budgets above a length: refused here, not at its first prefill
+        for layer in sorted(set(range(hf_config.num_hidden_layers)) - set(spec.dense_layers)):
+            pattern.head_budgets(layer, hf_config.num_attention_heads, min(sparse_lengths))
+    check_rope_range(lengths, 0, getattr(hf_config, "max_position_embeddings", None), opts.allow_extrapolation)
+    device = pick_device(opts.device)
+    torch_backend = spec.backend == "torch" or (spec.backend == "auto" and device.type != "cuda")
+    dtype = pick_dtype(opts.dtype, device)
+    check_memory(hf_config, lengths, world_size, dtype, device, generate, torch_backend, opts.memory_limit_gib)
+
+
+def _precheck(checkpoint: Path, opts: SessionOptions, world_size: int, lengths: list[int], generate: bool) -> None:
+    """The checks of a session that need no weights and no ranks (the launcher's, before torchrun starts)."""
+    from .engine import layout_unit
+    from .loading import load_tokenizer, model_config
+
+    spec = opts.attention_spec(world_size)
+    training = opts.training_config()
+    hf_config = model_config(checkpoint, training)
+    fallback = None
+    if training is not None:
+        from ..train.data import tokenizer_path
+
+        fallback = tokenizer_path(training)
+    load_tokenizer(checkpoint, opts.tokenizer, fallback)
+    if not generate:  # the loss runs every length through the layout
+        unit = layout_unit(spec.layout, world_size, spec.block_size)
+        if bad := [n for n in lengths if n % unit]:
+            raise ValueError(
+                f"length {bad[0]} cannot be split by the {spec.layout} layout over {world_size} ranks; use lengths "
+                f"that are multiples of {unit}"
+            )
+    _model_checks(hf_config, spec, opts, lengths, world_size, generate)
 
 
 class _Session:
@@ -94,57 +150,26 @@ class _Session:
         import torch.distributed as dist
 
         from ..train.outputs import check_output_dir
-        from .engine import AttentionSpec, Engine
+        from .engine import Engine
         from .loading import load, pick_device
         from .runtime import init_group, is_root
 
-        pattern = opts.pattern()
-        if opts.attention not in ("dense", "sparse"):
-            raise ValueError(f"--attention must be dense or sparse, got {opts.attention!r}")
-        layers = _layers(opts.dense_layers)
         self.opts = opts
         self.group = init_group(pick_device(opts.device))
         self.root = is_root(self.group)
         world_size = 1 if self.group is None else dist.get_world_size(self.group)
-        inner_size = opts.ring_inner_size(world_size)
-        self.loaded = load(checkpoint, opts.tokenizer, opts.config, opts.device, opts.dtype)
-        self.spec = AttentionSpec(
-            sparse=opts.attention == "sparse",
-            layout=opts.layout,
-            block_size=opts.block_size,
-            backend=opts.backend,
-            pattern=pattern,
-            dense_layers=layers,
-            ring=opts.ring,
-            inner_size=inner_size,
-            context_mode=opts.context_mode,
-        )
+        self.spec = opts.attention_spec(world_size)
+        self.loaded = load(checkpoint, opts.tokenizer, opts.training_config(), opts.device, opts.dtype)
         self.engine = Engine(self.loaded.model, self.spec, self.group)
         self.checkpoint = str(checkpoint)
         check_output_dir(str(opts.folder(self._label())), "--out-dir")  # before the evaluation runs
         self.started = time.time()
 
     def check(self, lengths: list[int], generate: bool) -> None:
-        """RoPE range and memory checks; every rank agrees on the outcome (no rank left waiting)."""
-        from .loading import check_rope_range
-        from .memory import check_memory
-
+        """Dense layers, RoPE range and memory; every rank agrees on the outcome (no rank left waiting)."""
         error = None
         try:
-            check_rope_range(lengths, 0, self.loaded.max_positions, self.opts.allow_extrapolation)
-            model = self.loaded.model
-            device = next(model.parameters()).device
-            torch_backend = self.spec.backend == "torch" or (self.spec.backend == "auto" and device.type != "cuda")
-            check_memory(
-                model.config,
-                lengths,
-                self.engine.world_size,
-                next(model.parameters()).dtype,
-                device,
-                generate,
-                torch_backend,
-                self.opts.memory_limit_gib,
-            )
+            _model_checks(self.loaded.model.config, self.spec, self.opts, lengths, self.engine.world_size, generate)
         except ValueError as err:
             error = str(err)
         if self.group is not None:
@@ -193,24 +218,15 @@ class _Session:
         }
 
 
-def _layers(text: str | None) -> tuple[int, ...]:
-    """Layer indices from '0' or '0,1' (None or empty: none)."""
-    try:
-        layers = tuple(int(x) for x in (text or "").split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"--dense-layers takes layer indices like 0 or 0,1, got {text!r}") from None
-    if any(layer < 0 for layer in layers):
-        raise ValueError(f"--dense-layers takes layer indices >= 0, got {text!r}")
-    return layers
-
-
-def _run(command: str, nproc: int, body) -> None:
-    """Relaunch under torchrun if asked, run ``body`` with clean errors, always leave the group."""
-    if nproc > 1 and "RANK" not in os.environ:
-        _relaunch(command, nproc)
+def _run(command: str, nproc: int, body: Callable[[], None], precheck: Callable[[], None]) -> None:
+    """Run ``body`` with clean errors and always leave the group; with ``--nproc N`` (outside torchrun) run
+    ``precheck`` first (everything that needs no weights and no ranks), then relaunch under torchrun."""
     from .runtime import shutdown
 
     try:
+        if nproc > 1 and "RANK" not in os.environ:
+            precheck()
+            _relaunch(command, nproc)
         body()
     except ValueError as err:
         shutdown()
@@ -241,13 +257,17 @@ def ppl(
 ) -> None:
     """Perplexity of long documents at each length, with the loss per position bucket."""
 
-    def body() -> None:
+    def inputs() -> tuple[list[int], list[str]]:
         from .documents import load_documents
-        from .ppl import run_ppl
-        from .runtime import console, parse_lengths
+        from .runtime import parse_lengths
 
-        grid = parse_lengths(lengths)
-        docs = load_documents(data, text_field)
+        return parse_lengths(lengths), load_documents(data, text_field)
+
+    def body() -> None:
+        from .ppl import run_ppl
+        from .runtime import console
+
+        grid, docs = inputs()
         s = _Session(checkpoint, opts)
         s.check(grid, generate=False)
         results = run_ppl(s.engine, s.loaded.tokenizer, docs, grid, samples, first_bucket, pack, s.root)
@@ -263,7 +283,7 @@ def ppl(
             _print_ppl(console(), out)
             console().print(f"wrote {folder / 'ppl.json'}")
 
-    _run("ppl", nproc, body)
+    _run("ppl", nproc, body, lambda: _precheck(checkpoint, opts, nproc, inputs()[0], generate=False))
 
 
 @eval_app.command()
@@ -286,15 +306,18 @@ def niah(
 ) -> None:
     """Needle in a haystack over lengths x depths: a JSON of the grid and a heatmap PNG."""
 
+    def inputs() -> tuple[list[int], list[float], Haystack]:
+        from .runtime import parse_lengths, parse_numbers
+
+        return parse_lengths(lengths), parse_numbers(depths, "depths"), _haystack(haystack, text_field, seed)
+
     def body() -> None:
         from .niah import run_niah
         from .plots import niah_heatmaps
-        from .runtime import console, parse_lengths, parse_numbers
+        from .runtime import console
 
-        grid, depth_list = parse_lengths(lengths), parse_numbers(depths, "depths")
-        s, prompting = _prompted(
-            checkpoint, opts, grid, haystack, text_field, seed, samples, max_new_tokens, teacher_forcing
-        )
+        grid, depth_list, stack = inputs()
+        s, prompting = _prompted(checkpoint, opts, grid, stack, seed, samples, max_new_tokens, teacher_forcing)
         result = run_niah(s.engine, s.loaded.tokenizer, grid, depth_list, prompting)
         settings = {
             "lengths": grid,
@@ -311,7 +334,7 @@ def niah(
             _print_grid(console(), out)
             console().print(f"wrote {folder / 'niah.json'} and {png}")
 
-    _run("niah", nproc, body)
+    _run("niah", nproc, body, lambda: _precheck(checkpoint, opts, nproc, inputs()[0], generate=True))
 
 
 @eval_app.command()
@@ -342,25 +365,31 @@ def ruler(
 ) -> None:
     """RULER-style tasks generated from a seed, or RULER's own JSONL (--data): scores per task and length."""
 
-    def body() -> None:
-        from .ruler import parse_tasks, run_ruler
+    def inputs() -> tuple[list[int], _Files | None, list, Haystack | None]:
+        """(lengths, the files, their records or the task names, the haystack of generated prompts)."""
+        from .ruler import parse_tasks
         from .runtime import parse_lengths
 
         grid = parse_lengths(lengths)
         files = _Files.of(data, task, limit, truncate, max_new_tokens, tasks=tasks, haystack=haystack)
         if files:
-            s, result = _from_files("ruler", checkpoint, opts, grid, files, teacher_forcing)
+            return grid, files, files.samples("ruler"), None
+        return grid, None, parse_tasks(tasks or "all"), _haystack(haystack, text_field, seed)
+
+    def body() -> None:
+        from .ruler import run_ruler
+
+        grid, files, what, stack = inputs()
+        if files:
+            s, result = _from_files("ruler", checkpoint, opts, grid, files, what, teacher_forcing)
             settings = files.settings(grid) | {"teacher_forcing": teacher_forcing}
         else:
-            task_list = parse_tasks(tasks or "all")
-            s, prompting = _prompted(
-                checkpoint, opts, grid, haystack, text_field, seed, samples, max_new_tokens, teacher_forcing
-            )
-            result = run_ruler(s.engine, s.loaded.tokenizer, task_list, grid, prompting)
-            settings = _generated(grid, task_list, prompting, haystack)
+            s, prompting = _prompted(checkpoint, opts, grid, stack, seed, samples, max_new_tokens, teacher_forcing)
+            result = run_ruler(s.engine, s.loaded.tokenizer, what, grid, prompting)
+            settings = _generated(grid, what, prompting, haystack)
         _save_table(s, "ruler", "RULER-style tasks", settings, result)
 
-    _run("ruler", nproc, body)
+    _run("ruler", nproc, body, lambda: _precheck(checkpoint, opts, nproc, inputs()[0], generate=True))
 
 
 @eval_app.command()
@@ -390,26 +419,32 @@ def infinitebench(
     number string in real filler with --haystack) or read from the benchmark's JSONL (--data): scores per task and
     length."""
 
-    def body() -> None:
-        from .infinitebench import TASKS, run_infinitebench
+    def inputs() -> tuple[list[int], _Files | None, list, Haystack | None]:
+        """(lengths, the files, their records or the task names, the haystack of generated prompts)."""
+        from .infinitebench import TASKS
         from .ruler import parse_tasks
         from .runtime import parse_lengths
 
         grid = parse_lengths(lengths)
         files = _Files.of(data, task, limit, truncate, max_new_tokens, tasks=tasks, haystack=haystack)
         if files:
-            s, result = _from_files("infinitebench", checkpoint, opts, grid, files, teacher_forcing)
+            return grid, files, files.samples("infinitebench"), None
+        return grid, None, parse_tasks(tasks or "all", TASKS), _haystack(haystack, text_field, seed)
+
+    def body() -> None:
+        from .infinitebench import run_infinitebench
+
+        grid, files, what, stack = inputs()
+        if files:
+            s, result = _from_files("infinitebench", checkpoint, opts, grid, files, what, teacher_forcing)
             settings = files.settings(grid) | {"teacher_forcing": teacher_forcing}
         else:
-            task_list = parse_tasks(tasks or "all", TASKS)
-            s, prompting = _prompted(
-                checkpoint, opts, grid, haystack, text_field, seed, samples, max_new_tokens, teacher_forcing
-            )
-            result = run_infinitebench(s.engine, s.loaded.tokenizer, task_list, grid, prompting)
-            settings = _generated(grid, task_list, prompting, haystack)
+            s, prompting = _prompted(checkpoint, opts, grid, stack, seed, samples, max_new_tokens, teacher_forcing)
+            result = run_infinitebench(s.engine, s.loaded.tokenizer, what, grid, prompting)
+            settings = _generated(grid, what, prompting, haystack)
         _save_table(s, "infinitebench", "InfiniteBench", settings, result)
 
-    _run("infinitebench", nproc, body)
+    _run("infinitebench", nproc, body, lambda: _precheck(checkpoint, opts, nproc, inputs()[0], generate=True))
 
 
 @dataclass(frozen=True)
@@ -444,6 +479,13 @@ class _Files:
             raise ValueError(f"{wrong[0]} does not apply {'with' if data else 'without'} --data: {fix}")
         return cls(data, task, limit, truncate, max_new_tokens) if data else None
 
+    def samples(self, kind: str) -> list:
+        """The benchmark's records, read and checked (format errors name the file and line, before the model)."""
+        from . import datafiles
+
+        load = datafiles.ruler_samples if kind == "ruler" else datafiles.infinitebench_samples
+        return load(self.data, self.task, self.limit, self.max_new_tokens)
+
     def settings(self, lengths: list[int]) -> dict:
         return {
             "lengths": lengths,
@@ -469,13 +511,12 @@ def _generated(lengths: list[int], tasks: list[str], prompting: Prompting, hayst
 
 
 def _from_files(
-    kind: str, checkpoint: Path, opts: SessionOptions, lengths: list[int], files: _Files, forced: bool
+    kind: str, checkpoint: Path, opts: SessionOptions, lengths: list[int], files: _Files, samples: list, forced: bool
 ) -> tuple[_Session, dict]:
-    """The session and result of a ruler or infinitebench command run on the benchmark's own files."""
+    """The session and result of a ruler or infinitebench command run on the benchmark's own files (``samples``:
+    their records)."""
     from . import datafiles
 
-    load = datafiles.ruler_samples if kind == "ruler" else datafiles.infinitebench_samples
-    samples = load(files.data, files.task, files.limit, files.max_new_tokens)  # format errors before the model
     s = _Session(checkpoint, opts)
     s.check(lengths, generate=True)
     tokenizer = s.loaded.tokenizer
@@ -512,12 +553,18 @@ def report(
     typer.echo(f"wrote {path}")
 
 
+def _haystack(haystack: list[Path] | None, text_field: str, seed: int) -> Haystack:
+    """The filler of generated prompts: the --haystack documents, else the built-in filler."""
+    from .documents import Haystack, load_documents
+
+    return Haystack(load_documents(haystack, text_field), seed=seed) if haystack else Haystack(seed=seed)
+
+
 def _prompted(
     checkpoint: Path,
     opts: SessionOptions,
     lengths: list[int],
-    haystack: list[Path] | None,
-    text_field: str,
+    stack: Haystack,
     seed: int,
     samples: int,
     max_new_tokens: int | None,
@@ -525,9 +572,7 @@ def _prompted(
 ) -> tuple[_Session, Prompting]:
     """The session of a command with generated prompts, checked for generating at ``lengths``, and how it prompts."""
     from .answers import Prompting
-    from .documents import Haystack, load_documents
 
-    stack = Haystack(load_documents(haystack, text_field), seed=seed) if haystack else Haystack(seed=seed)
     s = _Session(checkpoint, opts)
     s.check(lengths, generate=True)
     return s, Prompting(samples, seed, stack, max_new_tokens, s.root, forced)

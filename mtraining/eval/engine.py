@@ -29,6 +29,7 @@ Context parallelism (``group`` with W > 1 ranks, e.g. under torchrun):
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -87,6 +88,8 @@ class AttentionSpec:
         pattern: ``PatternConfig.from_settings`` fields given (v_size, s_size, last_q, threshold, budgets: a
             file's path, ...) for sparse runs.
         min_sparse_len: sequences shorter than this run dense even when ``sparse``.
+        max_density: a layer whose estimated pattern keeps more than this fraction of the causal pairs runs
+            dense (``attention.max_density`` in training); None: always sparse.
         dense_layers: layers that run dense even when ``sparse`` (as ``attention.dense_layers`` in training).
         ring: "flat" or "hierarchical" context-parallel ring (``parallel.ring`` in training).
         inner_size: ranks per inner ring of the hierarchical ring (default: LOCAL_WORLD_SIZE).
@@ -100,6 +103,7 @@ class AttentionSpec:
     backend: str = "auto"
     pattern: dict = field(default_factory=dict)
     min_sparse_len: int = 0
+    max_density: float | None = None
     dense_layers: tuple[int, ...] = ()
     ring: str = "flat"
     inner_size: int | None = None
@@ -119,6 +123,14 @@ def layout_unit(layout: str, world_size: int, block_size: int) -> int:
     if world_size == 1:
         return block_size
     return (2 if layout == "zigzag" else 1) * world_size * block_size
+
+
+def _with_cache(forward, cache) -> dict:
+    """The keyword that hands ``cache`` to a Hugging Face forward: ``cache`` (transformers names it so from 5.2x;
+    ``past_key_values``, which it replaces, is removed in 5.40), ``past_key_values`` where the forward has no
+    ``cache``."""
+    name = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    return {name: cache}
 
 
 @contextlib.contextmanager
@@ -173,6 +185,7 @@ class Engine:
             pattern_config=self.pattern_config,
             dense_layers=frozenset(self.spec.dense_layers),
             min_sparse_len=self.spec.min_sparse_len,
+            max_density=self.spec.max_density,
             backend=self.spec.backend,
             ring=self.spec.ring,
             inner_size=self.spec.inner_size,
@@ -208,8 +221,8 @@ class Engine:
             out = self.model.base_model(
                 input_ids=self._local(ids[None].to(self.device), seq_len),
                 position_ids=self._local(positions[None], seq_len),
-                past_key_values=cache,
                 use_cache=cache is not None,
+                **_with_cache(self.model.base_model.forward, cache),
             )
         stats = attention.end_step()
         if stats.density is not None:
@@ -301,7 +314,9 @@ class Engine:
         with _attn_implementation(self.model, DECODE_ATTENTION):
             while answer[-1] not in stop_ids and len(answer) < max_new_tokens:
                 step = torch.tensor([[answer[-1]]], device=self.device)
-                out = self.model(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out = self.model(
+                    input_ids=step, use_cache=True, logits_to_keep=1, **_with_cache(self.model.forward, cache)
+                )
                 answer.append(int(out.logits[0, -1].argmax()))
         return answer
 

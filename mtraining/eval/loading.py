@@ -12,13 +12,21 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..data.tokenizer import FOLDER_FILES, Tokenizer
 
+if TYPE_CHECKING:
+    from ..train.config import Config
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_NO_CONFIG = (
+    "{path} has no config.json: for a training checkpoint pass --config TRAIN.yaml (the config it was trained "
+    "with), or export it first with `mtraining export TRAIN.yaml OUT_DIR`"
+)
 
 
 @dataclass
@@ -65,31 +73,32 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _training_checkpoint(path: Path, config: str | Path) -> tuple[nn.Module, str | None]:
+def _training_checkpoint(path: Path, cfg: Config) -> tuple[nn.Module, str | None]:
     """(model with the checkpoint's weights, tokenizer path from the config) of a training checkpoint."""
-    from ..train.config import load_config
     from ..train.data import tokenizer_path
     from ..train.export import load_trained_model
 
-    cfg = load_config(config)
     model, _ = load_trained_model(cfg, path, report=lambda line: print(line, file=sys.stderr))  # verified first
     return model, tokenizer_path(cfg)
 
 
-def load(
-    checkpoint: str | Path,
-    tokenizer: str | Path | None = None,
-    config: str | Path | None = None,
-    device: str | None = None,
-    dtype: str | None = None,
-) -> Loaded:
-    """Model (eval mode, on ``device`` in ``dtype``) and tokenizer of a checkpoint; see the module docstring."""
-    from transformers.utils import logging as hf_logging
+def model_config(checkpoint: str | Path, config: Config | None):
+    """The Hugging Face config of a checkpoint without loading its weights: its config.json, or the training
+    config's model (``config``: a training checkpoint); ValueError naming the fix otherwise."""
+    from ..models import build_config
 
-    from ..models import build_model
+    path = _existing(checkpoint)
+    if (path / "config.json").is_file():
+        return build_config(path)
+    if config is None:
+        raise ValueError(_NO_CONFIG.format(path=path))
+    return build_config(**config.model.hf_kwargs())
+
+
+def _existing(checkpoint: str | Path) -> Path:
+    """The checkpoint's path; ValueError naming the fix when it does not exist or is a GGUF file."""
     from ..models.loader import refuse_gguf
 
-    hf_logging.disable_progress_bar()
     path = Path(checkpoint)
     refuse_gguf(path, "checkpoint")
     if not path.exists():
@@ -97,16 +106,31 @@ def load(
             f"checkpoint {path} does not exist; pass a local Hugging Face directory (config.json + *.safetensors) "
             "or a training checkpoint folder with --config TRAIN.yaml"
         )
+    return path
+
+
+def load(
+    checkpoint: str | Path,
+    tokenizer: str | Path | None = None,
+    config: Config | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+) -> Loaded:
+    """Model (eval mode, on ``device`` in ``dtype``) and tokenizer of a checkpoint; see the module docstring.
+    ``config``: the training config of a training checkpoint."""
+    from transformers.utils import logging as hf_logging
+
+    from ..models import build_model
+
+    hf_logging.disable_progress_bar()
+    path = _existing(checkpoint)
     fallback = None
     if (path / "config.json").is_file():
         model = build_model(path)
     elif config is not None:
         model, fallback = _training_checkpoint(path, config)
     else:
-        raise ValueError(
-            f"{path} has no config.json: for a training checkpoint pass --config TRAIN.yaml (the config it was "
-            "trained with), or export it first with `mtraining export TRAIN.yaml OUT_DIR`"
-        )
+        raise ValueError(_NO_CONFIG.format(path=path))
     tok = load_tokenizer(path, tokenizer, fallback)
     target = pick_device(device)
     model = model.to(device=target, dtype=pick_dtype(dtype, target)).eval()

@@ -269,11 +269,11 @@ def _not_verifiable(path: Path) -> bool:
     return False
 
 
-def _check_file(path: Path, expected: dict) -> str | None:
+def _check_file(path: Path, expected: dict, hashes: bool = True) -> str | None:
     size = path.stat().st_size
     if size != expected["bytes"]:
         return f"{path.name} has {size} bytes, {expected['bytes']} were written (truncated or replaced)"
-    if file_digest(path) != expected["sha256"]:
+    if hashes and file_digest(path) != expected["sha256"]:
         return f"{path.name} does not match its SHA-256 (bytes changed, or a shard copied from another save)"
     return None
 
@@ -288,20 +288,24 @@ def _manifest_files(path: Path) -> dict | str:
         return f"{path.name} cannot be read ({err})"
 
 
-def _problems(path: Path, files: dict, names: list[str]) -> tuple[list[str], list[str]]:
+def _problems(path: Path, files: dict, names: list[str], hashes: bool = True) -> tuple[list[str], list[str]]:
     """(the ``names`` that are absent, every other problem of theirs) against the manifest's ``files``."""
     try:
         missing = [name for name in names if not (path / name).is_file()]
         return missing, [
-            why for name in names if name not in missing and (why := _check_file(path / name, files[name]))
+            why for name in names if name not in missing and (why := _check_file(path / name, files[name], hashes))
         ]
     except OSError as err:
         return [], [f"{path.name} cannot be read ({err})"]
 
 
-def _verify(path: Path) -> tuple[list[str], list[str]]:
+def _verify(path: Path, hashes: bool = True) -> tuple[list[str], list[str]]:
     """Collective when a process group is up: rank 0's manifest, each rank hashing a share of its files in its
-    own ``path``. (missing files, other problems)."""
+    own ``path``. (missing files, other problems). Without ``hashes`` this process alone checks that every file
+    is there with its recorded size (what costs no reading: ``mtraining check``, ``checkpoint.keep``)."""
+    if not hashes:
+        files = _manifest_files(path)
+        return ([], [files]) if isinstance(files, str) else _problems(path, files, sorted(files), hashes=False)
     files = from_rank0(_manifest_files(path))
     if isinstance(files, str):
         return [], [files]
@@ -311,13 +315,13 @@ def _verify(path: Path) -> tuple[list[str], list[str]]:
     return missing, list(dict.fromkeys(p for _, part in every for p in part))
 
 
-def verify_checkpoint(path: str | Path) -> str | None:
+def verify_checkpoint(path: str | Path, hashes: bool = True) -> str | None:
     """None when every file of the checkpoint matches its manifest, else why not.
 
     Collective when a process group is up: each rank hashes a share of the files and all ranks get
-    the same verdict.
+    the same verdict. ``hashes=False``: sizes only, in this process (``_verify``).
     """
-    missing, problems = _verify(Path(path))
+    missing, problems = _verify(Path(path), hashes)
     found = [f"{name} is missing" for name in missing] + problems
     return "; ".join(found) if found else None
 
@@ -330,14 +334,17 @@ def _missing_files(path: Path, missing: list[str]) -> CheckpointError:
     )
 
 
-def newest_verified(root: str | Path | None, report: Callable[[str], None]) -> tuple[Path, dict] | None:
+def newest_verified(
+    root: str | Path | None, report: Callable[[str], None], hashes: bool = True
+) -> tuple[Path, dict] | None:
     """(folder, manifest) of the newest checkpoint under ``root`` that verifies, or None; ``report``
     gets one line per corrupt checkpoint skipped, with the reason (it is kept: a save of its step moves it
     aside). A checkpoint that lacks files its manifest lists, or that this version cannot verify
     (``NotVerifiable``), may still be whole: CheckpointError naming the fix rather than skipping it. Collective
-    like ``verify_checkpoint``: every rank walks rank 0's list of folder names, in its own ``root``."""
+    like ``verify_checkpoint``: every rank walks rank 0's list of folder names, in its own ``root``.
+    ``hashes=False``: files checked by their sizes only (``_verify``), without a process group."""
     for path in (Path(root) / name for name in from_rank0([p.name for p in checkpoints(root)])):
-        missing, problems = _verify(path)
+        missing, problems = _verify(path, hashes)
         if missing:
             raise _missing_files(path, missing)
         if not problems:

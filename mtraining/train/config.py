@@ -7,12 +7,24 @@ names the fix.
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 
 from ..models.loader import Init, check_hf_fields, refuse_gguf
 from ..ops.estimate.estimator import PatternConfig
@@ -104,7 +116,14 @@ class AttentionSection(_Section):
     """Pattern file with per-layer/per-head budgets (mtraining.ops.estimate.budgets)."""
     block_columns: int = Field(0, ge=0)
     """Key columns chosen per query block of block_size rows on top of the lines (questions asked
-    mid-document keep their evidence); backend torch only for now. 0: none."""
+    mid-document keep their evidence). 0: none."""
+    column_scorer: Literal["sorted", "dense"] = "sorted"
+    """How block columns' candidates are scored: sorted (each hash table's keys sorted by code, only the
+    candidate pairs scored: work grows with them) or dense (every pair scored, then masked: quadratic)."""
+    column_cap: int = Field(0, ge=0)
+    """sorted only: a row meets at most this many keys per hash table, those of its bucket nearest its block
+    (bounds the work where most keys share a bucket, but drops candidates: 0, no cap, keeps the dense scorer's
+    columns)."""
     dense_layers: list[int] = []
     """Layers that always run dense attention."""
     min_sparse_len: int = Field(0, ge=0)
@@ -128,6 +147,8 @@ class AttentionSection(_Section):
             local_window=self.local_window,
             threshold=self.threshold,
             block_columns=self.block_columns,
+            column_scorer=self.column_scorer,
+            column_cap=self.column_cap,
         )
 
 
@@ -309,6 +330,9 @@ class CheckpointSection(_Section):
     """Save every N steps (and always after the last step when dir is set)."""
     resume: bool = True
     """Continue from the newest checkpoint in dir if there is one."""
+    keep: PositiveInt | None = None
+    """Keep only the newest N checkpoints that verify: older ones are deleted after each save (train/retention.py);
+    one that does not verify is never deleted. None: keep every checkpoint."""
     export_dir: str | None = None
     """Write the final weights as a HF directory here."""
     allow_changed_schedule: bool = False
@@ -370,6 +394,14 @@ class Config(_Section):
     optim: OptimSection = OptimSection()
     checkpoint: CheckpointSection = CheckpointSection()
     log: LogSection = LogSection()
+    _relative_to: dict[str, str] = PrivateAttr(default_factory=dict)
+    """Path keys whose value was written relative, and what it is relative to (``path_note``)."""
+
+    def path_note(self, key: str) -> str:
+        """Where a relative path of ``key`` (e.g. ``checkpoint.dir``, ``data.sources[0]``) came from, for
+        messages about a path that is wrong: '' when it was written absolute."""
+        origin = self._relative_to.get(key)
+        return f" ({origin})" if origin else ""
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:
@@ -384,8 +416,8 @@ class Config(_Section):
             raise ValueError(
                 f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps}); lower it"
             )
-        if self.checkpoint.every is not None and self.checkpoint.dir is None:
-            raise ValueError("checkpoint.every is set but checkpoint.dir is not; set checkpoint.dir")
+        if self.checkpoint.dir is None and (unused := [k for k in ("every", "keep") if getattr(self.checkpoint, k)]):
+            raise ValueError(f"checkpoint.{unused[0]} is set but checkpoint.dir is not; set checkpoint.dir")
         if any(layer < 0 for layer in att.dense_layers):
             raise ValueError(f"attention.dense_layers must be layer indices >= 0, got {att.dense_layers}")
         layers = self.model.overrides.get("num_hidden_layers", (self.model.config or {}).get("num_hidden_layers"))
@@ -493,7 +525,7 @@ class Config(_Section):
                 fit = f"a divisor of {world_size}" if world_size > 1 else "1"
                 hint = f"{launch}, or set parallel.context to {fit}"
             raise ValueError(
-                f"{world_size} ranks were launched but parallel.data x parallel.context = {p.data} x {p.context} "
+                f"the launch has {world_size} ranks but parallel.data x parallel.context = {p.data} x {p.context} "
                 f"= {self.world_size}; {hint}"
             )
 
@@ -521,6 +553,16 @@ class _UniqueKeys(yaml.SafeLoader):
 
 def _load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader
+
+
+_OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
+"""``section.key=value``: how every command's overrides look (a path that looks so can be written ./a.b=c)."""
+
+
+def split_overrides(args: list[str] | None) -> tuple[list[str], list[str]]:
+    """(the other arguments, the ``section.key=value`` overrides) of a command's positional arguments."""
+    args = args or []
+    return [a for a in args if not _OVERRIDE.match(a)], [a for a in args if _OVERRIDE.match(a)]
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -554,15 +596,73 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
 
 
-def _format(err: ValidationError) -> str:
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The section model inside an annotation (``X``, ``X | None``, ``list[str | X]``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for arg in typing.get_args(annotation) if (m := _model_in(arg)) is not None), None)
+
+
+def _union_tag(part: Any) -> bool:
+    """Whether a location part is the name pydantic gives a member of a union (``str``, ``SourceSpec``)."""
+    return part == "str" or (isinstance(part, str) and part[:1].isupper())
+
+
+def _section_of(loc: tuple) -> type[BaseModel] | None:
+    """The section model that holds the key at ``loc`` (a pydantic error location), if one does."""
+    model: type[BaseModel] | None = Config
+    for part in loc[:-1]:
+        if isinstance(part, str) and not _union_tag(part):
+            field = model.model_fields.get(part) if model is not None else None
+            model = _model_in(field.annotation) if field is not None else None
+    return model
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """'; did you mean train.steps?' for an unknown key close to one of its section's keys (difflib)."""
+    model = _section_of(loc)
+    if model is None:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1, cutoff=0.6)
+    return f"; did you mean {_dotted((*loc[:-1], close[0]))}?" if close else ""
+
+
+def _dotted(loc: tuple) -> str:
+    """A location as a config spells it: data.sources[0].weight."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not _union_tag(part):
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _meant(err: ValidationError) -> list[dict[str, Any]]:
+    """The errors of a failed validation; of a union (``str | SourceSpec``) only the member that was meant: the
+    mapping's errors when a mapping was given, not the string member's complaint about it."""
+    errors = err.errors()
+    mapped = {e["loc"][:-1] for e in errors if "str" not in e["loc"]}
+    return [
+        e
+        for e in errors
+        if not (e["loc"][-1:] == ("str",) and any(m[: len(e["loc"]) - 1] == e["loc"][:-1] for m in mapped))
+    ]
+
+
+def _problems(err: ValidationError) -> list[str]:
+    """One line per problem of a failed validation, naming the key and the fix."""
     lines = []
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "config"
+    for e in _meant(err):
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key; remove it or fix its spelling"
-        lines.append(f"  {where}: {msg}")
-    return "invalid config:\n" + "\n".join(lines)
+            msg = "unknown key; remove it or fix its spelling" + _did_you_mean(e["loc"])
+        lines.append(f"{_dotted(e['loc']) or 'config'}: {msg}")
+    return list(dict.fromkeys(lines))
+
+
+def _format(problems: list[str]) -> str:
+    return "invalid config:\n" + "\n".join(f"  {line}" for line in problems)
 
 
 def parse_config(raw: dict[str, Any], overrides: list[str] = ()) -> Config:
@@ -570,7 +670,49 @@ def parse_config(raw: dict[str, Any], overrides: list[str] = ()) -> Config:
     try:
         return Config.model_validate(apply_overrides(raw, list(overrides)))
     except ValidationError as err:
-        raise ConfigError(_format(err)) from None
+        raise ConfigError(_format(_problems(err))) from None
+
+
+def parse_config_partly(data: dict[str, Any]) -> tuple[Config | None, list[str]]:
+    """(the config, every problem) of a config dict whose overrides are applied. Invalid keys are dropped,
+    one round at a time, so that ``mtraining check`` can go on checking the rest; None when a problem
+    cannot be dropped (a required key, a combination of keys). The problems of every round are returned."""
+    data = yaml.safe_load(yaml.safe_dump(data)) or {}
+    problems: list[str] = []
+    for _ in range(4):
+        try:
+            return Config.model_validate(data), problems
+        except ValidationError as err:
+            problems += [p for p in _problems(err) if p not in problems]
+            drop = [_droppable(e) for e in _meant(err)]
+            if None in drop or not any([_drop(data, loc) for loc in sorted(drop, key=len, reverse=True)]):
+                return None, problems
+    return None, problems
+
+
+def _droppable(error: dict[str, Any]) -> tuple | None:
+    """What to remove so that an error goes away: the unknown or invalid key, the optional sub-section
+    that misses a key (log.wandb without its project); None for a required key or a section's combination."""
+    loc, kind = error["loc"], error["type"]
+    model = _section_of(loc)
+    field = model.model_fields.get(loc[-1]) if model is not None and isinstance(loc[-1], str) else None
+    if kind == "extra_forbidden" or (field is not None and not field.is_required()):
+        return loc
+    return loc[:-1] if kind == "missing" and len(loc) > 2 else None
+
+
+def _drop(data: dict[str, Any], loc: tuple) -> bool:
+    """Remove the entry at ``loc`` from the nested config dict; False where there is none to remove."""
+    node: Any = data
+    for part in loc[:-1]:
+        if isinstance(node, dict) and part in node or isinstance(node, list) and isinstance(part, int):
+            node = node[part]
+        elif not _union_tag(part):
+            return False
+    if isinstance(node, dict) and loc[-1] in node:
+        del node[loc[-1]]
+        return True
+    return False
 
 
 _PATH_KEYS = (
@@ -582,6 +724,22 @@ _PATH_KEYS = (
     ("checkpoint", "export_dir"),
     ("log", "dir"),
 )
+
+
+def _path_values(raw: dict[str, Any]) -> dict[str, Any]:
+    """Every path of a config dict by key: ``checkpoint.dir``, ``data.sources[0]``, ..."""
+    out = {}
+    for section, key in _PATH_KEYS:
+        if isinstance(raw.get(section), dict) and key in raw[section]:
+            out[f"{section}.{key}"] = raw[section][key]
+    sources = raw.get("data", {}).get("sources") if isinstance(raw.get("data"), dict) else None
+    for i, s in enumerate(sources if isinstance(sources, list) else []):
+        out[f"data.sources[{i}]"] = s.get("path") if isinstance(s, dict) else s
+    return out
+
+
+def _relative(value: Any) -> bool:
+    return isinstance(value, str) and not os.path.isabs(os.path.expanduser(value))
 
 
 def shared_values(cfg: Config) -> dict[str, Any]:
@@ -622,8 +780,9 @@ def resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
-    """Read a YAML config file (relative paths in it are relative to its folder) and apply ``key=value`` overrides."""
+def read_config(path: str | Path, overrides: list[str] = ()) -> tuple[dict[str, Any], dict[str, str]]:
+    """A YAML config file as a dict, its relative paths joined to its folder and ``key=value`` overrides
+    applied, and where each path written relative is relative to (``Config.path_note``)."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"{path} is a folder, not a YAML config file; give the config's path (see configs/)")
@@ -639,4 +798,25 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
         raise ConfigError(f"{path}: {err}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections (model, data, train, ...)")
-    return parse_config(resolve_paths(raw, path.parent), overrides)
+    folder = path.parent.resolve()
+    relative_to = {
+        key: f"written relative in {path.name}: relative paths in a config are relative to its folder, {folder}"
+        for key, value in _path_values(raw).items()
+        if _relative(value)
+    }
+    data = apply_overrides(resolve_paths(raw, path.parent), list(overrides))
+    given = [item.partition("=")[0].strip() for item in overrides]
+    for key, value in _path_values(data).items():
+        if any(key == g or key.startswith(f"{g}[") or key.startswith(f"{g}.") for g in given):
+            relative_to.pop(key, None)
+            if _relative(value):
+                relative_to[key] = f"given on the command line: relative to the working directory, {Path.cwd()}"
+    return data, relative_to
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    """Read a YAML config file (relative paths in it are relative to its folder) and apply ``key=value`` overrides."""
+    data, relative_to = read_config(path, overrides)
+    cfg = parse_config(data)
+    cfg._relative_to = relative_to
+    return cfg

@@ -16,6 +16,7 @@ they explained their exit (errors.py), and torchrun's report naming the failed r
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    # its "failed (exitcode: N)" line repeats what the ranks said; a crash's report is printed below
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
         run(parse_args(argv))
     except SignalException as err:

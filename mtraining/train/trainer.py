@@ -28,6 +28,7 @@ from ..ops.documents import Documents
 from ..parallel.layout import make_layout
 from ..parallel.topology import init_ring_groups
 from .agree import agree, check_same, from_rank0
+from .check import CHECKED_ENV, Launch, check_model
 from .checkpoint import full_model_state, save_checkpoint
 from .config import Config, shared_values
 from .data import document_separator, open_sources
@@ -40,9 +41,10 @@ from .monitor import Monitor, flops_per_token, matmul_params, peak_memory_gb, pe
 from .optim import build_optimizer, lr_at, set_lr
 from .outputs import check_free_space, check_output_dirs, check_shared_dir
 from .packing import PackedSamples, first_draw, shard_batch
-from .preflight import check_model, check_sources, rope_warning
+from .preflight import check_before_ranks, check_sources, rope_warning
 from .profile import step_profiler, write_profile
 from .resume import describe_run, model_identity, resume
+from .retention import prune_checkpoints
 from .ring_choice import choose_ring
 from .saved_outputs import device_memory, plan_saved_outputs, saved_outputs_bytes
 from .signals import StopSignal
@@ -106,6 +108,10 @@ class Trainer:
         self.par = par = init_parallel(cfg.parallel.data, cfg.parallel.context, cfg.train.device, timeout_s)
         if not par.is_main:
             _quiet_transformers()
+        per_node = _local_world_size() or par.world_size
+        launch = Launch(per_node, par.world_size // per_node)
+        checked = os.environ.get(CHECKED_ENV) == "1"  # the --nproc launcher ran them on every node
+        warnings = [] if checked else agree(lambda: check_before_ranks(cfg, launch)[0])
         agree(lambda: check_output_dirs(cfg))
         check_shared_dir(cfg.checkpoint.dir, "checkpoint.dir")
         att, data = cfg.attention, cfg.data
@@ -186,7 +192,7 @@ class Trainer:
             cfg, hf, par.world_size, self.ring, str(par.device), self.sources, self.data, self.step
         )
         self.monitor.write(f"run {self.monitor.run_id}")
-        for line in summary + [w for w in (rope_warning(cfg, hf.config),) if w] + notes:
+        for line in summary + (warnings or [w for w in (rope_warning(cfg, hf.config),) if w]) + notes:
             self.monitor.write(line)
         self.watchdog = StepWatchdog.for_default_group(timeout_s)
         self._peak = peak_tflops(par.device, cfg.log.peak_tflops)
@@ -337,6 +343,9 @@ class Trainer:
         )
         self.last_checkpoint = path
         self.monitor.write(f"saved checkpoint {path}")
+        if self.par.is_main and self.cfg.checkpoint.keep:
+            for line in prune_checkpoints(self.cfg.checkpoint.dir, self.cfg.checkpoint.keep):
+                self.monitor.write(line)
         return path
 
     def export(self, out_dir: str | Path) -> Path:

@@ -32,6 +32,7 @@ def emulated_case(group, latency):
     return times
 
 
+@pytest.mark.slow
 def test_emulation_adds_the_modelled_delay(pool):
     latency = 0.1
     modelled = latency + 4000 / 1e6  # 4000 bytes at 1 MB/s

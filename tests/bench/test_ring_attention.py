@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ["--device", "cpu", "--seq-lens", "256", "--heads-q", "4", "--head-dim", "16", "--block-size", "16"]
 TOY += ["--v-size", "16", "--s-size", "32", "--local-window", "16", "--last-q", "16", "--iters", "1"]
 
 
+@pytest.mark.slow
 def test_schedules_links_and_predictions(tmp_path):
     out = tmp_path / "ring.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]

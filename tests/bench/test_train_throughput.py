@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from tests.bench.scripts import load_script
 
 
+@pytest.mark.slow
 def test_both_modes_run_and_every_step_is_recorded(tmp_path, monkeypatch, capsys):
     """Dense then sparse (the second run crashed on metrics.jsonl's start event row), with --compile for both."""
     bench = load_script("train_throughput")

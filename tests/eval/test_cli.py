@@ -224,6 +224,7 @@ def test_report(results, tmp_path):
     assert "is a file, not a folder" in fails("report", results, "--out-dir", tmp_path / "report.md")
 
 
+@pytest.mark.slow
 def test_official_files_end_to_end(tiny, tmp_path):
     """InfiniteBench and RULER JSONL and a PG-19 folder of books run through the same commands."""
     ib = infinitebench_files(tmp_path / "ib", filler=5)
@@ -326,6 +327,7 @@ def test_bad_input_names_the_fix(tiny, tmp_path):
     assert "--out-dir=" in fails("ppl", tiny, "--data", CORPUS, *base[:-2], "--out-dir", tmp_path / "a-file")
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_match_one_on_either_ring(tiny, tmp_path):
     """`--nproc 2` relaunches under torchrun (gloo): same perplexity as one process, on the flat ring and on the
     hierarchical ring (--ring hierarchical --inner-size 1: two one-rank "nodes" joined by the outer ring)."""
@@ -363,3 +365,75 @@ def test_block_columns_reach_the_sparse_pattern(tiny, tmp_path):
     assert columns["pattern"]["block_columns"] == 8 and "block_columns" not in lines["pattern"]
     assert columns["sparse_density"] > lines["sparse_density"]
     assert columns["result"][0]["nll"] != lines["result"][0]["nll"]
+
+
+def _train_yaml(tmp_path: Path, **attention) -> Path:
+    """A training config whose attention the evaluation should take (sparse, small budgets, layer 0 dense)."""
+    import yaml
+
+    cfg = {
+        "model": {"config": TINY, "dtype": "float32"},
+        "data": {"sources": [str(CORPUS)], "tokenizer": str(TOKENIZER), "seq_len": 256},
+        "train": {"steps": 1},
+        "optim": {"warmup_steps": 0},
+        "attention": {"sparse": True, "block_size": 16, "backend": "torch", "v_size": 16, "s_size": 32,
+                      "last_q": 16, "sink_tokens": 2, "local_window": 16, "dense_layers": [0], **attention},
+    }  # fmt: skip
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_config_gives_the_evaluation_the_training_attention(tiny, tmp_path):
+    """--config TRAIN.yaml: every attention option left out takes the training config's value (sparse, budgets,
+    sinks, block size, backend, dense layers); section.key=value overrides change that config; options win."""
+    train = _train_yaml(tmp_path)
+    base = ["--data", CORPUS, "--pack", "--lengths", "256", "--config", train]
+    ok("ppl", tiny, *base, "--out-dir", tmp_path / "a")
+    ok("ppl", tiny, "attention.v_size=8", *base, "--out-dir", tmp_path / "b")
+    ok("ppl", tiny, "attention.v_size=8", *base, "--v-size", "12", "--dense-layers", "", "--out-dir", tmp_path / "c")
+    a, b, c = (json.loads((tmp_path / d / "ppl.json").read_text()) for d in "abc")
+    assert (a["attention"], a["block_size"], a["dense_layers"]) == ("sparse", 16, [0])
+    assert a["pattern"] == {"v_size": 16, "s_size": 32, "last_q": 16, "sink_tokens": 2, "local_window": 16}
+    assert b["pattern"]["v_size"] == 8 and (c["pattern"]["v_size"], c["dense_layers"]) == (12, [])
+    assert "pass --config" in fails("ppl", tiny, "attention.v_size=8", *base[:-2])
+    assert "did you mean attention.v_size?" in fails("ppl", tiny, "attention.vsize=8", *base)
+    assert "dense layers [5] do not exist" in fails("ppl", tiny, *base, "--dense-layers", "5")
+
+
+def _nproc_ppl(tiny: Path, *extra: str) -> tuple[int, str]:
+    """`mtraining eval ppl --nproc 2` in a process of its own: (exit status, output)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "mtraining.eval.cli", "ppl", str(tiny), "--data", str(CORPUS), *FAST, "--nproc", "2"]
+    done = subprocess.run([*base, *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert "Traceback" not in out and "ChildFailedError" not in out and "exitcode" not in out, out
+    return done.returncode, out
+
+
+def test_nproc_mistakes_are_refused_before_any_rank_starts(tiny, monkeypatch):
+    """--nproc 2: options, the pattern against the model's lengths, ... are checked by the launcher: one message,
+    exit 2, no rank started."""
+    monkeypatch.setattr("mtraining.train.torchrun.launch", lambda *a, **k: pytest.fail("torchrun was started"))
+    base = ["ppl", tiny, "--data", CORPUS, *FAST, "--nproc", "2", "--lengths", "256"]
+    for extra, expected in (
+        (["--ring", "star"], "error: --ring must be flat or hierarchical, got 'star'"),
+        (["--attention", "sparse", "--v-size", "512"], "error: v_size 512"),
+        (["--lengths", "2048"], "exceeds the model's RoPE range"),
+    ):
+        code, out = invoke(*base, *extra)
+        assert code == 2 and expected in out and "Traceback" not in out, out
+
+
+@pytest.mark.slow
+def test_an_error_the_ranks_meet_is_printed_once_with_exit_2(tiny, tmp_path):
+    """No window of the length in the data is found by the ranks: rank 0 alone says so, and the launcher exits 2."""
+    code, out = _nproc_ppl(tiny, "--lengths", "1024", "--out-dir", str(tmp_path / "o"))
+    assert code == 2 and out.count("error:") == 1 and "error: no 1024-token window in the data" in out, out
+
+
+@pytest.mark.filterwarnings("error::FutureWarning")
+def test_generation_uses_no_deprecated_transformers_argument(tiny, tmp_path):
+    """The prefill and the decoding hand transformers its cache by the name it keeps (past_key_values goes in 5.40)."""
+    ok("niah", tiny, "--lengths", "256", "--depths", "50", "--max-new-tokens", "2",
+       *FAST, *SPARSE, "--out-dir", tmp_path)  # fmt: skip

@@ -49,6 +49,7 @@ def benchmark_answers(group, samples):
     return [r["prediction"] for r in generated["records"] + files["records"]], engine.densities
 
 
+@pytest.mark.slow
 def test_benchmarks_on_two_ranks_answer_as_one(pool, tmp_path):
     """The paper's evaluation set (here InfiniteBench, generated and official records, one cut in the
     middle) runs through the context-parallel prefill and gives one process's answers on 2 gloo ranks."""
@@ -77,6 +78,7 @@ def reference():
     return {sparse: evaluate(None, "striped", sparse) for sparse in (False, True)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world, layout, sparse, context_mode, ring",
     [
@@ -130,12 +132,14 @@ def test_answers_depend_on_the_context(reference):
     assert all(len(a) == NEW_TOKENS for a in answers)
 
 
+@pytest.mark.slow
 def test_cp_length_must_split(pool):
     errors = pool.run(unsplittable, 2)
     assert all(e is not None and "multiples of 64" in e for e in errors)
     assert dist.is_available()
 
 
+@pytest.mark.slow
 def test_generation_equals_greedy_recomputation():
     """Prefill plus cached decoding answers exactly as re-running the model on the whole text each step."""
     model, (_, prompts) = tiny_model(), inputs()

@@ -38,6 +38,7 @@ def retrieve(group, pattern: dict) -> tuple[list[int], bool, float]:
     return response.tokens, response.forced.all_greedy, response.forced.nll[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_pattern_that_hides_the_needle_fails_retrieval(pool, world):
     results = {

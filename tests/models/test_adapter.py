@@ -26,6 +26,7 @@ def _pair(model_type: str):
     return ours, eager
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", sorted(ARCHS))
 def test_matches_eager_attention(model_type):
     ours, eager = _pair(model_type)
@@ -122,6 +123,7 @@ def test_dense_fallback_above_max_density():
     assert (out - ref).abs().max() > 1e-4  # the sparse pattern drops pairs: a different result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("firsts", [(0, 0, 0), (0, 5, 3), (4, 0, 9)], ids=["restart at 0", "elsewhere", "cut first"])
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])
 def test_packed_position_ids_mask_documents(model_type, firsts, monkeypatch):

@@ -82,6 +82,7 @@ def test_recompute_takes_back_saved_outputs(monkeypatch):
         assert torch.equal(model(input_ids=ids, use_cache=False).logits, first)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("save_outputs", [False, True])
 def test_checkpointed_micro_batches_equal_the_plain_model(monkeypatch, save_outputs):
     """Three micro-batches of different tokens accumulated as the trainer does (forward, then the backward
@@ -110,6 +111,7 @@ def test_checkpointed_micro_batches_equal_the_plain_model(monkeypatch, save_outp
     assert att.end_step().layers == {}  # forgotten
 
 
+@pytest.mark.slow
 def test_stats_are_recorded_as_asked():
     """record="off" records nothing, "density" no recall; a model run outside any block records nothing."""
     model, att = _model(checkpointed=False)
@@ -169,6 +171,7 @@ def test_misuse_fails_clearly():
         model(input_ids=ids, use_cache=False)
 
 
+@pytest.mark.slow
 def test_documents_of_a_forward_reach_its_recompute(monkeypatch):
     """forward(documents=) masks each document and keeps the documents for its recompute: the recomputed
     forward equals the forward, and both equal the model run on each document alone."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -74,6 +75,7 @@ def _walks_alive() -> int:
     return sum(len(p.index_cache) > 0 for p in gc.get_objects() if type(p) is VerticalSlashPattern)
 
 
+@pytest.mark.slow
 def test_checkpointed_layers_keep_the_walks_of_one_layer_at_a_time(monkeypatch):
     """Three checkpointed sparse layers: no walks kept after the forward; during the backward only the layer
     being differentiated holds its walks (not every layer done so far)."""

@@ -103,6 +103,7 @@ def _compare_on_ranks() -> dict:
     return report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_context_parallel_equals_single_process(world_size):
     report = run_local(_compare_on_ranks, world_size)[0]
@@ -125,6 +126,7 @@ def test_single_device_sparse_small_budget_is_sparse_and_full_budget_is_dense():
     assert float((small[0] - dense[0]).abs()) > 1e-6  # it really dropped pairs
 
 
+@pytest.mark.slow
 def test_dense_layers_and_min_sparse_len_fall_back_to_dense():
     model, samples = _model(), _samples()
     ids, labels, pos = samples[:, :-1], samples[:, 1:], torch.arange(SEQ)[None]

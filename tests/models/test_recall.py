@@ -151,6 +151,7 @@ def _recall_on_ranks(group, layout_name, q, k, pattern, chunk_keys, docs=None) -
     return _recall(layout.shard(q, rank), layout.shard(k, rank), pattern, chunk_keys, group, layout, docs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("layout_name", ["contiguous", "zigzag", "striped"])
 def test_context_parallel_matches_oracle(pool, world, layout_name):

@@ -255,6 +255,7 @@ def test_sparse_attention_torch_matches_the_masked_softmax(b, hq, hkv, documents
 
 
 # --------------------------------------------------------------------------- the ring on gloo
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world,documents,ring",
     [(2, False, None), (3, False, None), (3, True, None), (4, True, dict(ring="hierarchical", inner_size=2))],
@@ -290,6 +291,7 @@ def check_triton(case: Case, inputs, rows: slice, dtype: torch.dtype) -> None:
         assert_close(name, got, want, TRITON_TOL[dtype])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "b,hq,hkv,documents,sq,dtype",
     [
@@ -319,6 +321,7 @@ def triton_ring_case(group, inputs, pattern, documents):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,documents", [(2, False), (3, True)])
 def test_ring_triton_matches_the_masked_softmax(pool, world, documents):
     n = SEQ[world]

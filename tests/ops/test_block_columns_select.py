@@ -68,14 +68,15 @@ def as_sets(columns: torch.Tensor, n: int) -> list[list[list[set[int]]]]:
     return [[[{int(j) for j in blk if j < n} for blk in head] for head in row] for row in columns]
 
 
+@pytest.mark.parametrize("scorer", ["sorted", "dense"])
 @pytest.mark.parametrize("docs_kind", [None, "mixed", "short"])
 @pytest.mark.parametrize("b,hq,hkv,n", [(1, 2, 1, 96), (2, 4, 2, 104)])
-def test_columns_match_brute_force(docs_kind, b, hq, hkv, n):
+def test_columns_match_brute_force(docs_kind, b, hq, hkv, n, scorer):
     q, k = inputs(n + b, b, n, hq, hkv)
     documents = None if docs_kind is None else make_documents(docs_kind, n, G, 7, b)
     lines = estimate_pattern(q, k, CONFIG, documents=documents)
     scale = 0.25
-    got = select_block_columns(q, k, lines, 3, scale, documents=documents, tables=TABLES, bits=BITS)
+    got = select_block_columns(q, k, lines, 3, scale, documents=documents, tables=TABLES, bits=BITS, scorer=scorer)
     assert got.shape == (b, hq, lines.num_blocks, 3) and got.dtype == torch.int32
     assert bool(((got.diff(dim=-1) > 0) | (got[..., 1:] == n)).all())  # ascending, padding last
     assert as_sets(got, n) == brute_force(q, k, lines, 3, scale, documents)
@@ -119,6 +120,7 @@ def columns_case(group, layout_name, q, k, config, docs):
     return _block_columns_cp(layout.shard(q, rank), layout.shard(k, rank), lines, config, group, layout, 0, 0.25, docs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("layout_name", LAYOUTS)
 @pytest.mark.parametrize("docs_kind", [None, "mixed"])

@@ -97,6 +97,7 @@ def test_decomposition_of_single_device_and_arbitrary_positions():
         assert_exact_cover(picks[0], picks[1], blocks)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout_name", LAYOUTS)
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 1), (2, 2)])
 def test_ring_steps_through_blocks_equal_oracle(layout_name, hq, hkv):
@@ -192,6 +193,7 @@ def test_cudnn_wrapper_on_fake_op(monkeypatch, causal, hq, hkv):
 
 
 # ----------------------------------------------------------------------------- rings on gloo
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("layout_name", LAYOUTS)
 def test_dense_ring_through_blocks_matches_oracle(pool, world, layout_name):

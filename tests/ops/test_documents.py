@@ -142,6 +142,7 @@ def check_backend(backend, dtype, q, k, v, pattern, docs, q_pos=None, k_pos=None
         assert rel_err(got, ref) < 2 * tol, f"d{name}: {rel_err(got, ref)}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kind,docs_kind,seq,block,heads,batch",
     [

@@ -336,6 +336,7 @@ def test_select_lines_is_deterministic_under_ties():
 
 
 # --------------------------------------------------------------------------- end to end
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "b,hq,hkv,d,seq,threshold", [(1, 4, 2, 16, 160, None), (2, 2, 1, 32, 131, None), (1, 4, 4, 16, 200, 0.7)]
 )

@@ -30,6 +30,7 @@ def check_against_oracle(q, k, v, pattern, q_pos=None, k_pos=None, gen=None):
         assert rel_err(got, ref) < 2 * tol, f"d{name}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "seq,block,heads,head_dim,kind",
@@ -52,6 +53,7 @@ def test_kernel_matches_oracle(dtype, seq, block, heads, head_dim, kind):
     check_against_oracle(q, k, v, pattern, gen=gen)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q_rank,k_rank", [(1, 0), (0, 1), (2, 2), (3, 1)])
 def test_ring_step_offsets(dtype, q_rank, k_rank):
@@ -131,6 +133,7 @@ def test_pattern_for_other_heads_rejected():
         sparse_attention(q, k, v, VerticalSlashPattern.dense(1, 2, 32, 16), backend="triton")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_dq_backward_matches_oracle(monkeypatch, dtype):
     """The backward variant that adds dQ atomically inside the dK/dV kernels."""
@@ -151,6 +154,7 @@ def test_fused_dq_backward_matches_oracle(monkeypatch, dtype):
     check_against_oracle(q, k, v, make_pattern("local_plus_verticals", 1, 4, n, g, gen), q_pos, k_pos, gen)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_tiles_smaller_than_the_block(monkeypatch, dtype):
     """Kernel tiles of 16 and 32 inside G = 64 blocks (each tile walks its block's list in steps),

@@ -155,19 +155,22 @@ def test_block_columns_bf16_match_fp32_reference(seq, batch, documents, dq_mode)
     _check_triton_bf16_against_torch_fp32(q, k, v, pattern, gen, docs)
 
 
+@pytest.mark.parametrize("scorer,seq", [("dense", 4096), ("sorted", 4096), ("sorted", 16384)])
 @pytest.mark.parametrize("documents", [False, True])
-def test_column_scorer_matches_the_reference_on_cuda(documents):
-    """The Triton column scorer in bf16 picks the torch reference's columns (float32 scores of the same bf16
-    inputs; the rows' LSE from the bf16 sparse forward) at G = 128, 4K tokens, GQA."""
+def test_column_scorer_matches_the_reference_on_cuda(documents, scorer, seq):
+    """The Triton column scorers (dense, sorted) in bf16 pick the torch reference's columns (float32 scores of
+    the same bf16 inputs; the rows' LSE from the bf16 sparse forward) at G = 128, GQA; at 16K the sorted
+    kernel runs its 64-row tiles."""
     from mtraining.ops.estimate.block_columns import select_block_columns
 
     gen = torch.Generator().manual_seed(11 + documents)
-    b, seq, hq, hkv, d, g = 1, 4096, 4, 2, 64, 128
+    b, hq, hkv, d, g = 1, 4, 2, 64, 128
     q, k = (torch.randn(b, seq, h, d, generator=gen).cuda().bfloat16() for h in (hq, hkv))
     lines = make_pattern("local_far", b, hq, seq, g, gen, diags=4, verticals=64).to("cuda")
     docs = make_documents("mixed", seq, g, gen, b) if documents else None
     picks = [
-        select_block_columns(q, k, lines, 256, d**-0.5, documents=docs, scorer=scorer) for scorer in ("torch", "triton")
+        select_block_columns(q, k, lines, 256, d**-0.5, documents=docs, scorer=how, backend=backend)
+        for how, backend in (("dense", "torch"), (scorer, "triton"))
     ]
     chosen = [torch.zeros(*p.shape[:-1], seq + 1, device="cuda").scatter_(-1, p.long(), 1.0)[..., :seq] for p in picks]
     assert chosen[0].sum() > 1000  # the case ranks many keys

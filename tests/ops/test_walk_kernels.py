@@ -58,6 +58,7 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(wk, "BLOCKS", SMALL_BLOCKS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "g,n,heads,kind",
     [
@@ -77,6 +78,7 @@ def test_single_chunk(blocks, g, n, heads, kind):
     check_builders(pattern, pos, pos)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["random_heads", "verticals", "empty", "dense"])
 def test_key_chunk_is_a_prefix(kind):
     """Fewer keys than queries (the earlier part of the sequence), int64 positions."""
@@ -88,6 +90,7 @@ def test_key_chunk_is_a_prefix(kind):
     check_builders(pattern, pos[16 * 3 :], pos[: 16 * 7])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [ContiguousLayout, ZigzagLayout, StripedLayout])
 @pytest.mark.parametrize("world,steps", [(2, [(0, 1), (1, 0)]), (4, [(3, 1), (1, 2), (2, 2), (0, 3)])])
 def test_ring_steps(layout, world, steps):
@@ -100,6 +103,7 @@ def test_ring_steps(layout, world, steps):
         check_builders(pattern, lay.positions(q_rank).to(torch.int32), lay.positions(k_rank).to(torch.int32))
 
 
+@pytest.mark.slow
 def test_ring_step_small_blocks(monkeypatch):
     """A striped ring step with every loop of the builders running several steps."""
     monkeypatch.setattr(wk, "BLOCKS", SMALL_BLOCKS)
@@ -109,6 +113,7 @@ def test_ring_step_small_blocks(monkeypatch):
     check_builders(pattern, lay.positions(1).to(torch.int32), lay.positions(3).to(torch.int32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("docs_kind", DOCUMENT_KINDS)
 def test_documents(docs_kind):
     """Packed documents: the walks' document part, on one chunk (per-row documents, a partial last block)
@@ -125,6 +130,7 @@ def test_documents(docs_kind):
     check_builders(pattern, q_pos, k_pos, make_documents(docs_kind, lay.seq_len, g, gen).left_bounds(q_pos))
 
 
+@pytest.mark.slow
 def test_documents_small_blocks(monkeypatch):
     """Packed documents with every loop of the builders running several steps."""
     monkeypatch.setattr(wk, "BLOCKS", SMALL_BLOCKS)

@@ -76,6 +76,7 @@ def disagreement_case(group, case: dict) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,change,message", DISAGREEMENTS, ids=[c[0] for c in DISAGREEMENTS])
 def test_ranks_that_disagree_raise_the_same_error(pool, case, change, message):
     got = pool.run(disagreement_case, 2, change)

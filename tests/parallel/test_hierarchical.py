@@ -19,6 +19,7 @@ def hier(inner_size, **more):
     return dict(ring="hierarchical", inner_size=inner_size, **more)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inner", [2, 1, 4])  # 2 nodes x 2, 4 nodes x 1, 1 node x 4 (the flat ring)
 @pytest.mark.parametrize("layout_name", LAYOUTS)
 @pytest.mark.parametrize("kind", ["causal", "random", "topk"])
@@ -133,6 +134,7 @@ def _six_worker(rank: int, store_path: str, cases, inputs, patterns, out_dir: st
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_hierarchical_six_ranks_three_nodes_and_two_nodes(tmp_path):
     n, b, hq, hkv = 384, 1, 4, 2  # a multiple of 2 * 6 * G
     inputs = make_inputs(21, b, n, hq, hkv, torch.float64)

@@ -19,6 +19,7 @@ from tests.numerics import rel_err
 from tests.rings import CONFIGS, LAYOUTS, SEQ, G, check_ring, make_inputs, ring_case
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("layout_name", LAYOUTS)
 @pytest.mark.parametrize("kind", ["causal", "random", "sinks", "local_sinks", "topk"])
@@ -57,6 +58,7 @@ def test_dense_pattern_ring_equals_dense_attention(pool, layout_name):
     torch.testing.assert_close(layout.gather([r[0] for r in dense]), sdpa, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout_name,kind", [("zigzag", "causal"), ("striped", "random")])
 def test_ring_triton_interpreter(pool, layout_name, kind):
     check_ring(pool, 2, layout_name, kind, torch.float32, seed=3, backend="triton", tol=2e-5, n=128)

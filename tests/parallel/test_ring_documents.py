@@ -29,6 +29,7 @@ def documents(kind: str, world: int, seed: int, batch: int = 1) -> Documents:
     return make_documents(kind, SEQ[world], G, torch.Generator().manual_seed(seed), batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout_name", LAYOUTS)
 @pytest.mark.parametrize(
@@ -52,6 +53,7 @@ def test_ring_documents_gqa_batch_rows_float32(pool):
     check_ring(pool, 3, "striped", "local_sinks", torch.float32, b=2, hq=6, hkv=2, seed=4, strided=True, documents=docs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout_name,kind", [("zigzag", "causal"), ("striped", "random")])
 def test_ring_documents_triton_interpreter(pool, layout_name, kind):
     docs = make_documents("mixed", 128, G, torch.Generator().manual_seed(6))
@@ -83,6 +85,7 @@ def estimate_case(group, layout_name, q, k, config, docs):
     return p.block_diags, p.num_diags, p.vertical_pos, p.num_verticals
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout_name", LAYOUTS)
 @pytest.mark.parametrize("docs_kind,batch", [("mixed", 2), ("spanning", 1), ("short", 1)])
@@ -97,6 +100,7 @@ def test_distributed_estimate_with_documents_equals_single_device(pool, world, l
             assert torch.equal(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout_name", LAYOUTS)
 def test_ring_estimated_with_documents_matches_oracle(pool, layout_name):
     """The ring estimates the pattern with documents and runs it: the oracle of the single-device estimate."""

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,6 +22,7 @@ def _rows(log_dir: Path) -> tuple[list[dict], list[dict]]:
     return [r for r in rows if "event" in r], [r for r in rows if "event" not in r]
 
 
+@pytest.mark.slow
 def test_train_with_torchrun_two_ranks_writes_metrics_checkpoint_and_export(tmp_path):
     overrides = [
         "parallel.context=2",
@@ -52,6 +54,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_host_train_the_hierarchical_ring_like_the_flat_ring(tmp_path):
     """Two launches of `mtraining train --nproc 2 --nnodes 2 --node-rank N --rdzv-endpoint HOST:PORT` (gloo, a
     localhost rendezvous) form one job of 4 ranks; parallel.ring=hierarchical takes the ranks per node (2) as its

@@ -63,6 +63,45 @@ def test_relative_paths_are_relative_to_the_config_file(tmp_path):
     assert cfg.log.dir == str(Path.home() / "logs") and cfg.checkpoint.export_dir == "out"
 
 
+def test_a_wrong_path_says_what_it_is_relative_to(tmp_path, monkeypatch):
+    """A path written relative in the file is relative to the file's folder; one given on the command line to the
+    working directory: messages about a wrong path say which (Config.path_note)."""
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    monkeypatch.chdir(tmp_path)
+    raw = {**BASE, "data": {**BASE["data"], "sources": ["a.jsonl", "/abs/b.jsonl"]}, "checkpoint": {"dir": "ck"}}
+    (folder / "c.yaml").write_text(yaml.safe_dump(raw))
+    cfg = load_config(folder / "c.yaml", ["log.dir=logs"])
+    assert cfg.path_note("data.sources[0]") == (
+        f" (written relative in c.yaml: relative paths in a config are relative to its folder, {folder})"
+    )
+    assert cfg.path_note("data.sources[1]") == "" and "relative to its folder" in cfg.path_note("checkpoint.dir")
+    assert cfg.path_note("log.dir") == f" (given on the command line: relative to the working directory, {tmp_path})"
+    cfg = load_config(folder / "c.yaml", ["data.sources=[x.jsonl]", "checkpoint.dir=/abs/ck"])
+    assert "command line" in cfg.path_note("data.sources[0]") and cfg.path_note("checkpoint.dir") == ""
+
+
+def test_every_config_problem_is_listed_and_checking_goes_on_without_the_bad_keys():
+    """parse_config_partly (mtraining check): all problems of every round; the config without the bad keys."""
+    from mtraining.train.config import apply_overrides, parse_config_partly
+
+    bad = ["train.stepz=1", "atention={}", "log.wandb={projct: x}", "data.sources=[{path: a, weight: -1}]"]
+    cfg, problems = parse_config_partly(apply_overrides(BASE, bad))
+    assert cfg is not None and cfg.train.steps == 10 and cfg.log.wandb is None
+    assert [p.split(":")[0] for p in problems] == [
+        "data.sources[0].weight",
+        "train.stepz",
+        "log.wandb.project",
+        "log.wandb.projct",
+        "atention",
+    ]
+    cfg, problems = parse_config_partly(apply_overrides(BASE, ["train.steps=null", "train.stepz=1"]))
+    assert cfg is None and problems == [
+        "train.steps: Input should be a valid integer",
+        "train.stepz: unknown key; remove it or fix its spelling; did you mean train.steps?",
+    ]
+
+
 def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
     cfg = parse_config(
         BASE, ["train.steps=3", "attention.dense_layers=[0, 1]", "model.config.hidden_size=64", "checkpoint.dir=null"]
@@ -75,8 +114,14 @@ def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["train.stepz=1"], "train.stepz: unknown key"),
-        (["attention.blocksize=64"], "attention.blocksize: unknown key"),
+        (["train.stepz=1"], "train.stepz: unknown key; remove it or fix its spelling; did you mean train.steps?"),
+        (["attention.blocksize=64"], "attention.blocksize: unknown key; remove it or fix its spelling; did you mean "),
+        (
+            ["log.wandb={projct: x}"],
+            "log.wandb.projct: unknown key; remove it or fix its spelling; did you mean log.wandb.project?",
+        ),
+        (["data.sources=[{path: a, wieght: 1}]"], "did you mean data.sources[0].weight?"),
+        (["optim.zzz=1"], "optim.zzz: unknown key; remove it or fix its spelling\n"),
         (["data.seq_len=1000"], "use a multiple of 512, e.g. 1024"),
         (["attention.layout=zigzag", "data.seq_len=512"], "use a multiple of 1024"),
         (["attention.layout=diagonal"], "'contiguous', 'zigzag' or 'striped'"),
@@ -89,7 +134,7 @@ def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
         (["attention.threshold=1.5"], "attention.threshold"),
         (["attention.dense_layers=[-1]"], "layer indices >= 0"),
         (["data.sources=[{path: a, weight: 1}, b]"], "give every source a weight or none"),
-        (["data.sources=[{path: a, weight: -1}]"], "data.sources.0.SourceSpec.weight"),
+        (["data.sources=[{path: a, weight: -1}]"], "data.sources[0].weight: Input should be greater than 0"),
         (["data.global_batch_tokens=1000"], "must be a multiple of the tokens of one micro-batch"),
         (["parallel.ring=flat", "parallel.inner_size=2"], "set both"),
         (
@@ -116,7 +161,7 @@ def test_bad_configs_fail_with_the_fix(overrides, expected):
         return
     with pytest.raises(ConfigError) as err:
         parse_config(BASE, overrides)
-    assert expected in str(err.value)
+    assert expected in str(err.value) + "\n"
 
 
 def test_world_size_must_be_data_times_context():
@@ -172,7 +217,7 @@ def test_cli_tokenize_fills_the_cache_and_writes_the_token_stream(tmp_path):
     from mtraining.train.data import load_sources
 
     out = tmp_path / "tokens.npy"
-    args = ["tokenize", str(ROOT / "configs" / "tiny_cpu.yaml"), str(out), "--set", f"data.cache_dir={tmp_path}"]
+    args = ["tokenize", str(ROOT / "configs" / "tiny_cpu.yaml"), str(out), f"data.cache_dir={tmp_path}"]
     result = CliRunner().invoke(app, args)  # from any folder: the config's paths are relative to it
     assert result.exit_code == 0, result.output
     assert "tokenising" in result.output and "141,281 tokens" in result.output
@@ -187,6 +232,23 @@ def test_cli_tokenize_fills_the_cache_and_writes_the_token_stream(tmp_path):
         refused = CliRunner().invoke(app, [*args[:2], str(target), *args[3:]])
         assert refused.exit_code == 2 and why in refused.output, refused.output
     assert np.array_equal(np.load(out), expected) and not (tmp_path / "t.bin").exists()
+    twice = CliRunner().invoke(app, [*args, str(tmp_path / "other.npy")])
+    assert twice.exit_code == 2 and "tokenize takes one OUT file" in twice.output
+
+
+def test_every_command_takes_overrides_as_train_does(tmp_path, monkeypatch):
+    """section.key=value after the positional arguments, for train, check, export and tokenize alike; anything else
+    there is named; export names a --checkpoint that does not exist (not "an interrupted save")."""
+    config = str(ROOT / "configs" / "tiny_cpu.yaml")
+    for args in (["train", config], ["check", config], ["export", config, str(tmp_path / "hf")]):
+        result = CliRunner().invoke(app, [*args, "train.stepz=1"])
+        assert result.exit_code == 2 and "did you mean train.steps?" in result.output, result.output
+        result = CliRunner().invoke(app, [*args, "steps"])
+        assert result.exit_code == 2 and "'steps' is not a section.key=value override" in result.output, result.output
+    missing = tmp_path / "ck" / "step_00000020"
+    result = CliRunner().invoke(app, ["export", config, str(tmp_path / "hf"), "--checkpoint", str(missing)])
+    assert result.exit_code == 2 and f"--checkpoint {missing} does not exist" in result.output
+    assert "interrupted save" not in result.output and "Traceback" not in result.output
 
 
 def test_budgets_file_gives_per_layer_per_head_budgets(tmp_path):
@@ -218,3 +280,14 @@ def test_block_columns_reach_the_pattern_config_on_every_backend():
     assert parse_config(BASE).attention.pattern_config().block_columns == 0
     with pytest.raises(ConfigError, match="block_columns"):
         parse_config(BASE, ["attention.block_columns=-1"])
+
+
+def test_column_scorer_and_cap_reach_the_pattern_config():
+    config = parse_config(BASE).attention.pattern_config()
+    assert (config.column_scorer, config.column_cap) == ("sorted", 0)
+    cfg = parse_config(BASE, ["attention.column_scorer=dense", "attention.column_cap=512"])
+    assert (cfg.attention.pattern_config().column_scorer, cfg.attention.pattern_config().column_cap) == ("dense", 512)
+    with pytest.raises(ConfigError, match="column_scorer"):
+        parse_config(BASE, ["attention.column_scorer=hashed"])
+    with pytest.raises(ConfigError, match="column_cap"):
+        parse_config(BASE, ["attention.column_cap=-1"])

@@ -13,10 +13,11 @@ import yaml
 
 from mtraining.data.tokens import TokenPart
 from mtraining.models import build_config
+from mtraining.train.check import check_model
 from mtraining.train.config import parse_config
 from mtraining.train.data import Source
 from mtraining.train.launch import run_local
-from mtraining.train.preflight import check_model, rope_warning
+from mtraining.train.preflight import rope_warning
 from tests.train.trainer_runs import RAW as TRAINER_RAW
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,8 +118,14 @@ def test_a_context_extended_export_records_its_length_rope_and_dtype(tmp_path, r
     "change, expected",
     [
         ({"model": {"config": {**TINY, "vocab_size": 100}}}, "vocab_size is 100"),
-        ({"model": {"path": "models/none"}}, "is not a Hugging Face model directory"),
-        ({"data": {**RAW["data"], "tokenizer": "nowhere/tokenizer.json"}}, "no tokenizer at"),
+        (
+            {"model": {"path": "models/none"}},
+            "model.path: {tmp}/models/none does not exist (written relative in train.yaml",
+        ),
+        (
+            {"data": {**RAW["data"], "tokenizer": "nowhere/tokenizer.json"}},
+            "data.tokenizer: {tmp}/nowhere/tokenizer.json",
+        ),
         ({"model": {"config": {**TINY, "model_type": "mistral", "sliding_window": 16}}}, "sliding-window attention"),
         ({"log": {"wandb": {"project": "p"}}}, 'pip install -e ".[wandb]"'),
     ],
@@ -136,6 +143,7 @@ def test_the_launcher_reports_a_mistake_once_before_starting_ranks(tmp_path, mon
     config.write_text(yaml.safe_dump({**RAW, **change}))
     result = CliRunner().invoke(app, ["train", str(config), "--nproc", "2", "parallel.context=2"])
     assert result.exit_code == 2, result.output
+    expected = expected.format(tmp=tmp_path)
     assert result.output.count("error:") == 1 and expected in result.output and "Traceback" not in result.output
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from mtraining.cli import app
@@ -40,6 +41,7 @@ def _ok(*args) -> str:
     return run.stdout
 
 
+@pytest.mark.slow
 def test_gguf_to_corpus_to_sparse_training_to_heldout_perplexity(tmp_path):
     _ok("convert", write_tiny_gguf(tmp_path / "tiny.gguf"), tmp_path / "model")
     site = tmp_path / "site-packages"

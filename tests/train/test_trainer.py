@@ -17,6 +17,7 @@ from mtraining.train.launch import run_local
 from tests.train.trainer_runs import FULL_BUDGET, SMALL_BUDGET, make_config, run_trainer
 
 
+@pytest.mark.slow
 def test_context_and_data_parallel_runs_equal_one_process():
     """Same losses (float32 reduction order aside) for 1 rank, CP=2 and DP=2 x CP=2; the loss falls."""
     single = run_local(run_trainer, 1, make_config("data.batch_size=2", *FULL_BUDGET))[0]
@@ -81,6 +82,7 @@ def test_activation_checkpointing_replays_the_forward_patterns():
     )
 
 
+@pytest.mark.slow
 def test_compiled_layers_train_like_eager():
     """train.compile (each decoder layer compiled, attention a graph break) on a context-parallel ring with FSDP:
     the eager losses, to float32 rounding. The aot_eager backend traces what inductor compiles
@@ -117,6 +119,7 @@ def _train_reporting_saved_outputs(cfg: Config) -> tuple[list[dict], bool]:
         trainer.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fits", [True, False])
 def test_auto_saved_outputs_follow_the_first_steps_memory(monkeypatch, fits):
     """save_attention_outputs=auto (the default) asks the device's memory after step 1 (faked here; the
@@ -187,6 +190,7 @@ def _train_and_weights(cfg: Config) -> tuple[list[dict], dict]:
         trainer.close()
 
 
+@pytest.mark.slow
 def test_accumulated_micro_batches_equal_one_large_batch():
     """4 micro-batches of 1 sequence (train.grad_accum, or with gradients reduced once per step) give the losses,
     gradient norms and weights of one batch of 4, to float32 rounding, on 2 context ranks."""
@@ -207,6 +211,7 @@ def test_accumulated_micro_batches_equal_one_large_batch():
         make_config(*common, "data.global_batch_tokens=300")
 
 
+@pytest.mark.slow
 def test_hierarchical_ring_trains_like_the_flat_ring():
     """parallel.ring=hierarchical in each of 2 data-parallel groups (inner rings of 1 rank, outer rings of 2:
     the ring groups of every context group are made up front): the flat ring's losses, to float32 rounding."""
@@ -249,6 +254,7 @@ def test_ring_shape_is_validated_against_the_world(overrides, local_world_size, 
             shape()
 
 
+@pytest.mark.slow
 def test_document_masking_on_context_parallel_ranks_equals_one_process():
     """data.document_masking with reset position ids: CP=2 (striped) equals one process, sparse and dense;
     the documents change the losses (the tiny corpus' samples hold boundaries)."""
@@ -314,6 +320,7 @@ def _steps_then_save(cfg: Config, steps: int) -> list[float]:
         trainer.close()
 
 
+@pytest.mark.slow
 def test_one_float32_rank_runs_without_fsdp_and_its_checkpoints_resume_on_a_ring(tmp_path):
     """FSDP is left out where it has nothing to do (one rank, float32 parameters) and kept elsewhere; a
     checkpoint of one rank (plain tensors) resumes on two context ranks (FSDP's DTensors) and back, each

@@ -11,19 +11,22 @@ bits) are scored, each as the probability the row would give the key next to the
 the row, exp(score - the row's LSE over the pattern), summed over the block's rows.
 
 The choice is two steps, each defined once: the scores of every (query block, key), per chunk of query
-blocks, and the top ``per_block`` of each block's scores (``top_columns``). Two scorers compute the same
-scores: ``column_scores_reference`` in torch, which forms every row's scores, masks and hash compares in
-chunks of query blocks (the torch path, at small sizes), and the Triton kernel of column_kernels.py, which
-walks each block's keys in tiles with the rows' LSE from the sparse forward and holds only the blocks'
-scores (the CUDA path; ``select_block_columns``'s ``scorer``). Both do work that grows with the square of
-the length: every key before a block is scored against its rows. Under context parallelism each rank
-ranks the blocks of its own rows against the gathered keys, and one all-reduce (min) assembles the global
-columns.
+blocks, and the top ``per_block`` of each block's scores (``top_columns``). Two ways find the candidates
+(``select_block_columns``'s ``scorer``). "dense" scores every key before a block against its rows and masks
+the pairs to the hash mates: ``column_scores_reference`` in torch (forms every row's scores, masks and hash
+compares in chunks of query blocks) and the Triton kernel of column_kernels.py (walks each block's keys in
+tiles, holding only the blocks' scores); their work grows with the square of the length. "sorted"
+(column_buckets.py) sorts each table's keys by code, so every row's candidates in a table are one run of
+that order, and scores only those: in torch (``column_scores_sorted``) and by the Triton kernel of
+column_bucket_kernels.py; its work grows with the candidate pairs, and a row meets at most ``cap`` keys per
+table. Under context parallelism each rank ranks the blocks of its own rows against the gathered keys, and
+one all-reduce (min) assembles the global columns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Literal
 
 import torch
@@ -36,12 +39,14 @@ from .hashing import bucket_mates, hashed_heads
 _CHUNK_ELEMENTS = 1 << 24  # scores held at once per chunk of query blocks
 
 
-Scorer = Literal["auto", "torch", "triton"]
+Scorer = Literal["sorted", "dense"]
+Backend = Literal["auto", "torch", "triton"]
 ColumnScorer = Callable[
     [Tensor, Tensor, VerticalSlashPattern, float, Tensor, Documents | None, int, int, int],
-    Iterator[tuple[Tensor, Tensor]],
+    Iterator[tuple[Tensor, slice, Tensor]],
 ]
-"""(q, k, pattern, scale, q_pos, documents, tables, bits, seed) -> per chunk of query blocks (scores, blocks)."""
+"""(q, k, pattern, scale, q_pos, documents, tables, bits, seed) -> per chunk of (query heads, query blocks):
+(scores float32 [B, heads, blocks, N], heads, blocks int64 [blocks])."""
 
 
 @torch.no_grad()
@@ -56,7 +61,9 @@ def select_block_columns(
     tables: int = 8,
     bits: int = 8,
     seed: int = 0,
-    scorer: Scorer = "auto",
+    scorer: Scorer = "sorted",
+    backend: Backend = "auto",
+    cap: int | None = None,
 ) -> Tensor:
     """int32 [B, H, num_blocks, per_block]: the columns of every query block that holds a row of ``q``
     (ascending, padded with seq_len; the other blocks all padding), for ``pattern.with_block_columns``.
@@ -66,9 +73,9 @@ def select_block_columns(
     before its first row that the pattern does not keep for it, within the document of some row of the block,
     sharing a hash bucket with one of its rows; a key no row of the block meets is never chosen. Rows from
     ``documents.estimate_end`` on rank nothing.
-    ``scorer``: "auto" scores with the Triton kernel on CUDA and the torch reference elsewhere (see
-    ``column_scores_reference`` and ``column_kernels.column_scores_triton``; "triton" runs the kernel in
-    Triton's interpreter on the CPU).
+    ``scorer``: how candidates are found (module docstring): "sorted" (each row meets at most ``cap`` keys
+    per table; None: no cap) or "dense" (``cap`` must be None). ``backend``: "auto" scores with Triton on
+    CUDA and torch elsewhere ("triton" runs the kernels in Triton's interpreter on the CPU).
     """
     b, sq, hq, _ = q.shape
     n = k.shape[1]
@@ -77,8 +84,10 @@ def select_block_columns(
         return columns
     if q_pos is None:
         q_pos = torch.arange(sq, device=q.device)
-    for score, held in _scorer(scorer, q)(q, k, pattern, scale, q_pos, documents, tables, bits, seed):
-        columns[:, :, held] = top_columns(score, per_block)
+    for score, heads, held in _scorer(scorer, backend, cap, q)(
+        q, k, pattern, scale, q_pos, documents, tables, bits, seed
+    ):
+        columns[:, heads, held] = top_columns(score, per_block)
     return columns
 
 
@@ -91,18 +100,31 @@ def top_columns(score: Tensor, per_block: int) -> Tensor:
     return torch.nn.functional.pad(chosen, (0, per_block - chosen.shape[-1]), value=n)
 
 
-def _scorer(name: Scorer, q: Tensor) -> ColumnScorer:
-    """The column scorer ``name`` ("auto": Triton on CUDA, else torch); the kernel module is imported on
-    first use (Triton reads TRITON_INTERPRET when kernels are defined, and CPU callers never need it)."""
-    if name == "auto":
-        name = "triton" if q.is_cuda else "torch"
-    if name == "torch":
-        return column_scores_reference
-    if name == "triton":
+def _scorer(scorer: Scorer, backend: Backend, cap: int | None, q: Tensor) -> ColumnScorer:
+    """The column scorer of ``scorer`` and ``backend`` ("auto": Triton on CUDA, else torch). The modules are
+    imported on first use (Triton reads TRITON_INTERPRET when kernels are defined, and CPU callers never need
+    it)."""
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if q.is_cuda else "torch"
+    if scorer == "dense":
+        if cap is not None:
+            raise ValueError(f"the dense column scorer scores every candidate: cap must be None, got {cap!r}")
+        if backend == "torch":
+            return column_scores_reference
         from .column_kernels import column_scores_triton
 
         return column_scores_triton
-    raise ValueError(f"scorer must be 'auto', 'torch' or 'triton', got {name!r}")
+    if scorer == "sorted":
+        if backend == "torch":
+            from .column_buckets import column_scores_sorted
+
+            return partial(column_scores_sorted, cap=cap)
+        from .column_bucket_kernels import column_scores_sorted_triton
+
+        return partial(column_scores_sorted_triton, cap=cap)
+    raise ValueError(f"scorer must be 'sorted' or 'dense', got {scorer!r}")
 
 
 def column_scores_reference(
@@ -115,9 +137,10 @@ def column_scores_reference(
     tables: int,
     bits: int,
     seed: int,
-) -> Iterator[tuple[Tensor, Tensor]]:
+) -> Iterator[tuple[Tensor, slice, Tensor]]:
     """The blocks' column scores (module docstring) in torch, per chunk of whole query blocks: (float32
-    [B, H, blocks, N], int64 [blocks]: which global blocks, ascending). Arguments as ``select_block_columns``.
+    [B, H, blocks, N], every head, int64 [blocks]: which global blocks, ascending). Arguments as
+    ``select_block_columns``.
 
     A row the pattern leaves without keys weighs its candidates against all the keys it may see.
     """
@@ -145,4 +168,4 @@ def column_scores_reference(
             candidate &= (pos < documents.estimate_end)[:, None]
         probs = (logits - pattern_lse).exp_().masked_fill_(~candidate, 0.0)
         held, block_of_row = torch.unique(pos // g, return_inverse=True)  # the chunk's blocks, ascending
-        yield probs.new_zeros(b, hq, held.shape[0], n).index_add_(2, block_of_row, probs), held
+        yield probs.new_zeros(b, hq, held.shape[0], n).index_add_(2, block_of_row, probs), slice(None), held

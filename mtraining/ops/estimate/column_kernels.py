@@ -16,6 +16,7 @@ chunks, so that the scores held at once stay under ``SCORE_BYTES``.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import triton
@@ -97,6 +98,50 @@ def _column_score_kernel(
             tl.store(score_row + cols, tl.sum(p, 0))
 
 
+class ScorerInputs(NamedTuple):
+    """What a Triton column scorer reads (``scorer_inputs``): q, k (unit stride along head_dim), q_pos int32,
+    q_bound (documents) int32 [B or 1, Sq] or None, lse f32 [B, H, Sq] (natural log), vmask int8 [B, H, N],
+    dmask int8 [B, H, nb]."""
+
+    q: Tensor
+    k: Tensor
+    q_pos: Tensor
+    q_bound: Tensor | None
+    lse: Tensor
+    vmask: Tensor
+    dmask: Tensor
+
+
+def scorer_inputs(
+    q: Tensor,
+    k: Tensor,
+    pattern: VerticalSlashPattern,
+    scale: float,
+    q_pos: Tensor,
+    documents: Documents | None,
+    bits: int,
+) -> ScorerInputs:
+    """The inputs of a Triton column scorer, checked (the kernels' dtypes and head dims, a pattern without block
+    columns, bits <= 31 for int32 codes, q_pos in ascending aligned runs of G), with the rows' LSE over the
+    pattern from the sparse forward (Triton backend; +inf, so weight 0, on rows from ``documents.estimate_end``
+    on) and the pattern's verticals and selected block diagonals as byte masks."""
+    check_backend_inputs(q, k, k, "triton")
+    if pattern.block_cols is not None:
+        raise ValueError("the Triton column scorers score on a pattern without block columns (its lines)")
+    if bits > 31:
+        raise ValueError(f"the Triton column scorers hold hash codes in int32: bits must be <= 31, got {bits}")
+    check_aligned_positions(q_pos, pattern.block_size, "q_pos")
+    q, k = unit_stride(q, k)
+    q_pos = q_pos.to(torch.int32).contiguous()
+    q_bound = None if documents is None else documents.left_bounds(q_pos)
+    k_pos = torch.arange(k.shape[1], dtype=torch.int32, device=q.device)
+    _, lse = attention_forward(q, k, k, pattern, q_pos, k_pos, scale, backend="triton", q_bound=q_bound)
+    if documents is not None and documents.estimate_end is not None:  # rows that do not estimate weigh 0
+        lse.masked_fill_(q_pos >= documents.estimate_end, float("inf"))
+    vmask = pattern.vertical_mask().to(torch.int8)
+    return ScorerInputs(q, k, q_pos, q_bound, lse, vmask, pattern.diag_mask().to(torch.int8))
+
+
 def column_scores_triton(
     q: Tensor,
     k: Tensor,
@@ -108,38 +153,21 @@ def column_scores_triton(
     bits: int,
     seed: int,
     score_bytes: int = SCORE_BYTES,
-) -> Iterator[tuple[Tensor, Tensor]]:
+) -> Iterator[tuple[Tensor, slice, Tensor]]:
     """The blocks' column scores by ``_column_score_kernel``, per chunk of whole query blocks of at most
-    ``score_bytes`` of scores: (float32 [B, H, blocks, N], int64 [blocks]: which global blocks, in q's
-    order). Arguments as ``select_block_columns``; q_pos in ascending aligned runs of G, the pattern
-    without block columns, bits <= 31 (int32 codes).
+    ``score_bytes`` of scores: (float32 [B, H, blocks, N], every head, int64 [blocks]: which global blocks, in
+    q's order). Arguments as ``select_block_columns``, checked as ``scorer_inputs`` says.
 
-    The rows' LSE over the pattern comes from the sparse forward (Triton backend). Unlike the reference,
-    a row the pattern leaves without keys (never one of an estimated pattern, which keeps the local
-    window) adds nothing to its block's scores. Rows from ``documents.estimate_end`` on add nothing either
-    (their LSE is set to +inf).
+    Unlike the reference, a row the pattern leaves without keys (never one of an estimated pattern, which
+    keeps the local window) adds nothing to its block's scores, nor do rows from ``documents.estimate_end`` on.
     """
     b, sq, hq, d = q.shape
     n = k.shape[1]
     g = pattern.block_size
-    check_backend_inputs(q, k, k, "triton")  # the kernels' dtypes and head dims
-    if pattern.block_cols is not None:
-        raise ValueError("the Triton column scorer scores on a pattern without block columns (its lines)")
-    if bits > 31:
-        raise ValueError(f"the Triton column scorer holds hash codes in int32: bits must be <= 31, got {bits}")
-    check_aligned_positions(q_pos, g, "q_pos")
-    q, k = unit_stride(q, k)
-    q_pos = q_pos.to(torch.int32).contiguous()
-    q_bound = None if documents is None else documents.left_bounds(q_pos)
+    q, k, q_pos, q_bound, lse, vmask, dmask = scorer_inputs(q, k, pattern, scale, q_pos, documents, bits)
     _, _, q_codes, k_codes = hashed_heads(q, k, tables, bits, seed)
     q_codes = q_codes.to(torch.int32).transpose(-1, -2).contiguous()  # [B, H, T, Sq]
     k_codes = k_codes.to(torch.int32).transpose(-1, -2).contiguous()  # [B, H, T, N]
-    k_pos = torch.arange(n, dtype=torch.int32, device=q.device)
-    _, lse = attention_forward(q, k, k, pattern, q_pos, k_pos, scale, backend="triton", q_bound=q_bound)
-    if documents is not None and documents.estimate_end is not None:  # rows that do not estimate weigh 0
-        lse.masked_fill_(q_pos >= documents.estimate_end, float("inf"))
-    vmask = pattern.vertical_mask().to(torch.int8)
-    dmask = pattern.diag_mask().to(torch.int8)
     blocks = triton.cdiv(sq, g)
     per_chunk = max(1, score_bytes // (b * hq * n * 4))
     for block0 in range(0, blocks, per_chunk):
@@ -167,4 +195,4 @@ def column_scores_triton(
             HEAD_DIM=d,
             num_warps=4,
         )
-        yield score, q_pos[block0 * g : (block0 + count) * g : g].long() // g
+        yield score, slice(None), q_pos[block0 * g : (block0 + count) * g : g].long() // g

@@ -32,7 +32,7 @@ from ..checks import check_qkv, default_positions, resolve_scale
 from ..documents import Documents, resolve_documents
 from ..numerics import acc_dtype, matmul_acc
 from ..pattern.vertical_slash import VerticalSlashPattern, line_lists
-from .block_columns import select_block_columns
+from .block_columns import Scorer, select_block_columns
 from .budgets import Budgets, load_budgets
 
 _CHUNK_ELEMENTS = 1 << 26
@@ -58,6 +58,10 @@ class PatternConfig:
         block_columns: key columns chosen per query block of ``block_size`` rows on top of the lines
             (``block_columns.py``); 0: none.
         column_tables, column_bits: the sign hashes whose bucket mates are the block columns' candidates.
+        column_scorer: how the candidates are found and scored (``block_columns.py``): "sorted" (each table's
+            keys sorted by code, only the candidate pairs scored) or "dense" (every pair scored, then masked).
+        column_cap: "sorted" only: a row meets at most this many keys per table, those of its bucket nearest
+            its block (``column_buckets.py``); 0: no cap.
     """
 
     v_size: int = 1024
@@ -71,12 +75,17 @@ class PatternConfig:
     block_columns: int = 0
     column_tables: int = 8
     column_bits: int = 8
+    column_scorer: Scorer = "sorted"
+    column_cap: int = 0
 
     def __post_init__(self) -> None:
         for name in ("v_size", "s_size", "last_q", "local_window", "block_size", "column_tables", "column_bits"):
             _check_int(getattr(self, name), name, minimum=1)
         _check_int(self.sink_tokens, "sink_tokens", minimum=0)
         _check_int(self.block_columns, "block_columns", minimum=0)
+        if self.column_scorer not in ("sorted", "dense"):
+            raise ValueError(f"column_scorer must be 'sorted' or 'dense', got {self.column_scorer!r}")
+        _check_int(self.column_cap, "column_cap", minimum=0)
         g = self.block_size
         if g < 16 or g & (g - 1):
             raise ValueError(f"block_size must be a power of two >= 16 (the kernel block), got {g}")
@@ -427,7 +436,18 @@ def block_columns_of(
 ) -> Tensor:
     """``select_block_columns`` with the config's column settings (hashes seeded by the layer)."""
     return select_block_columns(
-        q, k, lines, config.block_columns, scale, q_pos, documents, config.column_tables, config.column_bits, layer_idx
+        q,
+        k,
+        lines,
+        config.block_columns,
+        scale,
+        q_pos,
+        documents,
+        config.column_tables,
+        config.column_bits,
+        layer_idx,
+        scorer=config.column_scorer,
+        cap=(config.column_cap or None) if config.column_scorer == "sorted" else None,
     )
 
 
