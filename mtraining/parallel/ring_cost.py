@@ -1,12 +1,12 @@
 """Cost model of context-parallel attention: predicted forward + backward time of one layer.
 
-Used by ``mtraining check`` (train/estimate.py: the time of a training step) and ``bench/cost_model.py``.
+Used by ``mtraining check`` (train/estimate.py: the time of a training step) and ``experiments/studies/cost_model.py``.
 
 Inputs are per-step compute times (one ring step's attention, forward and backward, on one GPU)
 and links (``Link``: bandwidth per direction per GPU, latency per transfer). Ranks advance in lock step, and
 a step whose transfer is overlapped with compute costs max(compute, transfer). The schedules are
 the ones the engines run (ring/flat.py, ring/hierarchical.py, ring/allgather.py); the trainer's
-``parallel.ring: auto`` asks ``choose_ring`` (train/ring_choice.py), bench/cost_model.py checks it against
+``parallel.ring: auto`` asks ``choose_ring`` (train/ring_choice.py), experiments/studies/cost_model.py checks it against
 measured times:
 
 Flat ring of W = O x I ranks. Consecutive ranks share a node, so with O > 1 some hop of every step

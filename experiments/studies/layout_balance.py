@@ -5,26 +5,23 @@ ranks of the (q, k) pairs the sparse ring computes (``imbalance_report``). The s
 ring's time, so contiguous/striped time is bounded by about contiguous max/mean divided by striped
 max/mean when both rings run their pairs equally fast.
 
-    python bench/layout_balance.py --seq-len 524288 --world-sizes 2 4 8
+    python -m experiments.studies.layout_balance --seq-len 524288 --world-sizes 2 4 8
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
-from common import provenance, write_results  # noqa: E402
+from bench.common import provenance, write_results
+from bench.synthetic import rope_structured_qkv
+from mtraining.ops import PatternConfig, estimate_pattern
+from mtraining.parallel import make_layout
 
-from bench.imbalance import imbalance_report  # noqa: E402
-from bench.synthetic import rope_structured_qkv  # noqa: E402
-from mtraining.ops import PatternConfig, estimate_pattern  # noqa: E402
-from mtraining.parallel import make_layout  # noqa: E402
+from .imbalance import imbalance_report
 
 
 def main() -> None:

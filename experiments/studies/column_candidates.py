@@ -16,30 +16,26 @@ Internal tool: it reads the hashing of ``mtraining.ops.estimate.hashing``, the c
 ``mtraining.ops.estimate.block_columns`` and the windows of ``mtraining.ops.estimate.column_buckets`` directly,
 since those are what it measures.
 
-    python bench/column_candidates.py --model /path/to/hf-folder --tokens corpus/train/code.npy --offset 1000000 \
+    python -m experiments.studies.column_candidates --model /path/to/hf-folder --tokens corpus/train/code.npy --offset 1000000 \
         --seq-len 8192 --layers 3 11 19 27 --agreement 128 --caps 256 512 1024 \
         --out bench/results/column_candidates_smollm2_code.json
-    python bench/column_candidates.py --synthetic structured --seq-len 8192 --out bench/results/column_candidates_structured.json
+    python -m experiments.studies.column_candidates --synthetic structured --seq-len 8192 --out bench/results/column_candidates_structured.json
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
-from common import provenance, write_results  # noqa: E402
-
-from mtraining.ops import PatternConfig, estimate_pattern  # noqa: E402
-from mtraining.ops.estimate.block_columns import select_block_columns  # noqa: E402
-from mtraining.ops.estimate.column_buckets import row_windows, sort_keys  # noqa: E402
-from mtraining.ops.estimate.hashing import hashed_heads  # noqa: E402
+from bench.common import provenance, write_results
+from mtraining.ops import PatternConfig, estimate_pattern
+from mtraining.ops.estimate.block_columns import select_block_columns
+from mtraining.ops.estimate.column_buckets import row_windows, sort_keys
+from mtraining.ops.estimate.hashing import hashed_heads
 
 
 def model_qk(folder: Path, tokens: Tensor, layers: list[int]) -> dict[int, tuple[Tensor, Tensor]]:

@@ -9,8 +9,8 @@ then hashing, manifest and rename), ``verify_checkpoint``, ``load_checkpoint``, 
 files alone; ``os.sync()`` before each. The hashing reads the files right after they were written,
 usually from the page cache.
 
-    python bench/checkpoint_integrity.py                     # about 3.8 GB, writes bench/results/checkpoint_integrity.json
-    python bench/checkpoint_integrity.py --layers 2 --dir /tmp/ck --out /tmp/ck.json   # a quick check
+    python -m experiments.studies.checkpoint_integrity                    # about 3.8 GB, writes bench/results/checkpoint_integrity.json
+    python -m experiments.studies.checkpoint_integrity --layers 2 --dir /tmp/ck --out /tmp/ck.json   # a quick check
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -27,12 +26,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import provenance, write_results  # noqa: E402
-from mtraining.models import build_model  # noqa: E402
-from mtraining.train.checkpoint import file_digest, load_checkpoint, save_checkpoint, verify_checkpoint  # noqa: E402
-from mtraining.train.loss import CausalLMLoss  # noqa: E402
+from bench.common import provenance, write_results
+from mtraining.models import build_model
+from mtraining.train.checkpoint import file_digest, load_checkpoint, save_checkpoint, verify_checkpoint
+from mtraining.train.loss import CausalLMLoss
 
 
 def _timed(fn) -> tuple[float, float]:
@@ -91,7 +88,7 @@ def main() -> None:
             for name in sorted(saves, reverse=repeat % 2 == 1):  # alternate which save goes first
                 runs.setdefault(name, []).append(_timed(saves[name]))
             files = sorted(step.iterdir())
-            runs.setdefault("sha256_all_files", []).append(_timed(lambda: [file_digest(p) for p in files]))
+            runs.setdefault("sha256_all_files", []).append(_timed(lambda files=files: [file_digest(p) for p in files]))
             runs.setdefault("verify_checkpoint", []).append(_timed(lambda: verify_checkpoint(step)))
             runs.setdefault("load_checkpoint", []).append(_timed(lambda: load_checkpoint(step, model, optimizer)))
         record["checkpoint_bytes"] = sum(p.stat().st_size for p in files)

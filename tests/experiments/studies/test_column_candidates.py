@@ -1,15 +1,14 @@
-"""bench/column_candidates.py: the sorted column scorer's windows and its agreement with the dense scorer."""
+"""experiments/studies/column_candidates.py: the sorted column scorer's windows and its agreement with the dense scorer."""
 
 from __future__ import annotations
 
 import torch
 
+from experiments.studies import column_candidates as script
 from mtraining.ops import PatternConfig
-from tests.bench.scripts import load_script
 
 
 def test_windows_and_agreement_on_random_inputs():
-    script = load_script("column_candidates")
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 256, 4, 16, generator=gen), torch.randn(1, 256, 2, 16, generator=gen)
     stats = script.window_stats(q, k, layer=1, block_size=16, tables=4, bits=3, caps=[2, 1000])

@@ -1,7 +1,7 @@
 """The ring cost model (mtraining/parallel/ring_cost.py) against measurements, and on larger clusters.
 
-    python bench/cost_model.py [--ring-results bench/results/ring_attention.json] [--out cost.json]
-    python bench/cost_model.py --annotate ring.json   # predictions beside every measured time of a run
+    python -m experiments.studies.cost_model [--ring-results bench/results/ring_attention.json] [--out cost.json]
+    python -m experiments.studies.cost_model --annotate ring.json   # predictions beside every measured time of a run
 
 ``--annotate``: every record of a bench/ring_attention.py run gets the model's prediction of its time
 (``predicted_fwd_ms``, ``predicted_bwd_ms``, ``predicted_ms``, ``predicted_over_measured``), the JSON is
@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from mtraining.parallel import ring_cost  # noqa: E402
+from bench.common import RESULTS_DIR
+from mtraining.parallel import ring_cost
 
 QWEN_3B = ring_cost.AttentionShape(heads_q=16, heads_kv=2, head_dim=128)  # bf16 K/V: 1024 bytes per token per layer
 H200_DENSE_BF16_TFLOPS = 989.0
@@ -145,7 +142,7 @@ def measured_throughput(records: list[dict], method: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ring-results", default=str(ROOT / "bench" / "results" / "ring_attention.json"))
+    ap.add_argument("--ring-results", default=str(RESULTS_DIR / "ring_attention.json"))
     ap.add_argument("--out", help="also write the inputs and predictions as JSON here")
     ap.add_argument(
         "--annotate", type=Path, help="a bench/ring_attention.py JSON: add predictions to its records (rewritten)"

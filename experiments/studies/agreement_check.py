@@ -20,8 +20,8 @@ Internal tool: it times ``mtraining.parallel.agreement`` and replaces the checks
 The figures of the slowest rank are recorded. Without a launcher it starts ``--world`` gloo ranks on the
 CPU; under ``torchrun`` it joins the launcher's group (``--backend nccl`` on GPUs, one per rank)::
 
-    python bench/agreement_check.py                      # 2 gloo ranks; writes bench/results/agreement_check.json
-    torchrun --nproc-per-node 2 bench/agreement_check.py --backend nccl --seq 131072 --hidden 2048 \\
+    python -m experiments.studies.agreement_check         # 2 gloo ranks; writes bench/results/agreement_check.json
+    torchrun --nproc-per-node 2 -m experiments.studies.agreement_check --backend nccl --seq 131072 --hidden 2048 \\
         --out /tmp/agree.json
 """
 
@@ -30,21 +30,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import provenance, write_results  # noqa: E402
-from mtraining.models import Attention  # noqa: E402
-from mtraining.ops import PatternConfig  # noqa: E402
-from mtraining.parallel import agreement, estimate, make_layout, ring_attention  # noqa: E402
-from mtraining.parallel.ring import attention as ring_module  # noqa: E402
-from mtraining.train.launch import run_local  # noqa: E402
+from bench.common import provenance, write_results
+from mtraining.models import Attention
+from mtraining.ops import PatternConfig
+from mtraining.parallel import agreement, estimate, make_layout, ring_attention
+from mtraining.parallel.ring import attention as ring_module
+from mtraining.train.launch import run_local
 
 FIGURES = ("check_us", "all_gather_us", "layers_ms", "layers_unchecked_ms", "position_ids_ms")
 

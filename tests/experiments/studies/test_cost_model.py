@@ -1,4 +1,4 @@
-"""bench/cost_model.py: its predictions against measured ring times, and for larger clusters."""
+"""experiments/studies/cost_model.py: its predictions against measured ring times, and for larger clusters."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench.scripts import load_script
+from experiments.studies import cost_model
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # Issue 32: 4 x H200 as 2 "nodes" x 2 (ring_attention(..., ring="hierarchical", inner_size=2,
 # outer_comm=emulated(link)), the flat ring as 4 x 1), sparse striped, Qwen2.5-3B heads, bf16,
@@ -43,7 +43,7 @@ def test_model_predicts_the_measured_4xh200_times_within_20_percent(fwd_share):
     """From the flat ring's NVLink time alone (the per-step compute), the model predicts the hierarchical ring
     and both rings over emulated 25 and 5 GB/s links. The issue gives fwd+bwd only: the forward's share is
     assumed (2 x H200 records: 0.26-0.32), and the verdict does not depend on it."""
-    records = load_script("cost_model").annotate(_issue_records(fwd_share))
+    records = cost_model.annotate(_issue_records(fwd_share))
     ratios = [r["predicted_over_measured"] for r in records]
     assert all(0.8 <= x <= 1.2 for x in ratios), ratios
     five = {r["schedule"]: r["predicted_ms"] for r in records if r["seq_len"] == 131072 and r.get("outer_gbps") == 5}
@@ -53,7 +53,7 @@ def test_model_predicts_the_measured_4xh200_times_within_20_percent(fwd_share):
 def test_cli_prints_and_writes_predictions(tmp_path):
     out = tmp_path / "cost.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "cost_model.py"), "--out", str(out)],
+        [sys.executable, "-m", "experiments.studies.cost_model", "--out", str(out)],
         capture_output=True,
         text=True,
         check=True,

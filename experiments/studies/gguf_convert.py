@@ -5,21 +5,18 @@ attention and compares the logits of one short English text (the converted folde
 against the GGUF-built one: equal ids are checked first). Writes the conversion time, the largest
 absolute logit difference and the tokenizer's special tokens.
 
-    python bench/gguf_convert.py /work/scratch/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smollm2 --out /tmp/gguf.json
+    python -m experiments.studies.gguf_convert /work/scratch/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smollm2 --out /tmp/gguf.json
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import provenance, write_results  # noqa: E402
-from mtraining.models import convert_gguf  # noqa: E402
+from bench.common import provenance, write_results
+from mtraining.models import convert_gguf
 
 TEXT = (
     "The harbour master walked along the quay at dawn, counting the boats that had come in overnight. "

@@ -7,7 +7,7 @@ prefill is the rest of the response. ``--build-only`` lengths time prompt buildi
 host), e.g. at 64K where a CPU prefill would take too long. On a GPU the times are synchronised by the answers
 (the engine returns Python lists), and the first prompt of each attention includes compiling its kernels.
 
-    python bench/eval_cost.py MODEL_DIR --haystack heldout.jsonl --lengths 1K,2K --prompts 3 \\
+    python -m experiments.studies.eval_cost MODEL_DIR --haystack heldout.jsonl --lengths 1K,2K --prompts 3 \\
         --sparse v_size=128,s_size=256,last_q=64,local_window=64 --block-size 64 --out bench/results/eval_cost_cpu.json
 """
 
@@ -17,8 +17,7 @@ import argparse
 import time
 from pathlib import Path
 
-from common import provenance, write_results
-
+from bench.common import provenance, write_results
 from mtraining.eval.answers import answer
 from mtraining.eval.documents import Haystack, load_documents
 from mtraining.eval.engine import AttentionSpec, Engine

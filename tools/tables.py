@@ -2,7 +2,7 @@
 
 Each table is printed under a comment naming its report; BENCHMARKS.md indexes the reports' headlines.
 
-python bench/tables.py
+python tools/tables.py
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import statistics
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 
 
 def _load(name: str) -> list[dict]:
@@ -280,7 +280,7 @@ def kernel_variants_table() -> str:
 
 
 def layout_balance_table() -> str:
-    """Rank max/mean of computed pairs per layout and world size (bench/layout_balance.py)."""
+    """Rank max/mean of computed pairs per layout and world size (experiments/studies/layout_balance.py)."""
     records = _load("layout_balance")
     if not records:
         return ""
@@ -724,7 +724,7 @@ def train_overhead_table() -> str:
 
 
 def column_candidates_table() -> str:
-    """The sorted column scorer's windows and agreement per layer on a model's Q/K (bench/column_candidates.py):
+    """The sorted column scorer's windows and agreement per layer on a model's Q/K (experiments/studies/column_candidates.py):
     skew (pair slots over a balanced hash's), the longest window, the largest bucket's share of the keys, and the
     share of the dense scorer's columns the sorted one keeps, uncapped and at each cap (mean over heads [worst])."""
     blocks = []

@@ -1,0 +1,17 @@
+"""Measurement studies, one module each (``python -m experiments.studies.<name>``). Each answers one design
+question (how balanced a layout is, what a safety check costs, how far a conversion is exact); the speed of
+attention, rings and training steps is timed in bench/.
+
+- ``imbalance``: the exact (q, k) pairs per rank and ring step of a pattern under a layout (a module: used by
+  ``layout_balance``, bench/packed_documents.py and bench/ring_attention.py);
+- ``layout_balance``: each context-parallel layout's per-rank balance for an estimated pattern;
+- ``cost_model``: the ring cost model against measured ring times, and on larger clusters (bench/ring_attention.py
+  annotates its records with it);
+- ``column_candidates``: how many pairs the sorted column scorer walks, on a model's Q/K or synthetic ones;
+- ``gguf_convert``: a GGUF checkpoint converted by ``mtraining convert`` against transformers reading it;
+- ``checkpoint_integrity``: what the checkpoint manifest (SHA-256 of every file) costs at save and resume;
+- ``agreement_check``: what the rings' per-call agreement check costs;
+- ``eval_cost``: what one NIAH prompt costs the evaluation (building, prefill, dense decoding).
+
+Results are written to bench/results/; their reports are in bench/reports/.
+"""
