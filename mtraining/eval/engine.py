@@ -47,7 +47,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..models import ATTN_IMPLEMENTATION, Attention, bind
 from ..models.attention import Record
 from ..ops.documents import Documents
-from ..ops.pattern.estimate import PatternConfig
+from ..ops.estimate.estimator import PatternConfig
 from ..parallel.layout import Layout, make_layout
 from ..train.loss import IGNORE_INDEX, token_scores
 
