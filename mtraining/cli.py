@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from pathlib import Path
 
@@ -29,19 +28,13 @@ app = typer.Typer(
 app.add_typer(eval_app, name="eval")
 
 
-_OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
-"""``section.key=value``: how every command's overrides look (a path that looks so can be written ./a.b=c)."""
 Overrides = typer.Argument(None, help="section.key=value overrides, e.g. train.steps=10 (values are YAML).")
-
-
-def split_overrides(args: list[str] | None) -> tuple[list[str], list[str]]:
-    """(the other arguments, the ``section.key=value`` overrides) of a command's positional arguments."""
-    args = args or []
-    return [a for a in args if not _OVERRIDE.match(a)], [a for a in args if _OVERRIDE.match(a)]
 
 
 def _only_overrides(args: list[str] | None) -> list[str]:
     """The overrides of a command whose positional arguments after its own are all overrides."""
+    from .train.config import split_overrides
+
     other, overrides = split_overrides(args)
     if other:
         raise ValueError(
@@ -264,7 +257,7 @@ def tokenize(
 ) -> None:
     """Tokenise the config's text sources into the token cache now (e.g. on a login node before a job), so
     ranks only memory-map them; with OUT, also write all sources end to end as one token file."""
-    from .train.config import load_config
+    from .train.config import load_config, split_overrides
     from .train.data import check_token_file_target, load_sources, write_token_file
     from .train.errors import SaveFailed
 

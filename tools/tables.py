@@ -268,7 +268,37 @@ def ring_table() -> str:
     return "\n\n".join(blocks)
 
 
-def kernel_variants_table() -> str:
+def allgather_table() -> str:
+    """The all-gather context mode against the flat ring, dense and sparse (bench/ring_attention.py --schedules
+    flat allgather): fwd+bwd ms, the ratio to torch's ring, peak memory and the cost model's prediction."""
+    head = ["seq", "method", "schedule", "density", "fwd+bwd ms", "vs torch CP", "peak GB", "predicted / measured"]
+    blocks = []
+    for (gpus, device, run_commit), rows in _runs(
+        _load("ring_allgather_2xh200"), lambda r: (r["gpus"], r["device"], r["commit"])
+    ):
+        torch_cp = {r["seq_len"]: r["fwd_bwd_ms"] for r in rows if r["method"] == "torch_cp"}
+        lines = [f"{gpus} x {device}, commit {run_commit}:", "", _row(head), _row(["---"] * len(head))]
+        for r in rows:
+            ratio = r.get("predicted_over_measured")
+            lines.append(
+                _row(
+                    [
+                        f"{r['seq_len'] // 1024}K",
+                        r["method"],
+                        r.get("schedule") or "",
+                        f"{r['density']:.3f}",
+                        f"{r['fwd_bwd_ms']:.1f}",
+                        f"{torch_cp[r['seq_len']] / r['fwd_bwd_ms']:.2f}x",
+                        "" if r.get("peak_mem_gb") is None else f"{r['peak_mem_gb']:.1f}",
+                        "" if ratio is None else f"{ratio:.2f}",
+                    ]
+                )
+            )
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def kernel_variants_table(name: str = "kernel_variants") -> str:
     """Per-kernel CUDA ms of the kernel variants compared in one process each (A/B runs)."""
     head = [
         "variant",
@@ -282,7 +312,7 @@ def kernel_variants_table() -> str:
         "training step ms",
     ]
     lines = [_row(head), _row(["---"] * len(head))]
-    for r in _load("kernel_variants"):
+    for r in _load(name):
         k = r.get("kernel_ms", {})
         cells = [
             f"{k[name]:.1f}" if name in k else ""
@@ -777,6 +807,12 @@ def main() -> None:
         ("tune_kernels", "kernel_tiles_h200_20261123", kernel_table()),
         ("kernel_variants", "kernel_variants_h200_20261123", kernel_variants_table()),
         ("ring_attention", "ring_attention_h200x2_20261123", ring_table()),
+        ("ring_allgather_2xh200", "ring_allgather_h200x2_20261128", allgather_table()),
+        (
+            "kernel_variants_nonfinite_h200",
+            "kernel_nonfinite_h200_20261128",
+            kernel_variants_table("kernel_variants_nonfinite_h200"),
+        ),
         ("layout_balance", "ring_attention_h200x2_20261123", layout_balance_table()),
         ("estimate_cp", "ring_attention_h200x2_20261123", estimate_cp_table()),
         ("packed_documents", "packed_documents_h200_20261123", packed_documents_table()),

@@ -2,7 +2,7 @@
 its packed samples is filler.
 
 Under document masking the sparse pattern of each packed document is estimated from its last ``last_q``
-query rows (mtraining.ops.pattern.estimate.scoring_rows). NIAH and variable-tracking documents ask their
+query rows (mtraining.ops.estimate.estimator.scoring_rows). NIAH and variable-tracking documents ask their
 question at their end; recall logs ask throughout. This measures it: the documents of a scale's packed
 training runs (the extension and every curriculum stage that packs mixture documents) are generated and
 tokenised as the corpus does (text_corpus: the stage's seeds, sentence range, fitting and packing),

@@ -25,7 +25,7 @@ columns runs as a float32 masked softmax over the pattern's pairs plus the block
 kernel: small sizes only); density counts every kept causal pair.
 
 Internal tool: it stands in for ``mtraining.models.attention``'s sparse call and hashes with
-``mtraining.ops.pattern.block_columns``, so a change to either may need a change here.
+``mtraining.ops.estimate.hashing``, so a change to either may need a change here.
 
     python -m experiments.extension.local_verticals --work runs/extension_cpu --docs 50   # bench/results/extension_cpu_local_verticals.json
 """
@@ -43,8 +43,8 @@ from torch import Tensor
 
 from bench.common import RESULTS_DIR, provenance
 from mtraining.models import attention as attention_module
+from mtraining.ops.estimate.hashing import bucket_mates, hash_codes, hash_planes
 from mtraining.ops.pattern import VerticalSlashPattern
-from mtraining.ops.pattern.block_columns import bucket_mates, hash_codes, hash_planes
 
 from ..common.stages import write_json
 from . import query_position, report
@@ -136,7 +136,7 @@ def lsh_shape(how: str) -> tuple[int, int]:
 
 def same_bucket(q: Tensor, k: Tensor, tables: int = 8, bits: int = 6, seed: int = 0) -> Tensor:
     """Boolean [B, H, S, S]: does row i's query share a bucket with key j in any of ``tables`` sign hashes of
-    ``bits`` random hyperplanes (per head; the library's, mtraining/ops/pattern/block_columns.py)? q, k [B, H, S, D]."""
+    ``bits`` random hyperplanes (per head; the library's, mtraining/ops/estimate/block_columns.py)? q, k [B, H, S, D]."""
     planes = hash_planes(q.shape[1], q.shape[-1], tables, bits, seed)
     return bucket_mates(hash_codes(q, planes, bits), hash_codes(k, planes, bits))
 

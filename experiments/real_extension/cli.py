@@ -5,11 +5,14 @@ A pretrained GGUF model (SmolLM2-135M-Instruct, 8K native) is extended to --leng
 code and Python's documentation, document masking), for each seed; every trained model is read dense (sparse arms
 also sparse) with NIAH and RULER-style prompts in held-out filler and perplexity by position on held-out documents;
 the adaptive model's own Q/K time each sparse arm against dense attention at 64K, 128K and 512K. Exit status: 0
-done, 3 call again (--max-minutes reached; the same command continues), 4 the base does not retrieve, 2 a bad
-command. ``--plan`` prints the stages with their expected times; ``--report-from`` pools result folders (one per
-machine, split by seed) into real_extension.json, .md and .png in bench/results/.
+done, 3 call again (--max-minutes reached, or the GGUF not here yet; the same command continues), 4 the base does
+not retrieve, 2 a bad command. ``--parallel-gpus N`` spreads the seeds over N GPUs of the machine, one process each
+(``parallel``). ``--plan`` prints the stages with their expected times and the session sized call by call
+(``session``); ``--report-from`` pools result folders (one per machine or GPU, split by seed; partial reads
+included, the missing cells listed) into real_extension.json, .md and .png in bench/results/.
 
-    python -m experiments.real_extension --plan --gguf smollm2.gguf --code-python python3 --prose docs.tar.xz
+    python -m experiments.real_extension --plan --parallel-gpus 2 --max-minutes 9 --gguf smollm2.gguf \\
+        --code-python python3 --prose docs.tar.xz
     python -m experiments.real_extension --gguf smollm2.gguf --code-python python3 --prose docs.tar.xz \\
         --seeds 0 1 --work runs/rx --out runs/rx/out --tar $OUT/results.tgz --max-minutes 9
     python -m experiments.real_extension --report-from results/a/out results/b/out
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -28,12 +33,14 @@ from bench.common import RESULTS_DIR
 from ..common.background import Background
 from ..common.stages import LOG, Clock, OutOfTime, Refused, say, write_json
 from ..common.training import ROOT
-from . import report
-from .pipeline import BaseDoesNotRetrieve, Experiment, Sources, pack, record_call
+from . import parallel, report, session
+from .pipeline import BaseDoesNotRetrieve, Experiment, GGUFNotHere, Sources, record_call
 from .settings import PRESETS, Settings, arm
 
 # Settings a work folder keeps from its first call: its trainings and cached reads depend on them.
 FIXED = (*report.SAME, "checkpoint_every", "device", "backend")
+# What experiments/real_extension/gpu_call.sh passes itself (the GGUF it joins, the folders that outlive a call).
+SCRIPT_SETS = ("--plan", "--gguf", "--tokenizer", "--work", "--out", "--tar")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -43,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
     )
     src = p.add_argument_group("inputs")
     src.add_argument("--gguf", type=Path, help="the base checkpoint (GGUF); needed until <work>/model exists")
+    src.add_argument(
+        "--tokenizer", type=Path, help="the base's tokenizer folder: the corpus is built first, before the GGUF is here"
+    )
     src.add_argument(
         "--code-python", action="append", default=[], help="an interpreter whose site-packages are code documents"
     )
@@ -57,13 +67,19 @@ def parser() -> argparse.ArgumentParser:
     run = p.add_argument_group("the run")
     run.add_argument("--work", type=Path, default=None, help="stage outputs (default runs/real_extension)")
     run.add_argument("--out", type=Path, default=None, help="small results that must survive (default <work>/out)")
-    run.add_argument("--tar", type=Path, default=None, help="pack --out into this .tgz at the end of every call")
+    run.add_argument("--tar", type=Path, default=None, help="pack --out into this .tgz after every stage")
+    run.add_argument(
+        "--parallel-gpus", type=int, default=1, help="spread the seeds over this many GPUs, one process each"
+    )
     run.add_argument("--max-minutes", type=float, default=None, help="start no stage that would end later; exit 3")
     run.add_argument("--plan", action="store_true", help="print the stages and their expected times, run nothing")
     run.add_argument(
         "--base-read", action=argparse.BooleanOptionalAction, default=True, help="read the base at every length"
     )
     run.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True, help="run the speed stage")
+    run.add_argument(
+        "--base-check", action=argparse.BooleanOptionalAction, default=True, help="check the base at 8K first"
+    )
     exp = p.add_argument_group("the experiment (default: the preset's)")
     exp.add_argument("--length", type=int)
     exp.add_argument("--seeds", type=int, nargs="+")
@@ -122,6 +138,7 @@ def check_work(work: Path, settings: Settings) -> None:
 
 
 def print_plan(experiment: Experiment, max_minutes: float | None) -> None:
+    """This process's stages with their expected seconds (or done)."""
     rows = experiment.plan()
     width = max(len(r["stage"]) for r in rows)
     total = 0.0
@@ -133,10 +150,25 @@ def print_plan(experiment: Experiment, max_minutes: float | None) -> None:
         else:
             total += r["expected"].seconds
             print(f"{r['stage']:<{width}}  {r['expected']}")
-    line = f"to run: ~{total / 60:.1f} minutes"
-    if max_minutes:
-        line += f", about {max(1, -(-total // (60 * max_minutes))):.0f} call(s) of --max-minutes {max_minutes:g}"
-    print(line)
+    print(f"to run: ~{total / 60:.1f} minutes on one GPU")
+
+
+def print_session(experiment: Experiment, gpus: int, max_minutes: float | None, argv: list[str]) -> None:
+    """The session sized call by call (``session.simulate``) for ``gpus`` GPUs and the command of every call."""
+    minutes = max_minutes or 9.0
+    parts = parallel.plan_parts(experiment, gpus)
+    lanes = {
+        p.gpu: [session.Planned.of(st) for st in e.stages()[len(e.shared()) :] if not st.done() and not st.background]
+        for p in parts
+        for e in [parallel.part_experiment(experiment, p)]
+    }
+    shared = [session.Planned.of(st) for st in experiment.shared() if not st.done()]
+    calls = session.simulate(shared, lanes, 60 * minutes, experiment.sources.tokenizer is not None)
+    for p in parts:
+        print(f"GPU {p.gpu}: {p.what()}")
+    own = parallel.without(argv, SCRIPT_SETS) + ([] if max_minutes else ["--max-minutes", "9"])
+    command = "MTRAINING_COMMIT=<commit> bash experiments/real_extension/gpu_call.sh " + shlex.join(own)
+    print("\n".join(session.describe(calls, len(parts), 60 * minutes, command)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -148,6 +180,9 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as err:
             p.error(str(err))
         print(f"wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+        lacking = json.loads(path.read_text())["missing"]
+        if lacking:
+            print(f"partial: {len(lacking)} missing: " + "; ".join(lacking))
         return
     try:
         settings = settings_of(args)
@@ -158,12 +193,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     resolved = lambda paths: tuple(p.resolve() for p in paths)  # noqa: E731 - the corpus runs from the repository
     gguf = args.gguf.resolve() if args.gguf else None
-    sources = Sources(gguf, tuple(args.code_python), resolved(args.code), resolved(args.prose), tuple(heldout))
+    tokenizer = args.tokenizer.resolve() if args.tokenizer else None
+    sources = Sources(gguf, tuple(args.code_python), resolved(args.code), resolved(args.prose), tuple(heldout), tokenizer)  # fmt: skip
     work = (args.work or ROOT / "runs" / "real_extension").resolve()  # training configs name absolute paths
     out = (args.out or work / "out").resolve()
-    experiment = Experiment(settings, sources, work, out, args.base_read, args.speed)
+    tar = args.tar.resolve() if args.tar else None
+    experiment = Experiment(settings, sources, work, out, args.base_read, args.speed, args.base_check, tar)
+    argv = sys.argv[1:] if argv is None else argv
     if args.plan:
-        print_plan(experiment, args.max_minutes)
+        if args.parallel_gpus == 1:
+            print_plan(experiment, args.max_minutes)
+        try:
+            print_session(experiment, args.parallel_gpus, args.max_minutes, argv)
+        except ValueError as err:
+            print(f"no session plan: {err}")
         return
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -174,14 +217,20 @@ def main(argv: list[str] | None = None) -> None:
     record_call(out, settings, sources, None)
     try:
         check_work(work, settings)
-        with Background(settings.workers) as background:
-            experiment.background = background
-            experiment.run()
-        status = 0
-        say("done")
+        if args.parallel_gpus > 1:
+            status = run_parallel(experiment, args.parallel_gpus, argv)
+        else:
+            with Background(settings.workers) as background:
+                experiment.background = background
+                experiment.run()
+            status = 0
+            say("done")
     except Refused as err:
         say(f"refused: {err}")
         status = 2
+    except GGUFNotHere as err:
+        say(f"stopped: {err}")
+        status = 3
     except OutOfTime:
         say(f"stopped after {args.max_minutes} minutes: run the same command again to continue")
         status = 3
@@ -190,6 +239,22 @@ def main(argv: list[str] | None = None) -> None:
         status = 4
     finally:
         record_call(out, settings, sources, status)
-        if args.tar is not None:
-            pack(out, args.tar)
+        experiment.pack()
     sys.exit(status)
+
+
+def run_parallel(experiment: Experiment, gpus: int, argv: list[str]) -> int:
+    """The shared stages here, then one child per GPU (``parallel.launch``); the children's combined exit status."""
+    if gpus < 1:
+        raise Refused(f"--parallel-gpus must be at least 1, got {gpus}")
+    for st in experiment.shared():
+        if not st.done():
+            experiment.run_stage(st)
+    parts = parallel.plan_parts(experiment, gpus)
+    left = Clock.left()
+    workers = max(1, (experiment.s.workers or (os.cpu_count() or 2) - 1) // len(parts))
+    status = parallel.launch(
+        parts, argv, experiment.work, experiment.out, experiment.tar, None if left is None else left / 60, workers
+    )
+    say("done" if status == 0 else f"the GPUs' exit status: {status}")
+    return status

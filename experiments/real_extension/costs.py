@@ -1,11 +1,19 @@
 """How long each stage is expected to take, printed before it runs and used to refuse starting one that would end
 past --max-minutes.
 
-Before a stage of a kind has run, the estimate counts the model's FLOPs at the stage's lengths (``Shape``: from the
-converted config, or SmolLM2-135M's before the conversion) at ``Costs.flops_per_s``, plus fixed costs per process,
-prompt and generated token: an estimate, not a measurement. Once a stage of the same kind has run on this machine
-its measured time replaces the FLOP estimate (``Timings``, kept in ``<work>/timings.json``): a training's seconds
-per step and its fixed cost, a read's seconds per length.
+Three sources, the first found wins (``Estimate.source``):
+- ``here``: a stage of the same kind measured on this machine (``Timings``, kept in ``<work>/timings.json``): a
+  training's seconds per step and its fixed cost, a read's seconds per NIAH prompt, RULER-style prompt and
+  perplexity window at each length (the per-task terms);
+- ``calibrated``: the figures an earlier GPU run measured (``Settings.costs.calibration``, its source named there):
+  a read's seconds per item at each length (the whole read's time over its items), lengths beyond the table
+  scaled by the model's FLOPs;
+- ``flops``: the model's FLOPs at the stage's lengths (``Shape``: from the converted config, or SmolLM2-135M's
+  before the conversion) at ``Costs.flops_per_s``, plus fixed costs per process, prompt and generated token.
+
+A sparse read is never expected to be faster than the dense read at that length as far as it was measured (here
+or calibrated): the first runs' 64K sparse read ran past its FLOP estimate by 10x. Each source has its margin
+(``Estimate.margin``): a stage starts only if margin x estimate + ``SLACK_S`` fits before the deadline.
 """
 
 from __future__ import annotations
@@ -75,66 +83,144 @@ class Timings:
             tmp.write_text(json.dumps(self.found, indent=1) + "\n")
 
 
+MARGINS = {"here": 1.15, "calibrated": 1.3, "flops": 2.0}
+SLACK_S = 10.0  # seconds kept free before the deadline besides the margin: the log, the archive, the exit
+TASKS = ("niah", "ruler", "ppl")  # a read's parts, each timed per item
+
+
 @dataclass(frozen=True)
 class Estimate:
+    """Expected seconds of a stage and where the figure comes from (``here``, ``calibrated`` or ``flops``)."""
+
     seconds: float
-    measured: bool
+    source: str
+
+    @property
+    def margin(self) -> float:
+        return MARGINS[self.source]
+
+    def budget(self) -> float:
+        """Seconds that must be left before the deadline for the stage to start."""
+        return self.margin * self.seconds + SLACK_S
 
     def __str__(self) -> str:
-        return f"~{self.seconds:.0f}s ({'measured here' if self.measured else 'estimated'})"
+        return f"~{self.seconds:.0f}s ({self.source})"
+
+
+def least_trusted(parts: list[Estimate]) -> str:
+    """The source of a sum of estimates: the least trusted of its parts'."""
+    return max((p.source for p in parts), key=list(MARGINS).index, default="here")
 
 
 class Estimator:
-    """Expected seconds of each stage of ``settings`` for a model of ``shape``, measured ones first."""
+    """Expected seconds of each stage of ``settings`` for a model of ``shape``: measured here, else calibrated,
+    else counted in FLOPs."""
 
     def __init__(self, settings: Settings, shape: Shape, timings: Timings) -> None:
         self.s, self.shape, self.timings = settings, shape, timings
+        self.calibration = settings.costs.calibration
 
     def _flops_s(self, flops: float) -> float:
         return flops / self.s.costs.flops_per_s
 
     def convert(self) -> Estimate:
-        return self._measured("convert") or Estimate(self.s.costs.startup_s + 30.0, False)
+        if self.calibration is not None:
+            return self._measured("convert") or Estimate(self.calibration.convert_s, "calibrated")
+        return self._measured("convert") or Estimate(self.s.costs.startup_s + 30.0, "flops")
 
     def corpus(self) -> Estimate:
-        return self._measured("corpus") or Estimate(self.s.costs.startup_s + 60.0, False)
+        return self._measured("corpus") or Estimate(self.s.costs.startup_s + 60.0, "flops")
 
     def train_step(self, arm: Arm) -> Estimate:
-        """One optimizer step at ``length``: forward, recomputed forward and backward (about 4 forwards)."""
+        """One optimizer step at ``length``: forward, recomputed forward and backward (about 4 forwards). An arm
+        the calibration lacks is expected at the dense arm's calibrated step."""
         found = self.timings.get(f"train:{arm.name}:step")
         if found is not None:
-            return Estimate(found, True)
+            return Estimate(found, "here")
+        cal = self.calibration
+        if cal is not None and cal.length == self.s.length and self.s.gpus == 1:
+            return Estimate(cal.train_step_s.get(arm.name, cal.train_step_s["dense"]), "calibrated")
         share = SPARSE_SHARE if arm.sparse else 1.0
-        return Estimate(self._flops_s(4 * self.shape.forward_flops(self.s.length, share)) / self.s.gpus, False)
+        return Estimate(self._flops_s(4 * self.shape.forward_flops(self.s.length, share)) / self.s.gpus, "flops")
 
     def train_fixed(self, arm: Arm) -> Estimate:
         found = self.timings.get(f"train:{arm.name}:fixed")
-        return Estimate(found, True) if found is not None else Estimate(self.s.costs.startup_s, False)
+        if found is not None:
+            return Estimate(found, "here")
+        if self.calibration is not None:
+            return Estimate(self.calibration.train_fixed_s, "calibrated")
+        return Estimate(self.s.costs.startup_s, "flops")
 
     def train(self, arm: Arm, steps_left: int) -> Estimate:
         step, fixed = self.train_step(arm), self.train_fixed(arm)
-        return Estimate(fixed.seconds + steps_left * step.seconds, step.measured and fixed.measured)
+        return Estimate(fixed.seconds + steps_left * step.seconds, least_trusted([step, fixed]))
+
+    def train_start(self, arm: Arm) -> Estimate:
+        """The least a training must run to keep any work: its fixed cost and steps up to its first checkpoint."""
+        step, fixed = self.train_step(arm), self.train_fixed(arm)
+        steps = min(self.s.checkpoint_every, self.s.steps)
+        return Estimate(fixed.seconds + steps * step.seconds, least_trusted([step, fixed]))
+
+    def items(self, niah_only: int | None = None) -> dict[str, int]:
+        """A read's items at one length per task: NIAH prompts, RULER-style prompts, perplexity windows."""
+        if niah_only is not None:
+            return {"niah": niah_only, "ruler": 0, "ppl": 0}
+        s = self.s
+        return {"niah": s.niah_prompts, "ruler": s.ruler_samples * len(s.ruler_tasks), "ppl": s.ppl_windows}
 
     def cell(self, arm: Arm, n: int, niah_only: int | None = None) -> Estimate:
-        """One length of a read: its prompts' prefills and answers and its perplexity windows."""
-        kind = f"read:{'sparse' if arm.sparse else 'dense'}:{n}"
-        if niah_only is None and self.timings.get(kind) is not None:
-            return Estimate(self.timings.get(kind), True)
+        """One length of a read: per task, its items times the seconds of one item."""
+        parts = [self.per_item(arm, n, task) for task in TASKS]
+        counts = self.items(niah_only)
+        used = [p for p, task in zip(parts, TASKS) if counts[task]]
+        return Estimate(sum(counts[t] * p.seconds for p, t in zip(parts, TASKS)), least_trusted(used))
+
+    def per_item(self, arm: Arm, n: int, task: str) -> Estimate:
+        """Seconds of one item of ``task`` at ``n`` tokens read with ``arm``; a sparse read's at least the dense
+        read's where that was measured (here or calibrated)."""
+        kind = "sparse" if arm.sparse else "dense"
+        here = self.timings.get(f"read:{kind}:{n}:{task}")
+        floor = self.timings.get(f"read:dense:{n}:{task}") if arm.sparse else None
+        if here is not None:
+            return Estimate(max(here, floor or 0.0), "here")
+        calibrated = self._calibrated_item(kind, n)
+        if calibrated is not None:
+            if arm.sparse:
+                calibrated = max(calibrated, self._calibrated_item("dense", n) or 0.0)
+            return Estimate(max(calibrated, floor or 0.0), "calibrated")
         c = self.s.costs
         prefill = self._flops_s(self.shape.forward_flops(n, SPARSE_SHARE if arm.sparse else 1.0))
-        niah = niah_only if niah_only is not None else self.s.niah_prompts
-        ruler = 0 if niah_only is not None else self.s.ruler_samples * len(self.s.ruler_tasks)
-        windows = 0 if niah_only is not None else self.s.ppl_windows
-        answers = niah * DECODED_TOKENS["niah"] + ruler * DECODED_TOKENS["ruler"]
-        return Estimate((niah + ruler + windows) * (prefill + c.prompt_s) + answers * c.token_s, False)
+        tokens = DECODED_TOKENS.get(task, 0)
+        return Estimate(max(prefill + c.prompt_s + tokens * c.token_s, floor or 0.0), "flops")
+
+    def _calibrated_item(self, kind: str, n: int) -> float | None:
+        """Seconds per item of a ``kind`` read at ``n`` by the calibration: the table's length at or below ``n``
+        (scaled by the FLOPs of a forward at ``n`` over one there), else its shortest; None without a table."""
+        cal = self.calibration
+        if cal is None:
+            return None
+        table = cal.read_s.get(kind, {}) | {
+            m: max(v, cal.read_s.get(kind, {}).get(m, 0.0)) for m, v in cal.read_at_least.get(kind, {}).items()
+        }
+        if not table:
+            return None
+        below = [m for m in table if m <= n]
+        m = max(below) if below else min(table)
+        scale = self.shape.forward_flops(n) / self.shape.forward_flops(m) if m < n else 1.0
+        return scale * table[m] / sum(cal.read_items)
 
     def read(self, arm: Arm, lengths: tuple[int, ...]) -> Estimate:
         cells = [self.cell(arm, n) for n in lengths]
-        return Estimate(sum(c.seconds for c in cells), all(c.measured for c in cells))
+        return Estimate(sum(c.seconds for c in cells), least_trusted(cells))
 
     def base(self, native: int) -> Estimate:
         found = self._measured("base")
-        return found or Estimate(self.cell(Arm("dense", False), native, self.s.base_prompts).seconds + 10, False)
+        if found is not None:
+            return found
+        cal = self.calibration
+        if cal is not None:
+            return Estimate(cal.base_s * self.s.base_prompts / cal.read_items[0], "calibrated")
+        return Estimate(self.cell(Arm("dense", False), native, self.s.base_prompts).seconds + 10, "flops")
 
     def speed(self, n: int) -> Estimate:
         """The speed stage at ``n`` tokens: the dump (a forward to the last layer asked for) and the timed calls, per
@@ -147,8 +233,8 @@ class Estimator:
         attention = 2.0 * n * n * shape.head_dim * shape.heads  # one layer's forward
         per_call = 3.5 * attention * (1 + SPARSE_SHARE * 2 * len(s.sparse_arms))  # forward + backward
         calls = len(s.speed_layers) * (1 + s.speed_repeats) * self._flops_s(per_call)
-        return Estimate(dump + calls + s.costs.startup_s / len(s.speed_lengths), False)
+        return Estimate(dump + calls + s.costs.startup_s / len(s.speed_lengths), "flops")
 
     def _measured(self, kind: str) -> Estimate | None:
         found = self.timings.get(kind)
-        return None if found is None else Estimate(found, True)
+        return None if found is None else Estimate(found, "here")

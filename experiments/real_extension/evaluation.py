@@ -16,11 +16,13 @@ spare cores while the GPU trains) from the evaluation seed, the tokenizer and th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import pickle
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.common import written
@@ -104,15 +106,34 @@ def read_length(model, inputs: Inputs, arm: Arm, length: int, niah_prompts: int 
     s, tok = inputs.settings, inputs.tokenizer
     engine = Engine(model, spec(arm, length, s))
     prompts = s.niah_prompts if niah_prompts is None else niah_prompts
-    niah = run_niah(engine, tok, [length], list(s.depths), inputs.prompting(per_depth(prompts, s)))
+    seconds: dict[str, dict] = {}
+    with _timed(seconds, "niah") as items:
+        niah = run_niah(engine, tok, [length], list(s.depths), inputs.prompting(per_depth(prompts, s)))
+        items.append(len(niah["records"]))
     cell = {"length": length, "niah": _niah_cell(niah)}
     if niah_prompts is None:
-        ruler = run_ruler(engine, tok, list(s.ruler_tasks), [length], inputs.prompting(s.ruler_samples))
+        with _timed(seconds, "ruler") as items:
+            ruler = run_ruler(engine, tok, list(s.ruler_tasks), [length], inputs.prompting(s.ruler_samples))
+            items.append(len(ruler["records"]))
         cell["ruler"] = _ruler_cell(ruler)
-        (ppl,) = run_ppl(engine, tok, inputs.ppl_docs, [length], s.ppl_windows, s.first_bucket, show_progress=False)
+        with _timed(seconds, "ppl") as items:
+            (ppl,) = run_ppl(engine, tok, inputs.ppl_docs, [length], s.ppl_windows, s.first_bucket, show_progress=False)
+            items.append(ppl["windows"])
         cell["ppl"] = ppl
     cell["density"] = sum(engine.densities) / len(engine.densities) if engine.densities else None
+    cell["seconds"] = seconds
+    cell["phases"] = asdict(engine.phases)
     return cell
+
+
+@contextlib.contextmanager
+def _timed(into: dict, task: str):
+    """Wall seconds of one task of a read and its item count (appended by the caller): ``into[task]``."""
+    items: list[int] = []
+    started = time.perf_counter()
+    yield items
+    total = round(time.perf_counter() - started, 2)
+    into[task] = {"s": total, "items": items[0] if items else 0}
 
 
 def _niah_cell(result: dict) -> dict:

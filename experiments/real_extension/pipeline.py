@@ -6,10 +6,11 @@ trained model (dense; sparse arms also with their own sparse attention), the spe
 base read at every length, and this folder's report. A stage whose output exists is skipped, so the same command
 continues a stopped run; ``--plan`` prints the list with each stage's expected time instead of running it.
 
-Outputs: ``--work`` holds what only this machine needs (the converted model, the corpus, training runs, cached
-cells); ``--out`` the small files that must survive (the base check, each training's summary, each read, the
-speed figures, the log, run.json and the folder's report), written as soon as each stage ends. ``--tar FILE``
-packs ``--out`` into one archive at the end of every call (at most a few files come back from a machine).
+Outputs: ``--work`` holds what only this machine needs (the converted model, the corpus, training runs);
+``--out`` the small files that must survive (the base check, each training's summary, each read with the lengths
+read so far, the speed figures, every stage's expected and measured seconds, the log, run.json and the folder's
+report), written as soon as each stage or cell ends; a cell in ``--out`` is not read again. ``--tar FILE`` packs
+``--out`` into one archive after every stage, so a call cut by its time limit still returns what it finished.
 """
 
 from __future__ import annotations
@@ -27,38 +28,44 @@ from pathlib import Path
 from bench.common import provenance, written
 
 from ..common.background import Background
-from ..common.stages import Clock, Refused, say, write_json
+from ..common.stages import Clock, OutOfTime, Refused, say, write_json
 from ..common.training import ROOT, read_metrics, train
 from . import evaluation, report, speed
 from .costs import Estimate, Estimator, Shape, Timings
 from .settings import Arm, Settings, rope_scaling
 
 DENSE = Arm("dense", False)
-UNMEASURED_MARGIN = 1.5  # a stage not measured here yet starts only if 1.5 x its estimate fits before the deadline
 
 
 class BaseDoesNotRetrieve(Exception):
     """The base clearly fails NIAH at its native length: extending it could show nothing (exit status 4)."""
 
 
+class GGUFNotHere(OutOfTime):
+    """The corpus is built (from --tokenizer) but the GGUF is not on this machine yet: call again with it (exit 3)."""
+
+
 @dataclass(frozen=True)
 class Sources:
     """Where the inputs come from: the GGUF file, the interpreters whose site-packages are code documents (or code
-    folders), the prose archives, documents held out by name."""
+    folders), the prose archives, documents held out by name; the base's tokenizer folder, which lets the corpus
+    be built before the GGUF is there."""
 
     gguf: Path | None = None
     code_python: tuple[str, ...] = ()
     code: tuple[Path, ...] = ()
     prose: tuple[Path, ...] = ()
     heldout: tuple[str, ...] = ()
+    tokenizer: Path | None = None
 
 
 @dataclass
 class Stage:
     """One step of the run: ``done()`` says whether its output exists, ``expected()`` how long it should take,
-    ``run()`` makes the output. ``stops``: a training, which the deadline stops and the next call resumes (it may
-    start late); any other stage starts only if it is expected to end before the deadline. ``background``: it only
-    queues work on the spare cores."""
+    ``run()`` makes the output. ``stops``: a training, which the deadline stops and the next call resumes: it
+    starts if ``start()`` (its fixed cost and steps to its first checkpoint) fits before the deadline; any other
+    stage starts only if ``expected()`` (with its margin) fits. ``background``: it only queues work on the spare
+    cores."""
 
     name: str
     done: Callable[[], bool]
@@ -67,6 +74,11 @@ class Stage:
     stops: bool = False
     background: bool = False
     kind: str | None = None  # the ``Timings`` entry its wall time measures (None: it records its own)
+    start: Callable[[], Estimate] | None = None  # a stopping stage's least useful run (default: ``expected``)
+
+    def budget(self) -> float:
+        """Seconds that must be left before the deadline for this stage to start."""
+        return (self.start or self.expected)().budget()
 
 
 class Experiment:
@@ -80,9 +92,11 @@ class Experiment:
         out: Path,
         base_read: bool = True,
         speed_stage: bool = True,
+        base_check: bool = True,
+        tar: Path | None = None,
     ) -> None:
         self.s, self.sources, self.work, self.out = settings, sources, work, out
-        self.base_read, self.speed_stage = base_read, speed_stage
+        self.base_read, self.speed_stage, self.base_check_stage, self.tar = base_read, speed_stage, base_check, tar
         self.model_dir, self.corpus_dir = work / "model", work / "corpus"
         self.timings = Timings(work / "timings.json")
         self.estimate = Estimator(settings, Shape.of(self.model_dir), self.timings)
@@ -93,19 +107,15 @@ class Experiment:
 
     # ------------------------------------------------------------------ the list
     def stages(self) -> list[Stage]:
+        """Every stage of this machine's part, in order (the corpus first when it has its own --tokenizer)."""
         s = self.s
-        stages = [
-            Stage(
-                "convert", (self.model_dir / "config.json").exists, self.estimate.convert, self.convert, kind="convert"
-            ),
-            Stage(
-                "corpus", (self.corpus_dir / "manifest.json").exists, self.estimate.corpus, self.corpus, kind="corpus"
-            ),
-            Stage("prompts", self.prompts_done, lambda: Estimate(0.0, False), self.start_prompts, background=True),
-            Stage(
-                "base check", (self.out / "base_check.json").exists, self._base_estimate, self.base_check, kind="base"
-            ),
-        ]
+        stages = self.shared()
+        stages.append(
+            Stage("prompts", self.prompts_done, lambda: Estimate(0.0, "here"), self.start_prompts, background=True)
+        )
+        if self.base_check_stage:
+            base = (self.out / "base_check.json").exists
+            stages.append(Stage("base check", base, self._base_estimate, self.base_check, kind="base"))
         for i, seed in enumerate(s.seeds):
             for a in s.arms:
                 stages.append(self._training(seed, a))
@@ -116,6 +126,16 @@ class Experiment:
         if self.base_read:
             stages += self._read_cells(evaluation.Read("base", DENSE))
         return stages
+
+    def shared(self) -> list[Stage]:
+        """The stages every GPU's part needs once: the conversion and the corpus."""
+        convert = Stage(
+            "convert", (self.model_dir / "config.json").exists, self.estimate.convert, self.convert, kind="convert"
+        )
+        corpus = Stage(
+            "corpus", (self.corpus_dir / "manifest.json").exists, self.estimate.corpus, self.corpus, kind="corpus"
+        )
+        return [corpus, convert] if self.sources.tokenizer is not None else [convert, corpus]
 
     def reads(self, seed: int) -> list[evaluation.Read]:
         """The reads of one seed's models: every model dense, sparse arms' also with their own attention."""
@@ -134,13 +154,14 @@ class Experiment:
             lambda: self.estimate.train(a, self.s.steps - len(read_metrics(run))),
             lambda: self.train(seed, a),
             stops=True,
+            start=lambda: self.estimate.train_start(a),
         )
 
     def _read_cells(self, read: evaluation.Read) -> list[Stage]:
         return [
             Stage(
                 f"read {read.model} {read.attention} at {n}",
-                lambda n=n: self.cell_path(read, n).exists(),
+                lambda n=n: n in self.cells(read),
                 lambda n=n: self.estimate.cell(read.arm, n),
                 lambda n=n: self.read_cell(read, n),
             )
@@ -164,8 +185,14 @@ class Experiment:
         """A model's folder: the converted base, or a training's export (``seed<S>/<arm>``)."""
         return self.model_dir if model == "base" else self.work / "runs" / model / "export"
 
-    def cell_path(self, read: evaluation.Read, n: int) -> Path:
-        return self.work / "eval" / read.label / f"{n}.json"
+    def read_path(self, read: evaluation.Read) -> Path:
+        """The read's file in ``--out``: its cells read so far."""
+        return self.out / "eval" / f"{read.label}.json"
+
+    def cells(self, read: evaluation.Read) -> dict[int, dict]:
+        """The cells of ``read`` finished so far, by length."""
+        path = self.read_path(read)
+        return {c["length"]: c for c in json.loads(path.read_text())["cells"]} if path.exists() else {}
 
     def native(self) -> int:
         """The base's pretraining length (its config's max_position_embeddings)."""
@@ -179,6 +206,8 @@ class Experiment:
     def convert(self) -> None:
         """``mtraining convert`` of the GGUF file into ``<work>/model`` (float32: the dequantized values exactly)."""
         gguf = self.sources.gguf
+        if (gguf is None or not gguf.is_file()) and self.sources.tokenizer is not None:
+            raise GGUFNotHere(f"the GGUF {gguf} is not here yet (the corpus is built): call again with it")
         if gguf is None or not gguf.is_file():
             raise Refused(f"the base is not converted yet and --gguf {gguf} is not a file: pass the GGUF checkpoint")
         part = self.model_dir.with_name("model.part")
@@ -196,7 +225,7 @@ class Experiment:
             raise Refused("no corpus yet: pass --code-python EXE, --code DIR or --prose FILE.tar.xz")
         part = self.corpus_dir.with_name("corpus.part")
         shutil.rmtree(part, ignore_errors=True)
-        args = [str(part), "--tokenizer", str(self.model_dir)]
+        args = [str(part), "--tokenizer", str(self.sources.tokenizer or self.model_dir)]
         args += [a for exe in src.code_python for a in ("--python", exe)]
         args += [a for p in src.code for a in ("--code", str(p))]
         args += [a for p in src.prose for a in ("--prose", str(p))]
@@ -337,22 +366,26 @@ class Experiment:
         write_json(self.out / "train" / f"seed{seed}_{a.name}.json", summary)
 
     def read_cell(self, read: evaluation.Read, n: int) -> None:
-        """One length of one read; when the read's last length is done, the read's file in ``--out``."""
+        """One length of one read, added to the read's file in ``--out`` at once (its lengths in order, the ones
+        not read yet listed as ``missing``); the seconds per item of each task into ``Timings``."""
+        expected = self.estimate.cell(read.arm, n)
         with Clock() as clock:
             cell = evaluation.read_length(self.model(read.model), self.inputs(), read.arm, n)
-        cell |= {"wall_s": clock.wall_s}
-        self.timings.record(f"read:{'sparse' if read.arm.sparse else 'dense'}:{n}", clock.wall_s)
-        write_json(self.cell_path(read, n), cell)
+        cell |= {"wall_s": clock.wall_s, "expected_s": round(expected.seconds, 1), "expected_from": expected.source}
+        kind = "sparse" if read.arm.sparse else "dense"
+        for task, found in cell["seconds"].items():
+            if found["items"]:
+                self.timings.record(f"read:{kind}:{n}:{task}", found["s"] / found["items"])
+        cells = self.cells(read) | {n: cell}
+        record = {"model": read.model, "attention": read.attention, "arm": asdict(read.arm)}
+        record |= {"cells": [cells[m] for m in sorted(cells)], "missing": [m for m in self.s.lengths if m not in cells]}
+        write_json(self.read_path(read), record)
         ruler = cell["ruler"]["average"]
         say(
             f"  NIAH {cell['niah']['score']:.0f}% (forced {cell['niah']['forced']:.0f}%), RULER-style {ruler:.1f}%, "
             f"last-bucket perplexity {evaluation.last_bucket_ppl(cell):.3f}"
             + (f", density {cell['density']:.3f}" if cell["density"] is not None else "")
         )
-        if all(self.cell_path(read, m).exists() for m in self.s.lengths):
-            cells = [json.loads(self.cell_path(read, m).read_text()) for m in self.s.lengths]
-            record = {"model": read.model, "attention": read.attention, "arm": asdict(read.arm), "cells": cells}
-            write_json(self.out / "eval" / f"{read.label}.json", record)
 
     def speed(self, n: int) -> None:
         """Q/K/V of the speed layers of the first seed's adaptive (else first sparse) model at ``n`` tokens of
@@ -398,22 +431,47 @@ class Experiment:
 
     def run(self) -> None:
         """Every stage not done yet, in order, the base's gate right after its check; ``OutOfTime`` when the next
-        stage would end past the deadline (a training started is stopped there instead)."""
+        stage would end past the deadline (a training started is stopped there instead). Each stage's expected
+        and measured seconds go to the log and ``stage_times.json``; ``--tar`` is packed after each stage."""
         for st in self.stages():
             if not st.done():
-                expected = st.expected()
-                if not st.background:
-                    say(f"{st.name}: {expected}")
-                margin = 1.0 if expected.measured else UNMEASURED_MARGIN
-                with Clock(expected=0.0 if st.stops else margin * expected.seconds) as clock:
-                    st.run()
-                if st.kind is not None:
-                    self.timings.record(st.kind, clock.wall_s)
-                if not st.background:
-                    say(f"  {st.name} done in {clock.wall_s:.0f}s")
+                self.run_stage(st)
             if st.name == "base check":
                 self.gate()
         report.write_folder_report(self.out)
+        self.pack()
+
+    def run_stage(self, st: Stage) -> None:
+        """One stage under the call's deadline (``OutOfTime`` if its budget does not fit)."""
+        expected = st.expected()
+        if st.background:
+            st.run()
+            return
+        left = Clock.left()
+        say(f"{st.name}: {expected}" + ("" if left is None else f", {left:.0f}s left in this call"))
+        try:
+            with Clock(expected=st.budget()) as clock:
+                st.run()
+            if st.kind is not None:
+                self.timings.record(st.kind, clock.wall_s)
+            say(f"  {st.name} done in {clock.wall_s:.0f}s (expected {expected.seconds:.0f}s, {expected.source})")
+            self.log_time(st.name, expected, clock.wall_s)
+        finally:
+            self.pack()
+
+    def log_time(self, name: str, expected: Estimate, wall_s: float) -> None:
+        """``out/stage_times.json``: every finished stage's expected seconds, their source and its measured ones."""
+        path = self.out / "stage_times.json"
+        found = json.loads(path.read_text()) if path.exists() else []
+        found.append(
+            {"stage": name, "expected_s": round(expected.seconds, 1), "from": expected.source, "wall_s": wall_s}
+        )
+        write_json(path, found)
+
+    def pack(self) -> None:
+        """``--out`` into ``--tar`` (if given), written whole."""
+        if self.tar is not None and self.out.exists():
+            pack(self.out, self.tar)
 
 
 def _free() -> None:

@@ -8,6 +8,10 @@ Over n >= 3 seeds each difference gets a Student t interval (``mtraining.eval.se
 are None (the record says why). Speed comes from the speed stage (dense over sparse attention time on the model's
 own Q/K, per length) and end to end from the trainings' tokens per second.
 
+A folder may be partial (a call cut by its time limit): every finished cell counts, and the trainings and cells
+its settings asked for but it lacks are listed (``missing``). A folder whose ``gpu<g>/`` subfolders are result
+folders (``--parallel-gpus``) stands for them.
+
 Writes ``real_extension.json`` (the records), ``real_extension.md`` (tables per length and read) and
 ``real_extension.png`` (attention speedup against accuracy change, one panel per metric).
 """
@@ -29,6 +33,15 @@ SAME = (
     "sink_tokens", "eval_seed", "niah_prompts", "depths", "ruler_samples", "ruler_tasks", "ppl_windows",
     "first_bucket", "heldout_fraction",
 )  # fmt: skip
+
+
+def expand(folders: Sequence[Path]) -> list[Path]:
+    """The result folders given: each folder, or its ``gpu<g>/`` result folders where it has any."""
+    found = []
+    for folder in map(Path, folders):
+        parts = sorted(p.parent for p in folder.glob("gpu*/run.json"))
+        found += parts or [folder]
+    return found
 
 
 def load_folder(folder: Path) -> dict:
@@ -76,8 +89,26 @@ def pool(folders: Sequence[dict]) -> dict:
         pooled["speed"] += f["speed"]
     pooled["base_check"] = next((f["base_check"] for f in folders if f["base_check"]), None)
     pooled["calls"] = [c for f in folders for c in f["run"].get("calls", [])]
+    pooled["missing"] = [m for f in folders for m in missing(f)]
     pooled["sources"] = folders[0]["run"].get("sources", {})
     return pooled
+
+
+def missing(folder: dict) -> list[str]:
+    """What ``folder``'s settings asked for that it lacks: trainings, and reads or lengths of reads."""
+    s = folder["run"]["settings"]
+    lengths = [s["length"] // d for d in s["eval_fractions"]]
+    found = []
+    for seed in s["seeds"]:
+        for arm in s["arms"]:
+            if f"seed{seed}_{arm['name']}" not in folder["train"]:
+                found.append(f"training seed {seed} {arm['name']}")
+            for read in ("dense", "sparse") if arm["sparse"] else ("dense",):
+                have = folder["eval"].get(f"seed{seed}_{arm['name']}__{read}")
+                lacking = lengths if have is None else [n for n in lengths if n not in read_metrics(have)]
+                if lacking:
+                    found.append(f"seed {seed} {arm['name']} read {read} at {', '.join(map(str, lacking))}")
+    return found
 
 
 def _seeds_of(folder: dict) -> list[int]:
@@ -274,6 +305,8 @@ def markdown(pooled: dict, found: list[dict], picture: str | None) -> str:
     ]
     if len(seeds) < MIN_SEEDS:
         lines += [f"**{len(seeds)} seed(s): means only, no intervals over seeds.**", ""]
+    if pooled["missing"]:
+        lines += ["**Partial: these were asked for and are missing:** " + "; ".join(pooled["missing"]) + ".", ""]
     lines += [
         "## Goal (issue 31)",
         "",
@@ -323,7 +356,7 @@ def _absolute(pooled: dict) -> list[str]:
         model = read["model"].split("/", 1)[-1]
         groups.setdefault((model, read["attention"]), []).append(read_metrics(read))
     for (model, attention), found in sorted(groups.items()):
-        for n in sorted(found[0]):
+        for n in sorted({n for f in found for n in f}):
             mean = {m: _mean([f[n][m] for f in found if n in f]) for m in METRICS}
             lines.append(
                 f"| {model} | {attention} | {n} | {_num(mean['ppl'], 3)} | {_num(mean['niah'], 1)} | "
@@ -431,7 +464,8 @@ def picture(found: list[dict], default: str | None, path: Path) -> Path:
 
 def write_report(folders: Sequence[Path], out: Path, name: str = "real_extension", default: str | None = None) -> Path:
     """The pooled report of ``folders`` into ``out``: ``<name>.json``, ``.md`` and ``.png``; returns the JSON's path."""
-    pooled = pool([load_folder(Path(f)) for f in folders])
+    folders = expand(folders)
+    pooled = pool([load_folder(f) for f in folders])
     found = records(pooled)
     default = default or pooled["settings"].get("default_arm")
     out.mkdir(parents=True, exist_ok=True)
@@ -439,6 +473,7 @@ def write_report(folders: Sequence[Path], out: Path, name: str = "real_extension
     (out / f"{name}.md").write_text(markdown(pooled, found, png.name if png else None) + "\n")
     path = out / f"{name}.json"
     result = {"name": name, "folders": [str(f) for f in folders], "default": default, "records": found}
+    result["missing"] = pooled["missing"]
     path.write_text(json.dumps(result, indent=1, default=_jsonable) + "\n")
     return path
 

@@ -172,20 +172,62 @@ class Settings:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """Stage times measured on a GPU by an earlier run of this experiment, the estimates' floor before a stage of
+    the same kind has run on the machine at hand. ``read_s``: seconds of one read of one model at each length
+    (``dense`` / ``sparse`` attention), slowest over the runs, for ``read_items`` (NIAH prompts, RULER-style
+    prompts, perplexity windows) per length; ``read_at_least``: reads cut before they ended, seconds they ran.
+    ``train_step_s`` / ``train_fixed_s``: per arm, at ``length`` tokens. ``source``: where the figures are."""
+
+    source: str
+    device: str
+    length: int
+    read_items: tuple[int, int, int]
+    read_s: dict[str, dict[int, float]]
+    read_at_least: dict[str, dict[int, float]]
+    train_step_s: dict[str, float]
+    train_fixed_s: float
+    convert_s: float
+    base_s: float
+
+
+# The first real-model runs: bench/results/real_extension_runs/a and b (their logs and read files), seeds 0 and 1,
+# one H200 each, commit 0112821 (decoding through cuDNN SDPA). Reads at 20 NIAH prompts, 7 RULER-style tasks x 2
+# and 8 perplexity windows per length; the 64K sparse read was cut by the call's limit 150 s after it started.
+H200_0112821 = Calibration(
+    source="bench/results/real_extension_runs/{a,b} (H200, 0112821)",
+    device="NVIDIA H200",
+    length=65536,
+    read_items=(20, 14, 8),
+    read_s={
+        "dense": {8192: 53.0, 16384: 44.0, 32768: 44.0, 65536: 172.0},
+        "sparse": {8192: 36.0, 16384: 39.0, 32768: 45.0},
+    },
+    read_at_least={"sparse": {65536: 150.0}},
+    train_step_s={"dense": 1.61, "adaptive": 1.01},
+    train_fixed_s=38.7,
+    convert_s=40.0,
+    base_s=36.0,
+)
+
+
+@dataclass(frozen=True)
 class Costs:
     """Expected seconds of each stage: FLOPs of the model at the stage's lengths over ``flops_per_s``, plus the fixed
     costs of a process (``startup_s``: imports, loading, kernel compilation) and of each generated token
-    (``token_s``). Estimates, not measurements (a GPU's rate: about half of an H200's dense bf16 peak); the driver
-    replaces them by what finished stages of the same kind measured (``Timings``)."""
+    (``token_s``). Estimates, not measurements (a GPU's rate: about half of an H200's dense bf16 peak). Where
+    ``calibration`` holds a stage's measured time it is used instead, and the driver replaces both by what
+    finished stages of the same kind measured on the machine at hand (``Timings``)."""
 
     flops_per_s: float = 3e14
     startup_s: float = 40.0
     token_s: float = 0.012
     prompt_s: float = 0.05  # per prompt: tokenising it and the host work around its prefill
+    calibration: Calibration | None = None
 
 
 PRESETS: dict[str, Settings] = {
-    "gpu": Settings(),
+    "gpu": Settings(costs=Costs(calibration=H200_0112821)),
     "toy": Settings(
         length=1024,
         eval_fractions=(2, 1),

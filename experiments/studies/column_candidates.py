@@ -1,6 +1,6 @@
 """How many pairs the sorted column scorer walks, on a model's own Q/K or on synthetic ones (CPU is enough).
 
-The sorted scorer (mtraining/ops/pattern/column_buckets.py) scores, per row and hash table, the keys of the
+The sorted scorer (mtraining/ops/estimate/column_buckets.py) scores, per row and hash table, the keys of the
 row's bucket before its block: its work is the sum of those windows. With balanced hashes a window holds
 1 / 2^bits of the keys before the block; real keys crowd into fewer buckets. This script hashes the Q/K of
 some layers exactly as ``select_block_columns`` does (same planes, seeded by the layer), and records per
@@ -12,8 +12,9 @@ chooses K columns per block on the layer's lines (``--v-size``, ``--s-size``) wi
 with the sorted one at each cap (torch), and records the share of the dense scorer's columns the sorted
 one keeps (``kept_cap_<cap>``; ``kept_cap_none``: no cap).
 
-Internal tool: it reads the hashing of ``mtraining.ops.pattern.block_columns`` and the windows of
-``mtraining.ops.pattern.column_buckets`` directly, since those are what it measures.
+Internal tool: it reads the hashing of ``mtraining.ops.estimate.hashing``, the chooser of
+``mtraining.ops.estimate.block_columns`` and the windows of ``mtraining.ops.estimate.column_buckets`` directly,
+since those are what it measures.
 
     python -m experiments.studies.column_candidates --model /path/to/hf-folder --tokens corpus/train/code.npy --offset 1000000 \
         --seq-len 8192 --layers 3 11 19 27 --agreement 128 --caps 256 512 1024 \
@@ -32,8 +33,9 @@ from torch import Tensor
 
 from bench.common import provenance, write_results
 from mtraining.ops import PatternConfig, estimate_pattern
-from mtraining.ops.pattern.block_columns import hashed_heads, select_block_columns
-from mtraining.ops.pattern.column_buckets import row_windows, sort_keys
+from mtraining.ops.estimate.block_columns import select_block_columns
+from mtraining.ops.estimate.column_buckets import row_windows, sort_keys
+from mtraining.ops.estimate.hashing import hashed_heads
 
 
 def model_qk(folder: Path, tokens: Tensor, layers: list[int]) -> dict[int, tuple[Tensor, Tensor]]:

@@ -15,6 +15,7 @@ Every cell carries 95% intervals over its prompts (``intervals``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,12 +53,22 @@ class Answered:
     forced: Forced | None = None
 
 
+def tokenised(sample: Sample, tokenizer: Tokenizer) -> Sample:
+    """``sample`` with the token ids of its prompt and reference answer (``Sample.ids``), so that answering it
+    tokenises nothing: built once with the prompt (on spare cores), not once per model that answers it."""
+    reference = tokenizer.continuation(sample.prompt, reference_text(sample))
+    return dataclasses.replace(sample, ids=tokenizer.encode(sample.prompt), reference_ids=reference)
+
+
 def answer(engine: Engine, tokenizer: Tokenizer, sample: Sample, forced: bool = True) -> Answered:
     """The model's greedy answer to ``sample`` (prefill through the configured attention) and with ``forced``
     the reference answer's teacher-forced scores; a prompt longer than its length allows is cut in the middle
-    first (see ``middle_cut``)."""
-    ids = tokenizer.encode(sample.prompt)
-    reference = tokenizer.continuation(sample.prompt, reference_text(sample)) if forced else None
+    first (see ``middle_cut``). Token ids the sample carries (``tokenised``) are used as they are."""
+    ids = tokenizer.encode(sample.prompt) if sample.ids is None else list(sample.ids)
+    reference = None
+    if forced:
+        given = sample.reference_ids
+        reference = tokenizer.continuation(sample.prompt, reference_text(sample)) if given is None else list(given)
     ids = middle_cut(ids, sample.length - sample.max_new_tokens)
     response = engine.respond(ids, sample.max_new_tokens, tokenizer.stop_ids, reference)
     return Answered(tokenizer.decode(response.tokens), response.forced)

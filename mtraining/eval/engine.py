@@ -23,28 +23,36 @@ Context parallelism (``group`` with W > 1 ranks, e.g. under torchrun):
   those of the attention under test on every answer token; the answer cannot choose the lines it is read
   with. Only generated tokens after the first decode dense: group rank 0 gathers every rank's KV cache
   shard, keeps the prompt's positions, runs greedy steps with plain SDPA against it and broadcasts the
-  answer. Decoding costs the answer length times one pass over the cache.
+  answer. Decoding costs the answer length times one pass over the cache. Every step has a new key length, so
+  decoding never runs SDPA's cuDNN backend (``DECODE_BACKENDS``): cuDNN builds an execution plan per shape,
+  which recent torch prefers on Hopper, and a plan per generated token costs more than the step itself.
+
+``Engine.phases`` adds up the seconds of each phase (``Phases``): prefills, decoding steps, and perplexity
+passes; each phase ends by reading its result on the host, so the times hold on a GPU without extra syncs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..models import ATTN_IMPLEMENTATION, Attention, bind
 from ..models.attention import Record
 from ..ops.documents import Documents
-from ..ops.pattern.estimate import PatternConfig
+from ..ops.estimate.estimator import PatternConfig
 from ..parallel.layout import Layout, make_layout
 from ..train.loss import IGNORE_INDEX, token_scores
 
 DECODE_ATTENTION = "sdpa"
+DECODE_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)  # no cuDNN (above)
 _LOGIT_ELEMENTS = 1 << 26  # lm-head chunk: at most this many logits at once (256 MB in float32)
 _PAD_ID = 0  # the padding document's token (masked out of every other document and of the estimate)
 
@@ -74,6 +82,21 @@ class Response:
 
     tokens: list[int]
     forced: Forced | None = None
+
+
+@dataclass
+class Phases:
+    """Seconds an engine spent per phase, with counts: ``prefill_s`` over ``prefills`` answer prefills (the prompt
+    and its reference answer, their scores read back), ``decode_s`` over ``decode_steps`` greedy steps after the
+    first token (with the prompt's cache gathered), ``loss_s`` over ``losses`` teacher-forced passes
+    (``token_scores``: perplexity windows)."""
+
+    prefill_s: float = 0.0
+    prefills: int = 0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    loss_s: float = 0.0
+    losses: int = 0
 
 
 @dataclass(frozen=True)
@@ -172,6 +195,7 @@ class Engine:
         self.record = record
         self.densities: list[float] = []  # mean kept fraction of causal pairs, per sparse prefill
         self.recalls: list[float] = []  # with record="recall": mean pattern recall, per sparse prefill
+        self.phases = Phases()
 
     @property
     def is_root(self) -> bool:
@@ -254,13 +278,17 @@ class Engine:
                 f"length {seq_len} cannot be split by the {self.spec.layout} layout over {self.world_size} ranks; "
                 f"use lengths that are multiples of {self.unit}"
             )
+        started = time.perf_counter()
         labels = torch.cat([ids[1:], ids.new_full((1,), IGNORE_INDEX)])  # shift on the full sequence, then shard
         hidden = self._prefill(ids, documents=documents)[0]
         scores = self._token_scores(hidden, self._local(labels[None].to(self.device), seq_len)[0])
         if self.group is not None:  # gathered on the device (NCCL needs device tensors)
             layout = self._layout(seq_len)
             scores = tuple(layout.all_gather(local, self.group, dim=0) for local in scores)
-        return scores[0][:-1].cpu(), scores[1][:-1].cpu()
+        nll, greedy = scores[0][:-1].cpu(), scores[1][:-1].cpu()
+        self.phases.loss_s += time.perf_counter() - started
+        self.phases.losses += 1
+        return nll, greedy
 
     def token_nll(self, ids: Tensor) -> Tensor:
         """float32 [L - 1] on the CPU, every rank: -log p(ids[i + 1] | ids[: i + 1])."""
@@ -309,9 +337,9 @@ class Engine:
         return full
 
     def _decode(self, cache, first: int, max_new_tokens: int, stop_ids: set[int]) -> list[int]:
-        """Dense greedy steps on one process after ``first``, the prefill's greedy token."""
+        """Dense greedy steps on one process after ``first``, the prefill's greedy token (SDPA without cuDNN)."""
         answer = [first]
-        with _attn_implementation(self.model, DECODE_ATTENTION):
+        with _attn_implementation(self.model, DECODE_ATTENTION), sdpa_kernel(list(DECODE_BACKENDS)):
             while answer[-1] not in stop_ids and len(answer) < max_new_tokens:
                 step = torch.tensor([[answer[-1]]], device=self.device)
                 out = self.model(
@@ -352,14 +380,20 @@ class Engine:
         self._check_ids(max(ids + forced))
         total, documents = self._sequence(len(ids), len(forced))
         sequence = ids + forced + [_PAD_ID] * (total - len(ids) - len(forced))
+        started = time.perf_counter()
         cache = DynamicCache(config=self.model.config)
         hidden = self._prefill(torch.tensor(sequence), cache, documents)[0]
         labels = forced or [IGNORE_INDEX]  # the first answer token's row, scored or not
         nll, greedy = self._answer_scores(hidden, total, len(ids) - 1, labels)
         del hidden
+        prefilled = time.perf_counter()
         cache = self._prompt_cache(cache, total, len(ids))
         tokens = self._decode(cache, int(greedy[0]), max_new_tokens, set(stop_ids)) if self.is_root else None
         del cache
+        self.phases.prefill_s += prefilled - started
+        self.phases.prefills += 1
+        self.phases.decode_s += time.perf_counter() - prefilled
+        self.phases.decode_steps += len(tokens) - 1 if tokens is not None else 0
         if self.group is not None:
             box = [tokens]
             dist.broadcast_object_list(box, src=self.root, group=self.group)

@@ -111,8 +111,7 @@ class SessionOptions:
                     "TRAIN.yaml; pass --config, or use the attention options (--v-size, --layout, ...)"
                 )
             return None
-        from ..cli import split_overrides
-        from ..train.config import load_config
+        from ..train.config import load_config, split_overrides
 
         other, overrides = split_overrides(self.overrides)
         if other:

@@ -34,13 +34,21 @@ def position_buckets(length: int, first: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
 
-class _Windows:
-    """Lazily tokenised documents, cut into evaluation windows of a given length."""
+class Windows:
+    """Documents cut into evaluation windows of a given length, each tokenised once (lazily, as far as the windows
+    asked for need): keep one across ``run_ppl`` calls, or build it from ids tokenised before (``of_ids``)."""
 
     def __init__(self, docs: Sequence[str], tokenizer: Tokenizer) -> None:
         self.docs = docs
         self.tokenizer = tokenizer
         self.ids: list[list[int]] = []
+
+    @classmethod
+    def of_ids(cls, ids: Sequence[Sequence[int]], tokenizer: Tokenizer) -> Windows:
+        """Windows of documents given as token ids (``tokenizer``'s), tokenised nowhere else."""
+        windows = cls([], tokenizer)
+        windows.ids = [list(map(int, doc)) for doc in ids]
+        return windows
 
     def _tokenise_until(self, done) -> None:
         while len(self.ids) < len(self.docs) and not done():
@@ -78,7 +86,7 @@ class _Windows:
 def run_ppl(
     engine: Engine,
     tokenizer: Tokenizer,
-    docs: Sequence[str],
+    docs: Sequence[str] | Windows,
     lengths: Sequence[int],
     samples: int = 1,
     first_bucket: int = 1024,
@@ -86,10 +94,11 @@ def run_ppl(
     show_progress: bool = True,
 ) -> list[dict]:
     """Per length: windows scored, mean NLL, perplexity with its 95% interval over windows, per-bucket NLL,
-    perplexity and interval, and per window its document and bucket loss sums (module docstring)."""
+    perplexity and interval, and per window its document and bucket loss sums (module docstring). ``docs``: texts,
+    or ``Windows`` (tokenised once for every call that gets it)."""
     if samples < 1:
         raise ValueError(f"samples must be at least 1, got {samples}")
-    source = _Windows(docs, tokenizer)
+    source = docs if isinstance(docs, Windows) else Windows(docs, tokenizer)
     plan = [(n, doc, w) for n in lengths for doc, w in source.windows(n, samples, pack)]
     sums: dict[int, list[dict]] = {n: [] for n in lengths}
     for length, doc, window in track(plan, len(plan), "perplexity", show_progress):

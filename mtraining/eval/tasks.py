@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .documents import Haystack
@@ -110,6 +110,8 @@ class Sample:
 
     ``meta`` says how it was built. A prompt longer than ``length - max_new_tokens`` tokens (only
     official files run with truncation allowed) is cut in the middle when answered (``answers``).
+    ``ids`` and ``reference_ids``: the prompt's and its reference answer's token ids under the tokenizer that
+    answers it (``answers.tokenised``), read instead of tokenising the prompt again; None: tokenised when answered.
     """
 
     task: str
@@ -120,6 +122,8 @@ class Sample:
     prompt_tokens: int = 0
     meta: dict = field(default_factory=dict)
     metric: str = "match_all"
+    ids: Sequence[int] | None = field(default=None, repr=False)
+    reference_ids: Sequence[int] | None = field(default=None, repr=False)
 
 
 @dataclass

@@ -55,8 +55,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..ops.documents import Documents, resolve_documents
+from ..ops.estimate.estimator import PatternConfig, estimate_pattern
 from ..ops.pattern import VerticalSlashPattern
-from ..ops.pattern.estimate import PatternConfig, estimate_pattern
 from ..ops.sparse.attention import sparse_attention
 from ..parallel.agreement import check_ranks_agree
 from ..parallel.estimate import estimate_pattern_cp
@@ -145,7 +145,7 @@ class Attention:
     Attributes:
         group: context-parallel process group (None: single device).
         layout: how the global sequence is split over ``group`` (required when it has > 1 rank).
-        pattern_config: a ``PatternConfig`` (mtraining.ops.pattern) for dynamic sparse attention;
+        pattern_config: a ``PatternConfig`` (mtraining.ops.estimate) for dynamic sparse attention;
             None: dense everywhere.
         dense_layers: layers that always run dense.
         min_sparse_len: global sequence lengths below this run dense (sparse does not pay).

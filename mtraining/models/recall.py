@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..ops.documents import Documents
+from ..ops.estimate.estimator import grouped_queries, grouped_scores
 from ..ops.numerics import acc_dtype
 from ..ops.pattern import VerticalSlashPattern
-from ..ops.pattern.estimate import grouped_queries, grouped_scores
 from ..parallel.estimate import ranks_logsumexp
 from ..parallel.layout import Layout
 

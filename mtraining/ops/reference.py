@@ -1,12 +1,8 @@
 """The torch backend (``backend="torch"``): forward/backward primitives in plain PyTorch, the CPU path of
 the rings and the trainer, and the per-block attention of ``MTRAINING_DENSE_BACKEND=reference``.
 
-Same contract as the Triton kernels (``ops/sparse/launch.py``): positions are global, the pattern is
-global, ``q_bound`` [B or 1, Sq] (packed documents, ``Documents.left_bounds``) is the smallest key position
-each row may see, the forward returns (out, lse) and the backward takes the *final* LSE and delta = rowsum(dO * O),
-so partial results from ring steps combine exactly. Works in query-row chunks to bound memory. Masked
-pairs contribute nothing, not even a NaN or an infinity of a key the row may not see
-(``numerics.finite_keys``).
+An ``AttentionBackend`` (ops/backend.py), as the Triton kernels are (ops/sparse/launch.py). Works in
+query-row chunks to bound memory.
 """
 
 from __future__ import annotations
@@ -14,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .backend import Chunk
 from .numerics import acc_dtype, finite_keys, mask_scores, merge_partial
-from .pattern import VerticalSlashPattern
 from .pattern.vertical_slash import attention_mask
 
 _ROW_CHUNK = 1024
@@ -30,19 +26,15 @@ def _finite_kv(k: Tensor, v: Tensor, group: int, dtype: torch.dtype) -> tuple[Te
 
 
 def forward(
+    chunk: Chunk,
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    pattern: VerticalSlashPattern | None,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    scale: float,
     out_dtype: torch.dtype,
     merge_into: tuple[Tensor, Tensor] | None = None,
-    q_bound: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(out [B, Sq, Hq, D] in out_dtype, lse [B, Hq, Sq] in the accumulation dtype; 0 and -inf for rows
-    seeing nothing); with ``merge_into`` (out, lse) of earlier keys, merged into those and returned."""
+    """``AttentionBackend.forward`` (ops/backend.py) in plain PyTorch; lse in the accumulation dtype."""
+    pattern, q_pos, k_pos, scale, q_bound = chunk.pattern, chunk.q_pos, chunk.k_pos, chunk.scale, chunk.q_bound
     b, sq, hq, d = q.shape
     acc = acc_dtype(q)
     group = hq // k.shape[2]
@@ -66,25 +58,17 @@ def forward(
 
 
 def backward(
+    chunk: Chunk,
     do: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
     lse: Tensor,
     delta: Tensor,
-    pattern: VerticalSlashPattern | None,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    scale: float,
     dq_dtype: torch.dtype | None = None,
-    q_bound: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) in float32 (float64 for float64 inputs; dq in ``dq_dtype`` if given) for the
-    pairs of this (q, k) block.
-
-    lse [B, Hq, Sq] and delta [B, Hq, Sq] are those of the *whole* attention row, so the
-    contribution of these keys is exact even when other keys live elsewhere (ring steps).
-    """
+    """``AttentionBackend.backward`` (ops/backend.py) in plain PyTorch; float64 gradients for float64 inputs."""
+    pattern, q_pos, k_pos, scale, q_bound = chunk.pattern, chunk.q_pos, chunk.k_pos, chunk.scale, chunk.q_bound
     b, sq, hq, d = q.shape
     hkv = k.shape[2]
     group = hq // hkv

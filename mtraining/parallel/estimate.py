@@ -1,6 +1,6 @@
 """Estimate the global vertical-slash pattern from sharded q/k: every rank gets the identical pattern.
 
-The single-device estimate (``mtraining.ops.pattern.estimate``) is composed across the ranks of a layout:
+The single-device estimate (``mtraining.ops.estimate.estimator``) is composed across the ranks of a layout:
 0. every rank checks that all make the same call (shapes, layout, config, documents: ``agreement.py``);
 1. the last ``last_q`` queries (globally last positions; under striped/zigzag they may sit on
    several ranks) reach every rank through one all-reduce of a zero-filled buffer (exact);
@@ -30,8 +30,7 @@ from torch import Tensor
 
 from ..ops.checks import resolve_scale
 from ..ops.documents import Documents, resolve_documents
-from ..ops.pattern import VerticalSlashPattern
-from ..ops.pattern.estimate import (
+from ..ops.estimate.estimator import (
     PatternConfig,
     PositionPlan,
     block_columns_of,
@@ -40,6 +39,7 @@ from ..ops.pattern.estimate import (
     line_scores,
     select_lines,
 )
+from ..ops.pattern import VerticalSlashPattern
 from .agreement import check_ranks_agree, documents_field
 from .layout import Layout
 

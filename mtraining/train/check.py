@@ -24,12 +24,15 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..data.documents import DataError, file_kind, find_files, read_documents
 from .config import Config
 from .estimate import size_text
 from .ring_choice import RingChoice, choose_ring
+
+if TYPE_CHECKING:
+    from .data import Source
 
 CHECKED_ENV = "MTRAINING_CHECKED"
 """Set to 1 by the ``--nproc`` launcher once these checks passed on its node: its ranks need not repeat them."""
@@ -185,9 +188,29 @@ def _meta_model(hf_config):
         return AutoModelForCausalLM.from_config(hf_config)
 
 
-def _model_fits_mtraining(cfg: Config, hf_config) -> None:
-    from .preflight import check_model
+def check_model(cfg: Config, hf_config, sources: list[Source]) -> None:
+    """ValueError naming the fix when the model cannot train on this data with mtraining attention (every rank
+    repeats it on the model it loads)."""
+    from ..models.loader import sliding_window_layers
+    from .data import check_vocabulary
 
+    where = cfg.model.path or "model.config"
+    check_vocabulary(sources, hf_config.vocab_size, cfg.data.token_dtype)
+    layers = sliding_window_layers(hf_config)
+    if layers:
+        raise ValueError(
+            f"{where} uses sliding-window attention (window {hf_config.sliding_window}) in layers {layers}, which "
+            "mtraining attention does not run (it attends causally over the whole sequence); train with full "
+            "attention: model.overrides: {use_sliding_window: false} for Qwen2/Qwen3, {sliding_window: null} for Mistral"
+        )
+    if getattr(hf_config, "attention_dropout", 0.0):
+        raise ValueError(
+            f"{where} sets attention_dropout={hf_config.attention_dropout}, which mtraining attention does not "
+            "support; set model.overrides: {attention_dropout: 0.0}"
+        )
+
+
+def _model_fits_mtraining(cfg: Config, hf_config) -> None:
     check_model(cfg, hf_config, [])  # the data's ids: _vocabularies
     cfg.check_layers(hf_config.num_hidden_layers)
 

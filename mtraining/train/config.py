@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -26,7 +27,7 @@ from pydantic import (
 )
 
 from ..models.loader import Init, check_hf_fields, refuse_gguf
-from ..ops.pattern.estimate import PatternConfig
+from ..ops.estimate.estimator import PatternConfig
 from ..parallel.layout import make_layout
 
 
@@ -112,7 +113,7 @@ class AttentionSection(_Section):
     threshold: float | None = Field(None, gt=0, le=1)
     """Keep the fewest lines reaching this estimated attention mass instead of fixed budgets."""
     budgets: str | None = None
-    """Pattern file with per-layer/per-head budgets (mtraining.ops.pattern.budgets)."""
+    """Pattern file with per-layer/per-head budgets (mtraining.ops.estimate.budgets)."""
     block_columns: int = Field(0, ge=0)
     """Key columns chosen per query block of block_size rows on top of the lines (questions asked
     mid-document keep their evidence). 0: none."""
@@ -552,6 +553,16 @@ class _UniqueKeys(yaml.SafeLoader):
 
 def _load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 - a SafeLoader
+
+
+_OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
+"""``section.key=value``: how every command's overrides look (a path that looks so can be written ./a.b=c)."""
+
+
+def split_overrides(args: list[str] | None) -> tuple[list[str], list[str]]:
+    """(the other arguments, the ``section.key=value`` overrides) of a command's positional arguments."""
+    args = args or []
+    return [a for a in args if not _OVERRIDE.match(a)], [a for a in args if _OVERRIDE.match(a)]
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

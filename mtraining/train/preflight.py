@@ -1,4 +1,5 @@
-"""What runs once before the ranks start, and the model checks every rank repeats.
+"""What runs once before the ranks start, and the RoPE and data checks every rank repeats (the model's:
+``check.check_model``).
 
 ``mtraining train --nproc N`` runs ``preflight`` in the launcher: every check of ``check.check_run``
 (config as launched, output folders, packages, model folder and weights' shapes, tokenizer, data,
@@ -12,30 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..models.loader import sliding_window_layers
-from .check import Launch, check_run
+from .check import Launch, check_model, check_run
 from .config import Config
-from .data import Source, check_vocabulary, document_separator, load_sources
+from .data import Source, document_separator, load_sources
 from .outputs import check_output_dirs
 from .packing import PackedStream
-
-
-def check_model(cfg: Config, hf_config, sources: list[Source]) -> None:
-    """ValueError naming the fix when the model cannot train on this data with mtraining attention."""
-    where = cfg.model.path or "model.config"
-    check_vocabulary(sources, hf_config.vocab_size, cfg.data.token_dtype)
-    layers = sliding_window_layers(hf_config)
-    if layers:
-        raise ValueError(
-            f"{where} uses sliding-window attention (window {hf_config.sliding_window}) in layers {layers}, which "
-            "mtraining attention does not run (it attends causally over the whole sequence); train with full "
-            "attention: model.overrides: {use_sliding_window: false} for Qwen2/Qwen3, {sliding_window: null} for Mistral"
-        )
-    if getattr(hf_config, "attention_dropout", 0.0):
-        raise ValueError(
-            f"{where} sets attention_dropout={hf_config.attention_dropout}, which mtraining attention does not "
-            "support; set model.overrides: {attention_dropout: 0.0}"
-        )
 
 
 def rope_warning(cfg: Config, hf_config) -> str | None:

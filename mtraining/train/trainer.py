@@ -28,7 +28,7 @@ from ..ops.documents import Documents
 from ..parallel.layout import make_layout
 from ..parallel.topology import init_ring_groups
 from .agree import agree, check_same, from_rank0
-from .check import CHECKED_ENV, Launch
+from .check import CHECKED_ENV, Launch, check_model
 from .checkpoint import full_model_state, save_checkpoint
 from .config import Config, shared_values
 from .data import document_separator, open_sources
@@ -41,7 +41,7 @@ from .monitor import Monitor, flops_per_token, matmul_params, peak_memory_gb, pe
 from .optim import build_optimizer, lr_at, set_lr
 from .outputs import check_free_space, check_output_dirs, check_shared_dir
 from .packing import PackedSamples, first_draw, shard_batch
-from .preflight import check_before_ranks, check_model, check_sources, rope_warning
+from .preflight import check_before_ranks, check_sources, rope_warning
 from .profile import step_profiler, write_profile
 from .resume import describe_run, model_identity, resume
 from .retention import prune_checkpoints

@@ -68,6 +68,7 @@ def test_a_changed_instruction_is_reported_and_fails(tmp_path):
     old, new = _dumps(tmp_path, _ptx(), _ptx(instruction="add.s32 %r1, %r2, 2;"))
     [record] = tool.compare(old, new)
     assert not record["identical"] and record["lines_changed"] == 2
+    assert record["ptx_instructions_old"] == record["ptx_instructions"] == 3  # ld.param, add, ret
     assert "-add.s32 %r1, %r2, 1;" in record["diff"] and "+add.s32 %r1, %r2, 2;" in record["diff"]
     (new / "extra.ptx").write_text(_ptx())
     out = tmp_path / "compare.json"
@@ -79,6 +80,44 @@ def test_a_changed_instruction_is_reported_and_fails(tmp_path):
     assert result.returncode == 1, result.stderr
     assert "fwd: DIFFERS (2)" in result.stdout and "extra: DIFFERS (missing old)" in result.stdout
     assert out.exists()
+
+
+TWO_PARAMS = """.version 8.7
+.target sm_90a
+.visible .entry k(
+	.param .u64 k_param_0,
+	.param .u32 k_param_1
+)
+{{
+	ld.param.b64 %rd1, [k_param_{pointer}];
+	ld.param.b32 %r1, [k_param_{value}];
+	st.global.u32 [%rd1], %r1;
+	ret;
+}}
+"""
+
+
+def test_parameters_by_use_match_arguments_in_another_order(tmp_path):
+    tool = load_script("ptx_compare")
+    old = TWO_PARAMS.format(pointer=0, value=1)
+    swapped = TWO_PARAMS.replace("u64 k_param_0,", "u64 k_param_1,").replace("u32 k_param_1", "u32 k_param_0,")
+    new = swapped.format(pointer=1, value=0).replace("k_param_0,\n)", "k_param_0\n)")
+    [plain] = tool.compare(*_dumps(tmp_path, old, new))
+    assert not plain["identical"]
+    [by_use] = tool.compare(tmp_path / "old", tmp_path / "new", by_use=True)
+    assert by_use["identical"], by_use["diff"]
+    (tmp_path / "new" / "fwd.ptx").write_text(TWO_PARAMS.format(pointer=0, value=0))  # another instruction
+    [changed] = tool.compare(tmp_path / "old", tmp_path / "new", by_use=True)
+    assert not changed["identical"]
+
+
+def test_parameters_by_use_ignore_register_numbers_and_commuted_operands():
+    tool = load_script("ptx_compare")
+    old = ["{", "ld.param.b32 %r1, [KERNEL_param_0];", "mul.lo.s32 %r2, %r1, %r9;", "st.global.b32 [%rd3], %r2;"]
+    new = ["{", "ld.param.b32 %r7, [KERNEL_param_4];", "mul.lo.s32 %r5, %r8, %r7;", "st.global.b32 [%rd1], %r5;"]
+    assert tool.params_by_use(old) == tool.params_by_use(new)
+    other = [*new[:2], "mul.lo.s32 %r5, %r7, %r7;", new[3]]  # another operand
+    assert tool.params_by_use(old) != tool.params_by_use(other)
 
 
 SMALL_KERNEL = """.version 8.7
@@ -107,4 +146,5 @@ def test_ptxas_compares_registers_and_sass(tmp_path):
     (new / "fwd.ptx").write_text(SMALL_KERNEL.format(name="b", value=8))
     [changed] = tool.compare(old, new, ptxas=True)
     assert not changed["identical"] and not changed["sass_identical"] and changed["sass_lines_changed"] >= 2
+    assert changed["sass_instructions_old"] == changed["sass_instructions"]
     assert changed["ptxas_new"]["spill_stores"] == 0

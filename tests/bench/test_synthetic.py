@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from bench.synthetic import anchor_positions, random_qkv, rope_structured_qkv
+from mtraining.ops.estimate.estimator import PatternConfig, estimate_pattern
 from mtraining.ops.oracle import attention_oracle
-from mtraining.ops.pattern.estimate import PatternConfig, estimate_pattern
 
 GENERATORS = [rope_structured_qkv, random_qkv]
 

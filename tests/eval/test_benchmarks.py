@@ -288,13 +288,13 @@ def test_prompts_that_spell_a_special_token_are_refused(tmp_path):
 def test_packed_perplexity_windows_join_documents_with_the_separator():
     """A bare tokenizer.json declares no EOS: --pack ran the documents together with nothing between them."""
     from mtraining.eval.loading import load_tokenizer
-    from mtraining.eval.ppl import _Windows
+    from mtraining.eval.ppl import Windows
 
     tok = load_tokenizer(DATA / "tokenizer.json")
     assert tok.eos_id is None
     docs = ["Ada keeps the red lamp.", "Who?"]
     first, second = (tok.encode(d) for d in docs)
-    window = _Windows(docs, tok).windows(len(first) + 1 + len(second), 1, pack=True)[0]
+    window = Windows(docs, tok).windows(len(first) + 1 + len(second), 1, pack=True)[0]
     assert window == (0, [*first, 0, *second])
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mtraining.models import Attention, attention, bind, build_config, build_model
-from mtraining.ops.pattern.estimate import PatternConfig
+from mtraining.ops.estimate.estimator import PatternConfig
 from tests.configs import SMALL
 
 ARCHS = {

@@ -15,7 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 import mtraining.ops.sparse.attention as sparse_ops
 from mtraining.models import Attention, attention, bind, build_model
-from mtraining.ops.pattern.estimate import PatternConfig
+from mtraining.ops.estimate.estimator import PatternConfig
 from mtraining.train.loss import CausalLMLoss
 from tests.configs import SMALL
 from tests.numerics import sdpa_by_document

@@ -15,8 +15,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 import mtraining.ops.sparse.launch as launch
 from mtraining.models import Attention, bind, build_model
+from mtraining.ops.estimate.estimator import PatternConfig
 from mtraining.ops.pattern import VerticalSlashPattern
-from mtraining.ops.pattern.estimate import PatternConfig
 from tests.configs import SMALL
 from tests.factories import make_qkv
 

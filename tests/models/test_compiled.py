@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 
 from mtraining.models import Attention, bind, build_model
 from mtraining.models.compiled import compile_layers, decoder_layers
-from mtraining.ops.pattern.estimate import PatternConfig
+from mtraining.ops.estimate.estimator import PatternConfig
 from tests.configs import SMALL
 
 SPARSE = PatternConfig(v_size=8, s_size=16, last_q=16, block_size=16, sink_tokens=2, local_window=16)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mtraining.models import Attention, bind, build_model
-from mtraining.ops.pattern.estimate import PatternConfig
+from mtraining.ops.estimate.estimator import PatternConfig
 from mtraining.parallel.layout import make_layout
 from mtraining.train.launch import run_local
 from mtraining.train.loss import CausalLMLoss

@@ -1,4 +1,4 @@
-"""Choosing per-block columns (ops/pattern/block_columns.py) against a brute-force float64 ranking, on one
+"""Choosing per-block columns (ops/estimate/block_columns.py) against a brute-force float64 ranking, on one
 device and over gloo ranks."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from mtraining.ops import PatternConfig, estimate_pattern
-from mtraining.ops.pattern.block_columns import hash_codes, hash_planes, select_block_columns
+from mtraining.ops.estimate.block_columns import select_block_columns
+from mtraining.ops.estimate.hashing import hash_codes, hash_planes
 from mtraining.parallel import make_layout
 from mtraining.parallel.estimate import _block_columns_cp, estimate_pattern_cp
 from tests.factories import make_documents

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtraining.ops.pattern.budgets import Budgets, load_budgets
-from mtraining.ops.pattern.estimate import PatternConfig, estimate_pattern
+from mtraining.ops.estimate.budgets import Budgets, load_budgets
+from mtraining.ops.estimate.estimator import PatternConfig, estimate_pattern
 
 YAML = """
 num_heads: 4

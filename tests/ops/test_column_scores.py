@@ -1,4 +1,4 @@
-"""The column scorers against the torch reference (ops/pattern/block_columns.py): the dense Triton kernel
+"""The column scorers against the torch reference (ops/estimate/block_columns.py): the dense Triton kernel
 (column_kernels.py) and the sorted scorer in torch and Triton (column_buckets.py, column_bucket_kernels.py;
 Triton in the interpreter) give the same scores and the same chosen columns; the sorted scorer's cap against
 a float64 brute force of its rule."""
@@ -9,17 +9,12 @@ import pytest
 import torch
 
 from mtraining.ops import Documents
-from mtraining.ops.pattern import column_buckets
-from mtraining.ops.pattern.block_columns import (
-    column_scores_reference,
-    hash_codes,
-    hash_planes,
-    select_block_columns,
-    top_columns,
-)
-from mtraining.ops.pattern.column_bucket_kernels import column_scores_sorted_triton, row_tiles
-from mtraining.ops.pattern.column_buckets import column_scores_sorted
-from mtraining.ops.pattern.column_kernels import column_scores_triton
+from mtraining.ops.estimate import column_buckets
+from mtraining.ops.estimate.block_columns import column_scores_reference, select_block_columns, top_columns
+from mtraining.ops.estimate.column_bucket_kernels import column_scores_sorted_triton, row_tiles
+from mtraining.ops.estimate.column_buckets import column_scores_sorted
+from mtraining.ops.estimate.column_kernels import column_scores_triton
+from mtraining.ops.estimate.hashing import hash_codes, hash_planes
 from mtraining.ops.pattern.vertical_slash import VerticalSlashPattern
 
 G, D, N = 16, 16, 120  # N % G != 0: a partial last block

@@ -14,8 +14,8 @@ import torch
 from mtraining.ops import Documents, PatternConfig, attention_oracle, estimate_pattern, sparse_attention
 from mtraining.ops.dense import dense_backend
 from mtraining.ops.documents import document_starts, resolve_documents
-from mtraining.ops.pattern import estimate
-from mtraining.ops.pattern.estimate import select_lines
+from mtraining.ops.estimate import estimator
+from mtraining.ops.estimate.estimator import select_lines
 from mtraining.ops.sparse import attention_backward, attention_delta, attention_forward
 from mtraining.ops.sparse import index as ki
 from mtraining.parallel import make_layout
@@ -364,7 +364,7 @@ def test_estimate_scores_each_document_against_its_own_keys(docs_kind, batch):
     want = select_lines(vertical.float(), slash.float(), config, n, documents=docs)
     assert torch.equal(pattern.vertical_mask(), want.vertical_mask())
     assert torch.equal(pattern.diag_mask(), want.diag_mask())
-    sinks = estimate.document_sinks(docs, config.sink_tokens, q.device).expand(batch, hq, n)
+    sinks = estimator.document_sinks(docs, config.sink_tokens, q.device).expand(batch, hq, n)
     enough = sinks.sum(-1) <= config.v_size
     assert (pattern.vertical_mask() | ~sinks)[enough].all()  # every document's sinks where the budget allows
     assert pattern.num_verticals.max() <= config.v_size
@@ -384,6 +384,6 @@ def test_document_sinks_are_forced_earliest_first():
 
 def test_scoring_rows_of_short_documents():
     docs = Documents.from_lengths([3, 10, 1])
-    pos, bound = estimate.scoring_rows(docs, 0, 4)
+    pos, bound = estimator.scoring_rows(docs, 0, 4)
     assert pos.tolist() == [0, 1, 2, 9, 10, 11, 12, 13]
     assert bound.tolist() == [0, 0, 0, 3, 3, 3, 3, 13]

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from mtraining.ops.pattern import VerticalSlashPattern, estimate
-from mtraining.ops.pattern.budgets import Budgets
-from mtraining.ops.pattern.estimate import (
+from mtraining.ops.estimate import estimator
+from mtraining.ops.estimate.budgets import Budgets
+from mtraining.ops.estimate.estimator import (
     PatternConfig,
     PositionPlan,
     estimate_pattern,
@@ -17,6 +17,7 @@ from mtraining.ops.pattern.estimate import (
     line_scores,
     select_lines,
 )
+from mtraining.ops.pattern import VerticalSlashPattern
 
 
 # --------------------------------------------------------------------------- brute force
@@ -90,7 +91,7 @@ def _qk(b, r, hq, hkv, d, sk, seed):
 @pytest.fixture(params=[None, 97], ids=["one-chunk", "tiny-chunks"])
 def chunking(request, monkeypatch):
     if request.param is not None:
-        monkeypatch.setattr(estimate, "_CHUNK_ELEMENTS", request.param)
+        monkeypatch.setattr(estimator, "_CHUNK_ELEMENTS", request.param)
     return request.param
 
 
@@ -132,7 +133,7 @@ def _split_keys(seq: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("kind", ["striped", "zigzag", "shuffled"])
 @pytest.mark.parametrize("b,hq,hkv,d,seq,r", [(1, 4, 2, 16, 61, 7), (2, 2, 1, 32, 48, 16)])
 def test_key_subsets_combine_to_the_whole(monkeypatch, chunking, min_run, kind, b, hq, hkv, d, seq, r):
-    monkeypatch.setattr(estimate, "_MIN_RUN", min_run)  # 1: even runs of one key take the run path
+    monkeypatch.setattr(estimator, "_MIN_RUN", min_run)  # 1: even runs of one key take the run path
     q, k = _qk(b, r, hq, hkv, d, seq, seed=seq + r)
     q_pos, k_all = torch.arange(seq - r, seq), torch.arange(seq)
     scale = 1.0 / math.sqrt(d)
@@ -185,7 +186,7 @@ def test_key_runs_match_brute_force(monkeypatch, kind, world, run, seq, chunk_ru
     b, hq, hkv, d, r = 2, 4, 2, 16, 24
     if chunk_runs is not None:  # chunks of two runs with their padding, or of half a run (runs cut in pieces)
         step = chunk_runs * (run + r) if chunk_runs else run // 2
-        monkeypatch.setattr(estimate, "_CHUNK_ELEMENTS", b * hq * r * step)
+        monkeypatch.setattr(estimator, "_CHUNK_ELEMENTS", b * hq * r * step)
     q, k = (t.to(dtype) for t in _qk(b, r, hq, hkv, d, seq, seed=seq + run))
     q_pos = torch.arange(seq - r, seq)
     scale = 1.0 / math.sqrt(d)
@@ -234,7 +235,7 @@ def test_position_plan_detects_runs():
 )
 def test_position_plan_chunks_cover_whole_runs(monkeypatch, run, keys, step_keys):
     rows = 8
-    monkeypatch.setattr(estimate, "_CHUNK_ELEMENTS", step_keys * rows)
+    monkeypatch.setattr(estimator, "_CHUNK_ELEMENTS", step_keys * rows)
     plan = PositionPlan(rows, keys, 200, 207, 0, 150, run, (40, keys - 1))
     chunks = plan.chunks(rows)
     assert [a for a, *_ in chunks] == [0] + [b for _, b, *_ in chunks[:-1]] and chunks[-1][1] == keys
@@ -281,7 +282,7 @@ def _random_scores(b, h, n, seed):
 @pytest.mark.parametrize("sort_elements", [None, 300], ids=["all-heads", "head-by-head"])
 def test_select_lines_matches_brute_force(monkeypatch, threshold, per_head, sort_elements):
     if sort_elements is not None:
-        monkeypatch.setattr(estimate, "_SORT_ELEMENTS", sort_elements)
+        monkeypatch.setattr(estimator, "_SORT_ELEMENTS", sort_elements)
     b, h, n = 2, 4, 300
     vertical, slash = _random_scores(b, h, n, seed=7)
     if per_head:
@@ -390,7 +391,7 @@ def test_estimate_pattern_with_keys_in_layout_order():
     plain = estimate_pattern(q, k, config)
     for kind, run in (("striped", 16), ("zigzag", 32)):
         order = torch.cat(_layout_keys(seq, kind, 4, run))
-        assert estimate.PositionPlan.from_positions(torch.arange(seq - 24, seq), order).run == run
+        assert estimator.PositionPlan.from_positions(torch.arange(seq - 24, seq), order).run == run
         ordered = estimate_pattern(q, k[:, order], config, k_pos=order)
         for name in ("block_diags", "num_diags", "vertical_pos", "num_verticals"):
             assert torch.equal(getattr(ordered, name), getattr(plain, name)), (kind, name)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mtraining.ops import Documents, attention_oracle
-from mtraining.ops.pattern.estimate import PatternConfig, document_sinks, estimate_pattern, scoring_rows
+from mtraining.ops.estimate.estimator import PatternConfig, document_sinks, estimate_pattern, scoring_rows
 from mtraining.ops.sparse import sparse_attention
 from tests.factories import make_qkv
 

@@ -23,3 +23,28 @@ def test_kernels_compile_for_hopper(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count(": ok") == 30  # 20 configurations without documents (4 sorted scorers), 10 with
     assert len(list(tmp_path.glob("*.ptx"))) == 30
+
+
+def test_no_kernel_takes_over_30_parameters():
+    """Kernels take their inputs as NamedTuples (a tensor with its strides, a walk whole), so that their argument
+    lists stay short enough to read: no @triton.jit function of the package takes more than 30."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import mtraining
+
+    counts = {}
+    for info in pkgutil.walk_packages(mtraining.__path__, "mtraining."):
+        if not info.name.endswith(("kernels", "ce_kernel")):
+            continue
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            while isinstance(value, triton.runtime.Heuristics):
+                value = value.fn
+            kernel = isinstance(value, (triton.runtime.JITFunction, triton.runtime.interpreter.InterpretedFunction))
+            if kernel and value.fn.__module__ == info.name:
+                counts[f"{info.name}.{name}"] = len(value.arg_names)
+    assert len(counts) >= 20, counts  # every kernel module was found
+    assert max(counts.values()) <= 30, {name: n for name, n in counts.items() if n > 30}

@@ -161,7 +161,7 @@ def test_column_scorer_matches_the_reference_on_cuda(documents, scorer, seq):
     """The Triton column scorers (dense, sorted) in bf16 pick the torch reference's columns (float32 scores of
     the same bf16 inputs; the rows' LSE from the bf16 sparse forward) at G = 128, GQA; at 16K the sorted
     kernel runs its 64-row tiles."""
-    from mtraining.ops.pattern.block_columns import select_block_columns
+    from mtraining.ops.estimate.block_columns import select_block_columns
 
     gen = torch.Generator().manual_seed(11 + documents)
     b, hq, hkv, d, g = 1, 4, 2, 64, 128

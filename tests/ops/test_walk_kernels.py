@@ -26,10 +26,13 @@ SMALL_BLOCKS = dict(nb=16, verts=16, rows=4, diags=8)  # every loop of the build
 
 
 def assert_same(got, want, what: str) -> None:
-    for name in want.__dataclass_fields__:
+    for name in getattr(want, "_fields", None) or want.__dataclass_fields__:  # a walk, or the chunk pair
         a, b = getattr(got, name), getattr(want, name)
         if b is None:  # the document part of a walk without documents
             assert a is None, f"{what}.{name}: {a}, want None"
+            continue
+        if isinstance(b, int):  # a walk's stride
+            assert a == b, f"{what}.{name}: {a}, want {b}"
             continue
         assert a.dtype == b.dtype, f"{what}.{name}: dtype {a.dtype}, want {b.dtype}"
         assert a.shape == b.shape, f"{what}.{name}: shape {tuple(a.shape)}, want {tuple(b.shape)}"

@@ -81,7 +81,7 @@ def test_data_errors_name_the_fix(tmp_path):
 def test_ids_beyond_the_vocabulary_name_the_file_and_the_token_type(tmp_path):
     """uint16 ids read as uint32 pair up into ids above 65535: refused, naming the file and data.token_dtype
     (as for ids of another tokenizer)."""
-    from mtraining.train.preflight import check_model
+    from mtraining.train.check import check_model
 
     np.random.default_rng(0).integers(1, 512, 100).astype(np.uint16).tofile(tmp_path / "ids.bin")
     np.save(tmp_path / "fine.npy", np.arange(10, dtype=np.uint16))

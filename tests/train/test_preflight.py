@@ -13,10 +13,11 @@ import yaml
 
 from mtraining.data.tokens import TokenPart
 from mtraining.models import build_config
+from mtraining.train.check import check_model
 from mtraining.train.config import parse_config
 from mtraining.train.data import Source
 from mtraining.train.launch import run_local
-from mtraining.train.preflight import check_model, rope_warning
+from mtraining.train.preflight import rope_warning
 from tests.train.trainer_runs import RAW as TRAINER_RAW
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .. import reference
+from ..backend import Chunk
 from ..numerics import row_delta
 from .blocks import Block, BlockOps, DenseBlocks
 from .cudnn import CUDNN, cudnn_available
@@ -37,13 +38,13 @@ def _block_positions(sq: int, sk: int, causal: bool, device: torch.device) -> tu
 
 def _reference_forward(q, k, v, causal, scale):
     q_pos, k_pos = _block_positions(q.shape[1], k.shape[1], causal, q.device)
-    return reference.forward(q, k, v, None, q_pos, k_pos, scale, q.dtype)
+    return reference.forward(Chunk(None, q_pos, k_pos, scale), q, k, v, q.dtype)
 
 
 def _reference_backward(do, q, k, v, out, lse, causal, scale):
     """Like cuDNN: delta = rowsum(dO * O) from the out it is given (the whole row's)."""
     q_pos, k_pos = _block_positions(q.shape[1], k.shape[1], causal, q.device)
-    return reference.backward(do, q, k, v, lse, row_delta(do, out), None, q_pos, k_pos, scale)
+    return reference.backward(Chunk(None, q_pos, k_pos, scale), do, q, k, v, lse, row_delta(do, out))
 
 
 REFERENCE = BlockOps("reference", _reference_forward, _reference_backward)

@@ -1,8 +1,6 @@
-"""The vertical-slash pattern: its definition, its online estimation from q/k, per-head line budgets."""
+"""The vertical-slash pattern's definition (vertical_slash.py): which pairs every path computes. Its estimation
+from q/k lives above the sparse op, in ``ops.estimate``."""
 
-from .budgets import Budgets, load_budgets
-from .estimate import PatternConfig, estimate_pattern, last_query_partial_lse, line_scores, select_lines
 from .vertical_slash import VerticalSlashPattern, compact
 
-__all__ = ["Budgets", "load_budgets", "PatternConfig", "estimate_pattern", "last_query_partial_lse", "line_scores"]
-__all__ += ["select_lines", "VerticalSlashPattern", "compact"]
+__all__ = ["VerticalSlashPattern", "compact"]

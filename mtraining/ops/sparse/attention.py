@@ -1,7 +1,7 @@
 """Sparse attention: backend dispatch, the dense-or-sparse decision of a chunk pair, the autograd op.
 
 ``attention_forward`` / ``attention_backward`` / ``attention_delta`` are the per-chunk primitives of
-the two backends ("torch": ops/reference.py, "triton": launch.py). ``plan_chunk`` decides, in one
+the two backends (``AttentionBackend``, ops/backend.py: "torch": ops/reference.py, "triton": launch.py). ``plan_chunk`` decides, in one
 place, how a chunk pair (the rows of one single-device call, or one ring step) is computed: as dense
 blocks (no pattern, on cuDNN where it applies: ops/dense) or by the backend; the ring engines and
 ``sparse_attention`` (the single-device autograd op users call) both follow its ``ChunkPlan``.
@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import dense, reference
+from ..backend import AttentionBackend, Chunk
 from ..checks import (
     SUPPORTED_HEAD_DIMS,
     check_pattern,
@@ -46,9 +47,9 @@ def resolve_backend(backend: Backend, device: torch.device) -> Literal["triton",
     return backend
 
 
-def _backend_module(name: str):
-    """The backend's module; the Triton one is imported on first use (Triton reads TRITON_INTERPRET when
-    the kernels are defined, and CPU-only callers never need it)."""
+def _backend_module(name: str) -> AttentionBackend:
+    """The backend's module (an ``AttentionBackend``); the Triton one is imported on first use (Triton reads
+    TRITON_INTERPRET when the kernels are defined, and CPU-only callers never need it)."""
     if name == "triton":
         from . import launch
 
@@ -77,17 +78,16 @@ def attention_forward(
     merge_into: tuple[Tensor, Tensor] | None = None,
     q_bound: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """One block of attention: (out [B, Sq, Hq, D], lse [B, Hq, Sq] float32). No validation (hot path).
+    """One block of attention: (out [B, Sq, Hq, D], lse [B, Hq, Sq] float32), ``AttentionBackend.forward`` of
+    ``backend`` on the ``Chunk`` of these positions, pattern, scale and bounds. No validation (hot path).
 
     ``merge_into``: (out, lse) over other keys (an earlier ring step, out in ``out_dtype``), into
     which this block's result is merged in place (by the kernel itself on the Triton backend).
     ``q_bound``: packed documents, int32 [B or 1, Sq], the smallest key position each row may see
     (``Documents.left_bounds`` of q_pos).
     """
-    name = resolve_backend(backend, q.device)
-    return _backend_module(name).forward(
-        q, k, v, pattern, q_pos, k_pos, scale, out_dtype or q.dtype, merge_into, q_bound
-    )
+    chunk = Chunk(pattern, q_pos, k_pos, scale, q_bound)
+    return _backend_module(resolve_backend(backend, q.device)).forward(chunk, q, k, v, out_dtype or q.dtype, merge_into)
 
 
 def attention_backward(
@@ -107,59 +107,40 @@ def attention_backward(
     q_bound: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv, float32; dq in ``dq_dtype`` if given) of one block given the full-row
-    lse and delta (``attention_delta``); ``q_bound`` as in ``attention_forward``."""
-    name = resolve_backend(backend, q.device)
-    return _backend_module(name).backward(do, q, k, v, lse, delta, pattern, q_pos, k_pos, scale, dq_dtype, q_bound)
+    lse and delta (``attention_delta``): ``AttentionBackend.backward``; ``q_bound`` as in ``attention_forward``."""
+    chunk = Chunk(pattern, q_pos, k_pos, scale, q_bound)
+    return _backend_module(resolve_backend(backend, q.device)).backward(chunk, do, q, k, v, lse, delta, dq_dtype)
 
 
 def attention_delta(do: Tensor, out: Tensor) -> Tensor:
     """delta [B, H, S] = rowsum(dO * O) of the whole rows, for ``attention_backward``: one Triton pass on
     CUDA (no float32 copies of dO and O), ``numerics.row_delta`` elsewhere."""
     if out.is_cuda and out.dtype != torch.float64 and out.shape[-1] in SUPPORTED_HEAD_DIMS:
-        return _backend_module("triton").row_delta(do, out)
+        from . import launch
+
+        return launch.row_delta(do, out)
     return row_delta(do, out)
 
 
-@dataclass(frozen=True)
-class ChunkPlan:
-    """How one chunk pair (query rows against key rows, at global positions) is attended: one
-    single-device call, or one ring step. Built by ``plan_chunk``; forward and backward follow it.
+@dataclass(frozen=True, kw_only=True)
+class ChunkPlan(Chunk):
+    """How one chunk pair (a ``Chunk``: one single-device call, or one ring step) is attended. Built by
+    ``plan_chunk``; forward and backward follow it, handing the chunk to its backend (``AttentionBackend``).
 
-    Attributes:
-        pattern: the global pattern (None: dense causal).
-        q_pos, k_pos: global positions of the rows and the keys.
-        scale: softmax scale.
+    Attributes (beyond the ``Chunk``'s, by keyword):
         backend: the resolved backend, "torch" or "triton".
         dense: the pair as dense blocks (ops/dense), or None: the backend computes it.
-        q_bound: packed documents: the rows' left bounds [B or 1, Sq] int32 (None: no documents).
     """
 
-    pattern: VerticalSlashPattern | None
-    q_pos: Tensor
-    k_pos: Tensor
-    scale: float
     backend: str
     dense: dense.DenseBlocks | None
-    q_bound: Tensor | None = None
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dtype, merge_into: tuple[Tensor, Tensor] | None = None
     ) -> tuple[Tensor, Tensor]:
         """(out in ``out_dtype``, lse) of the pair; with ``merge_into`` (out, lse) over other keys, merged into those."""
         if self.dense is None:
-            return attention_forward(
-                q,
-                k,
-                v,
-                self.pattern,
-                self.q_pos,
-                self.k_pos,
-                self.scale,
-                backend=self.backend,
-                out_dtype=out_dtype,
-                merge_into=merge_into,
-                q_bound=self.q_bound,
-            )
+            return _backend_module(self.backend).forward(self, q, k, v, out_dtype, merge_into)
         part = self.dense.forward(q, k, v, self.scale, out_dtype)
         if merge_into is None:
             return part
@@ -181,21 +162,9 @@ class ChunkPlan:
         dense blocks compute their own: None is enough when ``dense`` is set)."""
         if self.dense is not None:
             return self.dense.backward(do, q, k, v, out, lse, self.scale)
-        return attention_backward(
-            do,
-            q,
-            k,
-            v,
-            lse,
-            delta,
-            self.pattern,
-            self.q_pos,
-            self.k_pos,
-            self.scale,
-            backend=self.backend,
-            dq_dtype=dq_dtype,
-            q_bound=self.q_bound,
-        )
+        if delta is None:
+            raise ValueError("the backend's backward needs the rows' delta (attention_delta)")
+        return _backend_module(self.backend).backward(self, do, q, k, v, lse, delta, dq_dtype)
 
 
 def plan_chunk(
@@ -220,11 +189,11 @@ def plan_chunk(
     backend's own dense path. ``q_bound``: packed documents, the rows' left bounds (``attention_forward``).
     """
     if pattern is not None:
-        return ChunkPlan(pattern, q_pos, k_pos, scale, backend, None, q_bound)
+        return ChunkPlan(pattern, q_pos, k_pos, scale, q_bound, backend=backend, dense=None)
     blocks_path = dense.dense_blocks(q, k, backend, blocks)
     if blocks_path is None and dense_pattern is not None:
         pattern = dense_pattern()
-    return ChunkPlan(pattern, q_pos, k_pos, scale, backend, blocks_path, q_bound)
+    return ChunkPlan(pattern, q_pos, k_pos, scale, q_bound, backend=backend, dense=blocks_path)
 
 
 def _plan_call(
@@ -257,7 +226,7 @@ def _plan_call(
     scale = resolve_scale(softmax_scale, q.shape[-1])
     documents = resolve_documents(documents, q.shape[0], span=span)
     if q.shape[1] == 0:  # no rows: nothing to launch; the torch backend gives the empty out and lse
-        return ChunkPlan(pattern, q_pos, k_pos, scale, "torch", None)
+        return ChunkPlan(pattern, q_pos, k_pos, scale, backend="torch", dense=None)
     if documents is not None:
         return plan_chunk(
             q,
@@ -318,7 +287,7 @@ def sparse_attention(
     backend: Backend = "auto",
     reuse: tuple[Tensor, Tensor] | None = None,
     documents: Documents | None = None,
-):
+) -> Tensor | tuple[Tensor, Tensor]:
     """Causal vertical-slash sparse attention on one device (dense causal without a pattern).
 
     Args:

@@ -51,12 +51,12 @@ DENSE_BLOCK = 64  # block grid the Triton backend uses for dense causal attentio
 ABSENT = torch.iinfo(torch.int32).max  # padding of the walks' lists
 
 
-@dataclass(frozen=True)
-class QueryWalk:
-    """What each query block visits (forward and dQ kernels); int32 on the device.
+class QueryWalk(NamedTuple):
+    """What each query block visits (forward and dQ kernels); int32 on the device, built by ``of``.
 
     Lists are per block of G local query rows, so one walk serves every query tile size that
-    divides G (a tile reads the row of its block).
+    divides G (a tile reads the row of its block). The kernels take it whole (a NamedTuple argument),
+    its strides with it.
 
     q_gblock [nQB]: global block of each local query block (to test vertical columns against diagonals).
     starts [B, H, nQB, W]: local key rows of the unmasked key blocks (off-diagonal blocks, G keys each).
@@ -66,6 +66,8 @@ class QueryWalk:
     vcount [B, H, nQB]: how many of them the block may see (position <= its last query).
     With documents (None otherwise): unmasked [B, H, nQB], how many listed blocks (a prefix) need no
     document mask; vfirst [B, H, nQB], the first vertical the block may see (position >= its rows' lo).
+    stride_s*: of starts (b, h, block); stride_c*: of count and every other [B, H, nQB] list, which share
+    them; stride_m*: of diag_mask; stride_w*: of vcols.
     """
 
     q_gblock: Tensor
@@ -75,28 +77,100 @@ class QueryWalk:
     diag_mask: Tensor
     vcols: Tensor
     vcount: Tensor
-    unmasked: Tensor | None = None
-    vfirst: Tensor | None = None
+    unmasked: Tensor | None
+    vfirst: Tensor | None
+    stride_sb: int
+    stride_sh: int
+    stride_st: int
+    stride_cb: int
+    stride_ch: int
+    stride_mb: int
+    stride_mh: int
+    stride_wb: int
+    stride_wh: int
+
+    @classmethod
+    def of(
+        cls,
+        q_gblock: Tensor,
+        starts: Tensor,
+        count: Tensor,
+        diag: Tensor,
+        diag_mask: Tensor,
+        vcols: Tensor,
+        vcount: Tensor,
+        unmasked: Tensor | None = None,
+        vfirst: Tensor | None = None,
+    ) -> QueryWalk:
+        """The walk of these lists, with their strides."""
+        s, m, w = starts.stride(), diag_mask.stride(), vcols.stride()
+        cb, ch = _shared_strides(count, diag, vcount, unmasked, vfirst)
+        lists = (q_gblock, starts, count, diag, diag_mask, vcols, vcount, unmasked, vfirst)
+        return cls(*lists, s[0], s[1], s[2], cb, ch, m[0], m[1], w[0], w[1])
 
 
-@dataclass(frozen=True)
-class KeyWalk:
-    """What each key block is seen by (dK/dV kernels); int32 on the device, per block of G local keys.
+class KeyWalk(NamedTuple):
+    """What each key block is seen by (dK/dV kernels); int32 on the device, per block of G local keys,
+    built by ``of``; the kernels take it whole, its strides with it.
 
     starts [B, H, nKB, W]: local query rows of the unmasked query blocks (off-diagonal blocks).
     count, diag [B, H, nKB]: how many; local query row of the causal-diagonal block, or -1.
-    vstart [B, H, nVC]: per chunk of ``v_chunk`` verticals (QueryWalk.vcols), the first local query
-    row that may see it.
+    vstart [B, H, nVC]: per chunk of ``v_chunk`` verticals (``vcols``), the first local query row that may see it.
+    diag_mask, vcols: the chunk pair's (as in ``QueryWalk``), for the vertical dK/dV kernel.
     With documents (None otherwise): unmasked [B, H, nKB], how many listed blocks (a prefix) need no
     document mask; vend [B, H, nVC], the end of the rows that may see the chunk (bound <= its last vertical).
+    stride_s*: of starts; stride_c*: of count, diag and unmasked; stride_t*: of vstart and vend;
+    stride_m*: of diag_mask; stride_w*: of vcols.
     """
 
     starts: Tensor
     count: Tensor
     diag: Tensor
     vstart: Tensor
-    unmasked: Tensor | None = None
-    vend: Tensor | None = None
+    diag_mask: Tensor
+    vcols: Tensor
+    unmasked: Tensor | None
+    vend: Tensor | None
+    stride_sb: int
+    stride_sh: int
+    stride_st: int
+    stride_cb: int
+    stride_ch: int
+    stride_tb: int
+    stride_th: int
+    stride_mb: int
+    stride_mh: int
+    stride_wb: int
+    stride_wh: int
+
+    @classmethod
+    def of(
+        cls,
+        starts: Tensor,
+        count: Tensor,
+        diag: Tensor,
+        vstart: Tensor,
+        pair: ChunkPair,
+        unmasked: Tensor | None = None,
+        vend: Tensor | None = None,
+    ) -> KeyWalk:
+        """The walk of these lists (and ``pair``'s diagonal mask and vertical columns), with their strides."""
+        s, m, w = starts.stride(), pair.diag_mask.stride(), pair.vcols.stride()
+        cb, ch = _shared_strides(count, diag, unmasked)
+        tb, th = _shared_strides(vstart, vend)
+        lists = (starts, count, diag, vstart, pair.diag_mask, pair.vcols, unmasked, vend)
+        return cls(*lists, s[0], s[1], s[2], cb, ch, tb, th, m[0], m[1], w[0], w[1])
+
+
+def _shared_strides(*lists: Tensor | None) -> tuple[int, int]:
+    """The (batch, head) strides that ``lists`` [B, H, n] share (None: absent); the kernels index them alike."""
+    present = [t for t in lists if t is not None]
+    strides = {t.stride()[:2] for t in present}
+    if len(strides) != 1 or len({t.shape for t in present}) != 1:
+        raise ValueError(
+            f"walk lists of one kind must share shape and strides, got {[tuple(t.stride()) for t in present]}"
+        )
+    return next(iter(strides))
 
 
 class BlockBounds(NamedTuple):
@@ -201,16 +275,26 @@ class ChunkPair:
     vcol_pos: Tensor
 
 
-@dataclass(frozen=True)
-class ColumnWalk:
-    """Each query block's own columns in this key chunk (forward, dQ, and the column dK/dV kernel); int32.
+class ColumnWalk(NamedTuple):
+    """Each query block's own columns in this key chunk (forward, dQ, and the column dK/dV kernel); int32,
+    built by ``of``; the kernels take it whole, its strides with it.
 
     rows [B, H, nQB, K]: local key rows of the block's columns that only the columns keep, ascending,
-    padded with Sk; count [B, H, nQB]: how many.
+    padded with Sk; count [B, H, nQB]: how many. stride_x*: of rows; stride_c*: of count.
     """
 
     rows: Tensor
     count: Tensor
+    stride_xb: int
+    stride_xh: int
+    stride_xt: int
+    stride_cb: int
+    stride_ch: int
+
+    @classmethod
+    def of(cls, rows: Tensor, count: Tensor) -> ColumnWalk:
+        """The walk of these lists, with their strides."""
+        return cls(rows, count, *rows.stride()[:3], *count.stride()[:2])
 
 
 def column_walk_torch(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ColumnWalk:
@@ -225,7 +309,7 @@ def column_walk_torch(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tenso
     keep = (cols < n) & (k_pos[local] == cols)
     keep &= ~pattern.lines_keep(q_gblock, cols.clamp(max=n - 1))
     rows, count = compact(local, keep, sk, width=cols.shape[-1])
-    return ColumnWalk(rows, count)
+    return ColumnWalk.of(rows, count)
 
 
 def chunk_pair_torch(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> ChunkPair:
@@ -266,7 +350,7 @@ def query_walk_torch(pattern: VerticalSlashPattern, pair: ChunkPair, q_bound: Te
     if bounds is not None:
         lo = bounds.lo[:, None, :].expand(*heads, -1).contiguous()
         vfirst = torch.searchsorted(pair.vcol_pos, lo).to(torch.int32).contiguous()
-    return QueryWalk(
+    return QueryWalk.of(
         q_gblock,
         starts,
         count,
@@ -300,4 +384,4 @@ def key_walk_torch(
         last = torch.where(real, padded, -1).view(*vpos.shape[:2], chunks, v_chunk).amax(-1)  # -1: no vertical
         rows = q_bound[:, None, :].expand(*vpos.shape[:2], -1).contiguous()
         vend = torch.searchsorted(rows, last.to(rows.dtype).contiguous(), right=True).to(torch.int32).contiguous()
-    return KeyWalk(starts, count, diag.contiguous(), first_row.to(torch.int32).contiguous(), unmasked, vend)
+    return KeyWalk.of(starts, count, diag.contiguous(), first_row.to(torch.int32).contiguous(), pair, unmasked, vend)

@@ -25,6 +25,8 @@ test oracle (tests/ops/test_walk_kernels.py runs these kernels in the interprete
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -122,16 +124,27 @@ def _pair_kernel(
             tl.store(VColPos + out + j, tl.zeros_like(j) + _ABSENT, mask=pad)
 
 
+class WalkLists(NamedTuple):
+    """What ``_walk_kernel`` writes for one side, int32, contiguous: gblock [N] (query side), starts [B, H, N, W],
+    count and diag [B, H, N], extra (vcount [B, H, N] or vstart [B, H, NX]); with documents (None otherwise)
+    unmasked [B, H, N] and doc_extra (vfirst [B, H, N] or vend [B, H, NX])."""
+
+    gblock: Tensor
+    starts: Tensor
+    count: Tensor
+    diag: Tensor
+    extra: Tensor
+    unmasked: Tensor | None
+    doc_extra: Tensor | None
+
+
 @triton.jit(do_not_specialize=["W", "VW", "NX", "XSTEP", "v_steps", "stride_db", "stride_dh", "stride_bb"])
 def _walk_kernel(
     QPos, KPos,  # int32 global positions [Sq], [Sk]
     BlockDiags, NumDiags,  # of the pattern: [B, H, D], [B, H]
     DiagMask, OtherStart, VColPos,  # of the ChunkPair: [B, H, NB], the other side's block starts [NB], [B, H, VW]
     QBound,  # DOCS: int32 [B or 1, Sq] the query rows' document bounds
-    GBlock,  # out (QUERY): int32 [N] global block of each local query block
-    Starts, Count, Diag,  # out: int32 [B, H, N, W], [B, H, N], [B, H, N]
-    Extra,  # out: int32 [B, H, N] vcount (QUERY) or [B, H, NX] vstart
-    Unmasked, DocExtra,  # out (DOCS): int32 [B, H, N]; [B, H, N] vfirst (QUERY) or [B, H, NX] vend
+    Out: WalkLists,  # the lists it builds (contiguous)
     Sq, N, NB, H, W, VW, NX, XSTEP,
     q_steps, v_steps,  # binary-search halvings over Sq and VW entries
     stride_db, stride_dh,  # BlockDiags
@@ -141,8 +154,8 @@ def _walk_kernel(
 ):  # fmt: skip
     """Program (t, bh): the lists of local blocks [t * BLOCK_R, +BLOCK_R) of this side (QUERY: the
     query chunk, other side the keys, block gb meets gb - delta; else the reverse, gb + delta) for head
-    bh, and the entries [t * BLOCK_R, +BLOCK_R) of Extra: vcount per query block (QUERY), or vstart
-    per chunk of XSTEP verticals (NX of them); with DOCS the same of Unmasked and DocExtra."""
+    bh, and the entries [t * BLOCK_R, +BLOCK_R) of Out.extra: vcount per query block (QUERY), or vstart
+    per chunk of XSTEP verticals (NX of them); with DOCS the same of Out.unmasked and Out.doc_extra."""
     t = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -157,7 +170,7 @@ def _walk_kernel(
         gblock = gblock.to(tl.int32)
         if QUERY:
             if bh == 0:
-                tl.store(GBlock + rows, gblock, mask=row_ok)
+                tl.store(Out.gblock + rows, gblock, mask=row_ok)
         n_diag = tl.load(NumDiags + b * stride_nb + h * stride_nh)
         diag_row = BlockDiags + b * stride_db + h * stride_dh
         out = (bh * N + rows).to(tl.int64) * W
@@ -191,40 +204,40 @@ def _walk_kernel(
                 plain += tl.sum((keep & free).to(tl.int32), 1)
             keep = keep.to(tl.int32)
             slot = count[:, None] + tl.cumsum(keep, 1) - 1
-            tl.store(Starts + out[:, None] + slot, start, mask=(keep != 0) & (slot < W))  # slot < W always
+            tl.store(Out.starts + out[:, None] + slot, start, mask=(keep != 0) & (slot < W))  # slot < W always
             count += tl.sum(keep, 1)
         for c in range(0, W, BLOCK_D):
             s = c + tl.arange(0, BLOCK_D)
             pad = row_ok[:, None] & (s[None, :] >= count[:, None]) & (s < W)[None, :]
-            tl.store(Starts + out[:, None] + s[None, :], tl.zeros([BLOCK_R, BLOCK_D], tl.int32) + _ABSENT, mask=pad)
-        tl.store(Count + bh * N + rows, count, mask=row_ok)
+            tl.store(Out.starts + out[:, None] + s[None, :], tl.zeros([BLOCK_R, BLOCK_D], tl.int32) + _ABSENT, mask=pad)
+        tl.store(Out.count + bh * N + rows, count, mask=row_ok)
         if DOCS:
-            tl.store(Unmasked + bh * N + rows, plain, mask=row_ok)
+            tl.store(Out.unmasked + bh * N + rows, plain, mask=row_ok)
         own = tl.load(OtherStart + gblock, mask=row_ok & (gblock < NB), other=-1)
         causal = tl.load(DiagMask + bh * NB) != 0
-        tl.store(Diag + bh * N + rows, tl.where(causal, own, -1), mask=row_ok)
+        tl.store(Out.diag + bh * N + rows, tl.where(causal, own, -1), mask=row_ok)
     vcol_row = VColPos + bh.to(tl.int64) * VW
     if QUERY:
         # verticals the block may see: positions <= its last query (vcol_pos ascending, padded with ABSENT)
         last = tl.load(QPos + tl.minimum(rows * G + G - 1, Sq - 1), mask=row_ok, other=0)
         seen = _search(vcol_row, VW, last, v_steps, True)
-        tl.store(Extra + bh * N + rows, seen, mask=row_ok)
+        tl.store(Out.extra + bh * N + rows, seen, mask=row_ok)
         if DOCS:  # the first vertical at or after the block's first row's bound
             first_lo = tl.load(QBound + b * stride_bb + rows * G, mask=row_ok, other=0)
-            tl.store(DocExtra + bh * N + rows, _search(vcol_row, VW, first_lo, v_steps, False), mask=row_ok)
+            tl.store(Out.doc_extra + bh * N + rows, _search(vcol_row, VW, first_lo, v_steps, False), mask=row_ok)
     else:
         # first query row at or after the first vertical of each chunk (Sq for padding)
         x = t * BLOCK_R + tl.arange(0, BLOCK_R)
         x_ok = x < NX
         first = tl.load(vcol_row + x * XSTEP, mask=x_ok, other=0)
-        tl.store(Extra + bh * NX + x, _search(QPos, Sq, first, q_steps, False), mask=x_ok)
+        tl.store(Out.extra + bh * NX + x, _search(QPos, Sq, first, q_steps, False), mask=x_ok)
         if DOCS:  # rows whose bound is at most the chunk's last vertical (0 for a chunk of padding)
             real = _search(vcol_row, VW, tl.zeros_like(x) + _ABSENT, v_steps, False)  # verticals present
             last_at = tl.minimum((x + 1) * XSTEP, real) - 1
             some = x_ok & (last_at >= x * XSTEP)
             last = tl.load(vcol_row + last_at, mask=some, other=0)
             end = _search(QBound + b * stride_bb, Sq, last, q_steps, True)
-            tl.store(DocExtra + bh * NX + x, tl.where(some, end, 0), mask=x_ok)
+            tl.store(Out.doc_extra + bh * NX + x, tl.where(some, end, 0), mask=x_ok)
 
 
 def _steps(n: int) -> int:
@@ -309,13 +322,7 @@ def _walk(pattern: VerticalSlashPattern, pair: ChunkPair, query: bool, extra: in
         OtherStart=pair.k_block_start if query else pair.q_block_start,
         VColPos=pair.vcol_pos,
         QBound=q_bound,
-        GBlock=gblock if query else count,  # unused by the key side
-        Starts=starts,
-        Count=count,
-        Diag=diag,
-        Extra=out,
-        Unmasked=unmasked,
-        DocExtra=doc_extra,
+        Out=WalkLists(gblock if query else count, starts, count, diag, out, unmasked, doc_extra),  # gblock: query side
         Sq=sq,
         N=n,
         NB=nb,
@@ -344,7 +351,7 @@ def query_walk_triton(pattern: VerticalSlashPattern, pair: ChunkPair, q_bound: T
     """index.query_walk_torch in one launch."""
     n = -(-pair.q_pos.shape[0] // pattern.block_size)
     gblock, starts, count, diag, vcount, unmasked, vfirst = _walk(pattern, pair, True, n, 1, q_bound)
-    return QueryWalk(gblock, starts, count, diag, pair.diag_mask, pair.vcols, vcount, unmasked, vfirst)
+    return QueryWalk.of(gblock, starts, count, diag, pair.diag_mask, pair.vcols, vcount, unmasked, vfirst)
 
 
 def key_walk_triton(
@@ -353,4 +360,4 @@ def key_walk_triton(
     """index.key_walk_torch in one launch (verticals in chunks of ``v_chunk``)."""
     chunks = -(-pair.vcol_pos.shape[-1] // v_chunk)
     _, starts, count, diag, vstart, unmasked, vend = _walk(pattern, pair, False, chunks, v_chunk, q_bound)
-    return KeyWalk(starts, count, diag, vstart, unmasked, vend)
+    return KeyWalk.of(starts, count, diag, vstart, pair, unmasked, vend)

@@ -1,7 +1,8 @@
-"""Launches of the sparse-attention kernels (kernels.py) with the contract of ops/reference.py.
+"""Launches of the sparse-attention kernels (kernels.py) with the contract of the torch backend (ops/reference.py).
 
 Tile configurations, the walks of each chunk pair (index.py; built by Triton launches on CUDA,
-index_kernels.py, and cached on the pattern), and the kernel launches, by keyword.
+index_kernels.py, and cached on the pattern), and the kernel launches, by keyword: the forward, and the
+backward as one function per kernel (dQ, dK/dV of the block part, of the verticals, of the per-block columns).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import triton
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..backend import Chunk
 from ..pattern import VerticalSlashPattern
 from . import kernels
 from .index import (
@@ -28,6 +30,7 @@ from .index import (
     query_walk_torch,
 )
 from .index_kernels import chunk_pair_triton, key_walk_triton, query_walk_triton
+from .kernels import HeadTensor, KeyGrads, RowStats
 
 
 @dataclass(frozen=True)
@@ -117,11 +120,11 @@ def column_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> 
 
 # ----------------------------------------------------------------------------- launch arguments
 def _strides(name: str, t: Tensor, dims: str) -> dict[str, int]:
-    """Keyword strides of the leading dims of ``t``: ``_strides("q", q, "bsh")`` -> stride_qb, stride_qs, stride_qh."""
+    """Keyword strides of the leading dims of ``t``: ``_strides("do", do, "bsh")`` -> stride_dob, stride_dos, stride_doh."""
     return {f"stride_{name}{dim}": stride for dim, stride in zip(dims, t.stride())}
 
 
-def _unit_stride(*tensors: Tensor) -> tuple[Tensor, ...]:
+def unit_stride(*tensors: Tensor) -> tuple[Tensor, ...]:
     """The kernels step along head_dim by 1: copy any tensor whose last dim is not contiguous
     (an expanded gradient such as that of ``out.sum()`` has stride 0 there)."""
     return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
@@ -145,247 +148,207 @@ def _resolve(q: Tensor, pattern: VerticalSlashPattern | None, q_pos: Tensor, k_p
     return VerticalSlashPattern.dense(q.shape[0], q.shape[2], seq_len, DENSE_BLOCK, device=q.device)
 
 
-def _query_walk_args(w: QueryWalk) -> dict:
-    """The QueryWalk arguments of the forward and dQ kernels (its document part None without documents)."""
-    return dict(
-        QGBlock=w.q_gblock,
-        Starts=w.starts,
-        Count=w.count,
-        DiagStart=w.diag,
-        DiagMask=w.diag_mask,
-        VCols=w.vcols,
-        VCountQ=w.vcount,
-        Unmasked=w.unmasked,
-        VFirst=w.vfirst,
-        **_strides("s", w.starts, "bht"),
-        **_strides("c", w.count, "bh"),
-        **_strides("m", w.diag_mask, "bh"),
-        **_strides("w", w.vcols, "bh"),
-    )
+def _columns(columns: ColumnWalk | None, walk: QueryWalk) -> ColumnWalk | None:
+    """The ColumnWalk as the forward and dQ kernels take it: its counts with the QueryWalk's count strides
+    (the kernels index both alike)."""
+    if columns is None or columns.count.stride() == walk.count.stride():
+        return columns
+    return ColumnWalk.of(columns.rows, torch.empty_like(walk.count).copy_(columns.count))
 
 
-def _column_args(columns: ColumnWalk | None, walk: QueryWalk) -> dict:
-    """The ColumnWalk arguments of the forward and dQ kernels (None: no per-block columns; the COLUMNS
-    constexpr); its counts take the QueryWalk's count strides (the kernels index both alike)."""
-    if columns is None:
-        return dict(ColRows=None, ColCount=None, stride_xb=None, stride_xh=None, stride_xt=None, COLUMNS=False)
-    count = columns.count
-    if count.stride() != walk.count.stride():
-        count = torch.empty_like(walk.count).copy_(count)
-    return dict(ColRows=columns.rows, ColCount=count, **_strides("x", columns.rows, "bht"), COLUMNS=True)
-
-
-def _bound_args(q_bound: Tensor | None) -> dict:
-    """The rows' document bounds [B or 1, Sq] of the kernels (None: no documents; the DOCS constexpr),
-    a batch stride 0 when one row of bounds serves every batch row."""
+def bound_args(q_bound: Tensor | None) -> dict:
+    """The rows' document bounds [B or 1, Sq] and their batch stride (0 when one row of bounds serves every
+    batch row); None without documents (the kernels' DOCS heuristic)."""
     if q_bound is None:
-        return dict(QBound=None, stride_bb=None, DOCS=False)
-    return dict(QBound=q_bound, stride_bb=q_bound.stride(0) if q_bound.shape[0] > 1 else 0, DOCS=True)
+        return dict(QBound=None, stride_bb=None)
+    return dict(QBound=q_bound, stride_bb=q_bound.stride(0) if q_bound.shape[0] > 1 else 0)
 
 
-def _query_tile_args(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, block_n: int) -> dict:
-    """What the forward and dQ kernels read of the inputs: Q, K, V (K and V also as tensor
-    descriptors of ``block_n``-row tiles), the positions and the shapes."""
+def _inputs(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> dict:
+    """What every attention kernel reads of the inputs: Q, K, V, the positions and the shapes."""
     return dict(
-        Q=q,
-        K=k,
-        V=v,
-        KDesc=_key_tiles(k, block_n),
-        VDesc=_key_tiles(v, block_n),
+        Q=HeadTensor.of(q),
+        K=HeadTensor.of(k),
+        V=HeadTensor.of(v),
         QPos=q_pos,
         KPos=k_pos,
         Sq=q.shape[1],
         Sk=k.shape[1],
         H=q.shape[2],
         GROUP=q.shape[2] // k.shape[2],
-        **_strides("q", q, "bsh"),
-        **_strides("k", k, "bsh"),
-        **_strides("v", v, "bsh"),
     )
+
+
+def _launch(tiles: Tiles) -> dict:
+    """The launch options of a pass."""
+    return dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 # ----------------------------------------------------------------------------- the backend contract
 def forward(
+    chunk: Chunk,
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    pattern: VerticalSlashPattern | None,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    scale: float,
     out_dtype: torch.dtype,
     merge_into: tuple[Tensor, Tensor] | None = None,
-    q_bound: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(out [B, Sq, Hq, D] in out_dtype, lse [B, Hq, Sq] float32); with ``merge_into`` (out, lse) of
-    earlier keys, the kernel merges its result into them in place and returns them. ``q_bound``
-    [B or 1, Sq] int32: the rows' document bounds (packed documents)."""
-    q, k, v = _unit_stride(q, k, v)
-    pattern = _resolve(q, pattern, q_pos, k_pos)
+    """``AttentionBackend.forward`` (ops/backend.py) by the forward kernel, which merges into ``merge_into`` itself."""
+    q_pos, k_pos, scale, q_bound = chunk.q_pos, chunk.k_pos, chunk.scale, chunk.q_bound
+    q, k, v = unit_stride(q, k, v)
+    pattern = _resolve(q, chunk.pattern, q_pos, k_pos)
     b, sq, hq, d = q.shape
     t = tile_config(pattern.block_size, d, q.device, q.dtype).fwd
     walk = query_walk(pattern, q_pos, k_pos, q_bound)
-    columns = column_walk(pattern, q_pos, k_pos)
     if merge_into is not None:
         out, lse = merge_into
     else:
         out = torch.full((b, sq, hq, d), float("nan"), dtype=out_dtype, device=q.device)
         lse = torch.full((b, hq, sq), float("nan"), dtype=torch.float32, device=q.device)
     kernels._fwd_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
-        **_query_tile_args(q, k, v, q_pos, k_pos, t.block_n),
-        **_query_walk_args(walk),
-        **_column_args(columns, walk),
-        **_bound_args(q_bound),
-        Out=out,
-        Lse=lse,
+        **_inputs(q, k, v, q_pos, k_pos),
+        KDesc=_key_tiles(k, t.block_n),
+        VDesc=_key_tiles(v, t.block_n),
+        Out=HeadTensor.of(out),
+        Stats=RowStats.of(lse),
+        Walk=walk,
+        Columns=_columns(column_walk(pattern, q_pos, k_pos), walk),
+        **bound_args(q_bound),
         qk_scale=scale * kernels.LOG2E,
-        **_strides("o", out, "bsh"),
-        **_strides("l", lse, "bh"),
         G=pattern.block_size,
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
         BLOCK_V=t.block_v,
         HEAD_DIM=d,
         MERGE=merge_into is not None,
-        num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        **_launch(t),
     )
     return out, lse
 
 
+@dataclass(frozen=True)
+class _Backward:
+    """What the backward's kernels share: their common arguments (the inputs, dO, the rows' statistics, dQ,
+    the documents, the scales), dK and dV, the pattern, the chunk pair and the tiles."""
+
+    args: dict
+    grads: KeyGrads
+    pattern: VerticalSlashPattern
+    q_pos: Tensor
+    k_pos: Tensor
+    q_bound: Tensor | None
+    cfg: TileConfig
+
+    def dkdv(self) -> dict:
+        """The arguments every dK/dV kernel takes: the common ones, dK and dV, and the dK/dV tiles."""
+        t = self.cfg.dkdv
+        return dict(
+            **self.args,
+            Grads=self.grads,
+            G=self.pattern.block_size,
+            BLOCK_M=t.block_m,
+            HEAD_DIM=self.grads.dk.shape[-1],
+            DQ_MODE=_DQ_MODES[t.dq_mode],
+            **_launch(t),
+        )
+
+
+def _dq(bw: _Backward, k: Tensor, v: Tensor) -> None:
+    """dQ by its own kernel over the query walk (the forward's), written into the arguments' DQ (Q's strides)."""
+    t = bw.cfg.dq
+    walk = query_walk(bw.pattern, bw.q_pos, bw.k_pos, bw.q_bound)
+    b, sq, hq, d = bw.args["Q"].ptr.shape
+    kernels._bwd_dq_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
+        **bw.args,
+        KDesc=_key_tiles(k, t.block_n),
+        VDesc=_key_tiles(v, t.block_n),
+        Walk=walk,
+        Columns=_columns(column_walk(bw.pattern, bw.q_pos, bw.k_pos), walk),
+        G=bw.pattern.block_size,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        BLOCK_V=t.block_v,
+        HEAD_DIM=d,
+        **_launch(t),
+    )
+
+
+def _dkdv_block(bw: _Backward, walk: KeyWalk) -> None:
+    """dK/dV of every key tile's block part (off-diagonal blocks, then the causal-diagonal block)."""
+    b, sk, hkv, _ = bw.grads.dk.shape
+    block_n = bw.cfg.dkdv.block_n
+    kernels._bwd_dkdv_block_kernel[(triton.cdiv(sk, block_n), b * hkv)](**bw.dkdv(), Walk=walk, BLOCK_N=block_n)
+
+
+def _dkdv_vertical(bw: _Backward, walk: KeyWalk) -> None:
+    """dK/dV of the vertical columns, added atomically (each column chunk's rows split over programs)."""
+    t = bw.cfg.dkdv
+    b, sq, hq, _ = bw.args["Q"].ptr.shape
+    n_qt = triton.cdiv(sq, t.block_m)
+    vwidth = walk.vcols.shape[-1]
+    kernels._bwd_dkdv_vertical_kernel[(triton.cdiv(vwidth, t.block_v), b * hq, triton.cdiv(n_qt, t.v_split))](
+        **bw.dkdv(), Walk=walk, NQT=n_qt, VWIDTH=vwidth, SPLIT=t.v_split, BLOCK_V=t.block_v
+    )
+
+
+def _dkdv_columns(bw: _Backward, columns: ColumnWalk) -> None:
+    """dK/dV of the query blocks' own columns, added atomically (blocks share column keys)."""
+    block_v = bw.cfg.dkdv.block_v
+    b, _, hq, _ = bw.args["Q"].ptr.shape
+    chunks = triton.cdiv(columns.rows.shape[-1], block_v)
+    kernels._bwd_dkdv_column_kernel[(columns.rows.shape[2] * chunks, b * hq)](
+        **bw.dkdv(), Columns=columns, NCHUNK=chunks, BLOCK_V=block_v
+    )
+
+
 def backward(
+    chunk: Chunk,
     do: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
     lse: Tensor,
     delta: Tensor,
-    pattern: VerticalSlashPattern | None,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    scale: float,
     dq_dtype: torch.dtype | None = None,
-    q_bound: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) float32 for the pairs of this chunk pair, given the full-row lse and delta
-    (``q_bound``: the rows' document bounds, as in ``forward``).
-
-    dq comes in ``dq_dtype`` if given (the dQ kernel writes it directly: no float32 copy).
-    """
-    do, q, k, v = _unit_stride(do, q, k, v)
-    pattern = _resolve(q, pattern, q_pos, k_pos)
+    """``AttentionBackend.backward`` (ops/backend.py) by the dQ and dK/dV kernels; the dQ kernel writes dq in ``dq_dtype``
+    directly (no float32 copy)."""
+    q_pos, k_pos, scale, q_bound = chunk.q_pos, chunk.k_pos, chunk.scale, chunk.q_bound
+    do, q, k, v = unit_stride(do, q, k, v)
+    pattern = _resolve(q, chunk.pattern, q_pos, k_pos)
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     cfg = tile_config(pattern.block_size, d, q.device, q.dtype)
-    lse = lse.float().contiguous()
-    delta = delta.float().contiguous()
     # dq has q's strides (the kernels index both alike); atomically accumulated dq must start at zero.
-    mode = cfg.dkdv.dq_mode
-    own_kernel = mode == "kernel"
+    own_kernel = cfg.dkdv.dq_mode == "kernel"
     dq_out = dq_dtype or torch.float32
     dq = torch.empty_like(q, dtype=dq_out if own_kernel else torch.float32).fill_(float("nan") if own_kernel else 0.0)
     dk = torch.full((b, sk, hkv, d), float("nan"), dtype=torch.float32, device=q.device)
     dv = torch.full_like(dk, float("nan"))
-    rows = dict(
-        DO=do,
-        Lse=lse,
-        Delta=delta,
+    args = dict(
+        **_inputs(q, k, v, q_pos, k_pos),
+        DO=HeadTensor.of(do),
+        Stats=RowStats.of(lse.float().contiguous(), delta.float().contiguous()),
+        DQ=dq,
+        **bound_args(q_bound),
         qk_scale=scale * kernels.LOG2E,
         sm_scale=scale,
-        **_strides("do", do, "bsh"),
-        **_strides("l", lse, "bh"),
     )
-    columns = column_walk(pattern, q_pos, k_pos)
+    bw = _Backward(args, KeyGrads.of(dk, dv), pattern, q_pos, k_pos, q_bound, cfg)
     if own_kernel:
-        t = cfg.dq
-        q_walk = query_walk(pattern, q_pos, k_pos, q_bound)
-        kernels._bwd_dq_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
-            **_query_tile_args(q, k, v, q_pos, k_pos, t.block_n),
-            **_query_walk_args(q_walk),
-            **_column_args(columns, q_walk),
-            **_bound_args(q_bound),
-            **rows,
-            DQ=dq,
-            G=pattern.block_size,
-            BLOCK_M=t.block_m,
-            BLOCK_N=t.block_n,
-            BLOCK_V=t.block_v,
-            HEAD_DIM=d,
-            num_warps=t.num_warps,
-            num_stages=t.num_stages,
-        )
-    t = cfg.dkdv
-    walk = key_walk(pattern, q_pos, k_pos, t.block_v, q_bound)
-    pair = chunk_pair(pattern, q_pos, k_pos)
-    shared = dict(
-        Q=q,
-        K=k,
-        V=v,
-        **rows,
-        DK=dk,
-        DV=dv,
-        DQ=dq,
-        QPos=q_pos,
-        KPos=k_pos,
-        Sq=sq,
-        Sk=sk,
-        H=hq,
-        GROUP=hq // hkv,
-        **_strides("q", q, "bsh"),
-        **_strides("k", k, "bsh"),
-        **_strides("v", v, "bsh"),
-        **_strides("dk", dk, "bsh"),
-        G=pattern.block_size,
-        BLOCK_M=t.block_m,
-        HEAD_DIM=d,
-        DQ_MODE=_DQ_MODES[mode],
-        **_bound_args(q_bound),
-        num_warps=t.num_warps,
-        num_stages=t.num_stages,
-    )
-    kernels._bwd_dkdv_block_kernel[(triton.cdiv(sk, t.block_n), b * hkv)](
-        **shared,
-        Starts=walk.starts,
-        Count=walk.count,
-        DiagStart=walk.diag,
-        Unmasked=walk.unmasked,
-        **_strides("s", walk.starts, "bht"),
-        **_strides("c", walk.count, "bh"),
-        BLOCK_N=t.block_n,
-    )
-    n_qt = triton.cdiv(sq, t.block_m)
-    vwidth = pair.vcols.shape[-1]
-    kernels._bwd_dkdv_vertical_kernel[(triton.cdiv(vwidth, t.block_v), b * hq, triton.cdiv(n_qt, t.v_split))](
-        **shared,
-        DiagMask=pair.diag_mask,
-        VCols=pair.vcols,
-        VStartRow=walk.vstart,
-        VEndRow=walk.vend,
-        NQT=n_qt,
-        VWIDTH=vwidth,
-        SPLIT=t.v_split,
-        **_strides("m", pair.diag_mask, "bh"),
-        **_strides("w", pair.vcols, "bh"),
-        **_strides("t", walk.vstart, "bh"),
-        BLOCK_V=t.block_v,
-    )
+        _dq(bw, k, v)
+    walk = key_walk(pattern, q_pos, k_pos, cfg.dkdv.block_v, q_bound)
+    _dkdv_block(bw, walk)
+    _dkdv_vertical(bw, walk)
+    columns = column_walk(pattern, q_pos, k_pos)
     if columns is not None:
-        chunks = triton.cdiv(columns.rows.shape[-1], t.block_v)
-        kernels._bwd_dkdv_column_kernel[(columns.rows.shape[2] * chunks, b * hq)](
-            **shared,
-            ColRows=columns.rows,
-            ColCount=columns.count,
-            NCHUNK=chunks,
-            **_strides("x", columns.rows, "bht"),
-            **_strides("c", columns.count, "bh"),
-            BLOCK_V=t.block_v,
-        )
+        _dkdv_columns(bw, columns)
     return dq.to(dq_out), dk, dv
 
 
 def row_delta(do: Tensor, out: Tensor) -> Tensor:
     """delta [B, H, S] = rowsum(dO * O) in float32 in one pass (no float32 copies of dO and O)."""
-    do, out = _unit_stride(do, out)
+    do, out = unit_stride(do, out)
     b, sq, h, d = out.shape
     delta = torch.empty((b, h, sq), dtype=torch.float32, device=out.device)
     rows, block = b * sq * h, 64

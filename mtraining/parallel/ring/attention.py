@@ -17,7 +17,8 @@ from torch import Tensor
 
 from ...ops.checks import check_reuse, resolve_scale
 from ...ops.documents import Documents, resolve_documents
-from ...ops.pattern import PatternConfig, VerticalSlashPattern
+from ...ops.estimate import PatternConfig
+from ...ops.pattern import VerticalSlashPattern
 from ...ops.sparse.attention import Backend, resolve_backend
 from ..agreement import check_ranks_agree
 from ..estimate import estimate_agreed
@@ -78,7 +79,7 @@ def ring_attention(
     reuse: tuple[Tensor, Tensor] | None = None,
     outer_comm: Callable[[Comm], Comm] | None = None,
     documents: Documents | None = None,
-):
+) -> Tensor | tuple[Tensor, Tensor]:
     """Context-parallel causal attention (vertical-slash sparse with a pattern) over ``group``.
 
     Collective: every rank of ``group`` calls it with its own shard, in the same order.

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from ...ops.checks import check_pattern
-from ...ops.pattern import PatternConfig, VerticalSlashPattern
+from ...ops.estimate import PatternConfig
+from ...ops.pattern import VerticalSlashPattern
 from ...ops.sparse.attention import check_backend_inputs
 from ..agreement import documents_field
 from ..layout import Layout

@@ -146,18 +146,19 @@ def test_a_work_folder_keeps_its_schedule(tmp_path):
         check_work(tmp_path, replace(SETTINGS, lr=1.0))
 
 
-def test_estimates_count_flops_until_a_stage_is_measured(tmp_path):
+def test_estimates_count_flops_else_the_calibration_until_a_stage_is_measured(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     config = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
     (model / "config.json").write_text(json.dumps(config | dict(intermediate_size=1536, vocab_size=49152)))
     assert Shape.of(model) == Shape()  # SmolLM2-135M's, which the estimates assume before the conversion
     timings = Timings(tmp_path / "timings.json")
-    estimate = Estimator(PRESETS["gpu"], Shape.of(model), timings)
+    estimate = Estimator(replace(PRESETS["gpu"], costs=PRESETS["toy"].costs), Shape.of(model), timings)
     flops = 4 * Shape().forward_flops(65536)
-    assert estimate.train_step(Arm("dense", False)).seconds == pytest.approx(flops / 3e14)
-    assert not estimate.train(ADAPTIVE, 30).measured
+    assert estimate.train_step(Arm("dense", False)).seconds == pytest.approx(flops / 2e9)
+    estimate = Estimator(PRESETS["gpu"], Shape.of(model), timings)
+    assert estimate.train(ADAPTIVE, 30).source == "calibrated"
     timings.record("train:adaptive:step", 0.5)
     timings.record("train:adaptive:fixed", 20.0)
     found = Estimator(PRESETS["gpu"], Shape(), Timings(tmp_path / "timings.json")).train(ADAPTIVE, 30)
-    assert found.measured and found.seconds == pytest.approx(35.0)
+    assert found.source == "here" and found.seconds == pytest.approx(35.0)

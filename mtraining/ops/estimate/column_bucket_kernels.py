@@ -26,12 +26,11 @@ import triton.language as tl
 from torch import Tensor
 
 from ..documents import Documents
-from ..sparse.kernels import LOG2E
-from ..sparse.launch import _strides
-from .block_columns import hashed_heads
+from ..pattern.vertical_slash import VerticalSlashPattern, compact
+from ..sparse.kernels import LOG2E, HeadTensor, PerHead, RowStats
 from .column_buckets import check_cap, row_windows, sort_keys
 from .column_kernels import scorer_inputs
-from .vertical_slash import VerticalSlashPattern, compact
+from .hashing import hashed_heads
 
 _LOG2E = tl.constexpr(LOG2E)
 SCORE_BYTES = 512 << 20  # float32 scores held at once per chunk of query heads and blocks
@@ -40,19 +39,13 @@ BLOCK_N = 64
 
 @triton.jit
 def _bucket_score_kernel(
-    Q, K,  # queries [B, Sq, H, D], the whole sequence's keys [B, N, Hkv, D]
-    Lse, QPos,  # the rows' LSE [B, H, Sq] f32 (natural log), positions [Sq]
+    Q: HeadTensor, K: HeadTensor,  # queries [B, Sq, H, D], the whole sequence's keys [B, N, Hkv, D]
+    Stats: RowStats, QPos,  # the rows' LSE [B, H, Sq] f32 (natural log), positions [Sq]
     RowOrder, TileStart,  # int32 [B, Hc, T, R]: the chunk's rows by (code, row); [B, Hc, T, S]: tiles' first
     RowCodes, Lo, Hi, First,  # int32 [B, Hc, T, R] by row: code, window [Lo, Hi) in KeyOrder, first position
     KeyOrder, KeyCodes,  # int32 [B, Hc, T, N]: key positions by (code, position); codes by position
-    VMask, DiagMask,  # int8 [B, H, N], [B, H, nb]: the pattern's verticals and selected block diagonals
-    Score,  # f32 [B, Hc, R // G, N], zero where no pair adds
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_lb, stride_lh,  # Lse
-    stride_vb, stride_vh,  # VMask
-    stride_mb, stride_mh,  # DiagMask
-    stride_ob, stride_oh, stride_ot,  # Score
+    VMask: PerHead, DiagMask: PerHead,  # int8 [B, H, N], [B, H, nb]: the pattern's verticals and block diagonals
+    Score: PerHead,  # f32 [B, Hc, R // G, N], zero where no pair adds
     qk_scale, R, N, S, HC, H0, GROUP, row0,  # HC heads from H0; row0: the chunk's first row of q
     T: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
@@ -76,16 +69,18 @@ def _bucket_score_kernel(
         row = row0 + lr
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(
-            Q + b * stride_qb + row[:, None] * stride_qs + h * stride_qh + d[None, :], mask=valid[:, None], other=0.0
+            Q.ptr + b * Q.stride_b + row[:, None] * Q.stride_s + h * Q.stride_h + d[None, :],
+            mask=valid[:, None],
+            other=0.0,
         )
         # base-2 LSE; +inf where the pattern leaves a row no key: p = 0, the row adds nothing
-        lse = tl.load(Lse + b * stride_lb + h * stride_lh + row, mask=valid, other=float("inf"))
+        lse = tl.load(Stats.lse + b * Stats.stride_b + h * Stats.stride_h + row, mask=valid, other=float("inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
         q_block = tl.load(QPos + row, mask=valid, other=0) // G
-        out = Score + b * stride_ob + (bh % HC) * stride_oh + (lr // G)[:, None] * stride_ot
-        k_base = K + b * stride_kb + hk * stride_kh
-        v_row = VMask + b * stride_vb + h * stride_vh
-        mask_row = DiagMask + b * stride_mb + h * stride_mh
+        out = Score.ptr + b * Score.stride_b + (bh % HC) * Score.stride_h + (lr // G)[:, None] * Score.stride_x
+        k_base = K.ptr + b * K.stride_b + hk * K.stride_h
+        v_row = VMask.ptr + b * VMask.stride_b + h * VMask.stride_h
+        mask_row = DiagMask.ptr + b * DiagMask.stride_b + h * DiagMask.stride_h
         order = KeyOrder + bht * N
         walk_lo = tl.min(tl.where(lo < hi, lo, 2147483647), 0)
         walk_hi = tl.max(hi, 0)
@@ -94,7 +89,7 @@ def _bucket_score_kernel(
             if tl.max(((lo < k0 + BLOCK_N) & (hi > k0)).to(tl.int32), 0) > 0:
                 kidx = k0 + tl.arange(0, BLOCK_N)
                 kpos = tl.load(order + kidx, mask=kidx < walk_hi, other=0)
-                k_t = tl.load(k_base + kpos[None, :] * stride_ks + d[:, None])  # [D, BLOCK_N]
+                k_t = tl.load(k_base + kpos[None, :] * K.stride_s + d[:, None])  # [D, BLOCK_N]
                 s = tl.dot(q, k_t) * qk_scale
                 take = (kidx[None, :] >= lo[:, None]) & (kidx[None, :] < hi[:, None])
                 take = take & (tl.load(v_row + kpos) == 0)[None, :]  # verticals: kept by the pattern
@@ -170,9 +165,9 @@ def column_scores_sorted_triton(
             row_order, tile_start = row_tiles(win.codes, block_m, bits)
             score = torch.zeros(b, hc, triton.cdiv(r, g), n, dtype=torch.float32, device=q.device)
             _bucket_score_kernel[(tile_start.shape[-1], b * hc * tables)](
-                Q=q,
-                K=k,
-                Lse=lse,
+                Q=HeadTensor.of(q),
+                K=HeadTensor.of(k),
+                Stats=RowStats.of(lse),
                 QPos=q_pos,
                 RowOrder=row_order,
                 TileStart=tile_start,
@@ -182,15 +177,9 @@ def column_scores_sorted_triton(
                 First=win.first,
                 KeyOrder=keys.order,
                 KeyCodes=keys.codes,
-                VMask=vmask,
-                DiagMask=dmask,
-                Score=score,
-                **_strides("q", q, "bsh"),
-                **_strides("k", k, "bsh"),
-                **_strides("l", lse, "bh"),
-                **_strides("v", vmask, "bh"),
-                **_strides("m", dmask, "bh"),
-                **_strides("o", score, "bht"),
+                VMask=PerHead.of(vmask),
+                DiagMask=PerHead.of(dmask),
+                Score=PerHead.of(score),
                 qk_scale=scale * LOG2E,
                 R=r,
                 N=n,

@@ -27,9 +27,9 @@ import torch
 from torch import Tensor
 
 from ..documents import Documents
+from ..pattern.vertical_slash import VerticalSlashPattern
 from ..sparse import attention_forward
-from .block_columns import hashed_heads
-from .vertical_slash import VerticalSlashPattern
+from .hashing import hashed_heads
 
 _SCORE_ELEMENTS = 1 << 24  # scores held at once per chunk of query blocks
 _PAIRS = 1 << 18  # candidate pairs scored at once
@@ -57,7 +57,7 @@ class RowWindows(NamedTuple):
 
 
 def sort_keys(k_codes: Tensor) -> KeyBuckets:
-    """The ``KeyBuckets`` of keys' codes int64 [B, H, N, T] (``block_columns.hashed_heads``)."""
+    """The ``KeyBuckets`` of keys' codes int64 [B, H, N, T] (``hashing.hashed_heads``)."""
     n = k_codes.shape[2]
     codes = k_codes.transpose(-1, -2).contiguous()
     by_code, order = codes.sort(dim=-1, stable=True)  # stable: each bucket's keys stay in position order

@@ -31,9 +31,9 @@ from torch import Tensor
 from ..checks import check_qkv, default_positions, resolve_scale
 from ..documents import Documents, resolve_documents
 from ..numerics import acc_dtype, matmul_acc
+from ..pattern.vertical_slash import VerticalSlashPattern, line_lists
 from .block_columns import Scorer, select_block_columns
 from .budgets import Budgets, load_budgets
-from .vertical_slash import VerticalSlashPattern, line_lists
 
 _CHUNK_ELEMENTS = 1 << 26
 _SORT_ELEMENTS = 1 << 22

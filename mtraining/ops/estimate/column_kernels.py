@@ -24,34 +24,27 @@ import triton.language as tl
 from torch import Tensor
 
 from ..documents import Documents
+from ..pattern.vertical_slash import VerticalSlashPattern
 from ..sparse import attention_forward
 from ..sparse.attention import check_backend_inputs
 from ..sparse.index import check_aligned_positions
-from ..sparse.kernels import LOG2E
-from ..sparse.launch import _bound_args, _strides, _unit_stride
-from .block_columns import hashed_heads
-from .vertical_slash import VerticalSlashPattern
+from ..sparse.kernels import LOG2E, HeadTensor, PerHead, RowStats, given
+from ..sparse.launch import bound_args, unit_stride
+from .hashing import hashed_heads
 
 _LOG2E = tl.constexpr(LOG2E)
 SCORE_BYTES = 256 << 20  # float32 scores held at once per chunk of query blocks
 
 
+@triton.heuristics({"DOCS": given("QBound")})
 @triton.jit
 def _column_score_kernel(
-    Q, K,  # queries [B, Sq, H, D], the whole sequence's keys [B, N, Hkv, D]
-    Lse, QPos, QBound,  # the rows' LSE [B, H, Sq] f32 (natural log), positions [Sq] and (DOCS) bounds [B or 1, Sq]
-    QCodes, KCodes,  # int32 [B, H, T, Sq], [B, H, T, N]: table-major, a table's codes of a tile in one load
-    VMask, DiagMask,  # int8 [B, H, N], [B, H, nb]: the pattern's verticals and selected block diagonals
-    Score,  # f32 [B, H, blocks, N], zero where no tile writes
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_lb, stride_lh,  # Lse
-    stride_bb,  # QBound (0: one row of bounds for every batch row)
-    stride_cb, stride_ch, stride_ct,  # QCodes
-    stride_eb, stride_eh, stride_et,  # KCodes
-    stride_vb, stride_vh,  # VMask
-    stride_mb, stride_mh,  # DiagMask
-    stride_ob, stride_oh, stride_ot,  # Score
+    Q: HeadTensor, K: HeadTensor,  # queries [B, Sq, H, D], the whole sequence's keys [B, N, Hkv, D]
+    Stats: RowStats, QPos,  # the rows' LSE [B, H, Sq] f32 (natural log), positions [Sq]
+    QBound, stride_bb,  # the rows' bounds [B or 1, Sq] and their batch stride (0: one row for all); None: no documents
+    QCodes: PerHead, KCodes: PerHead,  # int32 [B, H, T, Sq], [B, H, T, N]: table-major, a tile's codes in one load
+    VMask: PerHead, DiagMask: PerHead,  # int8 [B, H, N], [B, H, nb]: the pattern's verticals and block diagonals
+    Score: PerHead,  # f32 [B, H, blocks, N], zero where no tile writes
     qk_scale, Sq, H, GROUP, block0,  # block0: the chunk's first local query block
     TABLES: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOCS: tl.constexpr,
 ):  # fmt: skip
@@ -67,10 +60,12 @@ def _column_score_kernel(
     row_ok = rows < Sq  # a partial last block
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(
-        Q + b * stride_qb + rows[:, None] * stride_qs + h * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0
+        Q.ptr + b * Q.stride_b + rows[:, None] * Q.stride_s + h * Q.stride_h + d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
     )  # [G, D]
     # base-2 LSE [G]; +inf where a row is past Sq or the pattern leaves it no key: p = 0, the row adds nothing
-    lse = tl.load(Lse + b * stride_lb + h * stride_lh + rows, mask=row_ok, other=float("inf"))
+    lse = tl.load(Stats.lse + b * Stats.stride_b + h * Stats.stride_h + rows, mask=row_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
     first = tl.load(QPos + row0)  # the block's first position: the keys before it are 0 .. first - 1
     q_block = first // G
@@ -79,22 +74,22 @@ def _column_score_kernel(
         lo = tl.load(QBound + b * stride_bb + row0) // BLOCK_N * BLOCK_N  # no row sees a key before its bound
     else:
         lo = 0
-    k_base = K + b * stride_kb + hk * stride_kh
-    qc_base = QCodes + b * stride_cb + h * stride_ch + rows
-    kc_base = KCodes + b * stride_eb + h * stride_eh
-    v_row = VMask + b * stride_vb + h * stride_vh
-    mask_row = DiagMask + b * stride_mb + h * stride_mh
-    score_row = Score + b * stride_ob + h * stride_oh + blk * stride_ot
+    k_base = K.ptr + b * K.stride_b + hk * K.stride_h
+    qc_base = QCodes.ptr + b * QCodes.stride_b + h * QCodes.stride_h + rows
+    kc_base = KCodes.ptr + b * KCodes.stride_b + h * KCodes.stride_h
+    v_row = VMask.ptr + b * VMask.stride_b + h * VMask.stride_h
+    mask_row = DiagMask.ptr + b * DiagMask.stride_b + h * DiagMask.stride_h
+    score_row = Score.ptr + b * Score.stride_b + h * Score.stride_h + blk * Score.stride_x
     for col0 in range(lo, first, BLOCK_N):  # every key < first < N: no bounds mask
         # a tile lies in one key block (BLOCK_N divides G); on a selected block diagonal the pattern keeps it all
         if tl.load(mask_row + (q_block - col0 // G)) == 0:
             cols = col0 + tl.arange(0, BLOCK_N)
-            k_t = tl.load(k_base + cols[None, :] * stride_ks + d[:, None])  # [D, N]
+            k_t = tl.load(k_base + cols[None, :] * K.stride_s + d[:, None])  # [D, N]
             s = tl.dot(q, k_t) * qk_scale  # [G, N]
             mates = tl.zeros([G, BLOCK_N], dtype=tl.int1)
             for t in tl.static_range(TABLES):
-                qc = tl.load(qc_base + t * stride_ct, mask=row_ok, other=0)  # [G]
-                kc = tl.load(kc_base + t * stride_et + cols)  # [N]
+                qc = tl.load(qc_base + t * QCodes.stride_x, mask=row_ok, other=0)  # [G]
+                kc = tl.load(kc_base + t * KCodes.stride_x + cols)  # [N]
                 mates = mates | (qc[:, None] == kc[None, :])
             take = mates & (tl.load(v_row + cols) == 0)[None, :]  # verticals: kept by the pattern
             if DOCS:
@@ -136,7 +131,7 @@ def scorer_inputs(
     if bits > 31:
         raise ValueError(f"the Triton column scorers hold hash codes in int32: bits must be <= 31, got {bits}")
     check_aligned_positions(q_pos, pattern.block_size, "q_pos")
-    q, k = _unit_stride(q, k)
+    q, k = unit_stride(q, k)
     q_pos = q_pos.to(torch.int32).contiguous()
     q_bound = None if documents is None else documents.left_bounds(q_pos)
     k_pos = torch.arange(k.shape[1], dtype=torch.int32, device=q.device)
@@ -179,24 +174,16 @@ def column_scores_triton(
         count = min(per_chunk, blocks - block0)
         score = torch.zeros(b, hq, count, n, dtype=torch.float32, device=q.device)
         _column_score_kernel[(count, b * hq)](
-            Q=q,
-            K=k,
-            Lse=lse,
+            Q=HeadTensor.of(q),
+            K=HeadTensor.of(k),
+            Stats=RowStats.of(lse),
             QPos=q_pos,
-            **_bound_args(q_bound),
-            QCodes=q_codes,
-            KCodes=k_codes,
-            VMask=vmask,
-            DiagMask=dmask,
-            Score=score,
-            **_strides("q", q, "bsh"),
-            **_strides("k", k, "bsh"),
-            **_strides("l", lse, "bh"),
-            **_strides("c", q_codes, "bht"),
-            **_strides("e", k_codes, "bht"),
-            **_strides("v", vmask, "bh"),
-            **_strides("m", dmask, "bh"),
-            **_strides("o", score, "bht"),
+            **bound_args(q_bound),
+            QCodes=PerHead.of(q_codes),
+            KCodes=PerHead.of(k_codes),
+            VMask=PerHead.of(vmask),
+            DiagMask=PerHead.of(dmask),
+            Score=PerHead.of(score),
             qk_scale=scale * LOG2E,
             Sq=sq,
             H=hq,

@@ -1,0 +1,158 @@
+"""Sizing the GPU calls without a GPU: read estimates calibrated from the first runs' measurements (a sparse read
+never below the dense read at its length), the scheduler refusing a stage that does not fit the call, every cell
+written to --out and the archive at once, partial folders reported with what is missing, seeds spread over fake
+GPUs, and the session plan's calls under the limit."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from experiments.common.stages import Clock, OutOfTime
+from experiments.real_extension import cli, evaluation, parallel, pipeline, report, session
+from experiments.real_extension.costs import Estimate, Estimator, Shape, Timings
+from experiments.real_extension.pipeline import Experiment, Sources, Stage
+from experiments.real_extension.settings import ADAPTIVE, H200_0112821, PRESETS, Arm
+
+GPU = PRESETS["gpu"]
+DENSE = Arm("dense", False)
+
+
+def test_read_estimates_start_from_what_the_first_runs_measured(tmp_path):
+    est = Estimator(GPU, Shape(), Timings(tmp_path / "timings.json"))
+    dense = est.cell(DENSE, 65536)
+    assert dense.source == "calibrated" and dense.seconds == pytest.approx(172.0)  # the measured 168-172 s
+    assert est.cell(ADAPTIVE, 65536).seconds >= dense.seconds  # cut at 150 s: never below the dense read
+    assert est.cell(ADAPTIVE, 8192).seconds == pytest.approx(53.0)  # measured 36 s, but the dense read took 53
+    assert est.cell(DENSE, 131072).seconds > dense.seconds  # beyond the table: scaled by FLOPs, not cheaper
+    half = Estimator(replace(GPU, niah_prompts=10, ruler_samples=1, ppl_windows=4), Shape(), est.timings)
+    assert half.cell(DENSE, 65536).seconds == pytest.approx(172.0 / 2)  # per item: (10 + 7 + 4) of 42
+    assert est.train(ADAPTIVE, 30).seconds == pytest.approx(H200_0112821.train_fixed_s + 30 * 1.01)
+
+
+def test_measured_tasks_replace_the_calibration_and_sparse_keeps_the_dense_floor(tmp_path):
+    timings = Timings(tmp_path / "timings.json")
+    timings.record("read:sparse:65536:niah", 1.0)
+    timings.record("read:dense:65536:niah", 3.0)
+    est = Estimator(GPU, Shape(), timings)
+    assert est.per_item(ADAPTIVE, 65536, "niah") == Estimate(3.0, "here")
+    assert est.per_item(ADAPTIVE, 65536, "ppl").source == "calibrated"
+    assert est.cell(ADAPTIVE, 65536).source == "calibrated"  # the least trusted of its parts
+    only_niah = est.cell(DENSE, 65536, niah_only=20)
+    assert only_niah == Estimate(60.0, "here")
+
+
+def experiment(tmp_path: Path, settings=GPU, tar: bool = True) -> Experiment:
+    return Experiment(settings, Sources(), tmp_path / "work", tmp_path / "out", tar=tmp_path / "r.tgz" if tar else None)
+
+
+def test_a_stage_that_does_not_fit_the_call_is_not_started_and_times_are_logged(tmp_path):
+    exp = experiment(tmp_path)
+    ran = []
+    slow = Stage("slow", lambda: False, lambda: Estimate(172.0, "calibrated"), lambda: ran.append("slow"))
+    quick = Stage("quick", lambda: False, lambda: Estimate(1.0, "here"), lambda: ran.append("quick"))
+    Clock.deadline = time.time() + 200  # 172 x 1.3 + 10 s does not fit
+    try:
+        with pytest.raises(OutOfTime):
+            exp.run_stage(slow)
+        exp.run_stage(quick)
+    finally:
+        Clock.deadline = None
+    assert ran == ["quick"]
+    (logged,) = json.loads((tmp_path / "out" / "stage_times.json").read_text())
+    assert logged["stage"] == "quick" and logged["expected_s"] == 1.0 and logged["from"] == "here"
+    assert "wall_s" in logged and (tmp_path / "r.tgz").exists()  # packed after the stage
+
+
+def test_every_cell_reaches_out_and_the_archive_at_once_and_a_partial_folder_reports(tmp_path, monkeypatch):
+    settings = replace(GPU, seeds=(0,), length=4096, eval_fractions=(2, 1))
+    exp = experiment(tmp_path, settings)
+    figures = {"ppl": {"buckets": [{"ppl": 3.0}]}, "niah": {"score": 90.0, "forced": 90.0}, "ruler": {"average": 40.0}}
+
+    def fake(model, inputs, arm, n):
+        return {"length": n, **figures, "density": None, "seconds": {"niah": {"s": 2.0, "items": 4}}}
+
+    monkeypatch.setattr(evaluation, "read_length", fake)
+    monkeypatch.setattr(Experiment, "model", lambda self, name: None)
+    monkeypatch.setattr(Experiment, "inputs", lambda self, base_only=False: None)
+    (tmp_path / "out").mkdir()
+    pipeline.record_call(exp.out, settings, exp.sources, None)
+    read = evaluation.Read("seed0/dense", DENSE)
+    (first, second) = exp._read_cells(read)
+    exp.run_stage(first)  # the call is cut after the first cell
+    saved = json.loads((tmp_path / "out" / "eval" / "seed0_dense__dense.json").read_text())
+    assert [c["length"] for c in saved["cells"]] == [2048] and saved["missing"] == [4096]
+    assert saved["cells"][0]["expected_s"] > 0 and first.done() and not second.done()
+    with tarfile.open(tmp_path / "r.tgz") as tar:
+        assert "out/eval/seed0_dense__dense.json" in tar.getnames()
+    assert exp.timings.get("read:dense:2048:niah") == pytest.approx(0.5)
+    path = report.write_report([tmp_path / "out"], tmp_path / "report")
+    lacking = json.loads(path.read_text())["missing"]
+    assert "seed 0 dense read dense at 4096" in lacking and "training seed 0 adaptive" in lacking
+    assert "seed 0 adaptive read sparse at 2048, 4096" in lacking
+    assert "**Partial" in path.with_suffix(".md").read_text()
+
+
+def test_seeds_spread_over_gpus_by_their_expected_seconds():
+    parts = parallel.split((0, 1, 2), 2, seed_s=1000.0, base_check_s=40.0, base_read_s=300.0, speed_s=200.0)
+    assert [(p.gpu, p.seeds, p.base_check, p.base_read, p.speed) for p in parts] == [
+        (0, (0, 2), True, False, False),
+        (1, (1,), False, True, True),
+    ]
+    (only,) = parallel.split((5,), 4, 1000.0, 40.0, None, None)  # GPUs without a seed are left out
+    assert only == parallel.Part(0, (5,), True, False, False)
+    with pytest.raises(ValueError, match="--parallel-gpus"):
+        parallel.split((0,), 0, 1.0, 1.0, None, None)
+
+
+def test_children_run_on_their_own_gpu_with_their_own_options(tmp_path, monkeypatch):
+    argv = ["--seeds", "0", "1", "2", "--parallel-gpus", "2", "--work", "w", "--lr=0.001", "--no-speed", "--steps", "5"]
+    part = parallel.Part(1, (1,), False, True, True)
+    child = parallel.child_argv(argv, part, tmp_path / "w", tmp_path / "o", tmp_path / "r.tgz", 8.5, 7)
+    assert child[:3] == ["--lr=0.001", "--steps", "5"] and child.count("--seeds") == 1
+    assert child[child.index("--seeds") + 1 :][:2] == ["1", "--work"]
+    assert str(tmp_path / "o" / "gpu1") in child and str(tmp_path / "r_gpu1.tgz") in child
+    assert {"--no-base-check", "--base-read", "--speed"} <= set(child) and "--no-speed" not in child
+    started = []
+
+    class Fake:
+        def __init__(self, cmd, cwd, env):
+            started.append((env["CUDA_VISIBLE_DEVICES"], cmd))
+            self.code = 3 if env["CUDA_VISIBLE_DEVICES"] == "1" else 0
+
+        def wait(self):
+            return self.code
+
+    monkeypatch.setattr(parallel.subprocess, "Popen", Fake)
+    (tmp_path / "w" / "model").mkdir(parents=True)
+    parts = [parallel.Part(0, (0, 2), True), part]
+    status = parallel.launch(parts, argv, tmp_path / "w", tmp_path / "o", None, 8.5, 7)
+    assert status == 3 and [gpu for gpu, _ in started] == ["0", "1"]  # one still has work: call again
+    assert (tmp_path / "w" / "gpu0" / "model").resolve() == tmp_path / "w" / "model"
+
+
+def test_the_session_plan_keeps_every_call_under_its_limit():
+    train = session.Planned("train", 600.0, 120.0, stops=True, restart=60.0)
+    reads = [session.Planned(f"read {i}", 172.0, 234.0) for i in range(3)]
+    calls = session.simulate([session.Planned("corpus", 100.0, 140.0), session.Planned("convert", 40.0, 62.0)], {0: [train, *reads]}, 540.0, True)  # fmt: skip
+    assert calls[0].ran == {"shared": ["corpus"]}  # the GGUF's second half comes with call 2
+    assert calls[1].ran["GPU 0"] == ["train (part)"] and all(c.seconds <= 540 for c in calls)
+    assert [n for c in calls for n in c.ran.get("GPU 0", [])][-3:] == ["read 0", "read 1", "read 2"]
+    with pytest.raises(ValueError, match="more than a call"):
+        session.simulate([], {0: [session.Planned("huge", 600.0, 790.0)]}, 540.0, False)
+
+
+def test_plan_prints_the_next_session(capsys, tmp_path):
+    cli.main(["--plan", "--parallel-gpus", "2", "--max-minutes", "9", "--tokenizer", str(tmp_path), "--work", str(tmp_path / "w"), "--niah-prompts", "10"])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "GPU 0: seeds [0, 2] + base check" in printed and "nvidia-h200-x2" in printed
+    assert "call 1: " in printed and ".gguf/smollm2.gguf.part00" in printed and "--tokenizer" not in printed
+    assert "gpu_call.sh --parallel-gpus 2 --max-minutes 9 --niah-prompts 10" in printed
+    seconds = [int(line.split("~")[1].split("s")[0]) for line in printed.splitlines() if line.startswith("call ")]
+    assert seconds and max(seconds) <= 600 - 30
+    assert not (tmp_path / "w").exists()
