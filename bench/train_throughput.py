@@ -226,7 +226,7 @@ def run_one(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: their own process group
 
-    limit = f"the time limit ({time_limit_s:.0f} s)"
+    limit = f"the time limit ({time_limit_s:.0f} s)" if time_limit_s else ""
     timer = threading.Timer(time_limit_s, stop, [f"stopped at {limit}"]) if time_limit_s else None
     last_step = yaml.safe_load(path.read_text())["train"]["steps"]
     rows, steps, tail = StepRows(log_dir / "metrics.jsonl"), [], collections.deque(maxlen=40)
