@@ -39,6 +39,16 @@ def _issue_records(fwd_share: float) -> list[dict]:
     return records
 
 
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.studies.cost_model", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+
+
 @pytest.mark.parametrize("fwd_share", [0.25, 0.3, 0.35])
 def test_model_predicts_the_measured_4xh200_times_within_20_percent(fwd_share):
     """From the flat ring's NVLink time alone (the per-step compute), the model predicts the hierarchical ring
@@ -56,13 +66,7 @@ def test_the_trainers_auto_ring_picks_the_faster_measured_ring(tmp_path):
     hierarchical one behind the 5 GB/s link, each pick measured within the trainer's 5% margin of the faster."""
     path = tmp_path / "ring.json"
     path.write_text(json.dumps(_issue_records(0.3)))
-    run = subprocess.run(
-        [sys.executable, "-m", "experiments.studies.cost_model", "--choices", str(path)],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=ROOT,
-    )
+    run = _cli("--choices", str(path))
     records = json.loads(path.read_text())
     assert all(r["auto_right"] for r in records) and "NO" not in run.stdout
     picks = {(r["seq_len"], r["outer_link"]): r["auto_ring"] for r in records}
@@ -84,13 +88,7 @@ def test_a_wrong_pick_is_flagged():
 
 def test_cli_prints_and_writes_predictions(tmp_path):
     out = tmp_path / "cost.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "experiments.studies.cost_model", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=ROOT,
-    )
+    run = _cli("--out", str(out))
     assert "4 x 8 A100-40GB" in run.stdout and "16 x 8 H100" in run.stdout
     assert "MEASURED" in run.stdout and "ASSUMED" in run.stdout
     records = json.loads(out.read_text())["predictions"]
