@@ -77,8 +77,9 @@ def bench_ms(fn: Callable[[], object], warmup_ms: float = 100, rep_ms: float = 5
 
 
 def write_results(name: str, records: list[dict], out: Path | None = None) -> Path:
-    """Write records as a JSON list under bench/results/ (or ``out``) and return the path."""
+    """Write records as a JSON list under bench/results/ (or ``out``) and return the path. The file is replaced
+    whole: benchmarks rewrite it after every record, and one stopped mid-write keeps the previous records."""
     path = out or RESULTS_DIR / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(records, indent=1) + "\n")
+    with written(path) as tmp:
+        tmp.write_text(json.dumps(records, indent=1) + "\n")
     return path

@@ -262,8 +262,11 @@ def main() -> None:
         heads_kv=hkv,
         head_dim=d,
         dtype=str(dtype).removeprefix("torch."),
+        block_size=g,
         v_size=args.v_size,
         s_size=args.s_size,
+        local_window=args.local_window,
+        last_q=args.last_q,
     )
     records = []
     for n in args.seq_lens:

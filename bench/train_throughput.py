@@ -4,7 +4,8 @@ For each sequence length and attention mode it writes a config (Qwen2.5-3B archi
 weights by default, context parallel over all GPUs, bf16, activation checkpointing), trains a few
 steps on random token ids through torchrun, and reads the trainer's metrics.jsonl as it is written:
 each step's figures are printed and the output JSON is rewritten after every step (a run cut short
-keeps what it measured; ``complete`` says whether it finished). A record holds every step and the
+keeps what it measured; ``complete`` says whether it finished). ``--time-limit-s`` bounds the whole script:
+a run whose next step would end past it is stopped after its last step, its processes killed. A record holds every step and the
 median over steps after warm-up of step time and tokens/s, the peak memory (rank 0's) and MFU.
 Options that change the step (``--compile``, ``--context-mode``, ``--fused-kernels``, ...) apply to
 dense and sparse alike, so their ratio compares the attention alone.
@@ -17,15 +18,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -194,8 +198,10 @@ def run_one(
     """Train as configured through torchrun, streaming: the trainer's output is echoed as it comes and each
     finished step's row goes to ``on_step`` at once, so a run cut short keeps the steps it measured.
 
-    ``time_limit_s``: stop the run (SIGTERM, which the trainer obeys after its current step) after that long.
-    Returns ``summarize`` of the steps, with ``error`` (the output's tail) when the run failed or was stopped.
+    ``time_limit_s``: the run is stopped (its processes killed: the trainer would finish its step first) once that
+    long has passed, or at once when its next step, taken as long as its last, would end later. A SIGTERM to this
+    process (``timeout``) kills the run too. Returns ``summarize`` of the steps, with ``error`` (the output's
+    tail) when the run failed or was stopped.
     """
     cmd = [
         sys.executable,
@@ -209,34 +215,47 @@ def run_one(
         str(path),
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
-    fired = threading.Event()
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True
+    )
+    why_stopped: list[str] = []
 
-    def stop() -> None:
-        fired.set()
-        proc.terminate()
+    def stop(why: str) -> None:
+        why_stopped.append(why)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: their own process group
 
-    timer = threading.Timer(time_limit_s, stop) if time_limit_s else None
-    if timer is not None:
-        timer.start()
+    limit = f"the time limit ({time_limit_s:.0f} s)" if time_limit_s else ""
+    timer = threading.Timer(time_limit_s, stop, [f"stopped at {limit}"]) if time_limit_s else None
+    last_step = yaml.safe_load(path.read_text())["train"]["steps"]
     rows, steps, tail = StepRows(log_dir / "metrics.jsonl"), [], collections.deque(maxlen=40)
 
     def collect() -> None:
         for row in rows.new():
             steps.append(row)
             on_step(row)
+            late = time_limit_s and time.monotonic() - started + row.get("step_s", 0) > time_limit_s
+            if late and row["step"] < last_step and not why_stopped:
+                stop(f"stopped after step {row['step']}: the next would end past {limit}")
 
-    for line in proc.stdout:
-        print(f"    | {line}", end="", flush=True)
-        tail.append(line)
-        collect()
-    proc.wait()
-    if timer is not None:
-        timer.cancel()
+    try:
+        if timer is not None:
+            timer.start()
+        for line in proc.stdout:
+            print(f"    | {line}", end="", flush=True)
+            tail.append(line)
+            collect()
+        proc.wait()
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if proc.poll() is None:
+            stop("interrupted")
     collect()
     result = summarize(steps, warmup, profiled)
     if proc.returncode != 0:
-        why = f"stopped after --time-limit-s {time_limit_s:g}" if fired.is_set() else f"exit status {proc.returncode}"
+        why = why_stopped[0] if why_stopped else f"exit status {proc.returncode}"
         result["error"] = f"{why}: " + "".join(tail)[-2000:]
     return result
 
@@ -308,7 +327,8 @@ def main() -> None:
         "--time-limit-s",
         type=float,
         default=None,
-        help="stop each training run after this many seconds (the steps it finished are kept)",
+        help="end within this many seconds of the start: a run still going then is stopped, or at once when its "
+        "next step would end later (the steps it finished are kept); a run left no time is recorded as not run",
     )
     p.add_argument(
         "--out",
@@ -317,6 +337,7 @@ def main() -> None:
         help="the JSON (default bench/results/train_throughput.json), rewritten after every step",
     )
     args = p.parse_args()
+    started = time.monotonic()
     vocab = ARCHS[args.arch]["vocab_size"]
     records = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -363,7 +384,13 @@ def main() -> None:
                     print(f"{seq_len:>8} {mode:>6} step {row['step']}: {shown}", flush=True)
 
                 profiled = args.profile_dir is not None
-                result = run_one(path, args.gpus, folder / "log", args.warmup, profiled, on_step, args.time_limit_s)
+                left = None if args.time_limit_s is None else args.time_limit_s - (time.monotonic() - started)
+                if left is not None and left <= 0:
+                    rec["error"] = f"not run: --time-limit-s {args.time_limit_s:g} was spent"
+                    write_results("train_throughput", records, args.out)
+                    print(f"{seq_len:>8} {mode:>6} {rec['error']}", flush=True)
+                    continue
+                result = run_one(path, args.gpus, folder / "log", args.warmup, profiled, on_step, left)
                 rec.update(result, complete="error" not in result)
                 write_results("train_throughput", records, args.out)
                 if profiled and "error" not in result:
@@ -376,4 +403,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # run_one kills the run on the way out
     main()

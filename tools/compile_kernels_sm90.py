@@ -2,7 +2,7 @@
 
 Run as a script in a process without TRITON_INTERPRET (tests/ops/test_kernels_compile.py does).
 ``--ptx-dir DIR`` also writes each kernel's PTX to DIR/<label>.ptx, one file per compiled
-configuration, for bench/ptx_compare.py (the PTX of two commits, compared without a GPU).
+configuration, for tools/ptx_compare.py (the PTX of two commits, compared without a GPU).
 The column scorer compiles as launched at G = 128, D = 64, with and without documents; the sorted column
 scorer at G = 128, D = 64 and 128, with its smallest and largest row tiles.
 The attention kernels compile with the bf16 tiles of ``launch.tile_config`` at G = 128, D = 128, each
@@ -13,7 +13,7 @@ dQ kernels compile without them (COLUMNS False, their arguments constexpr None) 
 (``*_columns``), and the column dK/dV kernel, where the commit has them. NamedTuple arguments (a tensor with
 its strides, a walk) get their signature from the kernel's annotations, their fields typed by name (``FIELD_TYPES``).
 ``--divisible-walk-strides`` compiles the attention kernels as Triton specialises them at run time when the
-walks' strides are multiples of 16 (every int inside a tuple argument is specialised), for bench/ptx_compare.py
+walks' strides are multiples of 16 (every int inside a tuple argument is specialised), for tools/ptx_compare.py
 to compare with the plain dump.
 """
 

@@ -208,16 +208,28 @@ def kernel_table() -> str:
     return "\n\n".join(blocks)
 
 
+def _schedule(r: dict) -> str:
+    """A ring record's schedule: flat, hierarchical:<inner ranks> or allgather, and its emulated link if any
+    (torch's ring: empty)."""
+    if r["method"] == "torch_cp":
+        return ""
+    name = r.get("schedule", "flat") + (f":{r['inner_size']}" if r.get("inner_size") else "")
+    link = r.get("outer_link", "host")
+    return name if link == "host" else f"{name}, {link}"
+
+
 def ring_table() -> str:
     head = [
         "seq",
         "method",
         "layout",
+        "schedule",
         "density",
         "estimate ms",
         "fwd ms",
         "bwd ms",
         "fwd+bwd ms",
+        "predicted ms",
         "vs torch CP",
         "fwd+bwd / (density x torch CP)",
         "imbalance max/mean",
@@ -238,11 +250,13 @@ def ring_table() -> str:
                         f"{r['seq_len'] // 1024}K",
                         r["method"],
                         r["layout"] or "",
+                        _schedule(r),
                         f"{r['density']:.3f}",
                         "" if r.get("estimate_ms") is None else f"{r['estimate_ms']:.1f}",
                         f"{r['fwd_ms']:.1f}",
                         f"{r['bwd_ms']:.1f}",
                         f"{r['fwd_bwd_ms']:.1f}",
+                        "" if r.get("predicted_ms") is None else f"{r['predicted_ms']:.1f}",
                         f"{dense_ms / r['fwd_bwd_ms']:.2f}x",
                         f"{r['fwd_bwd_ms'] / (r['density'] * dense_ms):.2f}" if r["density"] < 1 else "",
                         imb,

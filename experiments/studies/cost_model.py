@@ -2,6 +2,7 @@
 
     python -m experiments.studies.cost_model [--ring-results bench/results/ring_attention.json] [--out cost.json]
     python -m experiments.studies.cost_model --annotate ring.json   # predictions beside every measured time of a run
+    python -m experiments.studies.cost_model --choices ring.json    # parallel.ring: auto beside flat vs hierarchical
 
 ``--annotate``: every record of a bench/ring_attention.py run gets the model's prediction of its time
 (``predicted_fwd_ms``, ``predicted_bwd_ms``, ``predicted_ms``, ``predicted_over_measured``), the JSON is
@@ -10,6 +11,12 @@ the flat ring over real links (its ``fwd_ms`` / W and ``bwd_ms`` / W, the ring b
 there: that record is the calibration and predicts itself); the links are ASSUMED (NVLink below, or the
 emulated link the record names), so what is checked is the model's schedules (flat, hierarchical,
 all-gather) and links. ring_attention.py annotates its own records.
+
+``--choices``: for every case a run measured both flat and hierarchical (same length, inputs, method and
+link), the trainer's own ``parallel.ring: auto`` verdict (train/ring_choice.py, with the run's shape, the
+record's inner ring as the node and its outer link, NVLink for the host's) goes into both records
+(``auto_ring``, ``auto_reason``, ``auto_right``: the picked ring measured within the trainer's margin of
+the faster), the JSON is rewritten and a table printed. Nothing runs on a GPU: it can follow a run anywhere.
 
 Larger clusters: per-GPU throughput (computed query-key pairs per second, forward and backward) is
 MEASURED: it is taken from the ring records (sparse striped and dense zigzag, the longest sequence
@@ -53,6 +60,8 @@ CLUSTERS = [
 SEQ_LENS = [512 * 1024, 1024 * 1024]
 NVLINK = ring_cost.Link(450e9, 2e-6)  # NVLink4 (H100, H200) per GPU and direction: ASSUMED
 REAL_LINKS = ("host",)  # a record's outer_link when no link is emulated (the host's own: NVLink on GPUs)
+# bench/ring_attention.py's pattern options, for records that predate their fields
+RING_DEFAULTS = dict(block_size=128, v_size=1024, s_size=6144, local_window=128, last_q=64)
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
 
@@ -124,6 +133,67 @@ def print_annotated(records: list[dict]) -> None:
         )
 
 
+def _auto_ring(record: dict):
+    """The trainer's ``parallel.ring: auto`` choice (a RingChoice) for the case of hierarchical ``record``."""
+    from types import SimpleNamespace
+
+    from mtraining.train.config import parse_config
+    from mtraining.train.ring_choice import choose_ring
+
+    sparse = record["method"].startswith("sparse")
+    gbps = NVLINK.bandwidth / 1e9 if record.get("outer_link", "host") in REAL_LINKS else record["outer_gbps"]
+    heads = dict(num_attention_heads=record["heads_q"], num_key_value_heads=record["heads_kv"])
+    heads["hidden_size"] = record["heads_q"] * record["head_dim"]
+    raw = dict(
+        model=dict(config=dict(model_type="qwen2", **heads), dtype=record.get("dtype", "bfloat16")),
+        attention=dict(
+            sparse=sparse, layout=record["layout"], block_size=record.get("block_size", RING_DEFAULTS["block_size"])
+        ),
+        parallel=dict(context=record["gpus"], inner_size=record["inner_size"], inter_node_gbps=gbps),
+        data=dict(sources=["unused"], seq_len=record["seq_len"]),
+        optim=dict(lr=1e-5),
+        train=dict(steps=1),
+    )
+    if sparse:
+        raw["attention"].update({k: record.get(k, v) for k, v in RING_DEFAULTS.items() if k != "block_size"})
+    return choose_ring(parse_config(raw), record["gpus"], SimpleNamespace(**heads))
+
+
+def auto_choices(records: list[dict]) -> list[dict]:
+    """The trainer's choice beside every flat/hierarchical pair of ``records`` (module docstring, ``--choices``);
+    returns one summary per pair."""
+    from mtraining.train.ring_choice import MARGIN
+
+    def key(r: dict) -> tuple:
+        return r["seq_len"], r.get("inputs"), r["method"], r.get("outer_link", "host")
+
+    flat = {key(r): r for r in records if r.get("schedule") == "flat" and r["fwd_bwd_ms"] == r["fwd_bwd_ms"]}
+    cases = []
+    for hier in records:
+        pair = flat.get(key(hier))
+        if hier.get("schedule") != "hierarchical" or pair is None or hier["fwd_bwd_ms"] != hier["fwd_bwd_ms"]:
+            continue
+        choice = _auto_ring(hier)
+        measured = {"flat": pair["fwd_bwd_ms"], "hierarchical": hier["fwd_bwd_ms"]}
+        right = measured[choice.ring] <= (1 + MARGIN) * min(measured.values())
+        for r in (pair, hier):
+            r.update(auto_ring=choice.ring, auto_reason=choice.reason, auto_right=right)
+        cases.append(dict(zip(("seq_len", "inputs", "method", "outer_link"), key(hier)), inner_size=hier["inner_size"]))
+        cases[-1].update(flat_ms=measured["flat"], hierarchical_ms=measured["hierarchical"], auto=choice.ring)
+        cases[-1].update(right=right, reason=choice.reason)
+    return cases
+
+
+def print_choices(cases: list[dict]) -> None:
+    """One line per case: measured flat and hierarchical fwd+bwd ms, the trainer's pick and whether it is right."""
+    print(f"{'seq':>8} {'method':>16} {'link':>26} {'flat ms':>9} {'hier ms':>9} {'auto':>12} right  reason")
+    for c in cases:
+        print(
+            f"{c['seq_len']:>8} {c['method']:>16} {c['outer_link']:>26} {c['flat_ms']:9.2f} "
+            f"{c['hierarchical_ms']:9.2f} {c['auto']:>12} {'yes' if c['right'] else 'NO':>5}  {c['reason']}"
+        )
+
+
 def measured_throughput(records: list[dict], method: str) -> dict:
     """Per-GPU pairs/s (fwd, bwd) from the longest-sequence ring record of ``method``."""
     rows = [r for r in records if r.get("method") == method]
@@ -147,7 +217,16 @@ def main() -> None:
     ap.add_argument(
         "--annotate", type=Path, help="a bench/ring_attention.py JSON: add predictions to its records (rewritten)"
     )
+    ap.add_argument(
+        "--choices", type=Path, help="a bench/ring_attention.py JSON: add the trainer's ring: auto verdicts (rewritten)"
+    )
     args = ap.parse_args()
+    if args.choices is not None:
+        records = json.loads(args.choices.read_text())
+        cases = auto_choices(records)
+        args.choices.write_text(json.dumps(records, indent=1) + "\n")
+        print_choices(cases)
+        return
     if args.annotate is not None:
         records = annotate(json.loads(args.annotate.read_text()))
         args.annotate.write_text(json.dumps(records, indent=1) + "\n")

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from bench.common import provenance
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.common import provenance, write_results
 
 
 def test_provenance_names_device_commit_and_command(monkeypatch):
@@ -11,3 +16,20 @@ def test_provenance_names_device_commit_and_command(monkeypatch):
     fields = provenance(on_gpu=False)
     assert fields["device"] == "cpu" and fields["commit"] == "abc1234"
     assert fields["command"].endswith("bench/loss.py --tokens 8") and list(fields) == ["device", "commit", "command"]
+
+
+def test_results_stopped_mid_write_keep_the_previous_records(tmp_path, monkeypatch):
+    """A benchmark killed while it rewrites its JSON (a call's deadline) leaves the last whole version."""
+    out = tmp_path / "ring.json"
+    write_results("ring", [{"seq_len": 1}], out)
+    real = Path.write_text
+
+    def half_then_killed(self, text, *args, **kwargs):
+        real(self, text[: len(text) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", half_then_killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_results("ring", [{"seq_len": 1}, {"seq_len": 2}], out)
+    monkeypatch.undo()
+    assert json.loads(out.read_text()) == [{"seq_len": 1}]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 
@@ -42,3 +43,22 @@ def test_step_rows_skip_events_and_unfinished_lines(tmp_path):
     assert rows.new() == [{"step": 2, "loss": 1.5}]
     summary = bench.summarize([{"step": 1, "step_s": 3.0, "loss": 2.0, "peak_mem_gb": 1.0}], warmup=2, profiled=False)
     assert summary["step_s"] == 3.0 and summary["timed_steps"] == 1 and summary["mfu"] is None
+
+
+@pytest.mark.slow
+def test_a_time_limit_stops_before_a_step_that_would_end_past_it(tmp_path, monkeypatch):
+    """The run is killed as soon as its next step could not finish in time (not when the limit strikes, then
+    waiting for the trainer to end its step); the steps done are kept and a later run is recorded as not run."""
+    bench = load_script("train_throughput")
+    out = tmp_path / "tt.json"
+    args = ["--arch", "tiny", "--device", "cpu", "--gpus", "2", "--seq-lens", "256", "--steps", "400", "--warmup", "1"]
+    args += ["--modes", "sparse", "dense", "--time-limit-s", "45", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["train_throughput.py", *args])
+    started = time.monotonic()
+    bench.main()
+    assert time.monotonic() - started < 60
+    sparse, dense = json.loads(out.read_text())
+    assert not sparse["complete"] and sparse["error"].startswith("stopped after step "), sparse.get("error")
+    assert "the next would end past the time limit" in sparse["error"]
+    assert int(sparse["error"].split()[3].rstrip(":")) == len(sparse["steps"]) >= 2
+    assert not dense["complete"] and dense["error"] == "not run: --time-limit-s 45 was spent" and "steps" not in dense

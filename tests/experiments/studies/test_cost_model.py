@@ -28,6 +28,7 @@ def _issue_records(fwd_share: float) -> list[dict]:
         for link, times in links.items():
             for schedule, ms in zip(("flat", "hierarchical"), times):
                 r = dict(gpus=4, heads_q=16, heads_kv=2, head_dim=128, dtype="bfloat16", seq_len=n, inputs="structured")
+                r.update(layout="striped", block_size=128, v_size=1024, s_size=6144, local_window=128, last_q=64)
                 r.update(
                     method="sparse_striped", schedule=schedule, inner_size=2 if schedule == "hierarchical" else None
                 )
@@ -36,6 +37,16 @@ def _issue_records(fwd_share: float) -> list[dict]:
                     r.update(outer_link=f"emulated {link} GB/s, 5 us", outer_gbps=float(link), outer_latency_s=5e-6)
                 records.append(r)
     return records
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.studies.cost_model", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
 
 
 @pytest.mark.parametrize("fwd_share", [0.25, 0.3, 0.35])
@@ -50,15 +61,34 @@ def test_model_predicts_the_measured_4xh200_times_within_20_percent(fwd_share):
     assert five["flat"] / five["hierarchical"] > 1.5  # the slow link: the hierarchy pays, as measured (1.97x)
 
 
+def test_the_trainers_auto_ring_picks_the_faster_measured_ring(tmp_path):
+    """--choices on the 4 x H200 measurements: parallel.ring: auto keeps the flat ring over NVLink and takes the
+    hierarchical one behind the 5 GB/s link, each pick measured within the trainer's 5% margin of the faster."""
+    path = tmp_path / "ring.json"
+    path.write_text(json.dumps(_issue_records(0.3)))
+    run = _cli("--choices", str(path))
+    records = json.loads(path.read_text())
+    assert all(r["auto_right"] for r in records) and "NO" not in run.stdout
+    picks = {(r["seq_len"], r["outer_link"]): r["auto_ring"] for r in records}
+    assert picks[(131072, "host")] == picks[(524288, "host")] == "flat"
+    assert picks[(131072, "emulated 5 GB/s, 5 us")] == picks[(524288, "emulated 5 GB/s, 5 us")] == "hierarchical"
+    assert "2 nodes at 450 GB/s, predicted" in run.stdout  # the host's link judged as NVLink
+
+
+def test_a_wrong_pick_is_flagged():
+    """A hierarchical ring measured far slower than the flat one although the model picks it: auto_right false."""
+    records = [r for r in _issue_records(0.3) if r["seq_len"] == 131072 and r.get("outer_gbps") == 5]
+    for r in records:
+        if r["schedule"] == "hierarchical":
+            r.update(fwd_bwd_ms=500.0, fwd_ms=150.0, bwd_ms=350.0)
+    (case,) = cost_model.auto_choices(records)
+    assert case["auto"] == "hierarchical" and not case["right"]
+    assert all(r["auto_right"] is False for r in records)
+
+
 def test_cli_prints_and_writes_predictions(tmp_path):
     out = tmp_path / "cost.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "experiments.studies.cost_model", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=ROOT,
-    )
+    run = _cli("--out", str(out))
     assert "4 x 8 A100-40GB" in run.stdout and "16 x 8 H100" in run.stdout
     assert "MEASURED" in run.stdout and "ASSUMED" in run.stdout
     records = json.loads(out.read_text())["predictions"]

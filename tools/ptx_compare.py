@@ -18,7 +18,7 @@ PTX or, with ``--ptxas``, its SASS (or is missing on one side).
 
     TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=<old worktree> python tools/compile_kernels_sm90.py --ptx-dir /tmp/ptx/old
     TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=. python tools/compile_kernels_sm90.py --ptx-dir /tmp/ptx/new
-    python bench/ptx_compare.py /tmp/ptx/old /tmp/ptx/new --ptxas --out bench/results/ptx_compare.json
+    python -m tools.ptx_compare /tmp/ptx/old /tmp/ptx/new --ptxas --out bench/results/ptx_compare.json
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from common import provenance, write_results
+from bench.common import provenance, write_results
 
 ENTRY = re.compile(r"^\.visible \.entry (\w+)\(", re.MULTILINE)
 DEBUG_LABEL = re.compile(r"^\$L__(tmp|func_begin|func_end)\d+:$")
