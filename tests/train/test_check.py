@@ -146,6 +146,7 @@ def test_weights_are_checked_against_the_config_from_their_headers(tmp_path, mod
         assert code == 2 and expected in " ".join(out.split()), out
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # a one-process save
 def test_a_changed_schedule_is_refused_before_any_rank_starts(tmp_path):
     """The newest checkpoint's recorded run against this one: another train.steps is refused by check (and so by
     the launcher) unless checkpoint.allow_changed_schedule; the trainer itself never starts."""
