@@ -218,7 +218,9 @@ def _schedule(r: dict) -> str:
     return name if link == "host" else f"{name}, {link}"
 
 
-def ring_table() -> str:
+def ring_table(name: str = "ring_attention") -> str:
+    """Every ring record of ``bench/results/<name>.json`` by run: times, the cost model's prediction, the ratios
+    to torch's ring, the work imbalance and the peak memory."""
     head = [
         "seq",
         "method",
@@ -233,12 +235,11 @@ def ring_table() -> str:
         "vs torch CP",
         "fwd+bwd / (density x torch CP)",
         "imbalance max/mean",
+        "peak GB",
         "note",
     ]
     blocks = []
-    for (gpus, device, run_commit), rows in _runs(
-        _load("ring_attention"), lambda r: (r["gpus"], r["device"], r["commit"])
-    ):
+    for (gpus, device, run_commit), rows in _runs(_load(name), lambda r: (r["gpus"], r["device"], r["commit"])):
         torch_cp = {r["seq_len"]: r["fwd_bwd_ms"] for r in rows if r["method"] == "torch_cp"}
         lines = [f"{gpus} x {device}, commit {run_commit}:", "", _row(head), _row(["---"] * len(head))]
         for r in rows:
@@ -260,37 +261,8 @@ def ring_table() -> str:
                         f"{dense_ms / r['fwd_bwd_ms']:.2f}x",
                         f"{r['fwd_bwd_ms'] / (r['density'] * dense_ms):.2f}" if r["density"] < 1 else "",
                         imb,
-                        r["note"],
-                    ]
-                )
-            )
-        blocks.append("\n".join(lines))
-    return "\n\n".join(blocks)
-
-
-def allgather_table() -> str:
-    """The all-gather context mode against the flat ring, dense and sparse (bench/ring_attention.py --schedules
-    flat allgather): fwd+bwd ms, the ratio to torch's ring, peak memory and the cost model's prediction."""
-    head = ["seq", "method", "schedule", "density", "fwd+bwd ms", "vs torch CP", "peak GB", "predicted / measured"]
-    blocks = []
-    for (gpus, device, run_commit), rows in _runs(
-        _load("ring_allgather_2xh200"), lambda r: (r["gpus"], r["device"], r["commit"])
-    ):
-        torch_cp = {r["seq_len"]: r["fwd_bwd_ms"] for r in rows if r["method"] == "torch_cp"}
-        lines = [f"{gpus} x {device}, commit {run_commit}:", "", _row(head), _row(["---"] * len(head))]
-        for r in rows:
-            ratio = r.get("predicted_over_measured")
-            lines.append(
-                _row(
-                    [
-                        f"{r['seq_len'] // 1024}K",
-                        r["method"],
-                        r.get("schedule") or "",
-                        f"{r['density']:.3f}",
-                        f"{r['fwd_bwd_ms']:.1f}",
-                        f"{torch_cp[r['seq_len']] / r['fwd_bwd_ms']:.2f}x",
                         "" if r.get("peak_mem_gb") is None else f"{r['peak_mem_gb']:.1f}",
-                        "" if ratio is None else f"{ratio:.2f}",
+                        r["note"],
                     ]
                 )
             )
@@ -807,7 +779,7 @@ def main() -> None:
         ("tune_kernels", "kernel_tiles_h200_20261123", kernel_table()),
         ("kernel_variants", "kernel_variants_h200_20261123", kernel_variants_table()),
         ("ring_attention", "ring_attention_h200x2_20261123", ring_table()),
-        ("ring_allgather_2xh200", "ring_allgather_h200x2_20261128", allgather_table()),
+        ("ring_allgather_2xh200", "ring_allgather_h200x2_20261128", ring_table("ring_allgather_2xh200")),
         (
             "kernel_variants_nonfinite_h200",
             "kernel_nonfinite_h200_20261128",
