@@ -19,9 +19,7 @@ if [ "${REHEARSE:-0}" = 1 ]; then
     GPU_GB=0
 else
     [ -n "${MTRAINING_COMMIT:-}" ] || { echo "set MTRAINING_COMMIT=<git rev-parse --short HEAD, run here>"; exit 2; }
-    [ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --upgrade --target /tmp/site .whl/*.whl || { echo "carry .whl (README.md beside this script)"; exit 2; }
-    export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    source tools/device_env.sh || { echo "carry .whl (README.md beside this script)"; exit 2; }
     DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
     GPU_GB=$(($(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) / 1024))
     RING_OPTS=""

@@ -4,10 +4,8 @@
 # .gguf/tok; call 2 carries part01: the halves are joined, checked against .gguf/SHA256, and the run goes on.
 # Every call carries .whl, .gguf/tok and the prose archive; results land in $OUT/results*.tgz after every stage.
 # Usage: MTRAINING_COMMIT=<commit> bash experiments/real_extension/gpu_call.sh <driver options>
-[ -d /tmp/site/pydantic ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 MTRAINING_COMMIT
+source "$(dirname "$0")/../../tools/device_env.sh"
+export MTRAINING_COMMIT
 G=/root/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p /root/gguf
 [ -f .gguf/smollm2.gguf.part00 ] && cp .gguf/smollm2.gguf.part00 .gguf/SHA256 /root/gguf/
