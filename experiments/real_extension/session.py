@@ -3,8 +3,8 @@
 Each call runs the shared stages (the corpus, then the conversion once the GGUF is joined), then every GPU's
 part from where the last call stopped, under the same rule as the driver: a stage starts only if its budget
 (margin x estimate + slack) fits in the call's --max-minutes; a training starts if its first checkpoint fits and
-is stopped at the deadline (resuming costs its fixed time again). With ``--tokenizer`` the first call carries
-half of the GGUF and builds the corpus; the conversion waits for the second half in the next call.
+is stopped at the deadline (resuming costs its fixed time again). With ``--tokenizer`` the GGUF travels in
+``GGUF_PARTS`` parts, one per call, the first call building the corpus; the conversion waits for the last part.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from dataclasses import dataclass, replace
 from .pipeline import Stage
 
 DEVICE_KINDS = {1: "nvidia-h200 or nvidia-h100-x1", 2: "nvidia-h200-x2 or nvidia-h100-x2"}
-# What each call carries (ignored paths, under the 64 MiB of a call): the GGUF split in two halves over the first
-# two calls to one warm machine (DEVELOPERS.md), then nothing of it.
-CARRY_FIRST = (".gguf/smollm2.gguf.part00", ".gguf/SHA256", ".gguf/tok", ".gguf/python-3.11-docs.tar.xz", ".whl")
-CARRY_SECOND = (".gguf/smollm2.gguf.part01", ".gguf/SHA256", ".gguf/tok", ".gguf/python-3.11-docs.tar.xz", ".whl")
-CARRY_LATER = (".gguf/tok", ".gguf/python-3.11-docs.tar.xz", ".whl")
+# What each call carries (ignored paths; with the working tree under the 64 MiB of a call): the 98 MB GGUF split
+# with `split -n 3 -d` over the first calls to one warm machine, one part each (.gguf/SHA256 names the parts and
+# the whole; gpu_call.sh joins them), then nothing of it.
+GGUF_PARTS = 3
+CARRY_ALWAYS = (".gguf/SHA256", ".gguf/tok", ".gguf/python-3.11-docs.tar.xz", ".whl")
 SETUP_S = 25  # per call, outside --max-minutes: installing the wheels, joining the GGUF, starting Python
 
 
@@ -47,17 +47,24 @@ class Call:
     ran: dict[str, list[str]]
 
 
+def carry(index: int) -> tuple[str, ...]:
+    """What call ``index`` (from 1) carries: its part of the GGUF while parts remain, and the small inputs."""
+    part = (f".gguf/smollm2.gguf.part{index - 1:02d}",) if index <= GGUF_PARTS else ()
+    return part + CARRY_ALWAYS
+
+
 def simulate(shared: list[Planned], lanes: dict[int, list[Planned]], limit_s: float, gguf_later: bool) -> list[Call]:
-    """The calls that run ``shared`` then every lane's stages in calls of ``limit_s`` seconds. ValueError naming a
-    stage whose budget exceeds a whole call."""
+    """The calls that run ``shared`` then every lane's stages in calls of ``limit_s`` seconds; with ``gguf_later``
+    the conversion waits for the call that carries the GGUF's last part. ValueError naming a stage whose budget
+    exceeds a whole call."""
     waiting = list(shared)
     pending = {g: list(lane) for g, lane in lanes.items()}
     calls: list[Call] = []
     while waiting or any(pending.values()):
-        first = not calls
+        parts_missing = gguf_later and len(calls) + 1 < GGUF_PARTS
         ran: dict[str, list[str]] = {"shared": []}
         t = 0.0
-        while waiting and not (first and gguf_later and waiting[0].name == "convert"):
+        while waiting and not (parts_missing and waiting[0].name == "convert"):
             if t + waiting[0].budget > limit_s:
                 break
             t += waiting[0].seconds
@@ -66,7 +73,7 @@ def simulate(shared: list[Planned], lanes: dict[int, list[Planned]], limit_s: fl
         if not waiting:
             for g, lane in pending.items():
                 end = max(end, _run_lane(lane, t, limit_s, ran.setdefault(f"GPU {g}", [])))
-        if not any(ran.values()):
+        if not any(ran.values()) and not parts_missing:
             stuck = waiting[0] if waiting else next(lane[0] for lane in pending.values() if lane)
             raise ValueError(
                 f"{stuck.name} needs {stuck.budget:.0f}s left to start, more than a call's {limit_s:.0f}s: raise "
@@ -100,8 +107,7 @@ def describe(calls: list[Call], gpus: int, limit_s: float, command: str) -> list
         f"at most {limit_s:.0f}s of stages + ~{SETUP_S}s of setup each (the limit is 600s), to one warm machine:"
     ]
     for call in calls:
-        carry = CARRY_FIRST if call.index == 1 else CARRY_SECOND if call.index == 2 else CARRY_LATER
-        lines.append(f"call {call.index}: ~{call.seconds + SETUP_S:.0f}s; carry {' '.join(carry)}")
+        lines.append(f"call {call.index}: ~{call.seconds + SETUP_S:.0f}s; carry {' '.join(carry(call.index))}")
         for lane, names in call.ran.items():
             shown = names[0] if len(names) == 1 else f"{names[0]} ... {names[-1]}"
             lines.append(f"  {lane}: {len(names)} stage(s): {shown}")
