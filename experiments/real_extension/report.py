@@ -413,16 +413,19 @@ def _base(pooled: dict) -> list[str]:
 def picture(found: list[dict], default: str | None, path: Path) -> Path:
     """Attention speedup (x, log) against the change at the trained length (one panel per metric), read dense
     (filled) and read sparse (open), with the two-sided t interval over seeds as bars; dense at (1, 0); the
-    default configuration starred. x: the speedup at 128K where measured, else at the longest length measured,
-    else the end-to-end training speedup."""
+    configuration proposed as the default (``--default``) starred. x: the speedup at the length the change is read
+    at (the trained length) where measured, so both axes describe the same inputs; else at 128K, else at the longest
+    length measured, else the end-to-end training speedup."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     length = found[0]["length"]
     measured = sorted({n for r in found for n in r["attention_speedup"]})
-    at = GOAL["speedup_length"] if GOAL["speedup_length"] in measured else (measured[-1] if measured else None)
+    preferred = [n for n in (length, GOAL["speedup_length"]) if n in measured]
+    at = preferred[0] if preferred else (measured[-1] if measured else None)
     panels = (("ppl", "perplexity change, %", GOAL["ppl_change_hi"]), ("niah", "NIAH change, points", GOAL["niah_change_lo"]), ("ruler", "RULER-style change, points", GOAL["ruler_change_lo"]))  # fmt: skip
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for ax, (metric, title, bound) in zip(axes, panels):
@@ -445,11 +448,15 @@ def picture(found: list[dict], default: str | None, path: Path) -> Path:
                 face = "tab:blue" if read == "dense" else "none"
                 ax.errorbar([x], [m["mean"]], yerr=err, fmt=style, color="tab:blue", mfc=face, capsize=3)
                 if read == "dense":
-                    label = r["config"] + (" (default)" if r["config"] == default else "")
+                    label = r["config"] + (" (proposed default)" if r["config"] == default else "")
                     ax.annotate(label, (x, m["mean"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
                 if r["config"] == default and read == "dense":
                     ax.plot([x], [m["mean"]], "*", color="tab:orange", ms=14, zorder=0)
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(ticker.FixedLocator([1, 1.5, 2, 3, 5, 7, 10, 15, 20]))
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.set_xlim(0.8, max([1.0, *ax.get_xlim()]) * 1.4)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(f"attention speedup at {at} tokens" if at is not None else "end-to-end training speedup")
     fig.suptitle(
