@@ -219,7 +219,7 @@ class Estimator:
             return found
         cal = self.calibration
         if cal is not None:
-            return Estimate(cal.base_s * self.s.base_prompts / cal.read_items[0], "calibrated")
+            return Estimate(cal.base_s * self.s.base_prompts / cal.base_prompts, "calibrated")
         return Estimate(self.cell(Arm("dense", False), native, self.s.base_prompts).seconds + 10, "flops")
 
     def speed(self, n: int) -> Estimate:

@@ -177,7 +177,8 @@ class Calibration:
     the same kind has run on the machine at hand. ``read_s``: seconds of one read of one model at each length
     (``dense`` / ``sparse`` attention), slowest over the runs, for ``read_items`` (NIAH prompts, RULER-style
     prompts, perplexity windows) per length; ``read_at_least``: reads cut before they ended, seconds they ran.
-    ``train_step_s`` / ``train_fixed_s``: per arm, at ``length`` tokens. ``source``: where the figures are."""
+    ``train_step_s`` / ``train_fixed_s``: per arm, at ``length`` tokens; ``base_s``: the base check of
+    ``base_prompts`` NIAH prompts. ``source``: where the figures are."""
 
     source: str
     device: str
@@ -189,6 +190,7 @@ class Calibration:
     train_fixed_s: float
     convert_s: float
     base_s: float
+    base_prompts: int
 
 
 # The 3-seed runs: bench/results/real_extension_runs/h200x2_95b3127 (stage_times.json of each GPU), seeds 0 and 2
@@ -209,6 +211,7 @@ H200_95b3127 = Calibration(
     train_fixed_s=40.0,
     convert_s=46.1,
     base_s=41.7,
+    base_prompts=20,
 )
 
 

@@ -32,6 +32,7 @@ FIRST_RUNS = Calibration(
     train_fixed_s=38.7,
     convert_s=40.0,
     base_s=36.0,
+    base_prompts=20,
 )
 GPU = replace(PRESETS["gpu"], costs=Costs(calibration=FIRST_RUNS))
 DENSE = Arm("dense", False)
@@ -47,6 +48,7 @@ def test_read_estimates_start_from_what_the_first_runs_measured(tmp_path):
     half = Estimator(replace(GPU, niah_prompts=10, ruler_samples=1, ppl_windows=4), Shape(), est.timings)
     assert half.cell(DENSE, 65536).seconds == pytest.approx(172.0 / 2)  # per item: (10 + 7 + 4) of 42
     assert est.train(ADAPTIVE, 30).seconds == pytest.approx(FIRST_RUNS.train_fixed_s + 30 * 1.01)
+    assert est.base(8192).seconds == pytest.approx(36.0 * GPU.base_prompts / 20)  # per base prompt, not per read
 
 
 def test_measured_tasks_replace_the_calibration_and_sparse_keeps_the_dense_floor(tmp_path):
