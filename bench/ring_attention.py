@@ -180,7 +180,7 @@ def dense_note(q, k, layout, setting: str, backend: str, schedule: str) -> str:
 
 def pattern_stats(q, k, layout, config) -> tuple[float, float]:
     """(density, max/mean over ranks of computed pairs) of the pattern estimated on the full inputs."""
-    from experiments.studies.imbalance import imbalance_report
+    from bench.imbalance import imbalance_report
     from mtraining.ops import estimate_pattern
 
     pattern = estimate_pattern(q, k, config)
