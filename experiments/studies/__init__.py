@@ -4,8 +4,8 @@ attention, rings and training steps is timed in bench/.
 
 - ``layout_balance``: each context-parallel layout's per-rank balance for an estimated pattern (counted by
   bench/imbalance.py);
-- ``cost_model``: the ring cost model against measured ring times, and on larger clusters (bench/ring_attention.py
-  annotates its records with it);
+- ``cost_model``: the ring cost model against measured ring times (each record's prediction:
+  bench/ring_prediction.py), the trainer's ring choice against them, and the model on larger clusters;
 - ``column_candidates``: how many pairs the sorted column scorer walks, on a model's Q/K or synthetic ones;
 - ``gguf_convert``: a GGUF checkpoint converted by ``mtraining convert`` against transformers reading it;
 - ``checkpoint_integrity``: what the checkpoint manifest (SHA-256 of every file) costs at save and resume;
