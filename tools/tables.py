@@ -46,7 +46,9 @@ def _runs(records: list[dict], key) -> list[tuple[object, list[dict]]]:
     return list(reversed(groups.items()))
 
 
-def sparse_attention_table() -> str:
+def sparse_attention_table(name: str = "sparse_attention") -> str:
+    """Sparse attention against cuDNN on one GPU (bench/sparse_attention.py), one block per run (a file of one run
+    has no ``run`` key: its commit names it)."""
     head = [
         "seq",
         "inputs",
@@ -63,7 +65,7 @@ def sparse_attention_table() -> str:
         "commit",
     ]
     blocks = []
-    for run, records in _runs(_load("sparse_attention"), lambda r: r["run"]):
+    for run, records in _runs(_load(name), lambda r: r.get("run", r["commit"])):
         lines = [f"Run `{run}`:", "", _row(head), _row(["---"] * len(head))]
         for r in sorted(records, key=lambda r: (r["seq_len"], r["inputs"], r["pattern"], r["density"])):
             label = r["pattern"] if r["pattern"] != "sweep" else f"sweep ~{r['target_density']:.0%}"
@@ -775,6 +777,11 @@ def column_candidates_table() -> str:
 def main() -> None:
     for title, report, table in (
         ("sparse_attention", "sparse_attention_h200_20261123", sparse_attention_table()),
+        (
+            "sparse_attention_rate_h200_95b3127",
+            "kernel_rate_h200_20261128",
+            sparse_attention_table("sparse_attention_rate_h200_95b3127"),
+        ),
         ("block_sparse_peers", "block_sparse_peers_h200_20261123", block_sparse_peers_table()),
         ("tune_kernels", "kernel_tiles_h200_20261123", kernel_table()),
         ("kernel_variants", "kernel_variants_h200_20261123", kernel_variants_table()),

@@ -17,9 +17,23 @@ from experiments.common.stages import Clock, OutOfTime
 from experiments.real_extension import cli, evaluation, parallel, pipeline, report, session
 from experiments.real_extension.costs import Estimate, Estimator, Shape, Timings
 from experiments.real_extension.pipeline import Experiment, Sources, Stage
-from experiments.real_extension.settings import ADAPTIVE, H200_0112821, PRESETS, Arm
+from experiments.real_extension.settings import ADAPTIVE, PRESETS, Arm, Calibration, Costs
 
-GPU = PRESETS["gpu"]
+# The first GPU runs' figures (reads at 20 NIAH prompts, 7 x 2 RULER-style, 8 windows; one 64K sparse read cut at
+# 150 s): a calibration with every kind of entry.
+FIRST_RUNS = Calibration(
+    source="test",
+    device="NVIDIA H200",
+    length=65536,
+    read_items=(20, 14, 8),
+    read_s={"dense": {8192: 53.0, 16384: 44.0, 32768: 44.0, 65536: 172.0}, "sparse": {8192: 36.0, 16384: 39.0}},
+    read_at_least={"sparse": {65536: 150.0}},
+    train_step_s={"dense": 1.61, "adaptive": 1.01},
+    train_fixed_s=38.7,
+    convert_s=40.0,
+    base_s=36.0,
+)
+GPU = replace(PRESETS["gpu"], costs=Costs(calibration=FIRST_RUNS))
 DENSE = Arm("dense", False)
 
 
@@ -32,7 +46,7 @@ def test_read_estimates_start_from_what_the_first_runs_measured(tmp_path):
     assert est.cell(DENSE, 131072).seconds > dense.seconds  # beyond the table: scaled by FLOPs, not cheaper
     half = Estimator(replace(GPU, niah_prompts=10, ruler_samples=1, ppl_windows=4), Shape(), est.timings)
     assert half.cell(DENSE, 65536).seconds == pytest.approx(172.0 / 2)  # per item: (10 + 7 + 4) of 42
-    assert est.train(ADAPTIVE, 30).seconds == pytest.approx(H200_0112821.train_fixed_s + 30 * 1.01)
+    assert est.train(ADAPTIVE, 30).seconds == pytest.approx(FIRST_RUNS.train_fixed_s + 30 * 1.01)
 
 
 def test_measured_tasks_replace_the_calibration_and_sparse_keeps_the_dense_floor(tmp_path):

@@ -107,3 +107,19 @@ def test_the_pipeline_at_toy_size_over_two_folders(tmp_path):
 
     gated = experiment(*common, "--seeds", "0", "--out", tmp_path / "c", "--base-gate", "50", "--base-prompts", "8")
     assert gated.returncode == 4 and "clearly below 50%" in gated.stdout, gated.stdout[-3000:]
+
+
+def test_the_arms_train_through_the_striped_ring_on_two_ranks(tmp_path):
+    out = tmp_path / "ring"
+    common = ["--preset", "toy", *inputs(tmp_path), "--heldout", "code/mteval", "--work", tmp_path / "work"]
+    done = experiment(*common, "--gpus", "2", "--seeds", "0", "--out", out, "--no-speed", "--no-base-read")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 steps at 1024 tokens on 2 rank(s)" in done.stdout
+    for name in ("dense", ARM):
+        trained = json.loads((out / "train" / f"seed0_{name}.json").read_text())
+        assert trained["config"]["parallel"]["context"] == 2 and trained["config"]["attention"]["layout"] == "striped"
+    assert 0 < json.loads((out / "train" / f"seed0_{ARM}.json").read_text())["density"] < 1
+    reported = experiment("--report-from", out, "--report-out", tmp_path / "report")
+    assert reported.returncode == 0, reported.stderr
+    records = json.loads((tmp_path / "report" / "real_extension.json").read_text())["records"]
+    assert [r["gpus"] for r in records] == [2, 2]
