@@ -14,7 +14,7 @@ documents, and without them for the unmasked case). Timed forward + backward on 
 Goals (issue 16): one document per sequence no slower than today; ``sparse_docs`` within 1.3x of
 (masked density x ``dense_docs``); per-rank imbalance <= 1.1 on the striped layout. The per-rank figures
 come from emulated ranks on this GPU: each rank's ring steps (``parallel.ring.plan_ring``: skipped steps
-cost nothing) timed in turn, no communication, next to the exact pair counts (``experiments/studies/imbalance.py``).
+cost nothing) timed in turn, no communication, next to the exact pair counts (``bench/imbalance.py``).
 
     python bench/packed_documents.py --out $OUT/packed_documents.json
     python bench/packed_documents.py --check --device cpu --seq-len 2048 --min-doc 16 --max-doc 512 --block-size 16
@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.* modules
 from common import add_attention_shape, bench_ms, command_line, commit, device_name, write_results  # noqa: E402
 
+from bench.imbalance import imbalance_report  # noqa: E402
 from bench.synthetic import rope_structured_qkv  # noqa: E402
-from experiments.studies.imbalance import imbalance_report  # noqa: E402
 from mtraining.ops import Documents, PatternConfig, attention_oracle, estimate_pattern, sparse_attention  # noqa: E402
 from mtraining.ops.sparse import attention_delta  # noqa: E402
 from mtraining.ops.sparse.attention import resolve_backend  # noqa: E402

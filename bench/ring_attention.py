@@ -16,8 +16,8 @@ of I ranks inside an outer ring: W / I "nodes"), ``allgather`` (no ring: K/V all
 links: NVLink between GPUs) or a bandwidth in GB/s, an emulated slow link between the "nodes" (bench/links.py, 5 us per transfer):
 the hierarchical ring's outer ring, and for ``flat`` every hop (the flat ring runs as W nodes of one rank:
 across nodes a flat ring waits for the slow hop on every step). The all-gather runs over the host's links
-only. Every record gets the ring cost model's prediction beside its measured time (experiments/studies/cost_model.py
-``annotate``, calibrated on the flat ring over the host's links of the same method and length).
+only. Every record gets the ring cost model's prediction beside its measured time (bench/ring_prediction.py,
+calibrated on the flat ring over the host's links of the same method and length).
 
     torchrun --nproc_per_node 4 bench/ring_attention.py --seq-lens 131072 262144 524288
     torchrun --nproc_per_node 4 bench/ring_attention.py --methods sparse_striped dense_zigzag \\
@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from common import add_attention_shape, provenance, write_results  # noqa: E402
 
 from bench.links import emulated  # noqa: E402
+from bench.ring_prediction import annotate, print_annotated  # noqa: E402
 from bench.synthetic import random_qkv, rope_structured_qkv  # noqa: E402
-from experiments.studies.cost_model import annotate, print_annotated  # noqa: E402
 from mtraining.ops import (
     PatternConfig,  # noqa: E402
     dense,  # noqa: E402
@@ -180,7 +180,7 @@ def dense_note(q, k, layout, setting: str, backend: str, schedule: str) -> str:
 
 def pattern_stats(q, k, layout, config) -> tuple[float, float]:
     """(density, max/mean over ranks of computed pairs) of the pattern estimated on the full inputs."""
-    from experiments.studies.imbalance import imbalance_report
+    from bench.imbalance import imbalance_report
     from mtraining.ops import estimate_pattern
 
     pattern = estimate_pattern(q, k, config)

@@ -1,4 +1,7 @@
-"""One-way dependencies: mtraining imports nothing from experiments/ or bench/; they use its public API.
+"""One-way dependencies: each top folder imports only the folders before it in ``ORDER``. The core stands alone;
+bench/ builds on it; experiments/ build on both (bench/common.py's provenance and result files, bench's synthetic
+inputs and counters); tools/ (the developers' own scripts) may import any of them. Experiments and benchmarks use
+the core's public API.
 
 Public means a name in a package's ``__all__``, a subpackage, or a module of a package without ``__all__``
 (the modules of ``mtraining.eval`` and ``mtraining.train``); never a name with a leading underscore. A script
@@ -14,6 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+ORDER = ("mtraining", "bench", "experiments", "tools")
 OUTSIDE = ("experiments", "bench")
 
 
@@ -58,14 +62,19 @@ def _sources(*folders: str) -> list[Path]:
     return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
 
 
-def test_the_core_imports_neither_experiments_nor_bench():
+@pytest.mark.parametrize("folder", ORDER[:-1])
+def test_a_folder_imports_only_the_folders_before_it(folder):
+    later = ORDER[ORDER.index(folder) + 1 :]
     bad = [
         f"{path.relative_to(ROOT)}: {module}"
-        for path in _sources("mtraining")
+        for path in _sources(folder)
         for module, _ in _imports(path)
-        if module.split(".")[0] in OUTSIDE
+        if module.split(".")[0] in later
     ]
-    assert not bad, "the core must not depend on experiments/ or bench/:\n" + "\n".join(bad)
+    assert not bad, (
+        f"{folder}/ must not depend on {', '.join(f + '/' for f in later)}: move what it needs into {folder}/ "
+        "(or a folder before it):\n" + "\n".join(bad)
+    )
 
 
 @pytest.mark.parametrize("folder", OUTSIDE)

@@ -2,11 +2,10 @@
 question (how balanced a layout is, what a safety check costs, how far a conversion is exact); the speed of
 attention, rings and training steps is timed in bench/.
 
-- ``imbalance``: the exact (q, k) pairs per rank and ring step of a pattern under a layout (a module: used by
-  ``layout_balance``, bench/packed_documents.py and bench/ring_attention.py);
-- ``layout_balance``: each context-parallel layout's per-rank balance for an estimated pattern;
-- ``cost_model``: the ring cost model against measured ring times, and on larger clusters (bench/ring_attention.py
-  annotates its records with it);
+- ``layout_balance``: each context-parallel layout's per-rank balance for an estimated pattern (counted by
+  bench/imbalance.py);
+- ``cost_model``: the ring cost model against measured ring times (each record's prediction:
+  bench/ring_prediction.py), the trainer's ring choice against them, and the model on larger clusters;
 - ``column_candidates``: how many pairs the sorted column scorer walks, on a model's Q/K or synthetic ones;
 - ``gguf_convert``: a GGUF checkpoint converted by ``mtraining convert`` against transformers reading it;
 - ``checkpoint_integrity``: what the checkpoint manifest (SHA-256 of every file) costs at save and resume;

@@ -17,11 +17,10 @@ from pathlib import Path
 import torch
 
 from bench.common import provenance, write_results
+from bench.imbalance import imbalance_report
 from bench.synthetic import rope_structured_qkv
 from mtraining.ops import PatternConfig, estimate_pattern
 from mtraining.parallel import make_layout
-
-from .imbalance import imbalance_report
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """Cost model of context-parallel attention: predicted forward + backward time of one layer.
 
-Used by ``mtraining check`` (train/estimate.py: the time of a training step) and ``experiments/studies/cost_model.py``.
+Used by ``mtraining check`` (train/estimate.py: the time of a training step), bench/ring_prediction.py (beside
+measured ring times) and ``experiments/studies/cost_model.py``.
 
 Inputs are per-step compute times (one ring step's attention, forward and backward, on one GPU)
 and links (``Link``: bandwidth per direction per GPU, latency per transfer). Ranks advance in lock step, and

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from experiments.studies.imbalance import imbalance_report
+from bench.imbalance import imbalance_report
 from mtraining.ops import Documents, VerticalSlashPattern, sparse_attention
 from mtraining.ops.sparse import launch
 from mtraining.parallel import make_layout
@@ -333,7 +333,7 @@ def test_ring_triton_matches_the_masked_softmax(pool, world, documents):
 
 
 def test_benchmarks_that_count_only_lines_refuse_block_columns():
-    """experiments/studies/imbalance.py and the block rounding of bench/block_sparse_peers.py would drop the columns."""
+    """bench/imbalance.py and the block rounding of bench/block_sparse_peers.py would drop the columns."""
     case = Case(1, 2, 4 * G, seed=8)
     with pytest.raises(ValueError, match=re.escape("not per-block columns (pattern.block_cols)")):
         imbalance_report(case.pattern, make_layout("striped", 4 * G, 2, G))

@@ -1,4 +1,4 @@
-"""experiments/studies/imbalance.py: exact work per rank and ring step of a pattern under a layout, and the balance of
+"""bench/imbalance.py: exact work per rank and ring step of a pattern under a layout, and the balance of
 the striped layout."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.imbalance import imbalance_report
 from bench.synthetic import rope_structured_qkv
-from experiments.studies.imbalance import imbalance_report
 from mtraining.ops import PatternConfig, VerticalSlashPattern, estimate_pattern
 from mtraining.parallel import make_layout
 from tests.factories import make_documents, make_pattern
