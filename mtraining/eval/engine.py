@@ -368,7 +368,8 @@ class Engine:
         reference: Sequence[int] | None = None,
     ) -> Response:
         """Every rank: the greedy answer to ``prompt`` (at most ``max_new_tokens`` ids, stop id included) and,
-        with ``reference`` (answer token ids), its teacher-forced scores, from one prefill (module docstring)."""
+        with ``reference`` (answer token ids), its teacher-forced scores, from one prefill (module docstring).
+        ``max_new_tokens`` 1 keeps no KV cache and decodes nothing: the prefill alone (a teacher-forced reading)."""
         from transformers import DynamicCache
 
         ids = [int(i) for i in prompt]
@@ -381,13 +382,14 @@ class Engine:
         total, documents = self._sequence(len(ids), len(forced))
         sequence = ids + forced + [_PAD_ID] * (total - len(ids) - len(forced))
         started = time.perf_counter()
-        cache = DynamicCache(config=self.model.config)
+        cache = DynamicCache(config=self.model.config) if max_new_tokens > 1 else None  # 1: no decoding step
         hidden = self._prefill(torch.tensor(sequence), cache, documents)[0]
         labels = forced or [IGNORE_INDEX]  # the first answer token's row, scored or not
         nll, greedy = self._answer_scores(hidden, total, len(ids) - 1, labels)
         del hidden
         prefilled = time.perf_counter()
-        cache = self._prompt_cache(cache, total, len(ids))
+        if cache is not None:
+            cache = self._prompt_cache(cache, total, len(ids))
         tokens = self._decode(cache, int(greedy[0]), max_new_tokens, set(stop_ids)) if self.is_root else None
         del cache
         self.phases.prefill_s += prefilled - started
