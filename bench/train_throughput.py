@@ -161,12 +161,14 @@ class StepRows:
         return [r for r in rows if "event" not in r]
 
 
-STEP_FIELDS = ("step", "step_s", "tokens_per_s", "peak_mem_gb", "mfu", "density", "loss")
+STEP_FIELDS = ("step", "step_s", "tokens_per_s", "peak_mem_gb", "mfu", "density", "loss", "saved_attention_outputs")
 
 
 def summarize(steps: list[dict], warmup: int, profiled: bool) -> dict:
     """Medians over the steps after ``warmup`` (and before a profiled last step; all steps when that leaves
-    none), the largest peak memory (rank 0's), and every step's own figures."""
+    none), the largest peak memory (rank 0's), whether the timed steps kept the attention outputs
+    (``train.save_attention_outputs``: a run that keeps them peaks higher and recomputes less, so peaks compare only
+    between runs that agree), and every step's own figures."""
     if not steps:
         return dict(steps=[])
     timed = steps[warmup : len(steps) - profiled] or steps
@@ -180,10 +182,19 @@ def summarize(steps: list[dict], warmup: int, profiled: bool) -> dict:
         peak_mem_gb=max(s["peak_mem_gb"] for s in steps),
         mfu=median("mfu"),
         density=median("density"),
+        saved_attention_outputs=_saved_outputs(timed),
         losses=[s["loss"] for s in steps],
         timed_steps=len(timed),
         steps=[{k: s.get(k) for k in STEP_FIELDS} for s in steps],
     )
+
+
+def _saved_outputs(timed: list[dict]) -> bool | str | None:
+    """True or False when every timed step agrees, "mixed" when not, None when the trainer does not say."""
+    found = {s.get("saved_attention_outputs") for s in timed}
+    if found == {None}:
+        return None
+    return bool(found.pop()) if len(found) == 1 else "mixed"
 
 
 def run_one(
@@ -397,7 +408,18 @@ def main() -> None:
                     args.profile_dir.mkdir(parents=True, exist_ok=True)
                     table = folder / "log" / f"profile_step{args.steps}_rank0.txt"
                     shutil.copy(table, args.profile_dir / f"profile_{mode}_{seq_len}_{args.fused_kernels}.txt")
-                shown = {k: rec.get(k) for k in ("step_s", "tokens_per_s", "peak_mem_gb", "mfu", "density", "error")}
+                shown = {
+                    k: rec.get(k)
+                    for k in (
+                        "step_s",
+                        "tokens_per_s",
+                        "peak_mem_gb",
+                        "saved_attention_outputs",
+                        "mfu",
+                        "density",
+                        "error",
+                    )
+                }
                 print(f"{seq_len:>8} {mode:>6} {shown}", flush=True)
     print(f"wrote {write_results('train_throughput', records, args.out)}")
 

@@ -325,6 +325,10 @@ class Trainer:
             executed = self._flops_matmul + attention
             metrics["mfu"] = executed * tokens_per_s / (self.par.world_size * self._peak * 1e12)
         metrics["peak_mem_gb"] = peak_memory_gb(self.par.device)
+        if self.cfg.train.activation_checkpointing:
+            # whether this step kept the attention outputs (more memory, no recomputed attention): peaks compare
+            # only between runs that agree on it
+            metrics["saved_attention_outputs"] = float(self.save_outputs)
         metrics["step_s"] = elapsed
         if pattern.density is not None:
             metrics["density"] = pattern.density

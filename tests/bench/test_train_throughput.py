@@ -43,6 +43,17 @@ def test_step_rows_skip_events_and_unfinished_lines(tmp_path):
     assert rows.new() == [{"step": 2, "loss": 1.5}]
     summary = bench.summarize([{"step": 1, "step_s": 3.0, "loss": 2.0, "peak_mem_gb": 1.0}], warmup=2, profiled=False)
     assert summary["step_s"] == 3.0 and summary["timed_steps"] == 1 and summary["mfu"] is None
+    assert summary["saved_attention_outputs"] is None  # the trainer did not say
+
+
+def test_the_summary_says_whether_the_timed_steps_kept_the_attention_outputs():
+    bench = load_script("train_throughput")
+    step = {"step_s": 1.0, "loss": 2.0, "peak_mem_gb": 1.0}
+    auto = [{**step, "step": i, "saved_attention_outputs": float(i > 1)} for i in (1, 2, 3)]
+    assert bench.summarize(auto, warmup=1, profiled=False)["saved_attention_outputs"] is True  # decided after step 1
+    assert bench.summarize(auto, warmup=0, profiled=False)["saved_attention_outputs"] == "mixed"
+    off = [{**step, "step": i, "saved_attention_outputs": 0.0} for i in (1, 2)]
+    assert bench.summarize(off, warmup=1, profiled=False)["saved_attention_outputs"] is False
 
 
 @pytest.mark.slow

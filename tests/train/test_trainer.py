@@ -136,6 +136,7 @@ def test_auto_saved_outputs_follow_the_first_steps_memory(monkeypatch, fits):
     monkeypatch.setattr("mtraining.train.trainer.device_memory", lambda device: (total // 2 if fits else total, total))
     auto, kept = run_local(_train_reporting_saved_outputs, 2, make_config(*sparse))[0]
     assert kept == fits
+    assert [m["saved_attention_outputs"] for m in auto] == [0.0, float(fits), float(fits)]  # decided after step 1
     no_recompute = make_config(*sparse, "train.activation_checkpointing=false")
     assert no_recompute.train.save_attention_outputs == "auto"
     assert not run_local(_train_reporting_saved_outputs, 2, no_recompute)[0][1]
