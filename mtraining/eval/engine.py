@@ -369,7 +369,8 @@ class Engine:
     ) -> Response:
         """Every rank: the greedy answer to ``prompt`` (at most ``max_new_tokens`` ids, stop id included) and,
         with ``reference`` (answer token ids), its teacher-forced scores, from one prefill (module docstring).
-        ``max_new_tokens`` 1 keeps no KV cache and decodes nothing: the prefill alone (a teacher-forced reading)."""
+        ``max_new_tokens`` 1 decodes nothing and gathers no cache for it: the prefill alone, the same as with more
+        (a teacher-forced reading)."""
         from transformers import DynamicCache
 
         ids = [int(i) for i in prompt]
@@ -382,14 +383,13 @@ class Engine:
         total, documents = self._sequence(len(ids), len(forced))
         sequence = ids + forced + [_PAD_ID] * (total - len(ids) - len(forced))
         started = time.perf_counter()
-        cache = DynamicCache(config=self.model.config) if max_new_tokens > 1 else None  # 1: no decoding step
+        cache = DynamicCache(config=self.model.config)
         hidden = self._prefill(torch.tensor(sequence), cache, documents)[0]
         labels = forced or [IGNORE_INDEX]  # the first answer token's row, scored or not
         nll, greedy = self._answer_scores(hidden, total, len(ids) - 1, labels)
         del hidden
         prefilled = time.perf_counter()
-        if cache is not None:
-            cache = self._prompt_cache(cache, total, len(ids))
+        cache = self._prompt_cache(cache, total, len(ids)) if max_new_tokens > 1 else None  # 1: no decoding step
         tokens = self._decode(cache, int(greedy[0]), max_new_tokens, set(stop_ids)) if self.is_root else None
         del cache
         self.phases.prefill_s += prefilled - started
