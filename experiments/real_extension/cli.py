@@ -89,7 +89,13 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--lr", type=float)
     exp.add_argument("--warmup", type=int)
     exp.add_argument("--gpus", type=int, help="ranks of the striped ring each training runs on")
-    exp.add_argument("--niah-prompts", type=int, help="NIAH prompts per length")
+    exp.add_argument("--niah-prompts", type=int, help="NIAH prompts per length, answered by generation")
+    exp.add_argument(
+        "--niah-forced-prompts",
+        type=int,
+        help="NIAH prompts per length scored teacher-forced, the first --niah-prompts of them also generated and the "
+        "others read by a prefill alone (default: --niah-prompts)",
+    )
     exp.add_argument("--ruler-samples", type=int, help="prompts per RULER-style task and length")
     exp.add_argument("--ruler-tasks", nargs="+")
     exp.add_argument("--ppl-windows", type=int, help="held-out documents per length for perplexity")
@@ -110,7 +116,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
     """The preset with the options given; ValueError naming an option that cannot run."""
     s = PRESETS[args.preset]
     fields = ("length", "steps", "lr", "warmup", "gpus", "niah_prompts", "ruler_samples", "ppl_windows", "base_prompts")
-    fields += ("base_gate", "heldout_fraction", "speed_repeats", "workers", "default_arm")
+    fields += ("niah_forced_prompts", "base_gate", "heldout_fraction", "speed_repeats", "workers", "default_arm")
     s = replace(s, **{f: getattr(args, f) for f in fields if getattr(args, f) is not None})
     for f in ("seeds", "ruler_tasks", "speed_lengths", "speed_layers"):
         if getattr(args, f) is not None:

@@ -3,11 +3,12 @@ past --max-minutes.
 
 Three sources, the first found wins (``Estimate.source``):
 - ``here``: a stage of the same kind measured on this machine (``Timings``, kept in ``<work>/timings.json``): a
-  training's seconds per step and its fixed cost, a read's seconds per NIAH prompt, RULER-style prompt and
-  perplexity window at each length (the per-task terms);
+  training's seconds per step and its fixed cost, a read's seconds per generated NIAH prompt, NIAH prompt read
+  teacher-forced alone (``niah_forced``), RULER-style prompt and perplexity window at each length (the per-task
+  terms);
 - ``calibrated``: the figures an earlier GPU run measured (``Settings.costs.calibration``, its source named there):
-  a read's seconds per item at each length (the whole read's time over its items), lengths beyond the table
-  scaled by the model's FLOPs;
+  a read's seconds per item at each length (the whole read's time over its items; a prompt read teacher-forced
+  alone: one answer prefill), lengths beyond the table scaled by the model's FLOPs;
 - ``flops``: the model's FLOPs at the stage's lengths (``Shape``: from the converted config, or SmolLM2-135M's
   before the conversion) at ``Costs.flops_per_s``, plus fixed costs per process, prompt and generated token.
 
@@ -85,7 +86,7 @@ class Timings:
 
 MARGINS = {"here": 1.15, "calibrated": 1.3, "flops": 2.0}
 SLACK_S = 10.0  # seconds kept free before the deadline besides the margin: the log, the archive, the exit
-TASKS = ("niah", "ruler", "ppl")  # a read's parts, each timed per item
+TASKS = ("niah", "niah_forced", "ruler", "ppl")  # a read's parts, each timed per item
 
 
 @dataclass(frozen=True)
@@ -162,11 +163,17 @@ class Estimator:
         return Estimate(fixed.seconds + steps * step.seconds, least_trusted([step, fixed]))
 
     def items(self, niah_only: int | None = None) -> dict[str, int]:
-        """A read's items at one length per task: NIAH prompts, RULER-style prompts, perplexity windows."""
+        """A read's items at one length per task: generated NIAH prompts, NIAH prompts teacher-forced alone,
+        RULER-style prompts, perplexity windows."""
         if niah_only is not None:
-            return {"niah": niah_only, "ruler": 0, "ppl": 0}
+            return {"niah": niah_only, "niah_forced": 0, "ruler": 0, "ppl": 0}
         s = self.s
-        return {"niah": s.niah_prompts, "ruler": s.ruler_samples * len(s.ruler_tasks), "ppl": s.ppl_windows}
+        return {
+            "niah": s.niah_prompts,
+            "niah_forced": s.forced_prompts - s.niah_prompts,
+            "ruler": s.ruler_samples * len(s.ruler_tasks),
+            "ppl": s.ppl_windows,
+        }
 
     def cell(self, arm: Arm, n: int, niah_only: int | None = None) -> Estimate:
         """One length of a read: per task, its items times the seconds of one item."""
@@ -183,31 +190,37 @@ class Estimator:
         floor = self.timings.get(f"read:dense:{n}:{task}") if arm.sparse else None
         if here is not None:
             return Estimate(max(here, floor or 0.0), "here")
-        calibrated = self._calibrated_item(kind, n)
+        calibrated = self._calibrated_item(kind, n, task)
         if calibrated is not None:
             if arm.sparse:
-                calibrated = max(calibrated, self._calibrated_item("dense", n) or 0.0)
+                calibrated = max(calibrated, self._calibrated_item("dense", n, task) or 0.0)
             return Estimate(max(calibrated, floor or 0.0), "calibrated")
         c = self.s.costs
         prefill = self._flops_s(self.shape.forward_flops(n, SPARSE_SHARE if arm.sparse else 1.0))
         tokens = DECODED_TOKENS.get(task, 0)
         return Estimate(max(prefill + c.prompt_s + tokens * c.token_s, floor or 0.0), "flops")
 
-    def _calibrated_item(self, kind: str, n: int) -> float | None:
-        """Seconds per item of a ``kind`` read at ``n`` by the calibration: the table's length at or below ``n``
-        (scaled by the FLOPs of a forward at ``n`` over one there), else its shortest; None without a table."""
+    def _calibrated_item(self, kind: str, n: int, task: str) -> float | None:
+        """Seconds per item of ``task`` in a ``kind`` read at ``n`` by the calibration (a NIAH prompt read
+        teacher-forced alone: one prefill; any other: the whole read over its items): the table's length at or
+        below ``n`` (scaled by the FLOPs of a forward at ``n`` over one there), else its shortest; None without a
+        table."""
         cal = self.calibration
         if cal is None:
             return None
-        table = cal.read_s.get(kind, {}) | {
-            m: max(v, cal.read_s.get(kind, {}).get(m, 0.0)) for m, v in cal.read_at_least.get(kind, {}).items()
-        }
+        if task == "niah_forced":
+            table, items = cal.prefill_s.get(kind, {}), 1
+        else:
+            table = cal.read_s.get(kind, {}) | {
+                m: max(v, cal.read_s.get(kind, {}).get(m, 0.0)) for m, v in cal.read_at_least.get(kind, {}).items()
+            }
+            items = sum(cal.read_items)
         if not table:
             return None
         below = [m for m in table if m <= n]
         m = max(below) if below else min(table)
         scale = self.shape.forward_flops(n) / self.shape.forward_flops(m) if m < n else 1.0
-        return scale * table[m] / sum(cal.read_items)
+        return scale * table[m] / items
 
     def read(self, arm: Arm, lengths: tuple[int, ...]) -> Estimate:
         cells = [self.cell(arm, n) for n in lengths]

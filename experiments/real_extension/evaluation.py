@@ -4,7 +4,8 @@ A read is a model (the converted base, or a trained arm's export) with an attent
 setting at each length). At each length it runs, on the same held-out inputs for every model:
 
 - NIAH (``run_niah``): ``niah_prompts`` prompts over the depths, filler from the held-out documents, answered by
-  generation and scored teacher-forced in the same prefill (the whole prompt through the attention under test);
+  generation and scored teacher-forced in the same prefill (the whole prompt through the attention under test), and
+  up to ``Settings.forced_prompts`` in all scored teacher-forced (the others a prefill each, no decoding);
 - the RULER-style tasks (``run_ruler``), ``ruler_samples`` prompts each, the same filler;
 - perplexity by position (``run_ppl``) on the first ``length`` tokens of ``ppl_windows`` held-out documents.
 
@@ -88,16 +89,19 @@ class Inputs:
         if path.exists():
             self.prompts.update(pickle.loads(path.read_bytes()))
 
-    def prompting(self, samples: int):
+    def prompting(self, samples: int, generated: int | None = None):
+        """``samples`` prompts per cell, the first ``generated`` of them generated (None: all)."""
         from mtraining.eval.answers import Prompting
 
         s = self.settings
-        return Prompting(samples, s.eval_seed, self.haystack, None, False, True, self.prompts)
+        return Prompting(
+            samples, s.eval_seed, self.haystack, None, show_progress=False, generated=generated, cache=self.prompts
+        )
 
 
 def read_length(model, inputs: Inputs, arm: Arm, length: int, niah_prompts: int | None = None) -> dict:
     """One cell: NIAH, RULER-style tasks and perplexity of ``model`` (loaded) read with ``arm`` at ``length``.
-    ``niah_prompts`` (default the settings'): NIAH alone, that many prompts (the base check)."""
+    ``niah_prompts`` (default the settings'): NIAH alone, that many prompts, all generated (the base check)."""
     from mtraining.eval.engine import Engine
     from mtraining.eval.niah import run_niah
     from mtraining.eval.ppl import run_ppl
@@ -105,11 +109,13 @@ def read_length(model, inputs: Inputs, arm: Arm, length: int, niah_prompts: int 
 
     s, tok = inputs.settings, inputs.tokenizer
     engine = Engine(model, spec(arm, length, s))
-    prompts = s.niah_prompts if niah_prompts is None else niah_prompts
+    generated = per_depth(s.niah_prompts if niah_prompts is None else niah_prompts, s)
+    forced = per_depth(s.forced_prompts, s) if niah_prompts is None else generated
     seconds: dict[str, dict] = {}
     with _timed(seconds, "niah") as items:
-        niah = run_niah(engine, tok, [length], list(s.depths), inputs.prompting(per_depth(prompts, s)))
+        niah = run_niah(engine, tok, [length], list(s.depths), inputs.prompting(forced, generated))
         items.append(len(niah["records"]))
+    _split_forced(seconds, niah["records"], engine.phases)
     cell = {"length": length, "niah": _niah_cell(niah)}
     if niah_prompts is None:
         with _timed(seconds, "ruler") as items:
@@ -134,6 +140,20 @@ def _timed(into: dict, task: str):
     yield items
     total = round(time.perf_counter() - started, 2)
     into[task] = {"s": total, "items": items[0] if items else 0}
+
+
+def _split_forced(seconds: dict, records: list[dict], phases) -> None:
+    """``seconds["niah"]`` split into the generated prompts' and ``seconds["niah_forced"]``, the prompts read
+    teacher-forced alone: every prompt does the same work but for decoding (a prompt of the same length tokenised
+    and prefilled), so those take their share of the NIAH seconds less the decoding (``phases``: the engine has run
+    NIAH alone so far), the generated ones the rest. Nothing to split without such prompts."""
+    alone = sum(not r["generated"] for r in records)
+    if not alone:
+        return
+    niah = seconds["niah"]
+    forced_s = round(alone * (niah["s"] - phases.decode_s) / niah["items"], 2)
+    seconds["niah"] = {"s": round(niah["s"] - forced_s, 2), "items": niah["items"] - alone}
+    seconds["niah_forced"] = {"s": forced_s, "items": alone}
 
 
 def _niah_cell(result: dict) -> dict:
@@ -174,11 +194,12 @@ def load_model(export: Path, settings: Settings):
 # ---------------------------------------------------------------------------------------------- prompts
 def prompt_keys(settings: Settings, native: int) -> list[tuple]:
     """The cache key of every prompt the experiment asks for: the base check's at ``native``, then every read's
-    (NIAH per length, depth and seed; RULER-style per task, length and seed), the longest first within each."""
+    (NIAH per length, depth and seed, teacher-forced alone or not: one prompt either way; RULER-style per task,
+    length and seed), the longest first within each."""
     s = settings
     seeds = lambda count: range(s.eval_seed, s.eval_seed + count)  # noqa: E731
     base = [(NIAH_TITLE, native, d, k) for d in s.depths for k in seeds(per_depth(s.base_prompts, s))]
-    niah = [(NIAH_TITLE, n, d, k) for n in s.lengths for d in s.depths for k in seeds(per_depth(s.niah_prompts, s))]
+    niah = [(NIAH_TITLE, n, d, k) for n in s.lengths for d in s.depths for k in seeds(per_depth(s.forced_prompts, s))]
     ruler = [("ruler", t, n, k) for t in s.ruler_tasks for n in s.lengths for k in seeds(s.ruler_samples)]
     rest = sorted(niah + ruler, key=lambda key: -(key[2] if key[0] == "ruler" else key[1]))
     return list(dict.fromkeys(base + rest))

@@ -30,8 +30,8 @@ METRICS = ("ppl", "niah", "niah_forced", "ruler")
 # Settings that must agree for folders to pool: what the models were trained and read with.
 SAME = (
     "length", "steps", "lr", "warmup", "code_weight", "gpus", "dtype", "block_size", "last_q", "local_window",
-    "sink_tokens", "eval_seed", "niah_prompts", "depths", "ruler_samples", "ruler_tasks", "ppl_windows",
-    "first_bucket", "heldout_fraction",
+    "sink_tokens", "eval_seed", "niah_prompts", "niah_forced_prompts", "depths", "ruler_samples", "ruler_tasks",
+    "ppl_windows", "first_bucket", "heldout_fraction",
 )  # fmt: skip
 
 
@@ -300,7 +300,8 @@ def markdown(pooled: dict, found: list[dict], picture: str | None) -> str:
         f"Seeds {seeds}; {s['steps']} steps at lr {s['lr']:g} on {s['gpus']} GPU(s); devices {found[0]['device']}; "
         f"commits {found[0]['commit']}. Changes are the arm's model minus the dense arm's model read dense, paired "
         f"by seed: mean [95% t interval over seeds] (no interval under {MIN_SEEDS} seeds). Perplexity: last position "
-        "bucket, percent; NIAH and RULER-style: points, generated answers (NIAH also teacher-forced).",
+        "bucket, percent; NIAH and RULER-style: points, generated answers (NIAH also teacher-forced). "
+        f"{niah_prompts(pooled)}",
         "",
     ]
     if len(seeds) < MIN_SEEDS:
@@ -345,6 +346,19 @@ def markdown(pooled: dict, found: list[dict], picture: str | None) -> str:
     if picture:
         lines += [f"![attention speedup against accuracy change]({picture})", ""]
     return "\n".join(lines)
+
+
+def niah_prompts(pooled: dict) -> str:
+    """How many prompts per length the NIAH columns read: generated, and teacher-forced (every count the reads
+    hold, joined by /)."""
+    cells = [c["niah"] for read in pooled["eval"].values() for c in read["cells"]]
+    if not cells:
+        return ""
+
+    def counts(field: str) -> str:
+        return "/".join(str(n) for n in sorted({c.get(field, c["prompts"]) for c in cells}))
+
+    return f"NIAH prompts per length: {counts('generated')} generated, {counts('prompts')} teacher-forced."
 
 
 def _absolute(pooled: dict) -> list[str]:

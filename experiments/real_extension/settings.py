@@ -96,8 +96,9 @@ class Settings:
     (constant then, as the paper's), AdamW betas (0.9, 0.95) without weight decay, ``code_weight`` of the samples
     from code and the rest from prose, document masking, a checkpoint every ``checkpoint_every`` steps, ``gpus``
     ranks of one striped ring. Evaluation at ``length`` / 8, / 4, / 2 and ``length``: ``niah_prompts`` per length
-    (spread over ``depths``), ``ruler_samples`` per RULER-style task and length, ``ppl_windows`` held-out documents
-    per length; the base is checked on ``base_prompts`` NIAH prompts at its native length and must reach
+    (spread over ``depths``) generated and teacher-forced, and up to ``niah_forced_prompts`` (None: none more)
+    teacher-forced alone (a prefill each, no decoding), ``ruler_samples`` per RULER-style task and length,
+    ``ppl_windows`` held-out documents per length; the base is checked on ``base_prompts`` NIAH prompts at its native length and must reach
     ``base_gate`` percent (the upper end of its 95% interval; 0: no check). Speed: Q/K/V of ``speed_layers``
     dumped at ``speed_lengths``, timed ``speed_repeats`` times per call."""
 
@@ -121,6 +122,7 @@ class Settings:
     sink_tokens: int = 4
     eval_seed: int = 0
     niah_prompts: int = 20
+    niah_forced_prompts: int | None = None  # NIAH prompts per length read teacher-forced (None: niah_prompts)
     depths: tuple[int, ...] = (0, 25, 50, 75, 100)
     ruler_samples: int = 2
     ruler_tasks: tuple[str, ...] = TASKS
@@ -139,6 +141,11 @@ class Settings:
     def lengths(self) -> tuple[int, ...]:
         """The evaluation's lengths: L/8, L/4, L/2, L (the toy: L/2, L)."""
         return tuple(self.length // d for d in self.eval_fractions)
+
+    @property
+    def forced_prompts(self) -> int:
+        """NIAH prompts per length read teacher-forced: ``niah_forced_prompts``, else ``niah_prompts``."""
+        return self.niah_prompts if self.niah_forced_prompts is None else self.niah_forced_prompts
 
     @property
     def sparse_arms(self) -> tuple[Arm, ...]:
@@ -162,6 +169,11 @@ class Settings:
         for name in ("steps", "niah_prompts", "ruler_samples", "ppl_windows", "speed_repeats", "gpus"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.forced_prompts < self.niah_prompts:
+            raise ValueError(
+                f"--niah-forced-prompts {self.forced_prompts} must be at least --niah-prompts {self.niah_prompts}: "
+                "the first --niah-prompts of them are also generated"
+            )
         if self.speed_repeats < 5 and self.device == "cuda":
             raise ValueError(
                 f"--speed-repeats must be at least 5 on a GPU (a median of 5 or more), got {self.speed_repeats}"
@@ -178,7 +190,9 @@ class Calibration:
     (``dense`` / ``sparse`` attention), slowest over the runs, for ``read_items`` (NIAH prompts, RULER-style
     prompts, perplexity windows) per length; ``read_at_least``: reads cut before they ended, seconds they ran.
     ``train_step_s`` / ``train_fixed_s``: per arm, at ``length`` tokens; ``base_s``: the base check of
-    ``base_prompts`` NIAH prompts. ``source``: where the figures are."""
+    ``base_prompts`` NIAH prompts; ``prefill_s``: seconds of one answer prefill (the reads' ``phases``: the prompt
+    and its reference scored), slowest over the runs, what a prompt read teacher-forced alone costs.
+    ``source``: where the figures are."""
 
     source: str
     device: str
@@ -191,12 +205,15 @@ class Calibration:
     convert_s: float
     base_s: float
     base_prompts: int
+    prefill_s: dict[str, dict[int, float]] = field(default_factory=dict)
 
 
 # The 3-seed runs: bench/results/real_extension_runs/h200x2_95b3127 (stage_times.json of each GPU), seeds 0 and 2
 # on one H200 and seed 1 on another, commit 95b3127 (decoding without cuDNN). Reads at 10 NIAH prompts, 7
-# RULER-style tasks x 1 and 4 perplexity windows per length, slowest over the runs. A training's fixed seconds are
-# the dense arm's (40 s); the first sparse training of a process also compiles the kernels (about 50 s more).
+# RULER-style tasks x 1 and 4 perplexity windows per length, slowest over the runs; the prefills per prompt from the
+# same reads' phases (prefill_s / prefills; a process's first sparse read at 8K also compiles the kernels). A
+# training's fixed seconds are the dense arm's (40 s); the first sparse training of a process also compiles the
+# kernels (about 50 s more).
 H200_95b3127 = Calibration(
     source="bench/results/real_extension_runs/h200x2_95b3127 (H200, 95b3127)",
     device="NVIDIA H200",
@@ -212,6 +229,10 @@ H200_95b3127 = Calibration(
     convert_s=46.1,
     base_s=41.7,
     base_prompts=20,
+    prefill_s={
+        "dense": {8192: 0.170, 16384: 0.115, 32768: 0.208, 65536: 3.671},
+        "sparse": {8192: 0.751, 16384: 0.267, 32768: 0.337, 65536: 5.207},
+    },
 )
 
 

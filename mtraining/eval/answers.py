@@ -11,6 +11,11 @@ greedy: what greedy decoding through the attention under test would produce, on 
 decodes the tokens after the first dense). For several expected answers the reference is one order of them, so
 there the teacher-forced reading is stricter than the generated one, which scores them in any order.
 Every cell carries 95% intervals over its prompts (``intervals``).
+
+``Prompting.generated`` generates the answers of only the first prompts of each cell: the others are built alike and
+scored teacher-forced alone (one prefill, no decoding), so that a cell's teacher-forced reading can rest on many more
+prompts than its generated one for the same time. Their records say ``"generated": False``; a cell's generated score
+and its interval come from the generated records, its teacher-forced figures from all.
 """
 
 from __future__ import annotations
@@ -47,9 +52,10 @@ def reference_text(sample: Sample) -> str:
 
 @dataclass(frozen=True)
 class Answered:
-    """The model's greedy answer to a sample and, when asked, its reference answer scored teacher-forced."""
+    """The model's greedy answer to a sample (None when not generated) and, when asked, its reference answer scored
+    teacher-forced."""
 
-    prediction: str
+    prediction: str | None
     forced: Forced | None = None
 
 
@@ -60,23 +66,29 @@ def tokenised(sample: Sample, tokenizer: Tokenizer) -> Sample:
     return dataclasses.replace(sample, ids=tokenizer.encode(sample.prompt), reference_ids=reference)
 
 
-def answer(engine: Engine, tokenizer: Tokenizer, sample: Sample, forced: bool = True) -> Answered:
-    """The model's greedy answer to ``sample`` (prefill through the configured attention) and with ``forced``
-    the reference answer's teacher-forced scores; a prompt longer than its length allows is cut in the middle
-    first (see ``middle_cut``). Token ids the sample carries (``tokenised``) are used as they are."""
+def answer(
+    engine: Engine, tokenizer: Tokenizer, sample: Sample, forced: bool = True, generate: bool = True
+) -> Answered:
+    """The model's greedy answer to ``sample`` (prefill through the configured attention; without ``generate`` none:
+    the prefill alone, no decoding) and with ``forced`` the reference answer's teacher-forced scores; a prompt longer
+    than its length allows is cut in the middle first (see ``middle_cut``: by the sample's answer budget either way,
+    so both read the same prompt). Token ids the sample carries (``tokenised``) are used as they are."""
+    if not (generate or forced):
+        raise ValueError("a prompt neither generated nor teacher-forced scores nothing: keep one of them")
     ids = tokenizer.encode(sample.prompt) if sample.ids is None else list(sample.ids)
     reference = None
     if forced:
         given = sample.reference_ids
         reference = tokenizer.continuation(sample.prompt, reference_text(sample)) if given is None else list(given)
     ids = middle_cut(ids, sample.length - sample.max_new_tokens)
-    response = engine.respond(ids, sample.max_new_tokens, tokenizer.stop_ids, reference)
-    return Answered(tokenizer.decode(response.tokens), response.forced)
+    response = engine.respond(ids, sample.max_new_tokens if generate else 1, tokenizer.stop_ids, reference)
+    return Answered(tokenizer.decode(response.tokens) if generate else None, response.forced)
 
 
 @dataclass(frozen=True)
 class Prompting:
-    """How each cell of a grid is prompted: ``samples`` prompts seeded ``seed ..``, from ``haystack``."""
+    """How each cell of a grid is prompted: ``samples`` prompts seeded ``seed ..``, from ``haystack``; with
+    ``generated`` the answers of the first that many are generated and the rest scored teacher-forced alone."""
 
     samples: int = 1
     seed: int = 0
@@ -84,6 +96,7 @@ class Prompting:
     max_new_tokens: int | None = None  # None: the task's own
     show_progress: bool = True
     forced: bool = True  # also score the reference answer teacher-forced
+    generated: int | None = None  # NIAH (score_cells): generate the first this many of a cell's prompts; None: all
     # Samples already built with these settings and the same tokenizer, filled as samples are built:
     # several models that share a tokenizer build each prompt once (keys: see ``score_samples``).
     cache: dict | None = field(default=None, compare=False, repr=False)
@@ -91,6 +104,10 @@ class Prompting:
     def __post_init__(self) -> None:
         if self.samples < 1:
             raise ValueError(f"samples must be at least 1, got {self.samples}")
+        if self.generated is not None and not 1 <= self.generated <= self.samples:
+            raise ValueError(f"generated must be in 1..samples ({self.samples}), got {self.generated}")
+        if self.generated is not None and self.generated < self.samples and not self.forced:
+            raise ValueError("prompts that are not generated are scored teacher-forced alone: keep teacher forcing on")
         if self.haystack is None:
             object.__setattr__(self, "haystack", Haystack(seed=self.seed))
 
@@ -107,23 +124,29 @@ def score_samples(
     show_progress: bool = True,
     cache: dict | None = None,
     forced: bool = True,
+    generated: int | None = None,
 ) -> tuple[dict[tuple, list[float]], list[dict]]:
-    """Answer and score each run's sample: the scores per cell (keyed by the tuple of the cell's
+    """Answer and score each run's sample: the generated scores per cell (keyed by the tuple of the cell's
     values) and a record per prompt (the cell's fields, then the run's own, then the outcome, with ``forced``
     the reference's teacher-forced scores). ``cache``: see ``Prompting.cache`` (keyed by title, the cell's and
-    the run's values)."""
+    the run's values). ``generated``: see ``Prompting.generated`` (a cell's first runs in order are generated);
+    the others' records hold None as prediction and score."""
     scores: dict[tuple, list[float]] = {}
     records = []
     for cell, fields, sample in track(_built(runs, title, cache), len(runs), title, show_progress):
-        got = answer(engine, tokenizer, sample, forced)
-        value = score(sample.metric, got.prediction, sample.answers)
-        scores.setdefault(tuple(cell.values()), []).append(value)
+        key = tuple(cell.values())
+        generate = generated is None or len(scores.get(key, [])) < generated
+        got = answer(engine, tokenizer, sample, forced, generate)
+        value = score(sample.metric, got.prediction, sample.answers) if generate else None
+        if generate:
+            scores.setdefault(key, []).append(value)
         records.append(
             {
                 **cell,
                 **fields,
                 "prompt_tokens": min(sample.prompt_tokens, sample.length - sample.max_new_tokens),
                 "answers": sample.answers,
+                "generated": generate,
                 "prediction": got.prediction,
                 "metric": sample.metric,
                 "score": value,
@@ -157,12 +180,19 @@ def _forced_fields(forced: Forced | None) -> dict:
     return {"forced_nll": forced.nll, "forced_greedy": forced.greedy, "forced_score": float(forced.all_greedy)}
 
 
+def _generated_scores(records: Sequence[dict]) -> list[float]:
+    """The scores of the records whose answer was generated."""
+    return [r["score"] for r in records if r["generated"]]
+
+
 def summarise(records: Sequence[dict]) -> dict:
-    """One cell's prompts: ``score`` (mean percent) with its 95% ``interval`` (``intervals.score_interval``),
-    ``prompts``, and from teacher-forced records ``forced`` (percent all greedy), ``forced_interval`` and
-    ``forced_nll`` (mean loss per reference token); None for the teacher-forced fields without them."""
-    scores = [r["score"] for r in records]
+    """One cell's prompts: from the generated records ``score`` (mean percent) with its 95% ``interval``
+    (``intervals.score_interval``) and their count ``generated``; ``prompts`` (all records), and from every
+    teacher-forced record ``forced`` (percent all greedy), ``forced_interval`` and ``forced_nll`` (mean loss per
+    reference token); None for the teacher-forced fields without them."""
+    scores = _generated_scores(records)
     out = {"score": mean_percent(scores), "interval": list(score_interval(scores)), "prompts": len(records)}
+    out["generated"] = len(scores)
     forced = [r for r in records if "forced_score" in r]
     if forced:
         tokens = sum(len(r["forced_nll"]) for r in forced)
@@ -182,15 +212,16 @@ def score_cells(
     prompting: Prompting,
     title: str,
 ) -> tuple[dict[tuple, float], list[dict]]:
-    """Answer ``prompting.samples`` prompts per cell, built by ``prompt(cell, seed)``.
+    """Answer ``prompting.samples`` prompts per cell, built by ``prompt(cell, seed)`` (the first
+    ``prompting.generated`` generated, the rest teacher-forced alone).
 
-    Returns the mean percent per cell (keyed by the tuple of the cell's values) and a record per prompt
-    (the cell's fields first).
+    Returns the mean percent of the generated answers per cell (keyed by the tuple of the cell's values) and a
+    record per prompt (the cell's fields first).
     """
     seeds = range(prompting.seed, prompting.seed + prompting.samples)
     runs = [(cell, {"seed": s}, functools.partial(prompt, cell, s)) for cell in cells for s in seeds]
     scores, records = score_samples(
-        engine, tokenizer, runs, title, prompting.show_progress, prompting.cache, prompting.forced
+        engine, tokenizer, runs, title, prompting.show_progress, prompting.cache, prompting.forced, prompting.generated
     )
     return {key: mean_percent(values) for key, values in scores.items()}, records
 
@@ -216,7 +247,7 @@ def task_grid(
         values = [table[t][i] for t in tasks if table[t][i] is not None]
         average.append(sum(values) / len(values) if values else None)
     average_interval = [
-        list(mean_of_means_interval([[r["score"] for r in cells[(t, n)]] for t in tasks]))
+        list(mean_of_means_interval([_generated_scores(cells[(t, n)]) for t in tasks]))
         if any(cells[(t, n)] for t in tasks)
         else None
         for n in lengths

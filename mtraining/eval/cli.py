@@ -300,6 +300,14 @@ def niah(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Answer tokens to generate.")] = 24,
     text_field: TextField = "text",
     teacher_forcing: TeacherForcing = True,
+    generated: Annotated[
+        int | None,
+        typer.Option(
+            "--generated",
+            help="Generate answers for the first N of each cell's --samples prompts only; the others are scored "
+            "teacher-forced alone (one prefill each, no decoding). Default: all generated.",
+        ),
+    ] = None,
     *,
     opts: SessionOptions,
     nproc: Nproc = 1,
@@ -317,7 +325,9 @@ def niah(
         from .runtime import console
 
         grid, depth_list, stack = inputs()
-        s, prompting = _prompted(checkpoint, opts, grid, stack, seed, samples, max_new_tokens, teacher_forcing)
+        s, prompting = _prompted(
+            checkpoint, opts, grid, stack, seed, samples, max_new_tokens, teacher_forcing, generated
+        )
         result = run_niah(s.engine, s.loaded.tokenizer, grid, depth_list, prompting)
         settings = {
             "lengths": grid,
@@ -327,6 +337,7 @@ def niah(
             "max_new_tokens": max_new_tokens,
             "haystack": [str(p) for p in haystack or []],
             "teacher_forcing": teacher_forcing,
+            "generated": generated,
         }
         out, folder = s.save("niah", settings, result)
         if s.root:
@@ -569,13 +580,14 @@ def _prompted(
     samples: int,
     max_new_tokens: int | None,
     forced: bool,
+    generated: int | None = None,
 ) -> tuple[_Session, Prompting]:
     """The session of a command with generated prompts, checked for generating at ``lengths``, and how it prompts."""
     from .answers import Prompting
 
     s = _Session(checkpoint, opts)
     s.check(lengths, generate=True)
-    return s, Prompting(samples, seed, stack, max_new_tokens, s.root, forced)
+    return s, Prompting(samples, seed, stack, max_new_tokens, s.root, forced, generated)
 
 
 def _print_ppl(out, data: dict) -> None:

@@ -368,7 +368,9 @@ class Engine:
         reference: Sequence[int] | None = None,
     ) -> Response:
         """Every rank: the greedy answer to ``prompt`` (at most ``max_new_tokens`` ids, stop id included) and,
-        with ``reference`` (answer token ids), its teacher-forced scores, from one prefill (module docstring)."""
+        with ``reference`` (answer token ids), its teacher-forced scores, from one prefill (module docstring).
+        ``max_new_tokens`` 1 decodes nothing and gathers no cache for it: the prefill alone, the same as with more
+        (a teacher-forced reading)."""
         from transformers import DynamicCache
 
         ids = [int(i) for i in prompt]
@@ -387,7 +389,7 @@ class Engine:
         nll, greedy = self._answer_scores(hidden, total, len(ids) - 1, labels)
         del hidden
         prefilled = time.perf_counter()
-        cache = self._prompt_cache(cache, total, len(ids))
+        cache = self._prompt_cache(cache, total, len(ids)) if max_new_tokens > 1 else None  # 1: no decoding step
         tokens = self._decode(cache, int(greedy[0]), max_new_tokens, set(stop_ids)) if self.is_root else None
         del cache
         self.phases.prefill_s += prefilled - started

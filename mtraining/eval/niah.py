@@ -6,7 +6,9 @@ the needle placed at ``depth`` percent of the haystack; the score of a cell is t
 answers that contain the needle's number. Beside it: the teacher-forced reading of the number (``forced``:
 percent of prompts whose every number token is the greedy prediction), 95% intervals over the prompts of
 each cell, and ``by_length``: the depths of a length pooled (the cell of ``samples x depths`` prompts that a
-comparison between models reads).
+comparison between models reads). With ``Prompting.generated`` only the first prompts of each cell are answered by
+generation and the rest read teacher-forced alone (a prefill each): the generated score counts the first, the
+teacher-forced reading all.
 """
 
 from __future__ import annotations

@@ -95,7 +95,11 @@ def results(tiny, tmp_path_factory) -> Path:
         "--label",
         "sparse",
     )
-    for extra, name in (([], "dense"), ([*SPARSE, "--haystack", CORPUS], "sparse")):  # sparse: real filler
+    # sparse: real filler, 2 prompts per cell of which the first is generated and the second teacher-forced alone
+    for extra, name in (
+        ([], "dense"),
+        ([*SPARSE, "--haystack", CORPUS, "--samples", "2", "--generated", "1"], "sparse"),
+    ):
         ok(
             "niah",
             tiny,
@@ -167,14 +171,18 @@ def test_niah_json_and_heatmap(results):
         assert len(grid["scores"]) == 3 and all(
             len(row) == 2 and all(0 <= v <= 100 for v in row) for row in grid["scores"]
         )
-        assert len(grid["records"]) == 6 and all(r["prompt_tokens"] <= r["length"] for r in grid["records"])
+        per_cell = data["settings"]["samples"]
+        assert len(grid["records"]) == 6 * per_cell and all(r["prompt_tokens"] <= r["length"] for r in grid["records"])
         assert (results / name / "niah.png").read_bytes()[:8] == PNG_MAGIC
         assert grid["haystack"] == ("documents" if name == "sparse" else "filler")
         for row, bounds, forced in zip(grid["scores"], grid["intervals"], grid["forced"]):
             assert all(lo <= v <= hi for v, (lo, hi) in zip(row, bounds)) and all(f in (0, 100) for f in forced)
-        assert [c["prompts"] for c in grid["by_length"]] == [3, 3]  # the depths of a length pooled
+        assert [c["prompts"] for c in grid["by_length"]] == [3 * per_cell] * 2  # the depths of a length pooled
+        assert [c["generated"] for c in grid["by_length"]] == [3, 3]
         for r in grid["records"]:
             assert len(r["forced_nll"]) == len(r["forced_greedy"]) >= 7 and r["forced_score"] == all(r["forced_greedy"])
+            assert r["generated"] == (r["seed"] == 0) and (r["prediction"] is None) != r["generated"]
+    assert json.loads((results / "sparse" / "niah.json").read_text())["settings"]["generated"] == 1
 
 
 def test_ruler_json_and_table(results):

@@ -9,9 +9,11 @@ from collections import Counter
 import pytest
 
 from mtraining.eval import infinitebench
-from mtraining.eval.answers import reference_text, score_samples
+from mtraining.eval.answers import Prompting, reference_text, score_samples
 from mtraining.eval.documents import Haystack, filler_sentences, load_documents, text_pieces
-from mtraining.eval.engine import Response
+from mtraining.eval.engine import Forced, Response
+from mtraining.eval.intervals import score_interval
+from mtraining.eval.niah import run_niah
 from mtraining.eval.ppl import position_buckets
 from mtraining.eval.runtime import parse_lengths
 from mtraining.eval.scoring import match_all, match_any, mean_percent
@@ -207,12 +209,70 @@ class _Chars:
     def decode(self, ids: list[int]) -> str:
         return "".join(map(chr, ids))
 
+    def count(self, text: str) -> int:
+        return len(text)
+
+    def continuation(self, prompt: str, text: str) -> list[int]:
+        return self.encode(text)
+
 
 class _Answers:
     """An engine whose greedy answer is always ' 1234567.'."""
 
     def respond(self, ids, max_new_tokens, stop_ids, reference=None):
         return Response([ord(c) for c in " 1234567."])
+
+
+class _Recording:
+    """An engine that records each call (prompt ids, answer budget) and answers every other one right: the
+    needle's digits generated and every reference token greedy, else neither."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], int]] = []
+
+    def respond(self, ids, max_new_tokens, stop_ids, reference=None):
+        self.calls.append((list(ids), max_new_tokens))
+        right = len(self.calls) % 2 == 1
+        text = " " + "".join(chr(t) for t in reference if chr(t).isdigit()) if right else " no."
+        forced = Forced([0.1 * len(self.calls)] * len(reference), [right] * len(reference))
+        return Response([ord(c) for c in text][:max_new_tokens], forced)
+
+
+def test_teacher_forced_alone_prompts_are_the_generated_ones_and_counted_apart():
+    """``Prompting.generated``: each cell's first prompts are generated, the rest read teacher-forced alone from the
+    same prompt ids with a one-token budget (no decoding); the generated score and interval count the generated
+    records, the teacher-forced figures all of them."""
+    tok, lengths, depths = _Chars(), [600], [0.0, 100.0]
+    every = _Recording()
+    run_niah(every, tok, lengths, depths, Prompting(samples=3, show_progress=False))
+    some = _Recording()
+    result = run_niah(some, tok, lengths, depths, Prompting(samples=3, generated=1, show_progress=False))
+    assert [ids for ids, _ in some.calls] == [ids for ids, _ in every.calls]  # the same prompts, seed by seed
+    assert [n for _, n in some.calls] == [MAX_NEW_TOKENS["niah_single"], 1, 1] * 2
+    records = result["records"]
+    assert [r["generated"] for r in records] == [True, False, False] * 2
+    assert all(r["prediction"] is None and r["score"] is None for r in records if not r["generated"])
+    (pooled,) = result["by_length"]
+    scores = [r["score"] for r in records if r["generated"]]
+    assert (pooled["prompts"], pooled["generated"]) == (6, 2) and scores == [1.0, 0.0]
+    assert pooled["score"] == 50.0 and pooled["interval"] == list(score_interval(scores))
+    forced = [r["forced_score"] for r in records]
+    assert pooled["forced"] == mean_percent(forced) and pooled["forced_interval"] == list(score_interval(forced))
+    nll = [x for r in records for x in r["forced_nll"]]
+    assert pooled["forced_nll"] == pytest.approx(sum(nll) / len(nll))
+    assert result["scores"] == [[100.0], [0.0]] and result["forced"] == [
+        [mean_percent(forced[:3])],
+        [mean_percent(forced[3:])],
+    ]
+
+
+def test_prompting_generated_takes_some_of_the_samples_and_teacher_forcing():
+    assert Prompting(samples=4, generated=4, forced=False).generated == 4  # all generated: nothing forced alone
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="generated must be in 1..samples"):
+            Prompting(samples=4, generated=bad)
+    with pytest.raises(ValueError, match="keep teacher forcing on"):
+        Prompting(samples=4, generated=2, forced=False)
 
 
 def test_prompting_cache_builds_each_sample_once():

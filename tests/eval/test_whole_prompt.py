@@ -1,7 +1,8 @@
 """Answers read the whole prompt through the attention under test (``Engine.respond``).
 
-- A pattern that hides the needle from the question fails retrieval, in generation and teacher-forced, on one
-  process and through the striped ring with a padding document; with the needle kept both find it.
+- A pattern that hides the needle from the question fails retrieval, in generation and teacher-forced (beside
+  generation or alone, without decoding), on one process and through the striped ring with a padding document; with
+  the needle kept both find it.
 - Every prompt token goes through the sparse attention; only generated tokens after the first decode dense.
 - Dense attention answers as Hugging Face's greedy ``generate``, and teacher-forced losses are the model's own.
 - Sparse teacher-forced scores are the float64 oracle's attention with the pattern the prompt alone estimates,
@@ -14,7 +15,9 @@ import pytest
 import torch
 
 import mtraining.models.attention as attention_module
-from mtraining.eval.engine import DECODE_ATTENTION, AttentionSpec, Engine, _attn_implementation
+from mtraining.eval.answers import answer
+from mtraining.eval.engine import DECODE_ATTENTION, AttentionSpec, Engine, Forced, _attn_implementation
+from mtraining.eval.tasks import Sample
 from mtraining.ops import attention_oracle
 from tests.eval.needle import needle_model, needle_prompt
 from tests.eval.tiny_engine import inputs, spec, tiny_model
@@ -31,11 +34,13 @@ def needle_engine(group, pattern: dict) -> Engine:
     return Engine(needle_model(), spec, group)
 
 
-def retrieve(group, pattern: dict) -> tuple[list[int], bool, float]:
+def retrieve(group, pattern: dict) -> tuple[list[int], bool, float, Forced]:
     """Worker (and one process with group=None): generated tokens, whether the teacher-forced needle is the
-    greedy prediction, and its loss."""
-    response = needle_engine(group, pattern).respond(needle_prompt(PROMPT, NEEDLE_AT, VALUE), 2, reference=[VALUE])
-    return response.tokens, response.forced.all_greedy, response.forced.nll[0]
+    greedy prediction and its loss, and the needle teacher-forced alone (one answer token: no decoding)."""
+    engine, prompt = needle_engine(group, pattern), needle_prompt(PROMPT, NEEDLE_AT, VALUE)
+    response = engine.respond(prompt, 2, reference=[VALUE])
+    alone = engine.respond(prompt, 1, reference=[VALUE])
+    return response.tokens, response.forced.all_greedy, response.forced.nll[0], alone.forced
 
 
 @pytest.mark.slow
@@ -46,10 +51,36 @@ def test_a_pattern_that_hides_the_needle_fails_retrieval(pool, world):
         for name, pattern in (("dense", {}), ("kept", KEPT), ("hidden", HIDDEN))
     }
     for name in ("dense", "kept"):
-        for tokens, greedy, nll in results[name]:
+        for tokens, greedy, nll, alone in results[name]:
             assert tokens[0] == VALUE and greedy and nll < 0.1, name
-    for tokens, greedy, nll in results["hidden"]:
+            assert alone == Forced([nll], [greedy]), name
+    for tokens, greedy, nll, alone in results["hidden"]:
         assert tokens[0] != VALUE and not greedy and nll > 3  # ln 64 = 4.16: every logit 0
+        assert alone == Forced([nll], [greedy])
+
+
+class _Ids:
+    """The tokenizer of samples that carry their token ids: no stop ids, ids decoded as numbers."""
+
+    stop_ids: list[int] = []
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+def test_a_needle_teacher_forced_alone_is_read_as_beside_generation():
+    """``answer(generate=False)`` prefills the same prompt and decodes nothing: its teacher-forced scores are the
+    generated answer's, so a pattern that hides the needle fails both and one that keeps it passes both."""
+    ids = needle_prompt(PROMPT, NEEDLE_AT, VALUE)
+    sample = Sample("niah_single", PROMPT + 2, "", [str(VALUE)], 2, ids=ids, reference_ids=[VALUE])
+    for pattern, found in ((KEPT, True), (HIDDEN, False)):
+        engine = needle_engine(None, pattern)
+        generated = answer(engine, _Ids(), sample)
+        steps = engine.phases.decode_steps
+        alone = answer(engine, _Ids(), sample, generate=False)
+        assert steps == 1 and engine.phases.decode_steps == steps and engine.phases.prefills == 2
+        assert alone.prediction is None and alone.forced == generated.forced
+        assert generated.forced.all_greedy == found and (generated.prediction.split()[0] == str(VALUE)) == found
 
 
 def test_every_prompt_token_goes_through_the_sparse_path(monkeypatch):

@@ -63,6 +63,29 @@ def test_measured_tasks_replace_the_calibration_and_sparse_keeps_the_dense_floor
     assert only_niah == Estimate(60.0, "here")
 
 
+def test_prompts_read_teacher_forced_alone_cost_a_prefill_each(tmp_path):
+    """Their own term (``niah_forced``): a measured prefill per prompt where the calibration has one (a sparse read's
+    at least the dense read's), else the FLOPs of one prefill (no generated tokens); measured here, it wins."""
+    more = replace(PRESETS["gpu"], niah_prompts=10, niah_forced_prompts=50, ruler_samples=1, ppl_windows=4)
+    timings = Timings(tmp_path / "timings.json")
+    est = Estimator(more, Shape(), timings)
+    assert est.items()["niah"] == 10 and est.items()["niah_forced"] == 40
+    calibration = more.costs.calibration
+    assert est.per_item(DENSE, 65536, "niah_forced") == Estimate(calibration.prefill_s["dense"][65536], "calibrated")
+    alone = est.per_item(ADAPTIVE, 16384, "niah_forced").seconds
+    assert alone == calibration.prefill_s["sparse"][16384] > calibration.prefill_s["dense"][16384]
+    fewer = Estimator(replace(more, niah_forced_prompts=None), Shape(), timings)
+    assert est.cell(DENSE, 65536).seconds - fewer.cell(DENSE, 65536).seconds == pytest.approx(40 * 3.671)
+    uncalibrated = Estimator(replace(GPU, niah_forced_prompts=GPU.niah_prompts + 5), Shape(), timings)
+    flops = uncalibrated.per_item(DENSE, 8192, "niah_forced")
+    generated = uncalibrated.per_item(DENSE, 8192, "niah")
+    assert flops.source == "flops" and generated.source == "calibrated"
+    assert flops.seconds == pytest.approx(Shape().forward_flops(8192) / GPU.costs.flops_per_s + GPU.costs.prompt_s)
+    assert uncalibrated.cell(DENSE, 8192).source == "flops"  # the least trusted of its parts
+    timings.record("read:dense:8192:niah_forced", 0.2)
+    assert Estimator(more, Shape(), timings).per_item(DENSE, 8192, "niah_forced") == Estimate(0.2, "here")
+
+
 def experiment(tmp_path: Path, settings=GPU, tar: bool = True) -> Experiment:
     return Experiment(settings, Sources(), tmp_path / "work", tmp_path / "out", tar=tmp_path / "r.tgz" if tar else None)
 
@@ -88,7 +111,8 @@ def test_a_stage_that_does_not_fit_the_call_is_not_started_and_times_are_logged(
 def test_every_cell_reaches_out_and_the_archive_at_once_and_a_partial_folder_reports(tmp_path, monkeypatch):
     settings = replace(GPU, seeds=(0,), length=4096, eval_fractions=(2, 1))
     exp = experiment(tmp_path, settings)
-    figures = {"ppl": {"buckets": [{"ppl": 3.0}]}, "niah": {"score": 90.0, "forced": 90.0}, "ruler": {"average": 40.0}}
+    niah = {"score": 90.0, "forced": 90.0, "generated": 4, "prompts": 4}
+    figures = {"ppl": {"buckets": [{"ppl": 3.0}]}, "niah": niah, "ruler": {"average": 40.0}}
 
     def fake(model, inputs, arm, n):
         return {"length": n, **figures, "density": None, "seconds": {"niah": {"s": 2.0, "items": 4}}}

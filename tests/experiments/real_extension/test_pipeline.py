@@ -51,6 +51,7 @@ def experiment(*args) -> subprocess.CompletedProcess:
 def test_the_pipeline_at_toy_size_over_two_folders(tmp_path):
     work = tmp_path / "work"
     common = ["--preset", "toy", *inputs(tmp_path), "--heldout", "code/mteval", "--work", work]
+    common += ["--niah-forced-prompts", "3"]  # the toy's one NIAH prompt generated, two more teacher-forced alone
 
     planned = experiment(*common, "--plan", "--max-minutes", "1")
     assert planned.returncode == 0, planned.stderr
@@ -69,6 +70,10 @@ def test_the_pipeline_at_toy_size_over_two_folders(tmp_path):
     cell = sparse["cells"][-1]
     assert {r["task"] for r in cell["ruler"]["records"]} == {"niah_multikey", "vt"}
     assert all("forced_nll" in r for r in cell["niah"]["records"])  # teacher-forced beside generation
+    assert [r["generated"] for r in cell["niah"]["records"]] == [True, False, False]
+    assert (cell["niah"]["prompts"], cell["niah"]["generated"]) == (3, 1) and cell["phases"]["prefills"] > 3
+    assert cell["seconds"]["niah"]["items"] == 1 and cell["seconds"]["niah_forced"]["items"] == 2
+    assert "read:sparse:1024:niah_forced" in json.loads((work / "timings.json").read_text())
     trained = json.loads((out / "train" / f"seed0_{ARM}.json").read_text())
     assert trained["steps"] == 2 and 0 < trained["density"] < 1 and trained["step_s"] > 0
     assert trained["config"]["model"]["rope_parameters"] == {
@@ -99,7 +104,8 @@ def test_the_pipeline_at_toy_size_over_two_folders(tmp_path):
     assert arm["ppl_change_pct"] is not None and arm["ppl_change_hi"] is None  # 2 seeds: means, no bounds
     assert "no interval over seeds" in arm["reads"]["dense"]["by_length"]["1024"]["metrics"]["ppl"]["note"]
     assert arm["sparse_read"]["ppl_change_pct"] is not None and arm["attention_speedup"]["1024"] > 0
-    assert "2 seed(s): means only" in (tmp_path / "report" / "real_extension.md").read_text()
+    md = (tmp_path / "report" / "real_extension.md").read_text()
+    assert "2 seed(s): means only" in md and "NIAH prompts per length: 1 generated, 3 teacher-forced." in md
     assert (tmp_path / "report" / "real_extension.png").stat().st_size > 0
 
     again = experiment(*common, "--seeds", "0", "--out", tmp_path / "a", "--steps", "3")

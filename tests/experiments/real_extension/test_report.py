@@ -33,7 +33,7 @@ def cell(length: int, ppl: float, niah: float, forced: float, ruler: float) -> d
     return {
         "length": length,
         "ppl": {"buckets": [{"ppl": 2 * ppl}, {"ppl": ppl}]},
-        "niah": {"score": niah, "forced": forced},
+        "niah": {"score": niah, "forced": forced, "generated": 10, "prompts": 50},
         "ruler": {"average": ruler},
         "density": None,
     }
@@ -88,6 +88,7 @@ def test_changes_are_paired_by_seed_with_t_bounds_over_three_seeds(tmp_path):
     assert adaptive["goal"]["met"] is False  # NIAH's lower bound is below -3 points
     md = (tmp_path / "out" / "real_extension.md").read_text()
     assert "| adaptive | 3 | 3.50 |" in md and (tmp_path / "out" / "real_extension.png").exists()
+    assert "NIAH prompts per length: 10 generated, 50 teacher-forced." in md
 
 
 def test_under_three_seeds_the_means_come_without_bounds(tmp_path):
@@ -105,6 +106,9 @@ def test_folders_that_do_not_pair_are_refused(tmp_path):
     other = folder(tmp_path / "c", [1], replace(SETTINGS, steps=99))
     with pytest.raises(ValueError, match=r"differ in \['steps'\]"):
         report.pool([report.load_folder(a), report.load_folder(other)])
+    more = folder(tmp_path / "d", [1], replace(SETTINGS, niah_forced_prompts=50))  # forced columns of other sizes
+    with pytest.raises(ValueError, match=r"differ in \['niah_forced_prompts'\]"):
+        report.pool([report.load_folder(a), report.load_folder(more)])
     with pytest.raises(ValueError, match="no run.json"):
         report.load_folder(tmp_path)
 
@@ -127,6 +131,7 @@ def test_rope_and_settings_checks_name_the_option():
         rope_scaling(8192, 8192)
     gpu = PRESETS["gpu"]
     gpu.check()
+    assert gpu.forced_prompts == gpu.niah_prompts and replace(gpu, niah_forced_prompts=50).forced_prompts == 50
     for changes, option in (
         (dict(length=65536 + 128), "--length"),
         (dict(arms=(ADAPTIVE,)), "--arms"),
@@ -134,6 +139,7 @@ def test_rope_and_settings_checks_name_the_option():
         (dict(seeds=(0, 0)), "--seeds"),
         (dict(speed_repeats=3), "--speed-repeats"),
         (dict(ruler_tasks=("qa",)), "--ruler-tasks"),
+        (dict(niah_prompts=10, niah_forced_prompts=9), "--niah-forced-prompts"),
     ):
         with pytest.raises(ValueError, match=option):
             replace(gpu, **changes).check()
