@@ -96,7 +96,7 @@ class Prompting:
     max_new_tokens: int | None = None  # None: the task's own
     show_progress: bool = True
     forced: bool = True  # also score the reference answer teacher-forced
-    generated: int | None = None  # NIAH (score_cells): generate the first this many of a cell's prompts; None: all
+    generated: int | None = None  # generate the first this many of a cell's prompts, the rest forced; None: all
     # Samples already built with these settings and the same tokenizer, filled as samples are built:
     # several models that share a tokenizer build each prompt once (keys: see ``score_samples``).
     cache: dict | None = field(default=None, compare=False, repr=False)

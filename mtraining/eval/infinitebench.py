@@ -212,7 +212,14 @@ def run_infinitebench(
         for s in seeds
     ]
     scores, records = score_samples(
-        engine, tokenizer, runs, "infinitebench", prompting.show_progress, prompting.cache, prompting.forced
+        engine,
+        tokenizer,
+        runs,
+        "infinitebench",
+        prompting.show_progress,
+        prompting.cache,
+        prompting.forced,
+        prompting.generated,
     )
     return task_grid(tasks, lengths, scores, records) | {"haystack": prompting.haystack.name}
 

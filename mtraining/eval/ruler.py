@@ -44,7 +44,14 @@ def run_ruler(
         for s in seeds
     ]
     scores, records = score_samples(
-        engine, tokenizer, runs, "ruler", prompting.show_progress, prompting.cache, prompting.forced
+        engine,
+        tokenizer,
+        runs,
+        "ruler",
+        prompting.show_progress,
+        prompting.cache,
+        prompting.forced,
+        prompting.generated,
     )
     return task_grid(tasks, lengths, scores, records) | {"haystack": haystack.name}
 

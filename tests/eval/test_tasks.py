@@ -15,6 +15,7 @@ from mtraining.eval.engine import Forced, Response
 from mtraining.eval.intervals import score_interval
 from mtraining.eval.niah import run_niah
 from mtraining.eval.ppl import position_buckets
+from mtraining.eval.ruler import run_ruler
 from mtraining.eval.runtime import parse_lengths
 from mtraining.eval.scoring import match_all, match_any, mean_percent
 from mtraining.eval.tasks import MAX_NEW_TOKENS, TASKS, fit_knob, generate, top_words
@@ -264,6 +265,18 @@ def test_teacher_forced_alone_prompts_are_the_generated_ones_and_counted_apart()
         [mean_percent(forced[:3])],
         [mean_percent(forced[3:])],
     ]
+
+
+def test_ruler_and_infinitebench_generate_only_the_first_prompts_of_a_cell_too():
+    tok = _Chars()
+    for run, tasks in (
+        (run_ruler, ["niah_multikey", "vt"]),
+        (infinitebench.run_infinitebench, ["passkey", "kv_retrieval"]),
+    ):
+        engine = _Recording()
+        result = run(engine, tok, tasks, [600], Prompting(samples=2, generated=1, show_progress=False))
+        assert [r["generated"] for r in result["records"]] == [True, False] * len(tasks)
+        assert sorted(n for _, n in engine.calls)[: len(tasks)] == [1] * len(tasks)  # the forced ones decode nothing
 
 
 def test_prompting_generated_takes_some_of_the_samples_and_teacher_forcing():
