@@ -4,6 +4,7 @@ writes its table, and the sparse arm is the real-model experiment's adaptive one
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -33,10 +34,12 @@ RUNS = [
 
 
 @pytest.mark.parametrize("options,cells", RUNS)
-def test_every_case_is_recorded(options, cells, tmp_path, capsys, one_thread):
+def test_every_case_is_recorded(options, cells, tmp_path, capsys, monkeypatch, one_thread):
     bench = load_script("eval_prefill")
     out = tmp_path / "prefill.json"
-    bench.main(["--tiny", "--repeats", "1", "--out", str(out), *options])
+    # as run from the shell: the records' command is the process's command line
+    monkeypatch.setattr(sys, "argv", ["eval_prefill.py", "--tiny", "--repeats", "1", "--out", str(out), *options])
+    bench.main()
     records = json.loads(out.read_text())
     cases = CASES + ["profile"] * ("--profile" in options)
     assert [(r["length"], r["arm"]) for r in records[:: len(cases)]] == cells
