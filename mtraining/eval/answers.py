@@ -204,6 +204,15 @@ def summarise(records: Sequence[dict]) -> dict:
     return out
 
 
+def score_prompted(
+    engine: Engine, tokenizer: Tokenizer, runs: Sequence[Run], title: str, prompting: Prompting
+) -> tuple[dict[tuple, list[float]], list[dict]]:
+    """``score_samples`` as ``prompting`` says: its progress, prompt cache, teacher forcing and generated count."""
+    return score_samples(
+        engine, tokenizer, runs, title, prompting.show_progress, prompting.cache, prompting.forced, prompting.generated
+    )
+
+
 def score_cells(
     engine: Engine,
     tokenizer: Tokenizer,
@@ -220,9 +229,7 @@ def score_cells(
     """
     seeds = range(prompting.seed, prompting.seed + prompting.samples)
     runs = [(cell, {"seed": s}, functools.partial(prompt, cell, s)) for cell in cells for s in seeds]
-    scores, records = score_samples(
-        engine, tokenizer, runs, title, prompting.show_progress, prompting.cache, prompting.forced, prompting.generated
-    )
+    scores, records = score_prompted(engine, tokenizer, runs, title, prompting)
     return {key: mean_percent(values) for key, values in scores.items()}, records
 
 

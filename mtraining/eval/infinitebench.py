@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..data.tokenizer import Tokenizer
-from .answers import Prompting, score_samples, task_grid
+from .answers import Prompting, score_prompted, task_grid
 from .documents import Haystack
 from .engine import Engine
 from .scoring import check_answers
@@ -211,16 +211,7 @@ def run_infinitebench(
         for n in lengths
         for s in seeds
     ]
-    scores, records = score_samples(
-        engine,
-        tokenizer,
-        runs,
-        "infinitebench",
-        prompting.show_progress,
-        prompting.cache,
-        prompting.forced,
-        prompting.generated,
-    )
+    scores, records = score_prompted(engine, tokenizer, runs, "infinitebench", prompting)
     return task_grid(tasks, lengths, scores, records) | {"haystack": prompting.haystack.name}
 
 

@@ -6,7 +6,7 @@ import functools
 from collections.abc import Sequence
 
 from ..data.tokenizer import Tokenizer
-from .answers import Prompting, score_samples, task_grid
+from .answers import Prompting, score_prompted, task_grid
 from .engine import Engine
 from .tasks import TASKS, generate
 
@@ -43,16 +43,7 @@ def run_ruler(
         for n in lengths
         for s in seeds
     ]
-    scores, records = score_samples(
-        engine,
-        tokenizer,
-        runs,
-        "ruler",
-        prompting.show_progress,
-        prompting.cache,
-        prompting.forced,
-        prompting.generated,
-    )
+    scores, records = score_prompted(engine, tokenizer, runs, "ruler", prompting)
     return task_grid(tasks, lengths, scores, records) | {"haystack": haystack.name}
 
 
