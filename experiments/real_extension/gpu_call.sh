@@ -25,7 +25,7 @@ if [ ! -s $G ]; then
       && (cd $STASH && grep " $(basename $G)\$" SHA256 | sha256sum -c --quiet); } \
       || { rm -f $G; echo "the GGUF parts do not join to the file .gguf/SHA256 names"; exit 2; }
   else
-    echo "GGUF parts still to carry: $missing"
+    echo "GGUF parts still to carry:" $missing  # one line
   fi
 fi
 python3 -m experiments.real_extension --gguf $G --tokenizer .gguf/tok --work /root/rx --out /root/rx/out \

@@ -98,9 +98,9 @@ class Settings:
     ranks of one striped ring. Evaluation at ``length`` / 8, / 4, / 2 and ``length``: ``niah_prompts`` per length
     (spread over ``depths``) generated and teacher-forced, and up to ``niah_forced_prompts`` (None: none more)
     teacher-forced alone (a prefill each, no decoding), ``ruler_samples`` per RULER-style task and length,
-    ``ppl_windows`` held-out documents per length; the base is checked on ``base_prompts`` NIAH prompts at its native length and must reach
-    ``base_gate`` percent (the upper end of its 95% interval; 0: no check). Speed: Q/K/V of ``speed_layers``
-    dumped at ``speed_lengths``, timed ``speed_repeats`` times per call."""
+    ``ppl_windows`` held-out documents per length; the base is checked on ``base_prompts`` NIAH prompts at its
+    native length and must reach ``base_gate`` percent (the upper end of its 95% interval; 0: no check). Speed:
+    Q/K/V of ``speed_layers`` dumped at ``speed_lengths``, timed ``speed_repeats`` times per call."""
 
     length: int = 65536
     eval_fractions: tuple[int, ...] = (8, 4, 2, 1)  # the evaluation's lengths: length / each
