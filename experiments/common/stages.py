@@ -59,8 +59,11 @@ class Clock:
         self.expected, self.children_only = expected, children_only
 
     def __enter__(self) -> Clock:
-        if Clock.deadline is not None and time.time() + self.expected > Clock.deadline:
-            raise OutOfTime
+        left = Clock.left()
+        if left is not None and self.expected > left:
+            raise OutOfTime(
+                f"the next stage is expected to take up to {self.expected:.0f}s and {max(left, 0):.0f}s are left"
+            )
         self.started, self.before = time.time(), cpu_seconds(self.children_only)
         return self
 

@@ -68,7 +68,7 @@ def train(run: Path, config: dict, keep_checkpoints: bool = False) -> dict:
         f.write(json.dumps({"wall_s": clock.wall_s, "cpu_s": clock.cpu_s, "stopped": stopped}) + "\n")
     if stopped:
         say(f"  stopped at the deadline after {clock.wall_s:.0f}s wall (exit {proc.returncode}); resumes next call")
-        raise OutOfTime
+        raise OutOfTime("a training reached the deadline; it resumes from its checkpoint")
     if proc.returncode != 0:
         tail = "\n".join((run / "train.log").read_text().splitlines()[-15:])
         raise RuntimeError(f"training {run} failed (exit {proc.returncode}); the end of its train.log:\n{tail}")

@@ -649,8 +649,8 @@ def main() -> None:
     except Refused as e:
         say(f"refused: {e}")
         sys.exit(2)
-    except OutOfTime:
-        say(f"stopped after {args.max_minutes} minutes: run the same command again to continue from {work}")
+    except OutOfTime as e:
+        say(f"stopped within --max-minutes {args.max_minutes}: {e}; run the same command again to continue from {work}")
         sys.exit(3)
     except BaseDoesNotRetrieve as e:
         say(f"stopped: {e}")

@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     except GGUFNotHere as err:
         say(f"stopped: {err}")
         status = 3
-    except OutOfTime:
-        say(f"stopped after {args.max_minutes} minutes: run the same command again to continue")
+    except OutOfTime as err:
+        say(f"stopped within --max-minutes {args.max_minutes}: {err}; run the same command again to continue")
         status = 3
     except BaseDoesNotRetrieve as err:
         say(f"stopped: {err}")

@@ -6,6 +6,10 @@ starts one child per part (``split``), each this same command with its own ``--s
 <tar>_gpu<g>.tgz`` and the minutes left. Parts are balanced by their expected seconds: whole seeds go to the least
 loaded GPU, then the base's read and the speed stage; the base check runs once, on GPU 0. The children's result
 folders pool like any machines' (``--report-from <out>`` finds them).
+
+Each child runs with ``OMP_NUM_THREADS=1`` unless it is set (torchrun's default when a host runs several processes):
+the children's prompt builders keep the host's cores busy, and torch's CPU ops on tensors past its parallel grain
+(32K elements, a 64K prompt's positions) then wait for threads that never get a core.
 """
 
 from __future__ import annotations
@@ -112,7 +116,7 @@ def link_shared(work: Path, part: Part) -> None:
     own = part_dir(work, part)
     own.mkdir(parents=True, exist_ok=True)
     for name in ("model", "corpus"):
-        if not (own / name).exists():
+        if not (own / name).is_symlink() and not (own / name).exists():  # linked by an earlier call
             (own / name).symlink_to(work / name, target_is_directory=True)
 
 
@@ -124,6 +128,7 @@ def launch(parts: list[Part], argv: list[str], work: Path, out: Path, tar: Path 
         cmd = [sys.executable, "-m", "experiments.real_extension", *child_argv(argv, part, work, out, tar, minutes, workers)]  # fmt: skip
         say(f"GPU {part.gpu}: {part.what()}")
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(part.gpu))
+        env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several processes per host (module docstring)
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env))
     codes = [p.wait() for p in procs]
     for part, code in zip(parts, codes):

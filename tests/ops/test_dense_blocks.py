@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtraining.ops import attention_oracle, sparse_attention
+from mtraining.ops import Documents, attention_oracle, sparse_attention
 from mtraining.ops.dense import (
     CUDNN,
     ENV_VAR,
@@ -19,6 +19,8 @@ from mtraining.ops.dense import (
     dense_setting,
     select_ops,
 )
+from mtraining.ops.dense import blocks as blocks_module
+from mtraining.ops.sparse.attention import default_document_blocks, document_blocks
 from mtraining.parallel import make_layout
 from tests.factories import make_qkv
 from tests.numerics import assert_close
@@ -124,6 +126,36 @@ def test_single_device_dense_through_blocks_equals_oracle(sq, sk):
     ref_out.backward(dout)
     assert_close("out", out.detach(), ref_out.detach(), 1e-10)
     assert_close("lse", lse, ref_lse, 1e-10)
+    for name, a, r in zip(["dq", "dk", "dv"], leaves, refs):
+        assert_close(name, a.grad, r.grad, 1e-10)
+
+
+def test_default_document_blocks_are_the_positional_ones_built_once_on_the_host(monkeypatch):
+    """One device, default positions: the documents' blocks equal ``document_blocks`` of the positions, are built
+    once per documents and shape, and a forward through them reads no positions on the host (every layer of an
+    evaluation prefill would repeat that read: under a busy host, seconds at 64K)."""
+    gen = torch.Generator().manual_seed(1)
+    for sq, sk in [(40, 40), (24, 64), (64, 64)]:
+        cuts = sorted(set(torch.randint(1, sk, (3,), generator=gen).tolist()))
+        documents = Documents([[0, *cuts]], sk)
+        built = default_document_blocks(documents, sq, sk)
+        assert built == document_blocks(documents, torch.arange(sk - sq, sk), torch.arange(sk))
+        assert default_document_blocks(documents, sq, sk) is built
+    q, k, v, dout = make_qkv(1, 48, 48, 4, 2, 16, torch.float64, 3)
+    documents = Documents([[0, 20, 33]], 48)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def no_host_read(pos):
+        raise AssertionError("positions read on the host")
+
+    monkeypatch.setattr(blocks_module, "_runs", no_host_read)
+    with dense_backend("reference"):
+        out = sparse_attention(*leaves, backend="torch", documents=documents)
+    out.backward(dout)
+    refs = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = attention_oracle(*refs, documents=documents)[0]
+    ref.backward(dout)
+    assert_close("out", out.detach(), ref.detach(), 1e-10)
     for name, a, r in zip(["dq", "dk", "dv"], leaves, refs):
         assert_close(name, a.grad, r.grad, 1e-10)
 

@@ -4,9 +4,19 @@ blocks.py (the decomposition and the block runner), cudnn.py (per-block attentio
 select.py (which path dense calls take: ``dense_blocks``, ``MTRAINING_DENSE_BACKEND``).
 """
 
-from .blocks import MAX_BLOCKS, Block, BlockOps, DenseBlocks, decompose, default_blocks
+from .blocks import MAX_BLOCKS, Block, BlockOps, DenseBlocks, decompose, decompose_runs, default_blocks
 from .cudnn import CUDNN
 from .select import ENV_VAR, REFERENCE, dense_backend, dense_blocks, dense_setting, select_ops
 
-__all__ = ["MAX_BLOCKS", "Block", "BlockOps", "DenseBlocks", "decompose", "default_blocks", "CUDNN", "ENV_VAR"]
+__all__ = [
+    "MAX_BLOCKS",
+    "Block",
+    "BlockOps",
+    "DenseBlocks",
+    "decompose",
+    "decompose_runs",
+    "default_blocks",
+    "CUDNN",
+    "ENV_VAR",
+]
 __all__ += ["REFERENCE", "dense_backend", "dense_blocks", "dense_setting", "select_ops"]

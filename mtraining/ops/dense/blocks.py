@@ -96,6 +96,17 @@ def decompose(
     q_runs, k_runs = _runs(q_pos), _runs(k_pos)
     if q_runs is None or k_runs is None:
         return None
+    return decompose_runs(q_runs, k_runs, max_blocks, doc_starts)
+
+
+def decompose_runs(
+    q_runs: list[tuple[int, int, int]],
+    k_runs: list[tuple[int, int, int]],
+    max_blocks: int | None = MAX_BLOCKS,
+    doc_starts: Sequence[int] | None = None,
+) -> tuple[Block, ...] | None:
+    """``decompose`` of positions given as their runs of consecutive positions (local start, local end, first
+    position), increasing: host arithmetic only, no tensor is read."""
     if not q_runs or not k_runs:
         return ()
     starts = sorted(doc_starts or [])
@@ -149,7 +160,12 @@ def decompose(
 @functools.lru_cache(maxsize=64)
 def default_blocks(sq: int, sk: int) -> tuple[Block, ...] | None:
     """``decompose`` of the default positions (keys 0..sk-1, queries the last sq of them): host-known, no sync."""
-    return decompose(torch.arange(sk - sq, sk), torch.arange(sk))
+    return decompose_runs(_default_runs(sq, sk), _default_runs(sk, sk))
+
+
+def _default_runs(n: int, sk: int) -> list[tuple[int, int, int]]:
+    """The runs of the last ``n`` of the positions 0..sk-1: one run (none when ``n`` is 0)."""
+    return [(0, n, sk - n)] if n else []
 
 
 # ----------------------------------------------------------------------------- running the blocks

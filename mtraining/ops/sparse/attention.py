@@ -9,6 +9,7 @@ blocks (no pattern, on cuDNN where it applies: ops/dense) or by the backend; the
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -228,17 +229,11 @@ def _plan_call(
     if q.shape[1] == 0:  # no rows: nothing to launch; the torch backend gives the empty out and lse
         return ChunkPlan(pattern, q_pos, k_pos, scale, backend="torch", dense=None)
     if documents is not None:
-        return plan_chunk(
-            q,
-            k,
-            pattern,
-            q_pos,
-            k_pos,
-            scale,
-            name,
-            functools.partial(document_blocks, documents, q_pos, k_pos),
-            q_bound=documents.left_bounds(q_pos),
-        )
+        if q_given or k_given:
+            blocks = functools.partial(document_blocks, documents, q_pos, k_pos)
+        else:
+            blocks = functools.partial(default_document_blocks, documents, q.shape[1], k.shape[1])
+        return plan_chunk(q, k, pattern, q_pos, k_pos, scale, name, blocks, q_bound=documents.left_bounds(q_pos))
     if q_given or k_given:
         blocks = functools.partial(dense.decompose, q_pos, k_pos)
     else:
@@ -255,6 +250,22 @@ def document_blocks(documents: Documents, q_pos: Tensor, k_pos: Tensor) -> tuple
     met = documents.doc_ids(q_pos.reshape(-1)[[0, -1]].cpu())[0]
     limit = dense.MAX_BLOCKS * int(met[1] - met[0] + 1)
     return dense.decompose(q_pos, k_pos, limit, documents.starts[0].tolist())
+
+
+def default_document_blocks(documents: Documents, sq: int, sk: int) -> tuple[dense.Block, ...] | None:
+    """``document_blocks`` of the default positions (keys 0..sk-1, queries the last ``sq``), built once per
+    documents and shape from the host-held starts: no device sync and no host work over the positions, which
+    every layer of a forward would otherwise repeat."""
+
+    def build() -> tuple[dense.Block, ...] | None:
+        if not documents.shared:
+            return None
+        starts = documents.starts[0].tolist()
+        first, last = (bisect.bisect_right(starts, p) - 1 for p in (sk - sq, sk - 1))
+        limit = dense.MAX_BLOCKS * (last - first + 1)
+        return dense.decompose_runs([(0, sq, sk - sq)], [(0, sk, 0)], limit, starts)
+
+    return documents.cached(("default_blocks", sq, sk), build)
 
 
 class _SparseAttention(torch.autograd.Function):

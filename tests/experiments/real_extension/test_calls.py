@@ -158,11 +158,12 @@ def test_children_run_on_their_own_gpu_with_their_own_options(tmp_path, monkeypa
     assert child[child.index("--seeds") + 1 :][:2] == ["1", "--work"]
     assert str(tmp_path / "o" / "gpu1") in child and str(tmp_path / "r_gpu1.tgz") in child
     assert {"--no-base-check", "--base-read", "--speed"} <= set(child) and "--no-speed" not in child
-    started = []
+    started, threads = [], []
 
     class Fake:
         def __init__(self, cmd, cwd, env):
             started.append((env["CUDA_VISIBLE_DEVICES"], cmd))
+            threads.append(env["OMP_NUM_THREADS"])
             self.code = 3 if env["CUDA_VISIBLE_DEVICES"] == "1" else 0
 
         def wait(self):
@@ -173,6 +174,10 @@ def test_children_run_on_their_own_gpu_with_their_own_options(tmp_path, monkeypa
     parts = [parallel.Part(0, (0, 2), True), part]
     status = parallel.launch(parts, argv, tmp_path / "w", tmp_path / "o", None, 8.5, 7)
     assert status == 3 and [gpu for gpu, _ in started] == ["0", "1"]  # one still has work: call again
+    assert threads == ["1", "1"]  # torchrun's default for several processes on one host
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's setting stands
+    parallel.launch(parts, argv, tmp_path / "w", tmp_path / "o", None, 8.5, 7)
+    assert threads[2:] == ["4", "4"]
     assert (tmp_path / "w" / "gpu0" / "model").resolve() == tmp_path / "w" / "model"
 
 
