@@ -8,14 +8,15 @@ the adaptive model's own Q/K time each sparse arm against dense attention at 64K
 done, 3 call again (--max-minutes reached, or the GGUF not here yet; the same command continues), 4 the base does
 not retrieve, 2 a bad command. ``--parallel-gpus N`` spreads the seeds over N GPUs of the machine, one process each
 (``parallel``). ``--plan`` prints the stages with their expected times and the session sized call by call
-(``session``); ``--report-from`` pools result folders (one per machine or GPU, split by seed; partial reads
-included, the missing cells listed) into real_extension.json, .md and .png in bench/results/.
+(``session``); ``--report-from`` reports runs (each a result folder, or machines' folders joined by commas, split
+by seed; each arm paired with its own run's dense arm; partial reads included, the missing cells listed) into
+real_extension.json, .md and .png in bench/results/.
 
     python -m experiments.real_extension --plan --parallel-gpus 2 --max-minutes 9 --gguf smollm2.gguf \\
         --code-python python3 --prose docs.tar.xz
     python -m experiments.real_extension --gguf smollm2.gguf --code-python python3 --prose docs.tar.xz \\
         --seeds 0 1 --work runs/rx --out runs/rx/out --tar $OUT/results.tgz --max-minutes 9
-    python -m experiments.real_extension --report-from results/a/out results/b/out
+    python -m experiments.real_extension --report-from results/a/out,results/b/out results/c/out
 """
 
 from __future__ import annotations
@@ -107,7 +108,12 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--speed-repeats", type=int)
     exp.add_argument("--workers", type=int, help="corpus and prompt-building processes (default: the spare cores)")
     rep = p.add_argument_group("report")
-    rep.add_argument("--report-from", type=Path, nargs="+", help="pool these result folders (--out of each machine)")
+    rep.add_argument(
+        "--report-from",
+        type=Path,
+        nargs="+",
+        help="report these runs: each a result folder (--out), or machines' folders joined by commas",
+    )
     rep.add_argument("--report-out", type=Path, default=RESULTS_DIR, help="where the pooled report goes")
     return p
 

@@ -1,4 +1,4 @@
-"""The experiment's report: result folders of one or more machines pooled by seed, one record per configuration.
+"""The experiment's report: one or more runs, each of result folders pooled by seed, one record per configuration.
 
 Each seed trained every arm on the same data, so a seed gives one paired difference per arm, read and length:
 the arm's model (read dense, or read with its own sparse attention) minus the dense arm's model read dense, in
@@ -11,6 +11,10 @@ own Q/K, per length) and end to end from the trainings' tokens per second.
 A folder may be partial (a call cut by its time limit): every finished cell counts, and the trainings and cells
 its settings asked for but it lacks are listed (``missing``). A folder whose ``gpu<g>/`` subfolders are result
 folders (``--parallel-gpus``) stands for them.
+
+A run is one folder, or several joined by commas (machines that split one run's seeds). Each run has its own
+dense arm, and its other arms pair with that one, so seeds may repeat across runs but an arm other than dense
+belongs to one run. With several runs the Markdown names each configuration's run and compares the dense arms.
 
 Writes ``real_extension.json`` (the records), ``real_extension.md`` (tables per length and read) and
 ``real_extension.png`` (attention speedup against accuracy change, one panel per metric).
@@ -66,16 +70,9 @@ def pool(folders: Sequence[dict]) -> dict:
     (keyed ``seed<S>_<arm>`` and ``seed<S>_<arm>__<read>``), speed figures of every folder listed."""
     if not folders:
         raise ValueError("no result folders given")
+    check_same(folders)
     first = folders[0]["run"]["settings"]
     arms = {a["name"]: a for f in folders for a in f["run"]["settings"]["arms"]}
-    for f in folders[1:]:
-        theirs = f["run"]["settings"]
-        differ = [k for k in SAME if theirs.get(k) != first.get(k)]
-        if differ:
-            raise ValueError(
-                f"{f['folder']} and {folders[0]['folder']} differ in {differ}: their models or reads do not pair; "
-                "pool only folders of one experiment"
-            )
     owner: dict[int, str] = {}
     for f in folders:
         for seed in _seeds_of(f):
@@ -91,6 +88,41 @@ def pool(folders: Sequence[dict]) -> dict:
     pooled["calls"] = [c for f in folders for c in f["run"].get("calls", [])]
     pooled["missing"] = [m for f in folders for m in missing(f)]
     pooled["sources"] = folders[0]["run"].get("sources", {})
+    return pooled
+
+
+def check_same(folders: Sequence[dict]) -> None:
+    """Refuse folders whose models were trained or read otherwise (``SAME``): their figures do not compare."""
+    first = folders[0]["run"]["settings"]
+    for f in folders[1:]:
+        differ = [k for k in SAME if f["run"]["settings"].get(k) != first.get(k)]
+        if differ:
+            raise ValueError(
+                f"{f['folder']} and {folders[0]['folder']} differ in {differ}: their models or reads do not pair; "
+                "pool only folders of one experiment"
+            )
+
+
+def load_runs(runs: Sequence[str | Path]) -> list[dict]:
+    """Each run pooled (``pool``; a run: a folder, or folders joined by commas), named by its ``label``: its
+    commits, or its folders where two runs share commits. Settings are checked equal across runs; an arm other
+    than dense in two runs is refused, since it could pair with either run's dense arm."""
+    parts = [[Path(p) for p in str(run).split(",")] for run in runs]
+    loaded = [[load_folder(f) for f in expand(folders)] for folders in parts]
+    check_same([f for folders in loaded for f in folders])
+    pooled = [
+        pool(folders) | {"run": ",".join(map(str, names)), "folders": [f["folder"] for f in folders]}
+        for folders, names in zip(loaded, parts)
+    ]
+    owner: dict[str, str] = {}
+    for run in pooled:
+        for name, arm in run["arms"].items():
+            if arm["sparse"] and name in owner:
+                raise ValueError(f"arm {name} is in {owner[name]} and {run['run']}: give each arm's run once")
+            owner[name] = run["run"]
+    commits = [",".join(sorted({str(c.get("commit")) for c in run["calls"]})) for run in pooled]
+    for run, commit in zip(pooled, commits):
+        run["label"] = commit if commit and commits.count(commit) == 1 else run["run"]
     return pooled
 
 
@@ -227,6 +259,7 @@ def records(pooled: dict) -> list[dict]:
     s = pooled["settings"]
     calls = pooled["calls"]
     common = {
+        "run": pooled["run"],
         "model": Path(pooled["sources"].get("gguf") or "base").name,
         "length": s["length"],
         "gpus": s["gpus"],
@@ -260,6 +293,12 @@ def records(pooled: dict) -> list[dict]:
     return out
 
 
+def all_records(runs: Sequence[dict]) -> list[dict]:
+    """Every run's records: the dense arms first, in the order of the runs, then the other arms."""
+    found = [r for run in runs for r in records(run)]
+    return sorted(found, key=lambda r: r["arm"]["sparse"])
+
+
 def goal(record: dict) -> dict:
     """Whether a configuration meets issue 31's goal on what was measured: speedup at 128K and, read dense, every
     length's bounds, over at least ``MIN_SEEDS`` seeds (None where a figure is missing)."""
@@ -291,30 +330,37 @@ def _change(summary: dict, digits: int = 2) -> str:
     return text
 
 
-def markdown(pooled: dict, found: list[dict], picture: str | None) -> str:
-    s = pooled["settings"]
-    seeds = pooled["seeds"]
+def markdown(runs: Sequence[dict], found: list[dict], picture: str | None) -> str:
+    s = runs[0]["settings"]
+    seeds = sorted({seed for run in runs for seed in run["seeds"]})
+    arms = _arms(found)
+    lacking = missing_of(runs)
+    source, dense = f"devices {found[0]['device']}; commits {found[0]['commit']}", "the dense arm's model"
+    if len(runs) > 1:
+        source, dense = f"{len(runs)} runs (Runs: each one's folder, commit and device)", "its run's dense model"
     lines = [
         f"# Real-model context extension: {found[0]['model']}, {s['length']} tokens",
         "",
-        f"Seeds {seeds}; {s['steps']} steps at lr {s['lr']:g} on {s['gpus']} GPU(s); devices {found[0]['device']}; "
-        f"commits {found[0]['commit']}. Changes are the arm's model minus the dense arm's model read dense, paired "
-        f"by seed: mean [95% t interval over seeds] (no interval under {MIN_SEEDS} seeds). Perplexity: last position "
-        "bucket, percent; NIAH and RULER-style: points, generated answers (NIAH also teacher-forced). "
-        f"{niah_prompts(pooled)}",
+        f"Seeds {seeds}; {s['steps']} steps at lr {s['lr']:g} on {s['gpus']} GPU(s); {source}. Changes are the arm's "
+        f"model minus {dense} read dense, paired by seed: mean [95% t interval over seeds] (no interval under "
+        f"{MIN_SEEDS} seeds). Perplexity: last position bucket, percent; NIAH and RULER-style: points, generated "
+        "answers (NIAH also teacher-forced). "
+        f"{niah_prompts(runs)}",
         "",
     ]
     if len(seeds) < MIN_SEEDS:
         lines += [f"**{len(seeds)} seed(s): means only, no intervals over seeds.**", ""]
-    if pooled["missing"]:
-        lines += ["**Partial: these were asked for and are missing:** " + "; ".join(pooled["missing"]) + ".", ""]
+    if lacking:
+        lines += ["**Partial: these were asked for and are missing:** " + "; ".join(lacking) + ".", ""]
+    if len(runs) > 1:
+        lines += _runs_table(runs, found)
     lines += [
         "## Goal (issue 31)",
         "",
         "| config | seeds | speedup at 128K | ppl bound | NIAH bound | RULER bound | met |",
     ]
     lines += ["|---|---:|---:|---:|---:|---:|---|"]
-    for r in found[1:]:
+    for r in arms:
         w, g = r["reads"]["dense"]["worst"], r["goal"]
         speed = r["attention_speedup"].get(GOAL["speedup_length"])
         lines.append(
@@ -324,7 +370,7 @@ def markdown(pooled: dict, found: list[dict], picture: str | None) -> str:
     lines += ["", "Bounds: worst over the lengths read (perplexity upper, NIAH and RULER-style lower; read dense).", ""]
     for read in ("dense", "sparse"):
         lines += [f"## Read {read}", ""]
-        lengths = sorted({n for r in found[1:] for n in r["reads"][read]["by_length"]})
+        lengths = sorted({n for r in arms for n in r["reads"][read]["by_length"]})
         for n in lengths:
             lines += [
                 f"### {n} tokens",
@@ -332,7 +378,7 @@ def markdown(pooled: dict, found: list[dict], picture: str | None) -> str:
                 "| config | density | ppl change % | NIAH pts | NIAH forced pts | RULER pts |",
             ]
             lines += ["|---|---:|---:|---:|---:|---:|"]
-            for r in found[1:]:
+            for r in arms:
                 row = r["reads"][read]["by_length"].get(n)
                 if row is None:
                     continue
@@ -342,16 +388,29 @@ def markdown(pooled: dict, found: list[dict], picture: str | None) -> str:
                     f"{_change(m['niah_forced'], 1)} | {_change(m['ruler'], 1)} |"
                 )
             lines.append("")
-    lines += _absolute(pooled) + _training_table(found) + _speed_table(found) + _base(pooled)
+    lines += _absolute(runs) + (_dense_across(runs) if len(runs) > 1 else [])
+    lines += _training_table(runs, found) + _speed_table(found) + _base(runs)
     if picture:
         lines += [f"![attention speedup against accuracy change]({picture})", ""]
     return "\n".join(lines)
 
 
-def niah_prompts(pooled: dict) -> str:
+def _arms(found: list[dict]) -> list[dict]:
+    """The records of configurations other than dense (the dense arms are the reference)."""
+    return [r for r in found if r["arm"]["sparse"]]
+
+
+def missing_of(runs: Sequence[dict]) -> list[str]:
+    """What the runs lack (``missing``), each named by its run where there are several."""
+    if len(runs) == 1:
+        return list(runs[0]["missing"])
+    return [f"{run['label']}: {m}" for run in runs for m in run["missing"]]
+
+
+def niah_prompts(runs: Sequence[dict]) -> str:
     """How many prompts per length the NIAH columns read: generated, and teacher-forced (every count the reads
     hold, joined by /)."""
-    cells = [c["niah"] for read in pooled["eval"].values() for c in read["cells"]]
+    cells = [c["niah"] for run in runs for read in run["eval"].values() for c in read["cells"]]
     if not cells:
         return ""
 
@@ -361,14 +420,30 @@ def niah_prompts(pooled: dict) -> str:
     return f"NIAH prompts per length: {counts('generated')} generated, {counts('prompts')} teacher-forced."
 
 
-def _absolute(pooled: dict) -> list[str]:
-    """Each read's figures, means over seeds, per length."""
+def _runs_table(runs: Sequence[dict], found: list[dict]) -> list[str]:
+    """Where each configuration comes from: its run's folder, commits, devices and seeds."""
+    lines = ["## Runs", "", "| run | folder | commit | device | seeds | configurations |", "|---|---|---|---|---|---|"]
+    for run in runs:
+        mine = [r for r in found if r["run"] == run["run"]]
+        commit, device = (", ".join(map(str, mine[0][k] or ["-"])) for k in ("commit", "device"))
+        configs = ", ".join(r["config"] for r in mine)
+        seeds = ", ".join(map(str, run["seeds"]))
+        lines.append(f"| {run['label']} | {run['run']} | {commit} | {device} | {seeds} | {configs} |")
+    return lines + [""]
+
+
+def _absolute(runs: Sequence[dict]) -> list[str]:
+    """Each read's figures, means over seeds, per length; a model read in several runs is named by its run."""
     lines = ["## Figures read (means over seeds)", "", "| model | read | length | ppl (last bucket) | NIAH % | NIAH forced % | RULER % |"]  # fmt: skip
     lines += ["|---|---|---:|---:|---:|---:|---:|"]
+    reads = [(run, read["model"].split("/", 1)[-1], read) for run in runs for read in run["eval"].values()]
+    owners: dict[str, set[str]] = {}
+    for run, model, _ in reads:
+        owners.setdefault(model, set()).add(run["run"])
     groups: dict[tuple[str, str], list[dict]] = {}
-    for read in pooled["eval"].values():
-        model = read["model"].split("/", 1)[-1]
-        groups.setdefault((model, read["attention"]), []).append(read_metrics(read))
+    for run, model, read in reads:
+        name = f"{model} ({run['label']})" if len(owners[model]) > 1 else model
+        groups.setdefault((name, read["attention"]), []).append(read_metrics(read))
     for (model, attention), found in sorted(groups.items()):
         for n in sorted({n for f in found for n in f}):
             mean = {m: _mean([f[n][m] for f in found if n in f]) for m in METRICS}
@@ -379,18 +454,43 @@ def _absolute(pooled: dict) -> list[str]:
     return lines + [""]
 
 
+def _dense_across(runs: Sequence[dict]) -> list[str]:
+    """Each run's dense model read dense, per length and seed, and each later run's change from the first run's:
+    the noise between runs at the same seeds and data."""
+    ppl: list[dict[tuple[int, int], float]] = []
+    for run in runs:
+        reads = {seed: run["eval"].get(f"seed{seed}_dense__dense") for seed in run["seeds"]}
+        ppl.append({(n, s): m["ppl"] for s, read in reads.items() if read for n, m in read_metrics(read).items()})
+    labels = [run["label"] for run in runs]
+    header = [f"dense ({label})" for label in labels] + [f"{label} vs {labels[0]} %" for label in labels[1:]]
+    lines = ["## Dense arm across runs (last-bucket perplexity)", "", "| length | seed | " + " | ".join(header) + " |"]
+    lines += ["|---:|---:|" + "---:|" * len(header)]
+    for n, seed in sorted(set().union(*ppl)):
+        values = [found.get((n, seed)) for found in ppl]
+        if sum(v is not None for v in values) < 2:
+            continue
+        changes = [None if v is None or values[0] is None else ppl_change_pct(v, values[0]) for v in values[1:]]
+        cells = [_num(v, 4) for v in values] + [_num(c, 3, sign=True) for c in changes]
+        lines.append(f"| {n} | {seed} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _mean(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
 
 
-def _training_table(found: list[dict]) -> list[str]:
+def _training_table(runs: Sequence[dict], found: list[dict]) -> list[str]:
+    """Each configuration's training; a configuration in several runs (the dense arm) is named by its run."""
+    labels = {run["run"]: run["label"] for run in runs}
+    names = [r["config"] for r in found]
     lines = ["## Training (means over seeds)", "", "| config | density | s/step | tokens/s | vs dense | peak GB | final loss |"]  # fmt: skip
     lines += ["|---|---:|---:|---:|---:|---:|---:|"]
     for r in found:
         t = r["training"]
+        name = f"{r['config']} ({labels[r['run']]})" if names.count(r["config"]) > 1 else r["config"]
         lines.append(
-            f"| {r['config']} | {_num(t['density'], 3)} | {_num(t['step_s'])} | {_num(t['tokens_per_s_median'], 0)} | "
+            f"| {name} | {_num(t['density'], 3)} | {_num(t['step_s'])} | {_num(t['tokens_per_s_median'], 0)} | "
             f"{_num(t['e2e_speedup'])} | {_num(t['peak_mem_gb'], 1)} | {_num(t['final_loss'], 3)} |"
         )
     return lines + [""]
@@ -403,24 +503,26 @@ def _speed_table(found: list[dict]) -> list[str]:
     lines = ["## Attention speed (estimate + forward + backward against dense forward + backward, the model's Q/K)", ""]
     lines += ["| config | " + " | ".join(f"{n} speedup (density)" for n in lengths) + " |"]
     lines += ["|---|" + "---:|" * len(lengths)]
-    for r in found[1:]:
+    for r in _arms(found):
         cells = [f"{_num(r['attention_speedup'].get(n))} ({_num(r['attention_density'].get(n), 3)})" for n in lengths]
         lines.append(f"| {r['config']} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
-def _base(pooled: dict) -> list[str]:
-    found = pooled["base_check"]
-    if not found:
-        return []
-    low, high = found["interval"]
-    return [
-        "## Base check",
-        "",
-        f"NIAH at its native {found['length']} tokens: {found['score']:.1f}% [{low:.1f}, {high:.1f}] generated, "
-        f"{_num(found.get('forced'), 1)}% teacher-forced, {found['prompts']} prompts.",
-        "",
-    ]
+def _base(runs: Sequence[dict]) -> list[str]:
+    """The base check of each run that made one (named by its run where there are several)."""
+    lines = []
+    for run in runs:
+        found = run["base_check"]
+        if not found:
+            continue
+        low, high = found["interval"]
+        which = f" ({run['label']})" if len(runs) > 1 else ""
+        lines.append(
+            f"NIAH at its native {found['length']} tokens{which}: {found['score']:.1f}% [{low:.1f}, {high:.1f}] "
+            f"generated, {_num(found.get('forced'), 1)}% teacher-forced, {found['prompts']} prompts."
+        )
+    return ["## Base check", "", "\n\n".join(lines), ""] if lines else []
 
 
 # ---------------------------------------------------------------------------------------------- picture
@@ -447,7 +549,7 @@ def picture(found: list[dict], default: str | None, path: Path) -> Path:
         ax.axhline(bound, color="tab:red", lw=0.8, ls="--")
         ax.plot([1.0], [0.0], "ko")
         ax.annotate("dense", (1.0, 0.0), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        for r in found[1:]:
+        for r in _arms(found):
             x = r["attention_speedup"].get(at) if at is not None else r["training"]["e2e_speedup"]
             if x is None:
                 continue
@@ -483,18 +585,21 @@ def picture(found: list[dict], default: str | None, path: Path) -> Path:
     return path
 
 
-def write_report(folders: Sequence[Path], out: Path, name: str = "real_extension", default: str | None = None) -> Path:
-    """The pooled report of ``folders`` into ``out``: ``<name>.json``, ``.md`` and ``.png``; returns the JSON's path."""
-    folders = expand(folders)
-    pooled = pool([load_folder(f) for f in folders])
-    found = records(pooled)
-    default = default or pooled["settings"].get("default_arm")
+def write_report(
+    runs: Sequence[str | Path], out: Path, name: str = "real_extension", default: str | None = None
+) -> Path:
+    """The report of ``runs`` (``load_runs``) into ``out``: ``<name>.json``, ``.md`` and ``.png``; returns the
+    JSON's path. The configuration starred as the default: ``default``, else the one every run names, else none."""
+    loaded = load_runs(runs)
+    found = all_records(loaded)
+    named = {run["settings"].get("default_arm") for run in loaded}
+    default = default or (named.pop() if len(named) == 1 else None)
     out.mkdir(parents=True, exist_ok=True)
-    png = picture(found, default, out / f"{name}.png") if len(found) > 1 else None
-    (out / f"{name}.md").write_text(markdown(pooled, found, png.name if png else None) + "\n")
+    png = picture(found, default, out / f"{name}.png") if _arms(found) else None
+    (out / f"{name}.md").write_text(markdown(loaded, found, png.name if png else None) + "\n")
     path = out / f"{name}.json"
-    result = {"name": name, "folders": [str(f) for f in folders], "default": default, "records": found}
-    result["missing"] = pooled["missing"]
+    folders = [f for run in loaded for f in run["folders"]]
+    result = {"name": name, "folders": folders, "default": default, "records": found, "missing": missing_of(loaded)}
     path.write_text(json.dumps(result, indent=1, default=_jsonable) + "\n")
     return path
 

@@ -95,7 +95,7 @@ def test_the_pipeline_at_toy_size_over_two_folders(tmp_path):
     calls = json.loads((tmp_path / "b" / "run.json").read_text())["calls"]
     assert [c["exit"] for c in calls] == [3, 0]
 
-    pooled = experiment("--report-from", tmp_path / "a", tmp_path / "b", "--report-out", tmp_path / "report")
+    pooled = experiment("--report-from", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--report-out", tmp_path / "report")
     assert pooled.returncode == 0, pooled.stderr
     records = json.loads((tmp_path / "report" / "real_extension.json").read_text())["records"]
     dense, arm = records

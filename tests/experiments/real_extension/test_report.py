@@ -1,11 +1,12 @@
 """The report's arithmetic on result folders written by the test: differences paired by seed, t bounds over seeds
-(checked against scipy), no bounds under three seeds, pooling refusals, the goal; and the settings' arms, RoPE and
-checks, and the stage estimates."""
+(checked against scipy), no bounds under three seeds, pooling refusals, the goal, runs with their own dense arms;
+and the settings' arms, RoPE and checks, and the stage estimates."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -27,6 +28,13 @@ FIGURES = {
     1: ((11.0, 70.0, 65.0, 40.0), (11.0, 72.0, 66.0, 42.0), (11.5, 70.0, 60.0, 41.0)),
     2: ((12.0, 90.0, 85.0, 60.0), (11.9, 86.0, 80.0, 61.0), (12.4, 88.0, 80.0, 58.0)),
 }
+# a second run at the same seeds: its own dense arm (close to the first run's) and a fixed arm
+FIXED = replace(SETTINGS, arms=(Arm("dense", False), arm("v1024s6144")), default_arm="v1024s6144")
+FIGURES_FIXED = {
+    0: ((10.02, 80.0, 70.0, 50.0), (10.03, 80.0, 70.0, 51.0), (10.05, 80.0, 70.0, 50.0)),
+    1: ((10.99, 70.0, 65.0, 40.0), (11.0, 70.0, 66.0, 40.0), (11.02, 70.0, 65.0, 40.0)),
+    2: ((12.0, 90.0, 85.0, 60.0), (12.03, 80.0, 80.0, 60.0), (12.05, 90.0, 85.0, 60.0)),
+}
 
 
 def cell(length: int, ppl: float, niah: float, forced: float, ruler: float) -> dict:
@@ -39,31 +47,35 @@ def cell(length: int, ppl: float, niah: float, forced: float, ruler: float) -> d
     }
 
 
-def folder(path: Path, seeds: list[int], settings=SETTINGS, speed: bool = True) -> Path:
-    """A result folder as a machine leaves it (the fields the report reads)."""
+def folder(
+    path: Path, seeds: list[int], settings=SETTINGS, speed: bool = True, figures=FIGURES, commit: str = "abc"
+) -> Path:
+    """A result folder as a machine leaves it (the fields the report reads), of the dense arm and the settings'
+    other arm (``figures`` their reads, as ``FIGURES``)."""
+    name = settings.arms[1].name
     for sub in ("train", "eval"):
         (path / sub).mkdir(parents=True)
     run = {"settings": json.loads(json.dumps(asdict(settings))), "sources": {"gguf": "/x/smol.gguf"}}
-    run["calls"] = [{"device": "H200", "commit": "abc", "command": "python -m experiments.real_extension", "exit": 0}]
+    run["calls"] = [{"device": "H200", "commit": commit, "command": "python -m experiments.real_extension", "exit": 0}]
     (path / "run.json").write_text(json.dumps(run))
     for seed in seeds:
-        for name, tokens, density in (("dense", 1000.0, None), ("adaptive", 2500.0, 0.1)):
+        for model, tokens, density in (("dense", 1000.0, None), (name, 2500.0, 0.1)):
             summary = {"tokens_per_s_median": tokens, "density": density, "step_s": 1.0, "final_loss": 2.0}
-            (path / "train" / f"seed{seed}_{name}.json").write_text(json.dumps(summary))
-        reads = (("dense", "dense", "dense"), ("adaptive", "dense", "dense"), ("adaptive", "sparse", "adaptive"))
-        for (model, read, attention), figures in zip(reads, FIGURES[seed]):
-            cells = [cell(2048, 5.0, 90.0, 90.0, 50.0), cell(4096, *figures)]
+            (path / "train" / f"seed{seed}_{model}.json").write_text(json.dumps(summary))
+        reads = (("dense", "dense", "dense"), (name, "dense", "dense"), (name, "sparse", name))
+        for (model, read, attention), read_figures in zip(reads, figures[seed]):
+            cells = [cell(2048, 5.0, 90.0, 90.0, 50.0), cell(4096, *read_figures)]
             record = {"model": f"seed{seed}/{model}", "attention": attention, "cells": cells}
             (path / "eval" / f"seed{seed}_{model}__{read}.json").write_text(json.dumps(record))
     if speed:
-        found = [{"length": n, "arms": {"adaptive": {"attention_speedup": x, "density": 0.1}}} for n, x in ((65536, 2.0), (131072, 3.5))]  # fmt: skip
+        found = [{"length": n, "arms": {name: {"attention_speedup": x, "density": 0.1}}} for n, x in ((65536, 2.0), (131072, 3.5))]  # fmt: skip
         (path / "speed.json").write_text(json.dumps(found))
     return path
 
 
 def test_changes_are_paired_by_seed_with_t_bounds_over_three_seeds(tmp_path):
-    folders = [folder(tmp_path / "a", [0, 1]), folder(tmp_path / "b", [2], speed=False)]
-    path = report.write_report(folders, tmp_path / "out")
+    run = f"{folder(tmp_path / 'a', [0, 1])},{folder(tmp_path / 'b', [2], speed=False)}"  # one run, two machines
+    path = report.write_report([run], tmp_path / "out")
     dense, adaptive = json.loads(path.read_text())["records"]
     assert dense["config"] == "dense" and dense["attention_speedup"] == {"65536": 1.0, "131072": 1.0}
     assert adaptive["seeds"] == [0, 1, 2] and adaptive["attention_speedup"] == {"65536": 2.0, "131072": 3.5}
@@ -89,6 +101,59 @@ def test_changes_are_paired_by_seed_with_t_bounds_over_three_seeds(tmp_path):
     md = (tmp_path / "out" / "real_extension.md").read_text()
     assert "| adaptive | 3 | 3.50 |" in md and (tmp_path / "out" / "real_extension.png").exists()
     assert "NIAH prompts per length: 10 generated, 50 teacher-forced." in md
+
+
+def test_each_run_pairs_its_arms_with_its_own_dense_arm(tmp_path):
+    adaptive_run, fixed_run = folder(tmp_path / "a", [0, 1, 2]), tmp_path / "b"
+    for g, seeds in enumerate(([0, 2], [1])):  # a --parallel-gpus run: gpu<g>/ folders
+        folder(fixed_run / f"gpu{g}", seeds, FIXED, speed=g == 0, figures=FIGURES_FIXED, commit="def")
+    path = report.write_report([adaptive_run, fixed_run], tmp_path / "out")
+    found = json.loads(path.read_text())["records"]
+    assert [(r["config"], r["commit"], r["run"]) for r in found] == [
+        ("dense", ["abc"], str(adaptive_run)), ("dense", ["def"], str(fixed_run)),
+        ("adaptive", ["abc"], str(adaptive_run)), ("v1024s6144", ["def"], str(fixed_run)),
+    ]  # fmt: skip
+    adaptive, fixed = found[2:]
+    own = [100 * (FIGURES_FIXED[s][1][0] / FIGURES_FIXED[s][0][0] - 1) for s in (0, 1, 2)]
+    other = [100 * (FIGURES_FIXED[s][1][0] / FIGURES[s][0][0] - 1) for s in (0, 1, 2)]
+    assert fixed["ppl_change_pct"] == pytest.approx(sum(own) / 3)
+    assert fixed["ppl_change_pct"] != pytest.approx(sum(other) / 3)  # not against the other run's dense arm
+    niah = [FIGURES_FIXED[s][2][1] - FIGURES_FIXED[s][0][1] for s in (0, 1, 2)]  # read sparse: [0, 0, 0]
+    assert fixed["sparse_read"]["niah_change_lo"] == pytest.approx(sum(niah) / 3) == 0.0
+    assert fixed["training"]["e2e_speedup"] == 2.5 and fixed["attention_speedup"] == {"65536": 2.0, "131072": 3.5}
+    assert adaptive["ppl_change_pct"] == pytest.approx(sum(100 * (FIGURES[s][1][0] / FIGURES[s][0][0] - 1) for s in (0, 1, 2)) / 3)  # fmt: skip
+    for run, record in ((adaptive_run, adaptive), (fixed_run, fixed)):  # each as its own run's report says
+        alone = json.loads(report.write_report([run], tmp_path / run.name).read_text())["records"][1]
+        assert alone == record
+    md = (tmp_path / "out" / "real_extension.md").read_text()
+    assert f"| abc | {adaptive_run} | abc | H200 | 0, 1, 2 | dense, adaptive |" in md
+    assert f"| def | {fixed_run} | def | H200 | 0, 1, 2 | dense, v1024s6144 |" in md
+    assert "| dense (abc) | dense | 4096 | 11.000 |" in md and "| dense (def) | dense | 4096 | 11.003 |" in md
+    assert "| dense (abc) | - | 1.00 | 1000 | 1.00 |" in md and "| dense (def) | - | 1.00 | 1000 | 1.00 |" in md
+    assert "| length | seed | dense (abc) | dense (def) | def vs abc % |" in md
+    assert "| 4096 | 0 | 10.0000 | 10.0200 | +0.200 |" in md and "| 4096 | 1 | 11.0000 | 10.9900 | -0.091 |" in md
+    assert "| 2048 | 2 | 5.0000 | 5.0000 | +0.000 |" in md
+    assert "| adaptive | 3 | 3.50 |" in md and "| v1024s6144 | 3 | 3.50 |" in md
+
+
+def test_an_arm_in_two_runs_is_refused(tmp_path):
+    a, b = folder(tmp_path / "a", [0]), folder(tmp_path / "b", [0])
+    with pytest.raises(ValueError, match=re.escape(f"arm adaptive is in {a} and {b}")):
+        report.write_report([a, b], tmp_path / "out")
+    with pytest.raises(ValueError, match="seed 0 is in"):  # one run holds a seed once
+        report.write_report([f"{a},{b}"], tmp_path / "out")
+    other = folder(tmp_path / "c", [0], replace(FIXED, steps=99))
+    with pytest.raises(ValueError, match=r"differ in \['steps'\]"):  # runs compare only when trained alike
+        report.write_report([a, other], tmp_path / "out")
+
+
+def test_one_run_names_no_runs(tmp_path):
+    path = report.write_report([folder(tmp_path / "a", [0, 1, 2])], tmp_path / "out")
+    md = (tmp_path / "out" / "real_extension.md").read_text()
+    assert "devices ['H200']; commits ['abc']. Changes are the arm's model minus the dense arm's model read" in md
+    assert "## Runs" not in md and "Dense arm across runs" not in md and "(abc)" not in md
+    assert "| dense | dense | 4096 | 11.000 |" in md and "| dense | - | 1.00 | 1000 | 1.00 |" in md
+    assert json.loads(path.read_text())["default"] == "adaptive"
 
 
 def test_under_three_seeds_the_means_come_without_bounds(tmp_path):
