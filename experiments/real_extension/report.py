@@ -564,7 +564,7 @@ def picture(found: list[dict], default: str | None, path: Path) -> Path:
                 face = "tab:blue" if read == "dense" else "none"
                 ax.errorbar([x], [m["mean"]], yerr=err, fmt=style, color="tab:blue", mfc=face, capsize=3)
                 if read == "dense":
-                    label = r["config"] + (" (proposed default)" if r["config"] == default else "")
+                    label = r["config"] + (" (default)" if r["config"] == default else "")
                     ax.annotate(label, (x, m["mean"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
                 if r["config"] == default and read == "dense":
                     ax.plot([x], [m["mean"]], "*", color="tab:orange", ms=14, zorder=0)
