@@ -4,7 +4,7 @@ blocks.py (the decomposition and the block runner), cudnn.py (per-block attentio
 select.py (which path dense calls take: ``dense_blocks``, ``MTRAINING_DENSE_BACKEND``).
 """
 
-from .blocks import MAX_BLOCKS, Block, BlockOps, DenseBlocks, decompose, decompose_runs, default_blocks
+from .blocks import MAX_BLOCKS, Block, BlockOps, DenseBlocks, decompose, decompose_default, default_blocks
 from .cudnn import CUDNN
 from .select import ENV_VAR, REFERENCE, dense_backend, dense_blocks, dense_setting, select_ops
 
@@ -14,7 +14,7 @@ __all__ = [
     "BlockOps",
     "DenseBlocks",
     "decompose",
-    "decompose_runs",
+    "decompose_default",
     "default_blocks",
     "CUDNN",
     "ENV_VAR",

@@ -96,10 +96,10 @@ def decompose(
     q_runs, k_runs = _runs(q_pos), _runs(k_pos)
     if q_runs is None or k_runs is None:
         return None
-    return decompose_runs(q_runs, k_runs, max_blocks, doc_starts)
+    return _decompose_runs(q_runs, k_runs, max_blocks, doc_starts)
 
 
-def decompose_runs(
+def _decompose_runs(
     q_runs: list[tuple[int, int, int]],
     k_runs: list[tuple[int, int, int]],
     max_blocks: int | None = MAX_BLOCKS,
@@ -157,15 +157,20 @@ def decompose_runs(
     return tuple(sorted(blocks))
 
 
+def decompose_default(
+    sq: int, sk: int, max_blocks: int | None = MAX_BLOCKS, doc_starts: Sequence[int] | None = None
+) -> tuple[Block, ...] | None:
+    """``decompose`` of the default positions (keys 0..sk-1, queries the last sq of them), from the shape alone:
+    host arithmetic, no tensor read and no device sync."""
+    q_runs = [(0, sq, sk - sq)] if sq else []
+    k_runs = [(0, sk, 0)] if sk else []
+    return _decompose_runs(q_runs, k_runs, max_blocks, doc_starts)
+
+
 @functools.lru_cache(maxsize=64)
 def default_blocks(sq: int, sk: int) -> tuple[Block, ...] | None:
-    """``decompose`` of the default positions (keys 0..sk-1, queries the last sq of them): host-known, no sync."""
-    return decompose_runs(_default_runs(sq, sk), _default_runs(sk, sk))
-
-
-def _default_runs(n: int, sk: int) -> list[tuple[int, int, int]]:
-    """The runs of the last ``n`` of the positions 0..sk-1: one run (none when ``n`` is 0)."""
-    return [(0, n, sk - n)] if n else []
+    """``decompose_default`` without documents, kept per shape."""
+    return decompose_default(sq, sk)
 
 
 # ----------------------------------------------------------------------------- running the blocks

@@ -263,7 +263,7 @@ def default_document_blocks(documents: Documents, sq: int, sk: int) -> tuple[den
         starts = documents.starts[0].tolist()
         first, last = (bisect.bisect_right(starts, p) - 1 for p in (sk - sq, sk - 1))
         limit = dense.MAX_BLOCKS * (last - first + 1)
-        return dense.decompose_runs([(0, sq, sk - sq)], [(0, sk, 0)], limit, starts)
+        return dense.decompose_default(sq, sk, limit, starts)
 
     return documents.cached(("default_blocks", sq, sk), build)
 
