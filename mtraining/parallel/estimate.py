@@ -15,9 +15,9 @@ on the host from the boundaries, gathered the same way, and scored against their
 (per batch row when the rows' boundaries differ); every document's first sinks are forced.
 
 The positions a rank needs (its keys, the last queries, their owners) and their PositionPlan depend
-only on the layout: they are built once per layout, rank and device, so an estimate pays one
-device sync of its own (``select_lines``; the agreement check reads its digests too) and copies no
-positions to the device.
+only on the layout: they are built once per layout, rank and device (with packed documents, the scoring rows
+once per documents object: ``document_rows``), so an estimate pays one device sync of its own
+(``select_lines``; the agreement check reads its digests too) and copies no positions to the device.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from ..ops.estimate.estimator import (
     PatternConfig,
     PositionPlan,
     block_columns_of,
+    document_rows,
     document_scores,
     last_query_partial_lse,
     line_scores,
@@ -184,22 +185,22 @@ def _estimate_documents(
 ) -> VerticalSlashPattern:
     """``estimate_pattern_cp`` with packed documents (see the module docstring)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    pos = layout.positions(rank)
-    every = torch.cat([layout.positions(r) for r in range(world)]).to(q.device)
+    every = _rank_positions(layout, rank, config.last_q, q.device)[4]
+
+    def positions() -> tuple[Tensor, Tensor]:  # this rank's rows and keys
+        pos = layout.positions(rank)
+        return pos, pos
 
     def share_rows(q_last: Tensor) -> Tensor:  # each scoring row is non-zero on its owner only: exact
         dist.all_reduce(q_last, group=group)
         return q_last
 
-    rows = documents.batch if documents.batch > 1 else 1
+    batch = documents.batch if documents.batch > 1 else 1
     parts = []
-    for b in range(rows):
-        qb, kb = (q, k) if rows == 1 else (q[b : b + 1], k[b : b + 1])
-        parts.append(
-            document_scores(
-                qb, pos, kb, pos, scale, documents, b, config.last_q, share_rows, lambda x: ranks_logsumexp(x, group)
-            )
-        )
+    for b in range(batch):
+        qb, kb = (q, k) if batch == 1 else (q[b : b + 1], k[b : b + 1])
+        rows = document_rows(documents, b, config.last_q, positions, ("layout", layout, rank), q.device)
+        parts.append(document_scores(qb, kb, scale, rows, share_rows, lambda x: ranks_logsumexp(x, group)))
     vertical_local, slash = (torch.cat(p) for p in zip(*parts))
     slash = slash.contiguous()
     dist.all_reduce(slash, group=group)

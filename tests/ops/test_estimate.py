@@ -228,6 +228,10 @@ def test_position_plan_detects_runs():
     assert plan(rows, torch.arange(100)).late == (91, 99)
     assert plan(rows, torch.arange(50)).late is None
     assert plan(rows, torch.tensor([95, 3, 7, 99, 4])).late == (0, 3)
+    assert plan(rows, torch.arange(100)).late_keys(80, 95) == (91, 95)  # the keys a chunk's causal mask covers
+    for q_lo, n_rows, k_lo, n_keys in ((90, 10, 50, 50), (40, 8, 0, 48), (0, 1, 0, 1), (60, 4, 0, 30), (7, 3, 7, 3)):
+        contiguous = PositionPlan.contiguous(q_lo, n_rows, k_lo, n_keys)  # what packed documents' estimate uses
+        assert plan(torch.arange(q_lo, q_lo + n_rows), torch.arange(k_lo, k_lo + n_keys)) == contiguous
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ default positions, else fetched in one device sync (passes 1 and 2 take one to s
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -203,6 +203,13 @@ class PositionPlan:
         late = self.late
         return [(a, b, r, late is not None and a <= late[1] and b > late[0]) for a, b, r in spans]
 
+    def late_keys(self, start: int, stop: int) -> tuple[int, int]:
+        """Of a partly causal chunk of keys [start, stop): the keys [lo, hi) that some row may not see (the
+        causal mask's only work); every row sees the others."""
+        if self.late is None:
+            return start, start
+        return max(self.late[0], start), min(self.late[1] + 1, stop)
+
 
 def _fetch_plan(q_pos: Tensor, k_pos: Tensor, checks: tuple[Tensor, ...] = ()) -> tuple[PositionPlan, list]:
     """PositionPlan of these positions and the values of the 0-d ``checks`` tensors, in one device sync."""
@@ -246,7 +253,8 @@ def last_query_partial_lse(
     for start, stop, _, partly_causal in plan.chunks(b * hq * r):
         s = grouped_scores(qg, k[:, start:stop].permute(0, 2, 3, 1)).mul_(scale).view(b, hq, r, stop - start)
         if partly_causal:
-            s.masked_fill_(k_pos[start:stop] > q_last_pos[:, None], float("-inf"))
+            lo, hi = plan.late_keys(start, stop)
+            s[..., lo - start : hi - start].masked_fill_(k_pos[lo:hi] > q_last_pos[:, None], float("-inf"))
         part = torch.logsumexp(s, dim=-1)  # rows with no key here: -inf
         lse = part if lse is None else torch.logaddexp(lse, part)
     return lse.float()
@@ -304,9 +312,15 @@ def line_scores(
             p = grouped_scores(qg, _run_keys(k, start, m, run, r)).view(b, hq, r, m, run + r)
             real = p[..., :run]  # the padding columns hold q . 0 = 0 and stay so
             real.mul_(scale).sub_(lse_rows[..., None])
-            if partly_causal:
-                kp = k_pos[start:stop].view(m, run).flip(-1)
-                real.masked_fill_(kp > q_last_pos[:, None, None], float("-inf"))
+            if partly_causal:  # the runs j0..j1-1 holding late keys; within one run, its columns c0..c1-1
+                lo, hi = plan.late_keys(start, stop)
+                j0, j1 = (lo - start) // run, (hi - 1 - start) // run + 1
+                if j1 - j0 == 1:  # column c of reversed run j0 holds key end - 1 - c
+                    end = start + j1 * run
+                    c0, c1, kp = end - hi, end - lo, k_pos[lo:hi].flip(-1)[None]
+                else:
+                    c0, c1, kp = 0, run, k_pos[start + j0 * run : start + j1 * run].view(j1 - j0, run).flip(-1)
+                real[..., j0:j1, c0:c1].masked_fill_(kp > q_last_pos[:, None, None], float("-inf"))
             real.exp_()  # p[..., r, j, c] = exp(q_r . k * scale - row_lse[r]), k the key c places from run j's end
             vertical[..., start:stop] = real.sum(dim=2).flip(-1).flatten(-2)
             sums = _diagonal_sums(p.view(bh, r, m * (run + r)))
@@ -322,7 +336,8 @@ def line_scores(
             p = grouped_scores(qg, k[:, start:stop].permute(0, 2, 3, 1)).view(b, hq, r, stop - start)
             p.mul_(scale).sub_(lse_rows)
             if partly_causal:
-                p.masked_fill_(k_pos[start:stop] > q_last_pos[:, None], float("-inf"))
+                lo, hi = plan.late_keys(start, stop)
+                p[..., lo - start : hi - start].masked_fill_(k_pos[lo:hi] > q_last_pos[:, None], float("-inf"))
             p.exp_()
             vertical[..., start:stop] = p.sum(dim=-2)
             offsets = q_last_pos[:, None] - k_pos[start:stop]
@@ -374,8 +389,11 @@ def _select_lines(
     s_budget,
     documents: Documents | None = None,
 ) -> VerticalSlashPattern:
-    sinks = None if documents is None else document_sinks(documents, config.sink_tokens, vertical_scores.device)
-    verticals = _top_lines(vertical_scores, v_budget, config.sink_tokens, config.threshold, sinks)
+    if documents is None:
+        verticals = _top_lines(vertical_scores, v_budget, config.sink_tokens, config.threshold)
+    else:
+        sinks, count = _sinks_and_count(documents, config.sink_tokens, vertical_scores.device)
+        verticals = _top_lines(vertical_scores, v_budget, count, config.threshold, sinks)
     slashes = _top_lines(slash_scores, s_budget, config.local_window, config.threshold)
     lists = line_lists(verticals, slashes, seq_len, config.block_size)
     named = (("vertical_scores", vertical_scores), ("slash_scores", slash_scores))
@@ -476,11 +494,12 @@ def _estimate_lines(
                 "estimating with documents needs every query of the sequence at default positions (q and k of "
                 "the whole packed sequence); under context parallelism use estimate_pattern_cp"
             )
-        keys = torch.arange(seq_len)
         each = documents.batch > 1  # per batch row where the rows' boundaries differ
-        rows = [document_scores(q[i : i + 1] if each else q, keys, k[i : i + 1] if each else k, keys, scale,
-                                documents, i, config.last_q) for i in range(b if each else 1)]  # fmt: skip
-        vertical, slash = (torch.cat(parts) for parts in zip(*rows))
+        parts = []
+        for i in range(b if each else 1):
+            rows = document_rows(documents, i, last_q, _whole_sequence(seq_len), "whole", q.device)
+            parts.append(document_scores(q[i : i + 1] if each else q, k[i : i + 1] if each else k, scale, rows))
+        vertical, slash = (torch.cat(scores) for scores in zip(*parts))
         return _select_lines(vertical, slash, config, seq_len, *budgets, documents)
     given_k = k_pos is not None
     if q_pos is None and not given_k and sq <= seq_len:  # keys 0..S-1, queries the last Sq of them
@@ -525,55 +544,103 @@ def scoring_rows(documents: Documents, row: int, last_q: int) -> tuple[Tensor, T
     return pos, torch.repeat_interleave(starts, take)
 
 
-def document_scores(
-    q: Tensor,
-    q_pos: Tensor,
-    k: Tensor,
-    k_pos: Tensor,
-    scale: float,
+@dataclass(frozen=True)
+class DocumentRows:
+    """The scoring rows of one batch row's documents (``scoring_rows``) against one set of query and key
+    positions, as ``document_scores`` reads them: found on the host once per documents, positions and device
+    (``document_rows``), so that no layer repeats host work over the positions.
+
+    Attributes:
+        seq_len: the packed sequence's length N.
+        local: int64 [R] on the device: each scoring row's index in q (any index where q does not hold it).
+        held: bool [1, R, 1, 1] on the device: q holds the row.
+        pos: int64 [R] on the device: the rows' positions, ascending.
+        k_pos: int64 [Sk] on the device: the keys' positions.
+        spans: per document: (first row, end row, first key, end key of k_pos in the document, the PositionPlan of
+            its rows against those keys, or None without keys).
+    """
+
+    seq_len: int
+    local: Tensor
+    held: Tensor
+    pos: Tensor
+    k_pos: Tensor
+    spans: tuple[tuple[int, int, int, int, PositionPlan | None], ...]
+
+
+def document_rows(
     documents: Documents,
     row: int,
     last_q: int,
+    positions: Callable[[], tuple[Tensor, Tensor]],
+    key: Hashable,
+    device: torch.device,
+) -> DocumentRows:
+    """The ``DocumentRows`` of batch row ``row``'s documents against the positions ``key`` names, kept on
+    ``documents`` per (row, last_q, key, device). ``positions()`` gives them (q_pos, k_pos: int64 CPU, ascending
+    global positions of q's and k's rows), called only to build: host work once per documents, no device sync."""
+
+    def build() -> DocumentRows:
+        q_pos, k_pos = positions()
+        pos, bound = scoring_rows(documents, row, last_q)
+        local = torch.searchsorted(q_pos, pos).clamp(max=q_pos.shape[0] - 1)
+        held = (q_pos[local] == pos)[None, :, None, None]
+        spans = tuple(_document_spans(pos, bound, k_pos))
+        return DocumentRows(
+            documents.seq_len, local.to(device), held.to(device), pos.to(device), k_pos.to(device), spans
+        )
+
+    return documents.cached(("scoring rows", row, last_q, key, device), build)
+
+
+def _whole_sequence(seq_len: int) -> Callable[[], tuple[Tensor, Tensor]]:
+    """``document_rows``' positions of one device: q and k hold the whole sequence, 0..seq_len-1."""
+
+    def positions() -> tuple[Tensor, Tensor]:
+        every = torch.arange(seq_len)
+        return every, every
+
+    return positions
+
+
+def document_scores(
+    q: Tensor,
+    k: Tensor,
+    scale: float,
+    rows: DocumentRows,
     share_rows: Callable[[Tensor], Tensor] | None = None,
     share_lse: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(vertical [B, Hq, Sk] in k's order, slash [B, Hq, N]) scores of q, k ([B, ...]) from the scoring rows
-    of batch row ``row``'s documents (``scoring_rows``; B may be > 1 when the rows share boundaries).
+    ``rows`` of one batch row's documents (``document_rows``; B may be > 1 when the rows share boundaries).
 
     Each document's rows are scored against its own keys only (the keys of k in its position range), one
     document at a time, so the cost is that of one sequence's estimate: rows x keys of each document,
-    not of the whole sequence. q_pos, k_pos: int64 CPU, ascending global positions of q's and k's rows
-    (host-known: no device sync). Under context parallelism ``share_rows`` completes the scoring rows
+    not of the whole sequence. Under context parallelism ``share_rows`` completes the scoring rows
     (those q does not hold are zero) and ``share_lse`` combines the partial row LSEs over the ranks
     (one call each for all documents); None: q and k hold the whole sequence.
     """
-    pos, bound = scoring_rows(documents, row, last_q)
-    local = torch.searchsorted(q_pos, pos).clamp(max=q_pos.shape[0] - 1)
-    held = (q_pos[local] == pos)[None, :, None, None].to(q.device)
-    q_last = torch.where(held, q.index_select(1, local.to(q.device)), 0.0)
+    q_last = torch.where(rows.held, q.index_select(1, rows.local), 0.0)
     if share_rows is not None:
         q_last = share_rows(q_last)
     b, _, hq, _ = q_last.shape
-    spans = _document_spans(pos, bound, k_pos)
-    pos_dev, k_dev = pos.to(q.device), k_pos.to(k.device)
+    pos, k_pos = rows.pos, rows.k_pos
     parts = []
-    for r0, r1, k0, k1, plan in spans:  # partial LSE of each document's rows over its keys here
+    for r0, r1, k0, k1, plan in rows.spans:  # partial LSE of each document's rows over its keys here
         if plan is None:
             parts.append(torch.full((b, hq, r1 - r0), float("-inf"), device=q.device))
         else:
-            parts.append(
-                last_query_partial_lse(q_last[:, r0:r1], pos_dev[r0:r1], k[:, k0:k1], k_dev[k0:k1], scale, plan)
-            )
+            parts.append(last_query_partial_lse(q_last[:, r0:r1], pos[r0:r1], k[:, k0:k1], k_pos[k0:k1], scale, plan))
     lse = torch.cat(parts, -1)
     if share_lse is not None:
         lse = share_lse(lse)
-    n = documents.seq_len
+    n = rows.seq_len
     vertical = torch.zeros(b, hq, k_pos.shape[0], dtype=torch.float32, device=k.device)
     slash = torch.zeros(b * hq, n + 1, dtype=acc_dtype(q_last), device=q.device)
-    for r0, r1, k0, k1, plan in spans:
+    for r0, r1, k0, k1, plan in rows.spans:
         if plan is not None:
-            rows = slice(r0, r1)
-            v, _ = line_scores(q_last[:, rows], pos_dev[rows], k[:, k0:k1], k_dev[k0:k1], scale, lse[..., rows], n,
+            span = slice(r0, r1)
+            v, _ = line_scores(q_last[:, span], pos[span], k[:, k0:k1], k_pos[k0:k1], scale, lse[..., span], n,
                                plan, into=slash)  # fmt: skip
             vertical[..., k0:k1] = v
     return vertical, slash[:, :n].float().view(b, hq, n)
@@ -581,13 +648,20 @@ def document_scores(
 
 def _document_spans(pos: Tensor, bound: Tensor, k_pos: Tensor) -> list[tuple[int, int, int, int, PositionPlan | None]]:
     """Per document of the scoring rows ``pos`` (ascending, one run per document, ``bound`` its start): (first
-    row, end row, first key, end key of k_pos in the document, their PositionPlan or None without keys)."""
+    row, end row, first key, end key of k_pos (ascending, distinct) in the document, their PositionPlan or None
+    without keys). Keys spanning as many positions as they number are one run: their plan is known from the ends."""
     starts = torch.nonzero(torch.cat([torch.ones(1, dtype=torch.bool), bound[1:] != bound[:-1]])).flatten().tolist()
     spans = []
     for r0, r1 in zip(starts, [*starts[1:], pos.numel()]):
         lo, hi = int(bound[r0]), int(pos[r1 - 1])  # the document's keys the rows see: lo..hi
         k0, k1 = (int(i) for i in torch.searchsorted(k_pos, torch.tensor([lo, hi + 1])))
-        plan = PositionPlan.from_positions(pos[r0:r1], k_pos[k0:k1]) if k1 > k0 else None
+        plan = None
+        if k1 > k0:
+            first, last = int(k_pos[k0]), int(k_pos[k1 - 1])
+            if last - first == k1 - k0 - 1:
+                plan = PositionPlan.contiguous(int(pos[r0]), r1 - r0, first, k1 - k0)
+            else:
+                plan = PositionPlan.from_positions(pos[r0:r1], k_pos[k0:k1])
         spans.append((r0, r1, k0, k1, plan))
     return spans
 
@@ -597,17 +671,23 @@ def document_sinks(documents: Documents, sink_tokens: int, device: torch.device)
     those before ``documents.estimate_end`` only."""
     end = documents.estimated_len
 
-    def build() -> Tensor:
-        mask = torch.zeros(documents.batch, 1, documents.seq_len, dtype=torch.bool)
+    def build() -> Tensor:  # the sinks found on the host, the mask made on the device
+        mask = torch.zeros(documents.batch, 1, documents.seq_len, dtype=torch.bool, device=device)
         for b in range(documents.batch):
             starts = documents.starts[b]
             lengths = ((starts + documents.lengths(b)).clamp(max=end) - starts).clamp(min=0, max=sink_tokens)
             sinks = torch.repeat_interleave(starts, lengths)
             sinks += torch.arange(sinks.numel()) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
-            mask[b, 0, sinks] = True
-        return mask.to(device)
+            mask[b, 0, sinks.to(device)] = True
+        return mask
 
     return documents.cached(("sinks", sink_tokens, device), build)
+
+
+def _sinks_and_count(documents: Documents, sink_tokens: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``document_sinks`` and its count per batch row ([B or 1, 1], int64), kept on ``documents``."""
+    sinks = document_sinks(documents, sink_tokens, device)
+    return sinks, documents.cached(("sink count", sink_tokens, device), lambda: sinks.sum(-1))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -679,10 +759,10 @@ def _add_contiguous(slash: Tensor, sums: Tensor, d_lo: int) -> None:
 
 
 def _top_lines(
-    scores: Tensor, budget: list[int], forced: int, threshold: float | None, forced_mask: Tensor | None = None
+    scores: Tensor, budget: list[int], forced: int | Tensor, threshold: float | None, forced_mask: Tensor | None = None
 ) -> Tensor:
     """Kept line indices [B, H, max budget], -1 padded: forced lines 0..forced-1 (or those of ``forced_mask``
-    [B or 1, 1, N], lowest first while the budget lasts), then by score."""
+    [B or 1, 1, N], lowest first while the budget lasts, ``forced`` their count [B or 1, 1]), then by score."""
     b, h, n = scores.shape
     width = max(budget)
     same = min(budget) == width  # every head keeps `width` lines in top-k mode: no padding
@@ -694,7 +774,6 @@ def _top_lines(
         key = part.clone()
         if forced_mask is not None:
             key.masked_fill_(forced_mask, float("inf"))
-            forced = forced_mask.sum(-1)  # [B or 1, 1]
         elif forced:
             key[..., :forced].fill_(float("inf"))
         order = torch.sort(key, dim=-1, descending=True, stable=True).indices
