@@ -323,7 +323,7 @@ class VerticalSlashPattern:
             per_diag = per_diag[None]
             ends = torch.full((1, 1, 1), n, dtype=torch.long, device=dev)
         else:
-            per_diag = _document_pairs_per_diagonal(documents.left_bounds(torch.arange(n, device=dev)), g, nb)
+            per_diag = _document_pairs_per_diagonal(documents, n, g, dev)
             ends = _document_ends(documents, self.vertical_pos.long().clamp(max=n - 1))
         selected = self.diag_mask()
         block_pairs = (selected.double() * per_diag[:, None]).sum(-1)
@@ -378,8 +378,12 @@ class VerticalSlashPattern:
         ``documents``: kept pairs / the causal pairs within documents, what dense attention computes)."""
         if documents is None:
             return self.kept_pairs() / (self.seq_len * (self.seq_len + 1) / 2)
-        lengths = [documents.lengths(b).double() for b in range(documents.batch)]
-        total = torch.stack([(x * (x + 1) / 2).sum() for x in lengths]).to(self.device)
+
+        def build() -> Tensor:
+            lengths = [documents.lengths(b).double() for b in range(documents.batch)]
+            return torch.stack([(x * (x + 1) / 2).sum() for x in lengths]).to(self.device)
+
+        total = documents.cached(("causal pairs", self.device), build)
         return self.kept_pairs(documents) / total[:, None]
 
 
@@ -397,28 +401,36 @@ def attention_mask(
     return allowed
 
 
-def _document_pairs_per_diagonal(bounds: Tensor, g: int, nb: int) -> Tensor:
-    """Float64 [B, nb]: pairs (i, j) with bound(i) <= j <= i on each block diagonal, from the left bounds
-    [B, N] of every position. Row i meets diagonal 0 from max(bound, its block's start) to i, the
-    diagonal ``top`` of its bound's block from the bound to that block's end, and G keys on every
-    diagonal between (added through a difference array)."""
-    b, n = bounds.shape
-    rows = torch.arange(n, device=bounds.device).expand(b, -1)
-    lo = bounds.long()
-    top = rows // g - lo // g
-    pairs = torch.zeros(b, nb, dtype=torch.float64, device=bounds.device)
-    pairs[:, 0] = (rows - torch.maximum(lo, rows // g * g) + 1).sum(-1).double()
-    pairs.scatter_add_(1, top, torch.where(top >= 1, (lo // g * g + g - lo).double(), 0.0))
-    middle = top >= 2
-    steps = torch.zeros(b, nb + 1, dtype=torch.float64, device=bounds.device)
-    steps[:, 1] = g * middle.sum(-1).double()
-    steps.scatter_add_(1, top, middle.double() * -g)
-    return pairs + steps.cumsum(-1)[:, :nb]
+def _document_pairs_per_diagonal(documents: Documents, n: int, g: int, device: torch.device) -> Tensor:
+    """Float64 [B or 1, nb]: pairs (i, j) with bound(i) <= j <= i on each block diagonal of the G-grid over positions
+    0..n-1, from every position's left bound (``Documents.left_bounds``), kept on ``documents`` per (n, g, device):
+    every layer's density reads them. Row i meets diagonal 0 from max(bound, its block's start) to i, the diagonal
+    ``top`` of its bound's block from the bound to that block's end, and G keys on every diagonal between (added
+    through a difference array)."""
+
+    def build() -> Tensor:
+        nb = -(-n // g)
+        rows = torch.arange(n, device=device)
+        lo = documents.left_bounds(rows).long()
+        b = lo.shape[0]
+        rows = rows.expand(b, -1)
+        top = rows // g - lo // g
+        pairs = torch.zeros(b, nb, dtype=torch.float64, device=device)
+        pairs[:, 0] = (rows - torch.maximum(lo, rows // g * g) + 1).sum(-1).double()
+        pairs.scatter_add_(1, top, torch.where(top >= 1, (lo // g * g + g - lo).double(), 0.0))
+        middle = top >= 2
+        steps = torch.zeros(b, nb + 1, dtype=torch.float64, device=device)
+        steps[:, 1] = g * middle.sum(-1).double()
+        steps.scatter_add_(1, top, middle.double() * -g)
+        return pairs + steps.cumsum(-1)[:, :nb]
+
+    return documents.cached(("pairs per diagonal", n, g, device), build)
 
 
 def _document_ends(documents: Documents, cols: Tensor) -> Tensor:
     """int64 shaped like cols [B, ...]: where the document of each key position in cols ends (exclusive)."""
-    ends = documents.ends(torch.arange(documents.seq_len, device=cols.device))  # [B or 1, N]
+    dev = cols.device
+    ends = documents.cached(("ends", dev), lambda: documents.ends(torch.arange(documents.seq_len, device=dev)))
     if ends.shape[0] == 1:
         return ends[0][cols]
     return ends[torch.arange(cols.shape[0], device=cols.device).view(-1, *(1,) * (cols.dim() - 1)), cols]
