@@ -191,7 +191,8 @@ class Documents:
         return nexts.gather(1, self.doc_ids(pos))
 
     def cached(self, key: tuple, build):
-        """A value derived from these documents (per-rank bounds, ring decisions), built once per key."""
+        """A value derived from these documents (per-rank bounds, ring decisions, a call's default positions and
+        scoring rows: the same for every layer of a forward), built once per key."""
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]

@@ -212,7 +212,16 @@ def _plan_call(
     name = resolve_backend(backend, q.device)
     check_backend_inputs(q, k, v, name)
     q_given, k_given = q_pos is not None, k_pos is not None
-    q_pos, k_pos = default_positions(q, k, q_pos, k_pos)
+    if q_given or k_given:
+        q_pos, k_pos = default_positions(q, k, q_pos, k_pos)
+        span = position_span(q_pos, k_pos)
+    else:  # default positions span 0..Sk-1: known on the host, no device sync
+        span = (0, k.shape[1] - 1)
+    documents = resolve_documents(documents, q.shape[0], span=span)
+    if q_given or k_given:
+        q_bound = None if documents is None else documents.left_bounds(q_pos)
+    else:
+        q_pos, k_pos, q_bound = _default_call(q, k, documents)
     if name == "triton":
         grid = pattern.block_size if pattern is not None else DENSE_BLOCK
         # default positions are checked on the host: the device check would wait for the GPU
@@ -220,12 +229,9 @@ def _plan_call(
             check_aligned_positions(q_pos, grid, "q_pos")
         if k_given:
             check_aligned_positions(k_pos, grid, "k_pos")
-    # default positions span 0..Sk-1: known on the host, no device sync
-    span = position_span(q_pos, k_pos) if q_given or k_given else (0, k.shape[1] - 1)
     if pattern is not None:
         check_pattern(pattern, q, span)
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    documents = resolve_documents(documents, q.shape[0], span=span)
     if q.shape[1] == 0:  # no rows: nothing to launch; the torch backend gives the empty out and lse
         return ChunkPlan(pattern, q_pos, k_pos, scale, backend="torch", dense=None)
     if documents is not None:
@@ -233,12 +239,24 @@ def _plan_call(
             blocks = functools.partial(document_blocks, documents, q_pos, k_pos)
         else:
             blocks = functools.partial(default_document_blocks, documents, q.shape[1], k.shape[1])
-        return plan_chunk(q, k, pattern, q_pos, k_pos, scale, name, blocks, q_bound=documents.left_bounds(q_pos))
-    if q_given or k_given:
+    elif q_given or k_given:
         blocks = functools.partial(dense.decompose, q_pos, k_pos)
     else:
         blocks = functools.partial(dense.default_blocks, q.shape[1], k.shape[1])
-    return plan_chunk(q, k, pattern, q_pos, k_pos, scale, name, blocks)
+    return plan_chunk(q, k, pattern, q_pos, k_pos, scale, name, blocks, q_bound=q_bound)
+
+
+def _default_call(q: Tensor, k: Tensor, documents: Documents | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The default positions (keys 0..Sk-1, queries the last Sq) and, with packed documents, the rows' left bounds,
+    kept on the documents per shape and device: every layer of a forward makes the same call."""
+    if documents is None:
+        return (*default_positions(q, k, None, None), None)
+
+    def build() -> tuple[Tensor, Tensor, Tensor]:
+        q_pos, k_pos = default_positions(q, k, None, None)
+        return q_pos, k_pos, documents.left_bounds(q_pos)
+
+    return documents.cached(("default call", q.shape[1], k.shape[1], q.device), build)
 
 
 def document_blocks(documents: Documents, q_pos: Tensor, k_pos: Tensor) -> tuple[dense.Block, ...] | None:
