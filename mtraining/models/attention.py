@@ -101,6 +101,16 @@ class StepStats:
         return sum(s.ran_dense for s in self.layers.values())
 
 
+@dataclass(frozen=True)
+class _Recorded:
+    """One layer's ``PatternStats`` as recorded: its density a 0-d device tensor, read at ``end_step`` with every
+    other layer's in one device sync (a read per layer would wait for the GPU in every layer)."""
+
+    density: Tensor
+    recall: float | None
+    ran_dense: bool
+
+
 @dataclass
 class _Kept:
     """What one forward kept for its recompute, per layer: the pattern of each sparse layer (None: it
@@ -173,7 +183,7 @@ class Attention:
     checkpointed: bool = False
     _pass: _Pass | None = field(default=None, init=False, repr=False)
     _kept: _Kept | None = field(default=None, init=False, repr=False)  # the last forward's, until its recompute
-    _stats: dict[int, PatternStats] = field(default_factory=dict, init=False, repr=False)
+    _stats: dict[int, _Recorded] = field(default_factory=dict, init=False, repr=False)
     _replayed: VerticalSlashPattern | None = field(default=None, init=False, repr=False)  # the last recomputed layer's
     _position_documents: tuple[Tensor, int, Documents] | None = field(default=None, init=False, repr=False)
 
@@ -247,8 +257,11 @@ class Attention:
         """The pattern stats recorded since the last ``end_step`` (each layer's latest), and forget them."""
         if self._pass is not None:
             raise RuntimeError("attention.end_step() inside a forward() or recompute() block; call it after the step")
-        stats, self._stats = StepStats(self._stats), {}
-        return stats
+        recorded, self._stats = self._stats, {}
+        densities = torch.stack([r.density for r in recorded.values()]).tolist() if recorded else []  # one sync
+        return StepStats(
+            {layer: PatternStats(d, r.recall, r.ran_dense) for (layer, r), d in zip(recorded.items(), densities)}
+        )
 
     @contextlib.contextmanager
     def _running(self, now: _Pass) -> Iterator[None]:
@@ -391,13 +404,13 @@ class Attention:
             pattern = estimate_pattern(q, k, config, layer_idx=layer, softmax_scale=scale, documents=documents)
         record = now.record
         measured = record != "off" or self.max_density is not None
-        density = float(pattern.density(documents).mean()) if measured else None
-        # the same decision on every rank: the pattern, so its density, is global
-        ran_dense = self.max_density is not None and density > self.max_density
+        density = pattern.density(documents).mean() if measured else None
+        # the same decision on every rank: the pattern, so its density, is global; read here only to decide
+        ran_dense = self.max_density is not None and float(density) > self.max_density
         if record != "off":
             recall = None
             if record == "recall":
                 group, layout = (self.group, self.layout) if cp else (None, None)
                 recall = pattern_recall(q, k, pattern, config.last_q, scale, group, layout, documents, seed=now.seed)
-            self._stats[layer] = PatternStats(density=density, recall=recall, ran_dense=ran_dense)
+            self._stats[layer] = _Recorded(density, recall, ran_dense)
         return None if ran_dense else pattern
