@@ -300,16 +300,17 @@ class Engine:
         first .. first + R - 1 (R = len(labels); loss 0 where the label is IGNORE_INDEX), from this rank's
         hidden states of a ``seq_len``-token prefill; each rank scores the rows it holds."""
         count = len(labels)
-        positions = (torch.arange(seq_len) if self.group is None else self._layout(seq_len).positions(self.rank)).to(
-            self.device
-        )
-        rows = ((positions >= first) & (positions < first + count)).nonzero().flatten()
-        at = positions[rows] - first
+        # the rows of the R positions, found on the host: no pass over the sequence, no device sync
+        answer = torch.arange(first, first + count)
+        owner, local = (torch.zeros_like(answer), answer) if self.group is None else self._layout(seq_len).owner(answer)
+        at = (owner == self.rank).nonzero().flatten()
         nll = torch.zeros(count, dtype=torch.float64, device=self.device)
         greedy = torch.zeros(count, dtype=torch.int64, device=self.device)
-        if rows.numel():
-            wanted = torch.tensor(labels, device=self.device)[at]
-            loss, predicted = self._token_scores(hidden.index_select(0, rows), wanted)
+        if at.numel():
+            rows, at = local[at].to(self.device), at.to(self.device)
+            loss, predicted = self._token_scores(
+                hidden.index_select(0, rows), torch.tensor(labels, device=self.device)[at]
+            )
             nll[at], greedy[at] = loss.double(), predicted
         if self.group is not None:  # each position is held by one rank: the sums are its values
             dist.all_reduce(nll, group=self.group)
