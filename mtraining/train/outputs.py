@@ -20,6 +20,8 @@ from .config import Config
 
 EXPORT_RECORD = "mtraining_export.json"
 """The file every export writes last: a folder holding it may be replaced by a later export."""
+PROBES = (".write-test-", ".shared-check-")
+"""Name prefixes of the short-lived files the start's checks write (every rank at once): never a user's file."""
 _SHARED_WAIT_S = 5.0  # how long a rank looks for rank 0's file (a network file system may show it late)
 
 
@@ -32,7 +34,7 @@ def check_output_dir(path: str | None, key: str) -> None:
         raise ValueError(f"{key}={path} is a file, not a folder; set {key} to a folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
+        probe = folder / f"{PROBES[0]}{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
@@ -62,7 +64,8 @@ def check_export_target(out: str | Path, cfg: Config, key: str) -> None:
             )
     if out.exists() and not out.is_dir():
         raise ValueError(f"{key}={out} is a file, not a folder; set {key} to a folder")
-    found = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    # another rank's probe may be there for a moment: the ranks check their folders at once
+    found = sorted(p.name for p in out.iterdir() if not p.name.startswith(PROBES)) if out.is_dir() else []
     if found and EXPORT_RECORD not in found:
         raise ValueError(
             f"{key}={out} holds files that no export wrote ({', '.join(found[:5])}{', ...' if len(found) > 5 else ''})"
@@ -99,7 +102,7 @@ def check_shared_dir(path: str | None, key: str) -> None:
     writes a file with a fresh name there, every rank looks for it (a few seconds at most)."""
     if path is None or not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    marker = Path(path) / from_rank0(f".shared-check-{uuid.uuid4().hex}")
+    marker = Path(path) / from_rank0(f"{PROBES[1]}{uuid.uuid4().hex}")
     rank = dist.get_rank()
 
     def write() -> None:

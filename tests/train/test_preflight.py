@@ -196,6 +196,11 @@ def test_an_export_replaces_only_an_earlier_export_and_never_the_base_model(tmp_
     with pytest.raises(ValueError, match="holds files that no export wrote"):
         _tiny_export(cfg, mine)
     assert [p.name for p in mine.iterdir()] == ["config.json"] and "mine" in (mine / "config.json").read_text()
+    # the ranks check their folders at once: another rank's probe in a new export folder is not a user's file
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / ".write-test-4242").write_bytes(b"")
+    check_output_dirs(parse_config(RAW, [f"checkpoint.export_dir={fresh}"]))
 
     def broken(*args, **kwargs):
         raise OSError(28, "No space left on device")
