@@ -191,7 +191,8 @@ class Calibration:
     prompts, perplexity windows) per length; ``read_at_least``: reads cut before they ended, seconds they ran.
     ``train_step_s`` / ``train_fixed_s``: per arm, at ``length`` tokens; ``base_s``: the base check of
     ``base_prompts`` NIAH prompts; ``prefill_s``: seconds of one answer prefill (the reads' ``phases``: the prompt
-    and its reference scored), slowest over the runs, what a prompt read teacher-forced alone costs.
+    and its reference scored), slowest over the runs, what a prompt read teacher-forced alone costs; ``speed_s``:
+    seconds of the speed stage at each length with one sparse arm (the default layers and repeats).
     ``source``: where the figures are."""
 
     source: str
@@ -206,6 +207,7 @@ class Calibration:
     base_s: float
     base_prompts: int
     prefill_s: dict[str, dict[int, float]] = field(default_factory=dict)
+    speed_s: dict[int, float] = field(default_factory=dict)
 
 
 # The 3-seed runs: bench/results/real_extension_runs/h200x2_95b3127 (stage_times.json of each GPU), seeds 0 and 2
@@ -213,7 +215,7 @@ class Calibration:
 # RULER-style tasks x 1 and 4 perplexity windows per length, slowest over the runs; the prefills per prompt from the
 # same reads' phases (prefill_s / prefills; a process's first sparse read at 8K also compiles the kernels). A
 # training's fixed seconds are the dense arm's (40 s); the first sparse training of a process also compiles the
-# kernels (about 50 s more).
+# kernels (about 50 s more). The speed stage: GPU 1's, the adaptive arm alone.
 H200_95b3127 = Calibration(
     source="bench/results/real_extension_runs/h200x2_95b3127 (H200, 95b3127)",
     device="NVIDIA H200",
@@ -233,6 +235,7 @@ H200_95b3127 = Calibration(
         "dense": {8192: 0.170, 16384: 0.115, 32768: 0.208, 65536: 3.671},
         "sparse": {8192: 0.751, 16384: 0.267, 32768: 0.337, 65536: 5.207},
     },
+    speed_s={65536: 2.4, 131072: 4.8, 524288: 93.6},
 )
 
 

@@ -51,6 +51,17 @@ def test_read_estimates_start_from_what_the_first_runs_measured(tmp_path):
     assert est.base(8192).seconds == pytest.approx(36.0 * GPU.base_prompts / 20)  # per base prompt, not per read
 
 
+def test_the_speed_stage_starts_from_its_measured_time_scaled_by_the_arms(tmp_path):
+    cal = replace(FIRST_RUNS, speed_s={131072: 4.8, 524288: 93.6})  # measured with one sparse arm
+    one = Estimator(replace(GPU, costs=Costs(calibration=cal)), Shape(), Timings(tmp_path / "timings.json"))
+    assert one.speed(524288).source == "calibrated" and one.speed(524288).seconds == pytest.approx(93.6)
+    two = Estimator(replace(one.s, arms=(*one.s.arms, Arm("v1024s2048", True, v_size=1024, s_size=2048))), Shape(), one.timings)  # fmt: skip
+    assert two.speed(524288).seconds == pytest.approx(93.6 * 2.0 / 1.5)  # dense + two arms at a quarter each
+    assert one.speed(65536).source == "flops"  # a length the calibration lacks
+    one.timings.record("speed:524288", 60.0)
+    assert one.speed(524288) == Estimate(60.0, "here")
+
+
 def test_measured_tasks_replace_the_calibration_and_sparse_keeps_the_dense_floor(tmp_path):
     timings = Timings(tmp_path / "timings.json")
     timings.record("read:sparse:65536:niah", 1.0)
