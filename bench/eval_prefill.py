@@ -19,6 +19,7 @@ profiled ``respond`` per arm and length (top ops by device time on CUDA, by CPU 
 beside ``--out``). Records stream to ``--out`` after every case, so a run cut short keeps what it measured.
 
     python bench/eval_prefill.py --model <export> --lengths 32768 65536 --profile --out $OUT/eval_prefill.json
+    python bench/eval_prefill.py --random .gguf/tok/config.json --lengths 65536   # SmolLM2's shape, no weights needed
     python bench/eval_prefill.py --tiny --lengths 512 1024 --repeats 1   # CPU plumbing check
 
 Internal tool: calls ``mtraining.eval.engine``'s ``Engine._prefill`` and ``Engine._sequence``, so the bare forwards
@@ -30,6 +31,7 @@ tests/bench/test_eval_prefill.py checks it against ``experiments.real_extension.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -65,14 +67,17 @@ def attention_spec(arm: str, tiny: bool = False) -> AttentionSpec:
 
 
 def load_model(args: argparse.Namespace) -> torch.nn.Module:
-    """``--model`` as the evaluation loads it (bf16 on CUDA), or train_throughput's random tiny Qwen2 (float32, CPU)."""
+    """``--model`` as the evaluation loads it (bf16 on CUDA), ``--random``'s shape with random weights on the same
+    device and dtype, or train_throughput's random tiny Qwen2 (float32, CPU)."""
+    from mtraining.eval.loading import load, pick_device, pick_dtype
+    from mtraining.models import build_model
+
+    torch.manual_seed(0)
     if args.tiny:
-        from mtraining.models import build_model
-
-        torch.manual_seed(0)
         return build_model(config=ARCHS["tiny"]).eval()
-    from mtraining.eval.loading import load
-
+    if args.random is not None:
+        device = pick_device(None)
+        return build_model(config=json.loads(args.random.read_text())).to(device, pick_dtype(None, device)).eval()
     return load(args.model).model
 
 
@@ -179,6 +184,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", type=Path, help="a Hugging Face folder the evaluation loads (an export)")
+    source.add_argument("--random", type=Path, help="a Hugging Face config.json: its shape with random weights")
     source.add_argument("--tiny", action="store_true", help="a random two-layer Qwen2 (CPU plumbing check)")
     p.add_argument("--lengths", type=int, nargs="+", default=[32768, 65536])
     p.add_argument("--arms", nargs="+", choices=("dense", "sparse"), default=["dense", "sparse"])
@@ -198,7 +204,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
     model = load_model(args)
     on_cuda = next(model.parameters()).device.type == "cuda"
-    head = provenance(on_gpu=on_cuda) | {"gpus": torch.cuda.device_count(), "model": str(args.model or "tiny")}
+    head = provenance(on_gpu=on_cuda) | {
+        "gpus": torch.cuda.device_count(),
+        "model": str(args.model or args.random or "tiny"),
+    }
     head |= {"answer_tokens": args.answer_tokens, "repeats": args.repeats}
     records: list[dict] = []
 

@@ -64,6 +64,18 @@ def test_every_case_is_recorded(options, cells, tmp_path, capsys, monkeypatch, o
     assert f"{length:>8} {arm:>6}: engine's own" in printed
 
 
+def test_a_config_alone_gives_the_model_its_shape(tmp_path, one_thread):
+    """``--random``: a config.json's shape with random weights, for timings that need no trained model."""
+    bench = load_script("eval_prefill")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(bench.ARCHS["tiny"]))
+    out = tmp_path / "prefill.json"
+    bench.main(["--random", str(config), "--lengths", "256", "--arms", "dense", "--repeats", "1", "--out", str(out)])
+    records = json.loads(out.read_text())
+    assert [r["case"] for r in records] == CASES and {r["model"] for r in records} == {str(config)}
+    assert records[-1]["tokens"] == 256  # aligned to the experiment's block of 128
+
+
 def test_bad_options_exit_2(capsys):
     bench = load_script("eval_prefill")
     with pytest.raises(SystemExit) as stop:
