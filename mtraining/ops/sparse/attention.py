@@ -215,13 +215,21 @@ def _plan_call(
     if q_given or k_given:
         q_pos, k_pos = default_positions(q, k, q_pos, k_pos)
         span = position_span(q_pos, k_pos)
+        documents = resolve_documents(documents, q.shape[0], span=span)
+        if documents is None:
+            q_bound, blocks = None, functools.partial(dense.decompose, q_pos, k_pos)
+        else:
+            q_bound = documents.left_bounds(q_pos)
+            blocks = functools.partial(document_blocks, documents, q_pos, k_pos)
     else:  # default positions span 0..Sk-1: known on the host, no device sync
         span = (0, k.shape[1] - 1)
-    documents = resolve_documents(documents, q.shape[0], span=span)
-    if q_given or k_given:
-        q_bound = None if documents is None else documents.left_bounds(q_pos)
-    else:
+        documents = resolve_documents(documents, q.shape[0], span=span)
         q_pos, k_pos, q_bound = _default_call(q, k, documents)
+        sq, sk = q.shape[1], k.shape[1]
+        if documents is None:
+            blocks = functools.partial(dense.default_blocks, sq, sk)
+        else:
+            blocks = functools.partial(default_document_blocks, documents, sq, sk)
     if name == "triton":
         grid = pattern.block_size if pattern is not None else DENSE_BLOCK
         # default positions are checked on the host: the device check would wait for the GPU
@@ -234,15 +242,6 @@ def _plan_call(
     scale = resolve_scale(softmax_scale, q.shape[-1])
     if q.shape[1] == 0:  # no rows: nothing to launch; the torch backend gives the empty out and lse
         return ChunkPlan(pattern, q_pos, k_pos, scale, backend="torch", dense=None)
-    if documents is not None:
-        if q_given or k_given:
-            blocks = functools.partial(document_blocks, documents, q_pos, k_pos)
-        else:
-            blocks = functools.partial(default_document_blocks, documents, q.shape[1], k.shape[1])
-    elif q_given or k_given:
-        blocks = functools.partial(dense.decompose, q_pos, k_pos)
-    else:
-        blocks = functools.partial(dense.default_blocks, q.shape[1], k.shape[1])
     return plan_chunk(q, k, pattern, q_pos, k_pos, scale, name, blocks, q_bound=q_bound)
 
 
