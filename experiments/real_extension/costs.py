@@ -242,13 +242,16 @@ class Estimator:
         if found:
             return found
         s, shape = self.s, self.shape
-        arms = 1 + SPARSE_SHARE * 2 * len(s.sparse_arms)  # dense and each sparse arm, in dense steps
+
+        def steps(arms: int) -> float:  # dense and each sparse arm, in dense steps
+            return 1 + SPARSE_SHARE * 2 * arms
+
         cal = self.calibration
         if cal is not None and n in cal.speed_s:  # measured with one sparse arm
-            return Estimate(cal.speed_s[n] * arms / (1 + SPARSE_SHARE * 2), "calibrated")
+            return Estimate(cal.speed_s[n] * steps(len(s.sparse_arms)) / steps(1), "calibrated")
         dump = self._flops_s(shape.forward_flops(n) * (max(s.speed_layers) + 1) / shape.layers)
         attention = 2.0 * n * n * shape.head_dim * shape.heads  # one layer's forward
-        per_call = 3.5 * attention * arms  # forward + backward
+        per_call = 3.5 * attention * steps(len(s.sparse_arms))  # forward + backward
         calls = len(s.speed_layers) * (1 + s.speed_repeats) * self._flops_s(per_call)
         return Estimate(dump + calls + s.costs.startup_s / len(s.speed_lengths), "flops")
 
