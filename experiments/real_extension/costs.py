@@ -1,11 +1,13 @@
 """How long each stage is expected to take, printed before it runs and used to refuse starting one that would end
 past --max-minutes.
 
-Three sources, the first found wins (``Estimate.source``):
+Four sources, the first found wins (``Estimate.source``):
 - ``here``: a stage of the same kind measured on this machine (``Timings``, kept in ``<work>/timings.json``): a
   training's seconds per step and its fixed cost, a read's seconds per generated NIAH prompt, NIAH prompt read
   teacher-forced alone (``niah_forced``), RULER-style prompt and perplexity window at each length (the per-task
   terms);
+- ``scaled``: a read's per-task term measured here at a shorter length, scaled by the model's FLOPs (a run's
+  longest length is read last, after its shorter ones were measured on the machine);
 - ``calibrated``: the figures an earlier GPU run measured (``Settings.costs.calibration``, its source named there):
   a read's seconds per item at each length (the whole read's time over its items; a prompt read teacher-forced
   alone: one answer prefill), lengths beyond the table scaled by the model's FLOPs;
@@ -84,7 +86,7 @@ class Timings:
             tmp.write_text(json.dumps(self.found, indent=1) + "\n")
 
 
-MARGINS = {"here": 1.15, "calibrated": 1.3, "flops": 2.0}
+MARGINS = {"here": 1.15, "scaled": 1.3, "calibrated": 1.3, "flops": 2.0}
 SLACK_S = 10.0  # seconds kept free before the deadline besides the margin: the log, the archive, the exit
 TASKS = ("niah", "niah_forced", "ruler", "ppl")  # a read's parts, each timed per item
 
@@ -190,6 +192,9 @@ class Estimator:
         floor = self.timings.get(f"read:dense:{n}:{task}") if arm.sparse else None
         if here is not None:
             return Estimate(max(here, floor or 0.0), "here")
+        scaled = self._scaled_item(kind, n, task)
+        if scaled is not None:
+            return Estimate(max(scaled, floor or 0.0), "scaled")
         calibrated = self._calibrated_item(kind, n, task)
         if calibrated is not None:
             if arm.sparse:
@@ -199,6 +204,21 @@ class Estimator:
         prefill = self._flops_s(self.shape.forward_flops(n, SPARSE_SHARE if arm.sparse else 1.0))
         tokens = DECODED_TOKENS.get(task, 0)
         return Estimate(max(prefill + c.prompt_s + tokens * c.token_s, floor or 0.0), "flops")
+
+    def _scaled_item(self, kind: str, n: int, task: str) -> float | None:
+        """Seconds per item of ``task`` in a ``kind`` read at ``n`` from the longest shorter length measured on this
+        machine, scaled by the FLOPs of a forward at ``n`` over one there (an upper bound: an item's fixed costs do
+        not grow); None if none was measured."""
+        prefix = f"read:{kind}:"
+        measured = {
+            int(key.split(":")[2]): seconds
+            for key, seconds in self.timings.found.items()
+            if key.startswith(prefix) and key.endswith(f":{task}") and int(key.split(":")[2]) < n
+        }
+        if not measured:
+            return None
+        m = max(measured)
+        return measured[m] * self.shape.forward_flops(n) / self.shape.forward_flops(m)
 
     def _calibrated_item(self, kind: str, n: int, task: str) -> float | None:
         """Seconds per item of ``task`` in a ``kind`` read at ``n`` by the calibration (a NIAH prompt read
