@@ -107,6 +107,7 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--speed-layers", type=int, nargs="+")
     exp.add_argument("--speed-repeats", type=int)
     exp.add_argument("--workers", type=int, help="corpus and prompt-building processes (default: the spare cores)")
+    run.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child holding some arms (parallel)
     rep = p.add_argument_group("report")
     rep.add_argument(
         "--report-from",
@@ -129,7 +130,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
             s = replace(s, **{f: tuple(getattr(args, f))})
     if args.arms is not None:
         s = replace(s, arms=tuple(arm(name) for name in args.arms))
-    s.check()
+    s.check(paired=not args.part)
     return s
 
 
@@ -169,18 +170,17 @@ def print_session(experiment: Experiment, gpus: int, max_minutes: float | None, 
     """The session sized call by call (``session.simulate``) for ``gpus`` GPUs and the command of every call."""
     minutes = max_minutes or 9.0
     parts = parallel.plan_parts(experiment, gpus)
-    lanes = {
-        p.gpu: [session.Planned.of(st) for st in e.stages()[len(e.shared()) :] if not st.done() and not st.background]
-        for p in parts
-        for e in [parallel.part_experiment(experiment, p)]
-    }
+    lanes: dict[int, list[session.Planned]] = {}
+    for p in parts:  # a GPU's parts run one after another
+        e = parallel.part_experiment(experiment, p)
+        lanes.setdefault(p.gpu, []).extend(session.Planned.of(st) for st in e.stages()[len(e.shared()) :] if not st.done() and not st.background)  # fmt: skip
     shared = [session.Planned.of(st) for st in experiment.shared() if not st.done()]
     calls = session.simulate(shared, lanes, 60 * minutes, experiment.sources.tokenizer is not None)
     for p in parts:
-        print(f"GPU {p.gpu}: {p.what()}")
+        print(f"GPU {p.gpu}{', then' if p.order else ''}: {p.what()}")
     own = parallel.without(argv, SCRIPT_SETS) + ([] if max_minutes else ["--max-minutes", "9"])
     command = "MTRAINING_COMMIT=<commit> bash experiments/real_extension/gpu_call.sh " + shlex.join(own)
-    print("\n".join(session.describe(calls, len(parts), 60 * minutes, command)))
+    print("\n".join(session.describe(calls, len(lanes), 60 * minutes, command)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -256,17 +256,21 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_parallel(experiment: Experiment, gpus: int, argv: list[str]) -> int:
-    """The shared stages here, then one child per GPU (``parallel.launch``); the children's combined exit status."""
+    """The shared stages here, then the parts, one process each, a GPU's one after another (``parallel.launch``);
+    the children's combined exit status."""
     if gpus < 1:
         raise Refused(f"--parallel-gpus must be at least 1, got {gpus}")
     for st in experiment.shared():
         if not st.done():
             experiment.run_stage(st)
     parts = parallel.plan_parts(experiment, gpus)
+    parallel.keep_parts(experiment, gpus, parts)
     left = Clock.left()
-    workers = max(1, (experiment.s.workers or (os.cpu_count() or 2) - 1) // len(parts))
+    busy = len({p.gpu for p in parts})
+    workers = max(1, (experiment.s.workers or (os.cpu_count() or 2) - 1) // busy)
     status = parallel.launch(
-        parts, argv, experiment.work, experiment.out, experiment.tar, None if left is None else left / 60, workers
-    )
+        parts, argv, experiment.work, experiment.out, experiment.tar, None if left is None else left / 60, workers,
+        experiment.s.default_arm,
+    )  # fmt: skip
     say("done" if status == 0 else f"the GPUs' exit status: {status}")
     return status

@@ -1,11 +1,14 @@
-"""``--parallel-gpus N``: the seeds of one machine spread over its GPUs, one independent process per GPU.
+"""``--parallel-gpus N``: the seeds of one machine spread over its GPUs, one independent process per part.
 
 The parent runs the stages every part needs once (``Experiment.shared``: the conversion and the corpus), then
-starts one child per part (``split``), each this same command with its own ``--seeds``, ``CUDA_VISIBLE_DEVICES``,
-``--work <work>/gpu<g>`` (the model and the corpus linked from the parent's), ``--out <out>/gpu<g>``, ``--tar
-<tar>_gpu<g>.tgz`` and the minutes left. Parts are balanced by their expected seconds: whole seeds go to the least
-loaded GPU, then the base's read and the speed stage; the base check runs once, on GPU 0. The children's result
-folders pool like any machines' (``--report-from <out>`` finds them).
+starts the parts (``split``): each this same command with its own ``--seeds`` (and ``--arms`` where it holds only
+some of a seed's arms), ``CUDA_VISIBLE_DEVICES``, ``--work <work>/<part>`` (the model and the corpus linked from
+the parent's), ``--out <out>/<part>``, ``--tar <tar>_<part>.tgz`` and the minutes left. A GPU's parts run one after
+another, the GPUs side by side. Parts are balanced by their expected seconds: whole seeds go round the GPUs, and
+the seeds left over (3 seeds on 2 GPUs) are split by arm, each arm's training and reads on the least loaded GPU;
+then the base's read and the speed stage. The base check runs once, on GPU 0. The split is kept in
+``<work>/parts.json`` from the first launch on, so a later call finds every training where an earlier one left it.
+The parts' result folders pool like any machines' (``--report-from <out>`` finds them).
 
 Each child runs with ``OMP_NUM_THREADS=1`` unless it is set (torchrun's default when a host runs several processes):
 the children's prompt builders keep the host's cores busy, and torch's CPU ops on tensors past its parallel grain
@@ -14,10 +17,13 @@ the children's prompt builders keep the host's cores busy, and torch's CPU ops o
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, replace
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..common.stages import say
@@ -29,65 +35,118 @@ OWN = (
     "--parallel-gpus", "--seeds", "--work", "--out", "--tar", "--max-minutes", "--workers", "--plan",
     "--base-read", "--no-base-read", "--speed", "--no-speed", "--base-check", "--no-base-check",
 )  # fmt: skip
+SUBSET = ("--arms", "--default", "--part")  # also replaced for a part that holds only some arms
 EXIT_ORDER = (1, 2, 4, 3, 0)  # the parent's exit status: the first of these that any child gave
+NOT_STARTED = 3  # a part after one that stopped: call again
 
 
 @dataclass(frozen=True)
 class Part:
-    """What one GPU runs: its seeds (each seed trains every arm and reads every model), and whether it checks the
-    base, reads the base at every length, and runs the speed stage."""
+    """What one process runs on one GPU: its seeds (each seed trains ``arms``, every arm if None, and reads their
+    models), and whether it checks the base, reads the base at every length, and runs the speed stage. ``order``
+    is its place among its GPU's parts."""
 
     gpu: int
     seeds: tuple[int, ...]
     base_check: bool = False
     base_read: bool = False
     speed: bool = False
+    arms: tuple[str, ...] | None = None
+    order: int = 0
+
+    @property
+    def name(self) -> str:
+        """Its work and result folders' name: ``gpu1``, then ``gpu1_1`` for the GPU's next part."""
+        return f"gpu{self.gpu}" + (f"_{self.order}" if self.order else "")
 
     def what(self) -> str:
         extra = [name for name, on in (("base check", self.base_check), ("base read", self.base_read), ("speed", self.speed)) if on]  # fmt: skip
-        return f"seeds {list(self.seeds)}" + "".join(f" + {e}" for e in extra)
+        arms = "" if self.arms is None else f" ({', '.join(self.arms)})"
+        return f"seeds {list(self.seeds)}{arms}" + "".join(f" + {e}" for e in extra)
 
 
 def split(
     seeds: tuple[int, ...],
+    arm_s: dict[str, float],
     gpus: int,
-    seed_s: float,
-    base_check_s: float,
+    base_check_s: float | None,
     base_read_s: float | None,
     speed_s: float | None,
+    speed_arms: tuple[str, ...] = (),
 ) -> list[Part]:
-    """The parts of ``gpus`` GPUs: each seed (``seed_s`` seconds) on the least loaded GPU, the base check on the
-    first GPU holding a seed, then the base read and the speed stage (None: not run) each on the least loaded GPU
-    (the speed stage times that GPU's first seed's model). GPUs left without a seed are left out. ValueError for
-    gpus < 1."""
+    """The parts of ``gpus`` GPUs. ``arm_s``: each arm's seconds in one seed (its training and its model's reads),
+    in --arms order. Whole seeds go round the GPUs; each seed left over is split by arm, longest first, each on the
+    least loaded GPU (``speed_arms``, the arms the speed stage times, stay together in the first seed left over when
+    no GPU holds a whole seed). The base check (None: not run) goes to GPU 0's first part, then the base read and the speed stage
+    each to the least loaded GPU's first part that can run it (the speed stage: a part holding ``speed_arms``).
+    GPUs left without work are left out. ValueError for gpus < 1."""
     if gpus < 1:
         raise ValueError(f"--parallel-gpus must be at least 1, got {gpus}")
+    names = tuple(arm_s)
     load = [0.0] * gpus
-    owned: dict[int, list[int]] = {g: [] for g in range(gpus)}
-    for seed in seeds:
-        g = min(range(gpus), key=lambda i: (load[i], i))
-        owned[g].append(seed)
-        load[g] += seed_s
-    holding = [g for g in range(gpus) if owned[g]]
-    load[holding[0]] += base_check_s
-    extra: dict[str, int | None] = {}
+    whole_n = len(seeds) - len(seeds) % gpus
+    owned: dict[int, dict[int, list[str]]] = {g: {} for g in range(gpus)}  # GPU -> seed -> arms
+    for i, seed in enumerate(seeds[:whole_n]):
+        owned[i % gpus][seed] = list(names)
+        load[i % gpus] += sum(arm_s.values())
+    for seed in seeds[whole_n:]:
+        together = speed_s is not None and whole_n == 0 and seed == seeds[0] and speed_arms
+        units = [tuple(speed_arms)] if together else []
+        units += [(a,) for a in names if not (together and a in speed_arms)]
+        for unit in sorted(units, key=lambda u: -sum(arm_s[a] for a in u)):
+            g = min(range(gpus), key=lambda i: (load[i], i))
+            owned[g].setdefault(seed, []).extend(unit)
+            load[g] += sum(arm_s[a] for a in unit)
+    parts: list[Part] = []
+    for g in range(gpus):
+        groups: dict[tuple[str, ...] | None, list[int]] = {}
+        for seed, arms in owned[g].items():
+            key = None if set(arms) == set(names) else tuple(a for a in names if a in arms)
+            groups.setdefault(key, []).append(seed)
+        for order, (arms, held) in enumerate(sorted(groups.items(), key=lambda kv: kv[0] is not None)):
+            parts.append(Part(g, tuple(held), arms=arms, order=order))
+    if not parts:
+        return parts
+    if base_check_s is not None:
+        parts[0] = replace(parts[0], base_check=True)
+        load[parts[0].gpu] += base_check_s
+    can = {
+        "base_read": lambda p: p.order == 0,
+        "speed": lambda p: p.arms is None or set(speed_arms) <= set(p.arms),
+    }
     for name, seconds in (("base_read", base_read_s), ("speed", speed_s)):
-        extra[name] = None if seconds is None else min(holding, key=lambda i: (load[i], i))
-        if extra[name] is not None:
-            load[extra[name]] += seconds
-    return [Part(g, tuple(owned[g]), g == holding[0], extra["base_read"] == g, extra["speed"] == g) for g in holding]
+        able = [i for i, p in enumerate(parts) if can[name](p)]
+        if seconds is None or not able:
+            continue
+        i = min(able, key=lambda i: (load[parts[i].gpu], parts[i].gpu, parts[i].order))
+        parts[i] = replace(parts[i], **{name: True})
+        load[parts[i].gpu] += seconds
+    return parts
 
 
-def child_argv(argv: list[str], part: Part, work: Path, out: Path, tar: Path | None, minutes: float | None, workers: int | None) -> list[str]:  # fmt: skip
-    """This command line for ``part``: the options of ``OWN`` replaced by the part's own."""
+def child_argv(argv: list[str], part: Part, work: Path, out: Path, tar: Path | None, minutes: float | None, workers: int | None, default_arm: str | None = None) -> list[str]:  # fmt: skip
+    """This command line for ``part``: the options of ``OWN`` replaced by the part's own (and ``--arms`` and
+    ``--default`` for a part holding some arms: the default stays where it is among them, else their first
+    sparse one)."""
     own = ["--seeds", *map(str, part.seeds)]
-    own += ["--work", str(part_dir(work, part)), "--out", str(part_dir(out, part))]
+    own += ["--work", str(work / part.name), "--out", str(out / part.name)]
     own += [] if tar is None else ["--tar", str(part_tar(tar, part))]
     own += [] if minutes is None else ["--max-minutes", f"{minutes:.3f}"]
     own += [] if workers is None else ["--workers", str(workers)]
     own += ["--base-check" if part.base_check else "--no-base-check"]
     own += ["--base-read" if part.base_read else "--no-base-read", "--speed" if part.speed else "--no-speed"]
-    return without(argv, OWN) + own
+    if part.arms is None:
+        return without(argv, OWN) + own
+    subset = ["--part", "--arms", *part.arms, "--default", subset_default(default_arm, part.arms)]
+    return without(argv, OWN + SUBSET) + own + subset
+
+
+def subset_default(default_arm: str | None, arms: tuple[str, ...]) -> str:
+    """The default of a part holding ``arms``: the experiment's where it holds it, else its first sparse arm (a
+    part's settings must name one of its own arms; the report is told the experiment's with ``--default``)."""
+    if default_arm in arms:
+        return default_arm
+    return next((a for a in arms if a != DENSE.name), arms[0])
 
 
 def without(argv: list[str], options: tuple[str, ...]) -> list[str]:
@@ -102,57 +161,92 @@ def without(argv: list[str], options: tuple[str, ...]) -> list[str]:
     return kept
 
 
-def part_dir(folder: Path, part: Part) -> Path:
-    return folder / f"gpu{part.gpu}"
-
-
 def part_tar(tar: Path, part: Part) -> Path:
     """``results.tgz`` -> ``results_gpu1.tgz``."""
-    return tar.with_name(f"{tar.name.split('.')[0]}_gpu{part.gpu}{''.join(tar.suffixes)}")
+    return tar.with_name(f"{tar.name.split('.')[0]}_{part.name}{''.join(tar.suffixes)}")
 
 
 def link_shared(work: Path, part: Part) -> None:
     """The part's work folder with the parent's converted model and corpus linked in (read only there)."""
-    own = part_dir(work, part)
+    own = work / part.name
     own.mkdir(parents=True, exist_ok=True)
     for name in ("model", "corpus"):
         if not (own / name).is_symlink() and not (own / name).exists():  # linked by an earlier call
             (own / name).symlink_to(work / name, target_is_directory=True)
 
 
-def launch(parts: list[Part], argv: list[str], work: Path, out: Path, tar: Path | None, minutes: float | None, workers: int | None) -> int:  # fmt: skip
-    """Run every part as its own process on its own GPU and wait for all; the parent's exit status (``EXIT_ORDER``)."""
-    procs = []
-    for part in parts:
-        link_shared(work, part)
-        cmd = [sys.executable, "-m", "experiments.real_extension", *child_argv(argv, part, work, out, tar, minutes, workers)]  # fmt: skip
-        say(f"GPU {part.gpu}: {part.what()}")
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(part.gpu))
-        env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several processes per host (module docstring)
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env))
-    codes = [p.wait() for p in procs]
-    for part, code in zip(parts, codes):
-        say(f"GPU {part.gpu} exited {code}")
-    return next((c for c in EXIT_ORDER if c in codes), max(codes))
+def launch(parts: list[Part], argv: list[str], work: Path, out: Path, tar: Path | None, minutes: float | None, workers: int | None, default_arm: str | None = None) -> int:  # fmt: skip
+    """Run each GPU's parts one after another, the GPUs side by side, and wait for all; the parent's exit status
+    (``EXIT_ORDER``). A part that does not finish (exit status not 0) ends its GPU's list; the parts after it count
+    as not started (3: call again). Each part gets the minutes left when it starts."""
+    deadline = None if minutes is None else time.monotonic() + 60 * minutes
+    codes: dict[Part, int] = {}
+
+    def run_gpu(gpu: int) -> None:
+        for part in [p for p in parts if p.gpu == gpu]:
+            link_shared(work, part)
+            left = None if deadline is None else (deadline - time.monotonic()) / 60
+            cmd = [sys.executable, "-m", "experiments.real_extension", *child_argv(argv, part, work, out, tar, left, workers, default_arm)]  # fmt: skip
+            say(f"GPU {part.gpu}: {part.what()}")
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(part.gpu))
+            env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default (module docstring)
+            codes[part] = subprocess.Popen(cmd, cwd=ROOT, env=env).wait()
+            say(f"GPU {part.gpu} ({part.name}) exited {codes[part]}")
+            if codes[part] != 0:
+                return
+
+    threads = [threading.Thread(target=run_gpu, args=(g,)) for g in sorted({p.gpu for p in parts})]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    found = [codes.get(p, NOT_STARTED) for p in parts]
+    return next((c for c in EXIT_ORDER if c in found), max(found))
 
 
 def plan_parts(exp: Experiment, gpus: int) -> list[Part]:
-    """``split`` of ``exp``'s seeds over ``gpus`` GPUs, balanced by the stages' expected seconds."""
+    """The split kept in ``<work>/parts.json`` when it was made for ``gpus`` GPUs and these seeds and arms, else
+    ``split`` of ``exp``'s seeds over ``gpus`` GPUs, balanced by the stages' expected seconds."""
     s = exp.s
-    one = Experiment(replace(s, seeds=s.seeds[:1]), exp.sources, exp.work, exp.out, False, False, False)
-    seed_s = sum(st.expected().seconds for st in one.stages()[len(one.shared()) :] if not st.background)
+    kept = exp.work / "parts.json"
+    if kept.exists():
+        found = json.loads(kept.read_text())
+        if found["key"] == split_key(exp, gpus):
+            return [Part(**p | {"seeds": tuple(p["seeds"]), "arms": p["arms"] and tuple(p["arms"])}) for p in found["parts"]]  # fmt: skip
+    arm_s = {}
+    for a in s.arms:
+        one = Experiment(replace(s, seeds=s.seeds[:1], arms=(a,), default_arm=a.name), exp.sources, exp.work, exp.out, False, False, False)  # fmt: skip
+        arm_s[a.name] = sum(st.expected().seconds for st in one.stages()[len(one.shared()) :] if not st.background)
     base_read_s = exp.estimate.read(DENSE, s.lengths).seconds if exp.base_read else None
     speed_s = sum(exp.estimate.speed(n).seconds for n in s.speed_lengths) if exp.speed_stage else None
-    return split(s.seeds, gpus, seed_s, exp.estimate.base(exp.native()).seconds, base_read_s, speed_s)
+    speed_arms = tuple(a.name for a in s.sparse_arms)
+    base_check_s = exp.estimate.base(exp.native()).seconds if exp.base_check_stage else None
+    return split(s.seeds, arm_s, gpus, base_check_s, base_read_s, speed_s, speed_arms)
+
+
+def split_key(exp: Experiment, gpus: int) -> dict:
+    """What a kept split was made for."""
+    s = exp.s
+    return {"gpus": gpus, "seeds": list(s.seeds), "arms": [a.name for a in s.arms], "base_read": exp.base_read, "speed": exp.speed_stage, "base_check": exp.base_check_stage}  # fmt: skip
+
+
+def keep_parts(exp: Experiment, gpus: int, parts: list[Part]) -> None:
+    """Write the split to ``<work>/parts.json`` (the next call's ``plan_parts`` reads it)."""
+    path = exp.work / "parts.json"
+    if not path.exists():
+        path.write_text(json.dumps({"key": split_key(exp, gpus), "parts": [asdict(p) for p in parts]}, indent=1) + "\n")
 
 
 def part_experiment(exp: Experiment, part: Part) -> Experiment:
-    """The experiment one part's child runs (its seeds, stages and folders)."""
+    """The experiment one part's child runs (its seeds, arms, stages and folders)."""
+    s = exp.s
+    arms = s.arms if part.arms is None else tuple(a for a in s.arms if a.name in part.arms)
+    default = subset_default(s.default_arm, tuple(a.name for a in arms))
     return Experiment(
-        replace(exp.s, seeds=part.seeds),
+        replace(s, seeds=part.seeds, arms=arms, default_arm=default),
         exp.sources,
-        part_dir(exp.work, part),
-        part_dir(exp.out, part),
+        exp.work / part.name,
+        exp.out / part.name,
         part.base_read,
         part.speed,
         part.base_check,

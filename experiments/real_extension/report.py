@@ -9,10 +9,10 @@ are None (the record says why). Speed comes from the speed stage (dense over spa
 own Q/K, per length) and end to end from the trainings' tokens per second.
 
 A folder may be partial (a call cut by its time limit): every finished cell counts, and the trainings and cells
-its settings asked for but it lacks are listed (``missing``). A folder whose ``gpu<g>/`` subfolders are result
-folders (``--parallel-gpus``) stands for them.
+its settings asked for but it lacks are listed (``missing``). A folder whose ``gpu<g>/`` (and ``gpu<g>_<k>/``)
+subfolders are result folders (``--parallel-gpus``: one per part) stands for them.
 
-A run is one folder, or several joined by commas (machines that split one run's seeds). Each run has its own
+A run is one folder, or several joined by commas (machines that split one run's seeds, or a seed's arms). Each run has its own
 dense arm, and its other arms pair with that one, so seeds may repeat across runs but an arm other than dense
 belongs to one run. With several runs the Markdown names each configuration's run and compares the dense arms.
 
@@ -40,7 +40,8 @@ SAME = (
 
 
 def expand(folders: Sequence[Path]) -> list[Path]:
-    """The result folders given: each folder, or its ``gpu<g>/`` result folders where it has any."""
+    """The result folders given: each folder, or its parts' result folders (``gpu<g>``, ``gpu<g>_<k>``) where it has
+    any."""
     found = []
     for folder in map(Path, folders):
         parts = sorted(p.parent for p in folder.glob("gpu*/run.json"))
@@ -66,20 +67,22 @@ def load_folder(folder: Path) -> dict:
 
 
 def pool(folders: Sequence[dict]) -> dict:
-    """The folders' results as one: settings checked equal (``SAME``), seeds distinct, trainings and reads merged
+    """The folders' results as one: settings checked equal (``SAME``), each training and read in one folder (a seed's
+    arms may lie in several: a split by arm), trainings and reads merged
     (keyed ``seed<S>_<arm>`` and ``seed<S>_<arm>__<read>``), speed figures of every folder listed."""
     if not folders:
         raise ValueError("no result folders given")
     check_same(folders)
-    first = folders[0]["run"]["settings"]
+    first = max((f["run"]["settings"] for f in folders), key=lambda s: len(s["arms"]))  # a part's may hold some arms
     arms = {a["name"]: a for f in folders for a in f["run"]["settings"]["arms"]}
-    owner: dict[int, str] = {}
+    owner: dict[str, str] = {}
     for f in folders:
-        for seed in _seeds_of(f):
-            if seed in owner:
-                raise ValueError(f"seed {seed} is in {owner[seed]} and {f['folder']}: give each seed's folder once")
-            owner[seed] = f["folder"]
-    pooled = {"settings": first, "arms": arms, "seeds": sorted(owner), "train": {}, "eval": {}, "speed": []}
+        for name in [*f["train"], *f["eval"]]:
+            if name in owner:
+                raise ValueError(f"{name} is in {owner[name]} and {f['folder']}: give each folder once")
+            owner[name] = f["folder"]
+    seeds = sorted({seed for f in folders for seed in _seeds_of(f)})
+    pooled = {"settings": first, "arms": arms, "seeds": seeds, "train": {}, "eval": {}, "speed": []}
     for f in folders:
         pooled["train"] |= f["train"]
         pooled["eval"] |= f["eval"]

@@ -151,10 +151,11 @@ class Settings:
     def sparse_arms(self) -> tuple[Arm, ...]:
         return tuple(a for a in self.arms if a.sparse)
 
-    def check(self) -> None:
-        """ValueError naming the option for settings that cannot run."""
+    def check(self, paired: bool = True) -> None:
+        """ValueError naming the option for settings that cannot run (``paired``: the arms include dense; a part of
+        a split by arm need not, its run's dense arm is in another part)."""
         names = [a.name for a in self.arms]
-        if "dense" not in names or len(set(names)) != len(names):
+        if (paired and "dense" not in names) or len(set(names)) != len(names):
             raise ValueError(f"--arms needs dense (every change is paired against it) and no repeats, got {names}")
         if self.default_arm not in names:
             raise ValueError(f"--default {self.default_arm!r} is not among --arms {names}")

@@ -74,6 +74,20 @@ def test_measured_tasks_replace_the_calibration_and_sparse_keeps_the_dense_floor
     assert only_niah == Estimate(60.0, "here")
 
 
+def test_a_longer_read_is_expected_from_a_shorter_one_measured_here(tmp_path):
+    """The machine's own figure at 32K, scaled by FLOPs, wins over the calibration at 64K and its 128K scaling."""
+    timings = Timings(tmp_path / "timings.json")
+    timings.record("read:dense:16384:ppl", 0.5)
+    timings.record("read:dense:32768:ppl", 1.0)
+    est = Estimator(GPU, Shape(), timings)
+    ratio = Shape().forward_flops(131072) / Shape().forward_flops(32768)
+    assert est.per_item(DENSE, 131072, "ppl") == Estimate(pytest.approx(ratio), "scaled")
+    assert est.per_item(DENSE, 32768, "ppl") == Estimate(1.0, "here")
+    assert est.per_item(DENSE, 8192, "ppl").source == "calibrated"  # nothing shorter measured
+    assert est.per_item(ADAPTIVE, 131072, "ppl").source == "calibrated"  # no sparse read measured here yet
+    assert Estimate(1.0, "scaled").margin > Estimate(1.0, "here").margin
+
+
 def test_prompts_read_teacher_forced_alone_cost_a_prefill_each(tmp_path):
     """Their own term (``niah_forced``): a measured prefill per prompt where the calibration has one (a sparse read's
     at least the dense read's), else the FLOPs of one prefill (no generated tokens); measured here, it wins."""
@@ -150,15 +164,51 @@ def test_every_cell_reaches_out_and_the_archive_at_once_and_a_partial_folder_rep
 
 
 def test_seeds_spread_over_gpus_by_their_expected_seconds():
-    parts = parallel.split((0, 1, 2), 2, seed_s=1000.0, base_check_s=40.0, base_read_s=300.0, speed_s=200.0)
-    assert [(p.gpu, p.seeds, p.base_check, p.base_read, p.speed) for p in parts] == [
-        (0, (0, 2), True, False, False),
-        (1, (1,), False, True, True),
-    ]
-    (only,) = parallel.split((5,), 4, 1000.0, 40.0, None, None)  # GPUs without a seed are left out
-    assert only == parallel.Part(0, (5,), True, False, False)
+    arm_s = {"dense": 400.0, "adaptive": 600.0}
+    parts = parallel.split((0, 1, 2, 3), arm_s, 2, base_check_s=40.0, base_read_s=300.0, speed_s=200.0, speed_arms=("adaptive",))  # fmt: skip
+    assert [(p.gpu, p.seeds, p.arms, p.base_check, p.base_read, p.speed) for p in parts] == [
+        (0, (0, 2), None, True, False, True),
+        (1, (1, 3), None, False, True, False),
+    ]  # the base read on the GPU without the base check, the speed stage then on the other
+    (only,) = parallel.split((5,), {"dense": 1000.0}, 4, 40.0, None, None)  # GPUs without work are left out
+    assert only == parallel.Part(0, (5,), True)
     with pytest.raises(ValueError, match="--parallel-gpus"):
-        parallel.split((0,), 0, 1.0, 1.0, None, None)
+        parallel.split((0,), arm_s, 0, 1.0, None, None)
+
+
+def test_a_seed_left_over_is_split_by_arm():
+    """3 seeds on 2 GPUs: seeds 0 and 1 whole, seed 2's arms one per GPU, run after the GPU's whole seed."""
+    arm_s = {"dense": 400.0, "adaptive": 600.0}
+    parts = parallel.split((0, 1, 2), arm_s, 2, 40.0, None, 100.0, speed_arms=("adaptive",))
+    assert [(p.name, p.seeds, p.arms) for p in parts] == [
+        ("gpu0", (0,), None), ("gpu0_1", (2,), ("adaptive",)), ("gpu1", (1,), None), ("gpu1_1", (2,), ("dense",)),
+    ]  # fmt: skip
+    assert parts[0].base_check and [p.name for p in parts if p.speed] == ["gpu1"]  # the less loaded GPU's whole seed
+    # One seed on two GPUs: the speed stage's arms stay with the part that times them.
+    parts = parallel.split((0,), {"dense": 400.0, "v1s2": 100.0, "adaptive": 600.0}, 2, 40.0, None, 100.0, ("v1s2", "adaptive"))  # fmt: skip
+    assert [(p.gpu, p.arms, p.speed) for p in parts] == [(0, ("v1s2", "adaptive"), True), (1, ("dense",), False)]
+    argv = ["--arms", "dense", "v1s2", "adaptive", "--default", "v1s2", "--steps", "5"]
+    child = parallel.child_argv(argv, parts[1], Path("w"), Path("o"), None, None, None, "v1s2")
+    assert child[:2] == ["--steps", "5"] and child[-4:] == ["--arms", "dense", "--default", "dense"]
+    child = parallel.child_argv(argv, parts[0], Path("w"), Path("o"), None, None, None, "v1s2")
+    assert (
+        child[-5:] == ["--arms", "v1s2", "adaptive", "--default", "v1s2"] and "gpu0" in child[child.index("--out") + 1]
+    )
+
+
+def test_the_split_is_kept_for_the_next_call(tmp_path):
+    settings = replace(PRESETS["toy"], seeds=(0, 1, 2))
+    exp = Experiment(settings, Sources(None), tmp_path / "w", tmp_path / "o", False, True, False)
+    exp.work.mkdir(parents=True)
+    parts = parallel.plan_parts(exp, 2)
+    assert [p.name for p in parts] == ["gpu0", "gpu0_1", "gpu1", "gpu1_1"]
+    parallel.keep_parts(exp, 2, parts)
+    exp.timings.record("train:dense:step", 1e6)  # new timings would split otherwise; the kept split stands
+    assert parallel.plan_parts(exp, 2) == parts
+    assert parallel.plan_parts(exp, 3) != parts  # made for other GPUs: split anew
+    sub = parallel.part_experiment(exp, parts[1])
+    assert [a.name for a in sub.s.arms] == list(parts[1].arms) and sub.s.seeds == (2,)
+    assert sub.s.default_arm in parts[1].arms and sub.out == tmp_path / "o" / parts[1].name
 
 
 def test_children_run_on_their_own_gpu_with_their_own_options(tmp_path, monkeypatch):
@@ -207,7 +257,9 @@ def test_the_session_plan_keeps_every_call_under_its_limit():
 def test_plan_prints_the_next_session(capsys, tmp_path):
     cli.main(["--plan", "--parallel-gpus", "2", "--max-minutes", "9", "--tokenizer", str(tmp_path), "--work", str(tmp_path / "w"), "--niah-prompts", "10"])  # fmt: skip
     printed = capsys.readouterr().out
-    assert "GPU 0: seeds [0, 2] + base check" in printed and "nvidia-h200-x2" in printed
+    assert (
+        "GPU 0: seeds [0] + base check\nGPU 0, then: seeds [2] (adaptive)\n" in printed and "nvidia-h200-x2" in printed
+    )
     assert "call 1: " in printed and "--tokenizer" not in printed
     calls = [line for line in printed.splitlines() if line.startswith("call ")]
     assert all(f".gguf/smollm2.gguf.part0{i}" in line for i, line in enumerate(calls[: session.GGUF_PARTS]))

@@ -140,7 +140,7 @@ def test_an_arm_in_two_runs_is_refused(tmp_path):
     a, b = folder(tmp_path / "a", [0]), folder(tmp_path / "b", [0])
     with pytest.raises(ValueError, match=re.escape(f"arm adaptive is in {a} and {b}")):
         report.write_report([a, b], tmp_path / "out")
-    with pytest.raises(ValueError, match="seed 0 is in"):  # one run holds a seed once
+    with pytest.raises(ValueError, match="seed0_adaptive is in"):  # one run holds a seed once
         report.write_report([f"{a},{b}"], tmp_path / "out")
     other = folder(tmp_path / "c", [0], replace(FIXED, steps=99))
     with pytest.raises(ValueError, match=r"differ in \['steps'\]"):  # runs compare only when trained alike
@@ -164,9 +164,25 @@ def test_under_three_seeds_the_means_come_without_bounds(tmp_path):
     assert "2 seed(s): means only" in (tmp_path / "out" / "real_extension.md").read_text()
 
 
+def test_a_seed_split_by_arm_over_parts_pools_as_one(tmp_path):
+    """--parallel-gpus puts seed 2's arms on two GPUs (gpu0_1, gpu1_1): the report is the one of whole folders."""
+    whole = report.write_report([folder(tmp_path / "whole", [0, 1, 2])], tmp_path / "a")
+    run = tmp_path / "split"
+    folder(run / "gpu0", [0])
+    folder(run / "gpu1", [1], speed=False)
+    for part, keep in (("gpu0_1", "adaptive"), ("gpu1_1", "dense")):
+        folder(run / part, [2], speed=False)
+        for path in [*(run / part / "train").iterdir(), *(run / part / "eval").iterdir()]:
+            if path.stem.split("__")[0] != f"seed2_{keep}":
+                path.unlink()
+    split = report.write_report([run], tmp_path / "b")
+    records = lambda path: [r | {"run": None} for r in json.loads(path.read_text())["records"]]  # noqa: E731
+    assert records(split) == records(whole)
+
+
 def test_folders_that_do_not_pair_are_refused(tmp_path):
     a = folder(tmp_path / "a", [0])
-    with pytest.raises(ValueError, match="seed 0 is in"):
+    with pytest.raises(ValueError, match="seed0_adaptive is in"):
         report.pool([report.load_folder(a), report.load_folder(folder(tmp_path / "b", [0]))])
     other = folder(tmp_path / "c", [1], replace(SETTINGS, steps=99))
     with pytest.raises(ValueError, match=r"differ in \['steps'\]"):
