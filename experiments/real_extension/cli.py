@@ -97,6 +97,12 @@ def parser() -> argparse.ArgumentParser:
         help="NIAH prompts per length scored teacher-forced, the first --niah-prompts of them also generated and the "
         "others read by a prefill alone (default: --niah-prompts)",
     )
+    exp.add_argument(
+        "--sparse-reads",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also read sparse arms' models with their own attention (default: yes)",
+    )
     exp.add_argument("--ruler-samples", type=int, help="prompts per RULER-style task and length")
     exp.add_argument("--ruler-tasks", nargs="+")
     exp.add_argument("--ppl-windows", type=int, help="held-out documents per length for perplexity")
@@ -124,6 +130,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
     s = PRESETS[args.preset]
     fields = ("length", "steps", "lr", "warmup", "gpus", "niah_prompts", "ruler_samples", "ppl_windows", "base_prompts")
     fields += ("niah_forced_prompts", "base_gate", "heldout_fraction", "speed_repeats", "workers", "default_arm")
+    fields += ("sparse_reads",)
     s = replace(s, **{f: getattr(args, f) for f in fields if getattr(args, f) is not None})
     for f in ("seeds", "ruler_tasks", "speed_lengths", "speed_layers"):
         if getattr(args, f) is not None:

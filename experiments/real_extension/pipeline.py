@@ -138,11 +138,12 @@ class Experiment:
         return [corpus, convert] if self.sources.tokenizer is not None else [convert, corpus]
 
     def reads(self, seed: int) -> list[evaluation.Read]:
-        """The reads of one seed's models: every model dense, sparse arms' also with their own attention."""
+        """The reads of one seed's models: every model dense, sparse arms' also with their own attention
+        (``sparse_reads``)."""
         found = []
         for a in self.s.arms:
             found.append(evaluation.Read(f"seed{seed}/{a.name}", DENSE))
-            if a.sparse:
+            if a.sparse and self.s.sparse_reads:
                 found.append(evaluation.Read(f"seed{seed}/{a.name}", a))
         return found
 

@@ -138,7 +138,7 @@ def missing(folder: dict) -> list[str]:
         for arm in s["arms"]:
             if f"seed{seed}_{arm['name']}" not in folder["train"]:
                 found.append(f"training seed {seed} {arm['name']}")
-            for read in ("dense", "sparse") if arm["sparse"] else ("dense",):
+            for read in ("dense", "sparse") if arm["sparse"] and s.get("sparse_reads", True) else ("dense",):
                 have = folder["eval"].get(f"seed{seed}_{arm['name']}__{read}")
                 lacking = lengths if have is None else [n for n in lengths if n not in read_metrics(have)]
                 if lacking:

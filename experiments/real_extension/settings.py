@@ -98,7 +98,8 @@ class Settings:
     ranks of one striped ring. Evaluation at ``length`` / 8, / 4, / 2 and ``length``: ``niah_prompts`` per length
     (spread over ``depths``) generated and teacher-forced, and up to ``niah_forced_prompts`` (None: none more)
     teacher-forced alone (a prefill each, no decoding), ``ruler_samples`` per RULER-style task and length,
-    ``ppl_windows`` held-out documents per length; the base is checked on ``base_prompts`` NIAH prompts at its
+    ``ppl_windows`` held-out documents per length; sparse arms' models are also read with their own attention
+    (``sparse_reads``); the base is checked on ``base_prompts`` NIAH prompts at its
     native length and must reach ``base_gate`` percent (the upper end of its 95% interval; 0: no check). Speed:
     Q/K/V of ``speed_layers`` dumped at ``speed_lengths``, timed ``speed_repeats`` times per call."""
 
@@ -123,6 +124,7 @@ class Settings:
     eval_seed: int = 0
     niah_prompts: int = 20
     niah_forced_prompts: int | None = None  # NIAH prompts per length read teacher-forced (None: niah_prompts)
+    sparse_reads: bool = True
     depths: tuple[int, ...] = (0, 25, 50, 75, 100)
     ruler_samples: int = 2
     ruler_tasks: tuple[str, ...] = TASKS
