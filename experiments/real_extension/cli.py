@@ -122,6 +122,7 @@ def parser() -> argparse.ArgumentParser:
         help="report these runs: each a result folder (--out), or machines' folders joined by commas",
     )
     rep.add_argument("--report-out", type=Path, default=RESULTS_DIR, help="where the pooled report goes")
+    rep.add_argument("--report-name", default="real_extension", help="the report's file names (<name>.json, .md, .png)")
     return p
 
 
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.report_from:
         try:
-            path = report.write_report(args.report_from, args.report_out, default=args.default_arm)
+            path = report.write_report(args.report_from, args.report_out, args.report_name, default=args.default_arm)
         except ValueError as err:
             p.error(str(err))
         print(f"wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")

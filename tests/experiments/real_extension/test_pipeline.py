@@ -145,10 +145,11 @@ def test_three_seeds_on_two_gpus_split_the_last_seed_by_arm(tmp_path):
     parts = sorted(p.parent.name for p in (work / "out").glob("gpu*/run.json"))
     assert parts == ["gpu0", "gpu0_1", "gpu1", "gpu1_1"]
     assert not (work / "out" / "gpu0" / "base_check.json").exists()  # --no-base-check holds for the parts
-    reported = experiment("--report-from", work / "out", "--report-out", tmp_path / "report")
+    reported = experiment("--report-from", work / "out", "--report-out", tmp_path / "report", "--report-name", "split")
     assert reported.returncode == 0, reported.stderr
     assert not list((work / "out").glob("gpu*/eval/*__sparse.json"))
-    reported = json.loads((tmp_path / "report" / "real_extension.json").read_text())
+    assert "(split.png)" in (tmp_path / "report" / "split.md").read_text()
+    reported = json.loads((tmp_path / "report" / "split.json").read_text())
     dense, arm = reported["records"]
     assert arm["seeds"] == [0, 1, 2] and arm["ppl_change_hi"] is not None  # three pairs: a bound
     assert reported["missing"] == []
