@@ -374,6 +374,8 @@ def markdown(runs: Sequence[dict], found: list[dict], picture: str | None) -> st
     for read in ("dense", "sparse"):
         lines += [f"## Read {read}", ""]
         lengths = sorted({n for r in arms for n in r["reads"][read]["by_length"]})
+        if not lengths:
+            lines += ["No model was read this way (`--no-sparse-reads`)." if read == "sparse" else "No reads.", ""]
         for n in lengths:
             lines += [
                 f"### {n} tokens",

@@ -148,7 +148,8 @@ def test_three_seeds_on_two_gpus_split_the_last_seed_by_arm(tmp_path):
     reported = experiment("--report-from", work / "out", "--report-out", tmp_path / "report", "--report-name", "split")
     assert reported.returncode == 0, reported.stderr
     assert not list((work / "out").glob("gpu*/eval/*__sparse.json"))
-    assert "(split.png)" in (tmp_path / "report" / "split.md").read_text()
+    md = (tmp_path / "report" / "split.md").read_text()
+    assert "(split.png)" in md and "No model was read this way (`--no-sparse-reads`)." in md
     reported = json.loads((tmp_path / "report" / "split.json").read_text())
     dense, arm = reported["records"]
     assert arm["seeds"] == [0, 1, 2] and arm["ppl_change_hi"] is not None  # three pairs: a bound
