@@ -17,11 +17,17 @@ h hidden size, q = heads x head_dim, kv = kv_heads x head_dim, i the MLP width, 
   every layer's saved tensors, L x T x b x (...);
 - the loss: one chunk of float32 logits and its half-precision gradient, loss_chunk_tokens x vocab x 6;
 - attention buffers: the ring's K/V in flight and dK/dV accumulators (float32), T x kv x 24 when context > 1;
-- saved attention outputs (train.save_attention_outputs): L x T x heads x (head_dim x b + 4).
+- saved attention outputs (train.save_attention_outputs): L x T x heads x (head_dim x b + 4);
+- sparse attention beyond dense (``sparse_attention_bytes``): each sparse layer's pattern from its forward to its
+  backward, batch x heads x (D + V + 2) int32 (D block diagonals, at most min(ceil(seq_len / G), 2 s_size); V
+  verticals, v_size; plus ceil(seq_len / G) x block_columns with per-block columns), and one layer's kernel walks
+  (models/attention.py, "Memory"): per ring step (context of them) a query and a key walk, batch x heads x
+  ceil(T / G) x (min(D, ceil(T / G)) + 3) int32 each, and what they share, batch x heads x (ceil(seq_len / G) int8 +
+  3 V int32) + 3 ceil(T / G) int32. D is the budget's bound: patterns that keep fewer diagonals need less.
 
 The peak is the larger of the backward's (everything but the gradients) and the optimizer step's (weights,
-gradients, moments, compute copy). Not counted: the CUDA context, the allocator's fragmentation, the sparse
-pattern's estimation buffers (chunks of 256 MB) and the kernels' index lists.
+gradients, moments, compute copy). Not counted: the CUDA context, the allocator's fragmentation and the sparse
+pattern's estimation buffers (chunks of 256 MB).
 
 **Time per step**: the training FLOPs of a step (``flops_per_token``: 6 x matmul parameters + attention at the
 pattern's density, forward and backward) divided over the GPUs at the efficiency (MFU) measured for a whole
@@ -161,6 +167,26 @@ def _activation_elements(m: ModelShape, liger: bool) -> int:
     return 5 * m.hidden + 3 * q + 4 * kv + 4 * m.intermediate
 
 
+def sparse_attention_bytes(cfg: Config, m: ModelShape) -> int:
+    """Bytes sparse attention holds on one rank beyond what dense attention holds (module docstring): every
+    sparse layer's pattern and one layer's kernel walks, at the budgets' bound on the pattern's lines."""
+    att, n = cfg.attention, cfg.data.seq_len
+    config = att.pattern_config()
+    sparse = [i for i in range(m.layers) if i not in set(att.dense_layers)]
+    if config is None or n < att.min_sparse_len or not sparse:
+        return 0
+    g, batch, context = att.block_size, cfg.data.batch_size, cfg.parallel.context
+    blocks, local_blocks = -(-n // g), -(-(n // context) // g)
+    patterns, walks = 0, 0
+    for layer in sparse:
+        v, s = (int(t.max()) for t in config.head_budgets(layer, m.heads, n))
+        diags = min(blocks, 2 * s)  # a slash crosses at most two block diagonals
+        patterns += batch * m.heads * (diags + v + 2 + blocks * att.block_columns) * 4
+        lists = 2 * batch * m.heads * local_blocks * (min(diags, local_blocks) + 3) * 4
+        walks = max(walks, context * (lists + batch * m.heads * (blocks + 12 * v) + 12 * local_blocks))
+    return patterns + walks
+
+
 def local_tokens(cfg: Config) -> int:
     """Tokens one rank holds per micro-batch."""
     return cfg.data.batch_size * cfg.data.seq_len // cfg.parallel.context
@@ -182,11 +208,12 @@ def memory_per_gpu(cfg: Config, m: ModelShape, gpu: Gpu) -> Estimate:
     loss = cfg.train.loss_chunk_tokens * m.vocab * 6
     ring = t * m.kv_heads * m.head_dim * 24 if cfg.parallel.context > 1 else 0
     saved = saved_outputs_bytes(m.layers, t, m.heads, m.head_dim, b)
+    sparse = sparse_attention_bytes(cfg, m)
     ckpt = cfg.train.activation_checkpointing
     activations = checkpointed if ckpt else full
 
     def peak(acts: float, extra: float = 0.0) -> float:
-        return max(states + copy + acts + loss + ring + extra, states + grads + copy)
+        return max(states + copy + acts + loss + ring + sparse + extra, states + grads + copy)
 
     total = peak(activations)
     fits_saved = ckpt and peak(activations, saved) <= DEFAULT_FRACTION * gpu.memory
@@ -213,10 +240,20 @@ def memory_per_gpu(cfg: Config, m: ModelShape, gpu: Gpu) -> Estimate:
             f"{m.layers} x {t:,} x {m.heads} x ({m.head_dim} x {b} + 4) B",
         ),
     ]
+    if sparse:
+        terms.append(
+            (
+                "sparse patterns and one layer's kernel walks",
+                sparse,
+                f"every sparse layer's pattern + {cfg.parallel.context} ring steps' query and key walks, at the "
+                "budgets' bound",
+            )
+        )
     lines = [f"memory per GPU, estimated: {size_text(total)} of the {gpu.name}'s {gpu.memory / GB:.0f} GB"]
     lines += [f"  {name}: {size_text(value)} ({how})" for name, value, how in terms]
     lines.append(
-        "  peak = max(weights and moments + compute copy + activations + loss + ring [+ saved outputs], weights, "
+        "  peak = max(weights and moments + compute copy + activations + loss + ring [+ sparse] [+ saved outputs], "
+        "weights, "
         "moments and gradients + compute copy); not counted: CUDA context, fragmentation, estimation buffers"
     )
     if cfg.train.save_attention_outputs == "auto" and ckpt:
