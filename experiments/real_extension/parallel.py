@@ -190,7 +190,11 @@ def launch(parts: list[Part], argv: list[str], work: Path, out: Path, tar: Path 
             say(f"GPU {part.gpu}: {part.what()}")
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(part.gpu))
             env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default (module docstring)
-            codes[part] = subprocess.Popen(cmd, cwd=ROOT, env=env).wait()
+            try:
+                codes[part] = subprocess.Popen(cmd, cwd=ROOT, env=env).wait()
+            except OSError as err:  # the child could not start: an error, not a part left for the next call
+                say(f"GPU {part.gpu} ({part.name}) did not start: {err}")
+                codes[part] = 1
             say(f"GPU {part.gpu} ({part.name}) exited {codes[part]}")
             if codes[part] != 0:
                 return
@@ -231,10 +235,11 @@ def split_key(exp: Experiment, gpus: int) -> dict:
 
 
 def keep_parts(exp: Experiment, gpus: int, parts: list[Part]) -> None:
-    """Write the split to ``<work>/parts.json`` (the next call's ``plan_parts`` reads it)."""
+    """Write the split to ``<work>/parts.json`` unless it holds this one (the next call's ``plan_parts`` reads it)."""
     path = exp.work / "parts.json"
-    if not path.exists():
-        path.write_text(json.dumps({"key": split_key(exp, gpus), "parts": [asdict(p) for p in parts]}, indent=1) + "\n")
+    found = {"key": split_key(exp, gpus), "parts": [asdict(p) for p in parts]}
+    if not path.exists() or json.loads(path.read_text()) != json.loads(json.dumps(found)):
+        path.write_text(json.dumps(found, indent=1) + "\n")
 
 
 def part_experiment(exp: Experiment, part: Part) -> Experiment:
