@@ -17,7 +17,7 @@ from experiments.common.stages import Clock, OutOfTime
 from experiments.real_extension import cli, evaluation, parallel, pipeline, report, session
 from experiments.real_extension.costs import Estimate, Estimator, Shape, Timings
 from experiments.real_extension.pipeline import Experiment, Sources, Stage
-from experiments.real_extension.settings import ADAPTIVE, PRESETS, Arm, Calibration, Costs
+from experiments.real_extension.settings import ADAPTIVE, PRESETS, Arm, Calibration, Costs, H200_4aa96df, H200_95b3127
 
 # The first GPU runs' figures (reads at 20 NIAH prompts, 7 x 2 RULER-style, 8 windows; one 64K sparse read cut at
 # 150 s): a calibration with every kind of entry.
@@ -86,6 +86,20 @@ def test_a_longer_read_is_expected_from_a_shorter_one_measured_here(tmp_path):
     assert est.per_item(DENSE, 8192, "ppl").source == "calibrated"  # nothing shorter measured
     assert est.per_item(ADAPTIVE, 131072, "ppl").source == "calibrated"  # no sparse read measured here yet
     assert Estimate(1.0, "scaled").margin > Estimate(1.0, "here").margin
+
+
+def test_a_run_at_128k_is_priced_from_the_128k_run(tmp_path):
+    """--length 131072 takes the calibration measured at 128K; its sparse reads, never measured, at least its dense."""
+    run = ["--niah-prompts", "10", "--ruler-samples", "1", "--ppl-windows", "4"]  # that run's reads
+    args = cli.parser().parse_args([*run, "--length", "131072", "--arms", "dense", "v1024s6144", "--default", "v1024s6144"])  # fmt: skip
+    s = cli.settings_of(args)
+    assert s.costs.calibration is H200_4aa96df
+    assert cli.settings_of(cli.parser().parse_args([])).costs.calibration is H200_95b3127
+    est = Estimator(s, Shape(), Timings(tmp_path / "timings.json"))
+    assert est.cell(DENSE, 131072) == Estimate(pytest.approx(63.5), "calibrated")  # 21 items at 63.5 / 21 s
+    sparse = Arm("v1024s6144", True, v_size=1024, s_size=6144)
+    assert est.cell(sparse, 131072) == est.cell(DENSE, 131072)
+    assert est.train_step(sparse) == Estimate(3.40, "calibrated")
 
 
 def test_prompts_read_teacher_forced_alone_cost_a_prefill_each(tmp_path):
