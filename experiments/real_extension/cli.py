@@ -36,7 +36,7 @@ from ..common.stages import LOG, Clock, OutOfTime, Refused, say, write_json
 from ..common.training import ROOT
 from . import parallel, report, session
 from .pipeline import BaseDoesNotRetrieve, Experiment, GGUFNotHere, Sources, record_call
-from .settings import PRESETS, Settings, arm
+from .settings import PRESETS, Settings, arm, calibration_for
 
 # Settings a work folder keeps from its first call: its trainings and cached reads depend on them.
 FIXED = (*report.SAME, "checkpoint_every", "device", "backend")
@@ -138,6 +138,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
             s = replace(s, **{f: tuple(getattr(args, f))})
     if args.arms is not None:
         s = replace(s, arms=tuple(arm(name) for name in args.arms))
+    s = replace(s, costs=replace(s.costs, calibration=calibration_for(s.length, s.costs.calibration)))
     s.check(paired=not args.part)
     return s
 

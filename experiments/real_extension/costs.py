@@ -8,7 +8,8 @@ Four sources, the first found wins (``Estimate.source``):
   terms);
 - ``scaled``: a read's per-task term measured here at a shorter length, scaled by the model's FLOPs (a run's
   longest length is read last, after its shorter ones were measured on the machine);
-- ``calibrated``: the figures an earlier GPU run measured (``Settings.costs.calibration``, its source named there):
+- ``calibrated``: the figures an earlier GPU run measured (``Settings.costs.calibration``: the run at this
+  ``length`` where there is one, ``settings.calibration_for``; its source named there):
   a read's seconds per item at each length (the whole read's time over its items; a prompt read teacher-forced
   alone: one answer prefill), lengths beyond the table scaled by the model's FLOPs;
 - ``flops``: the model's FLOPs at the stage's lengths (``Shape``: from the converted config, or SmolLM2-135M's
@@ -196,9 +197,10 @@ class Estimator:
         if scaled is not None:
             return Estimate(max(scaled, floor or 0.0), "scaled")
         calibrated = self._calibrated_item(kind, n, task)
+        if arm.sparse:  # never below the calibrated dense read, nor taken from FLOPs where only that was measured
+            dense = self._calibrated_item("dense", n, task)
+            calibrated = dense if calibrated is None else max(calibrated, dense or 0.0)
         if calibrated is not None:
-            if arm.sparse:
-                calibrated = max(calibrated, self._calibrated_item("dense", n, task) or 0.0)
             return Estimate(max(calibrated, floor or 0.0), "calibrated")
         c = self.s.costs
         prefill = self._flops_s(self.shape.forward_flops(n, SPARSE_SHARE if arm.sparse else 1.0))

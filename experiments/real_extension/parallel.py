@@ -74,37 +74,15 @@ def split(
     speed_s: float | None,
     speed_arms: tuple[str, ...] = (),
 ) -> list[Part]:
-    """The parts of ``gpus`` GPUs. ``arm_s``: each arm's seconds in one seed (its training and its model's reads),
-    in --arms order. Whole seeds go round the GPUs; each seed left over is split by arm, longest first, each on the
-    least loaded GPU (``speed_arms``, the arms the speed stage times, stay together in the first seed left over when
-    no GPU holds a whole seed). The base check (None: not run) goes to GPU 0's first part, then the base read and the speed stage
-    each to the least loaded GPU's first part that can run it (the speed stage: a part holding ``speed_arms``).
-    GPUs left without work are left out. ValueError for gpus < 1."""
+    """The parts of ``gpus`` GPUs (``assign``, then ``group``), with the base check (None: not run) on GPU 0's first
+    part, then the base read and the speed stage each on the least loaded GPU's part that can run it: a GPU's first
+    part for the base read, a part holding ``speed_arms`` (the arms the speed stage times) for the speed stage.
+    ``arm_s``: each arm's seconds in one seed (its training and its model's reads), in --arms order. GPUs left
+    without work are left out. ValueError for gpus < 1."""
     if gpus < 1:
         raise ValueError(f"--parallel-gpus must be at least 1, got {gpus}")
-    names = tuple(arm_s)
-    load = [0.0] * gpus
-    whole_n = len(seeds) - len(seeds) % gpus
-    owned: dict[int, dict[int, list[str]]] = {g: {} for g in range(gpus)}  # GPU -> seed -> arms
-    for i, seed in enumerate(seeds[:whole_n]):
-        owned[i % gpus][seed] = list(names)
-        load[i % gpus] += sum(arm_s.values())
-    for seed in seeds[whole_n:]:
-        together = speed_s is not None and whole_n == 0 and seed == seeds[0] and speed_arms
-        units = [tuple(speed_arms)] if together else []
-        units += [(a,) for a in names if not (together and a in speed_arms)]
-        for unit in sorted(units, key=lambda u: -sum(arm_s[a] for a in u)):
-            g = min(range(gpus), key=lambda i: (load[i], i))
-            owned[g].setdefault(seed, []).extend(unit)
-            load[g] += sum(arm_s[a] for a in unit)
-    parts: list[Part] = []
-    for g in range(gpus):
-        groups: dict[tuple[str, ...] | None, list[int]] = {}
-        for seed, arms in owned[g].items():
-            key = None if set(arms) == set(names) else tuple(a for a in names if a in arms)
-            groups.setdefault(key, []).append(seed)
-        for order, (arms, held) in enumerate(sorted(groups.items(), key=lambda kv: kv[0] is not None)):
-            parts.append(Part(g, tuple(held), arms=arms, order=order))
+    owned, load = assign(seeds, arm_s, gpus, speed_arms if speed_s is not None else ())
+    parts = group(owned, tuple(arm_s))
     if not parts:
         return parts
     if base_check_s is not None:
@@ -121,6 +99,43 @@ def split(
         i = min(able, key=lambda i: (load[parts[i].gpu], parts[i].gpu, parts[i].order))
         parts[i] = replace(parts[i], **{name: True})
         load[parts[i].gpu] += seconds
+    return parts
+
+
+def assign(
+    seeds: tuple[int, ...], arm_s: dict[str, float], gpus: int, together: tuple[str, ...]
+) -> tuple[dict[int, dict[int, list[str]]], list[float]]:
+    """Each GPU's seeds and their arms, and its expected seconds. Whole seeds go round the GPUs; each seed left over
+    is split by arm, longest first, each on the least loaded GPU. ``together``: arms kept on one GPU in the first
+    seed left over when no GPU holds a whole seed (the speed stage's, which times them on one model each)."""
+    names = tuple(arm_s)
+    load = [0.0] * gpus
+    whole_n = len(seeds) - len(seeds) % gpus
+    owned: dict[int, dict[int, list[str]]] = {g: {} for g in range(gpus)}
+    for i, seed in enumerate(seeds[:whole_n]):
+        owned[i % gpus][seed] = list(names)
+        load[i % gpus] += sum(arm_s.values())
+    for seed in seeds[whole_n:]:
+        kept = together if whole_n == 0 and seed == seeds[0] else ()
+        units = ([kept] if kept else []) + [(a,) for a in names if a not in kept]
+        for unit in sorted(units, key=lambda u: -sum(arm_s[a] for a in u)):
+            g = min(range(gpus), key=lambda i: (load[i], i))
+            owned[g].setdefault(seed, []).extend(unit)
+            load[g] += sum(arm_s[a] for a in unit)
+    return owned, load
+
+
+def group(owned: dict[int, dict[int, list[str]]], names: tuple[str, ...]) -> list[Part]:
+    """One part per GPU and set of arms: the seeds holding every arm first (``arms`` None), then those holding some
+    (their arms in --arms order), run in that order."""
+    parts: list[Part] = []
+    for g, seeds in owned.items():
+        groups: dict[tuple[str, ...] | None, list[int]] = {}
+        for seed, arms in seeds.items():
+            key = None if set(arms) == set(names) else tuple(a for a in names if a in arms)
+            groups.setdefault(key, []).append(seed)
+        for order, (arms, held) in enumerate(sorted(groups.items(), key=lambda kv: kv[0] is not None)):
+            parts.append(Part(g, tuple(held), arms=arms, order=order))
     return parts
 
 
@@ -190,7 +205,11 @@ def launch(parts: list[Part], argv: list[str], work: Path, out: Path, tar: Path 
             say(f"GPU {part.gpu}: {part.what()}")
             env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(part.gpu))
             env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default (module docstring)
-            codes[part] = subprocess.Popen(cmd, cwd=ROOT, env=env).wait()
+            try:
+                codes[part] = subprocess.Popen(cmd, cwd=ROOT, env=env).wait()
+            except OSError as err:  # the child could not start: an error, not a part left for the next call
+                say(f"GPU {part.gpu} ({part.name}) did not start: {err}")
+                codes[part] = 1
             say(f"GPU {part.gpu} ({part.name}) exited {codes[part]}")
             if codes[part] != 0:
                 return
@@ -231,10 +250,11 @@ def split_key(exp: Experiment, gpus: int) -> dict:
 
 
 def keep_parts(exp: Experiment, gpus: int, parts: list[Part]) -> None:
-    """Write the split to ``<work>/parts.json`` (the next call's ``plan_parts`` reads it)."""
+    """Write the split to ``<work>/parts.json`` unless it holds this one (the next call's ``plan_parts`` reads it)."""
     path = exp.work / "parts.json"
-    if not path.exists():
-        path.write_text(json.dumps({"key": split_key(exp, gpus), "parts": [asdict(p) for p in parts]}, indent=1) + "\n")
+    found = {"key": split_key(exp, gpus), "parts": [asdict(p) for p in parts]}
+    if not path.exists() or json.loads(path.read_text()) != json.loads(json.dumps(found)):
+        path.write_text(json.dumps(found, indent=1) + "\n")
 
 
 def part_experiment(exp: Experiment, part: Part) -> Experiment:

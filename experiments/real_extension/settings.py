@@ -11,7 +11,7 @@ a measurement once a stage of the same kind has run.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mtraining.eval.tasks import TASKS
 
@@ -240,6 +240,29 @@ H200_95b3127 = Calibration(
     },
     speed_s={65536: 2.4, 131072: 4.8, 524288: 93.6},
 )
+
+# The 128K run: bench/results/real_extension_runs/h200x2_4aa96df (each part's eval/*.json and train/*.json), two
+# H200s, commit 4aa96df, after the evaluation's host-work fixes. Dense reads only (it read nothing sparse), slowest
+# over the six reads per length; prefills per prompt from their phases, slowest; a training's fixed seconds the
+# mean of wall - steps x step over the six (31-57 s). The base check (at the base's native 8K, whatever --length)
+# and the speed stage at 512K are 95b3127's.
+H200_4aa96df = replace(
+    H200_95b3127,
+    source="bench/results/real_extension_runs/h200x2_4aa96df (H200, 4aa96df); base check and 512K speed: h200x2_95b3127",
+    length=131072,
+    read_s={"dense": {16384: 37.3, 32768: 35.1, 65536: 44.1, 131072: 63.5}},
+    train_step_s={"dense": 5.59, "v1024s6144": 3.40},
+    train_fixed_s=42.9,
+    convert_s=34.2,
+    prefill_s={"dense": {16384: 0.158, 32768: 0.235, 65536: 0.513, 131072: 1.565}},
+    speed_s={65536: 2.7, 131072: 6.7, 524288: 93.6},
+)
+CALIBRATIONS = {c.length: c for c in (H200_95b3127, H200_4aa96df)}
+
+
+def calibration_for(length: int, default: Calibration | None) -> Calibration | None:
+    """The calibration measured at ``length`` where there is one, else ``default`` (its tables scaled by FLOPs)."""
+    return CALIBRATIONS.get(length, default) if default is not None else None
 
 
 @dataclass(frozen=True)

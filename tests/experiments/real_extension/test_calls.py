@@ -17,7 +17,7 @@ from experiments.common.stages import Clock, OutOfTime
 from experiments.real_extension import cli, evaluation, parallel, pipeline, report, session
 from experiments.real_extension.costs import Estimate, Estimator, Shape, Timings
 from experiments.real_extension.pipeline import Experiment, Sources, Stage
-from experiments.real_extension.settings import ADAPTIVE, PRESETS, Arm, Calibration, Costs
+from experiments.real_extension.settings import ADAPTIVE, PRESETS, Arm, Calibration, Costs, H200_4aa96df, H200_95b3127
 
 # The first GPU runs' figures (reads at 20 NIAH prompts, 7 x 2 RULER-style, 8 windows; one 64K sparse read cut at
 # 150 s): a calibration with every kind of entry.
@@ -86,6 +86,20 @@ def test_a_longer_read_is_expected_from_a_shorter_one_measured_here(tmp_path):
     assert est.per_item(DENSE, 8192, "ppl").source == "calibrated"  # nothing shorter measured
     assert est.per_item(ADAPTIVE, 131072, "ppl").source == "calibrated"  # no sparse read measured here yet
     assert Estimate(1.0, "scaled").margin > Estimate(1.0, "here").margin
+
+
+def test_a_run_at_128k_is_priced_from_the_128k_run(tmp_path):
+    """--length 131072 takes the calibration measured at 128K; its sparse reads, never measured, at least its dense."""
+    run = ["--niah-prompts", "10", "--ruler-samples", "1", "--ppl-windows", "4"]  # that run's reads
+    args = cli.parser().parse_args([*run, "--length", "131072", "--arms", "dense", "v1024s6144", "--default", "v1024s6144"])  # fmt: skip
+    s = cli.settings_of(args)
+    assert s.costs.calibration is H200_4aa96df
+    assert cli.settings_of(cli.parser().parse_args([])).costs.calibration is H200_95b3127
+    est = Estimator(s, Shape(), Timings(tmp_path / "timings.json"))
+    assert est.cell(DENSE, 131072) == Estimate(pytest.approx(63.5), "calibrated")  # 21 items at 63.5 / 21 s
+    sparse = Arm("v1024s6144", True, v_size=1024, s_size=6144)
+    assert est.cell(sparse, 131072) == est.cell(DENSE, 131072)
+    assert est.train_step(sparse) == Estimate(3.40, "calibrated")
 
 
 def test_prompts_read_teacher_forced_alone_cost_a_prefill_each(tmp_path):
@@ -205,7 +219,10 @@ def test_the_split_is_kept_for_the_next_call(tmp_path):
     parallel.keep_parts(exp, 2, parts)
     exp.timings.record("train:dense:step", 1e6)  # new timings would split otherwise; the kept split stands
     assert parallel.plan_parts(exp, 2) == parts
-    assert parallel.plan_parts(exp, 3) != parts  # made for other GPUs: split anew
+    three = parallel.plan_parts(exp, 3)
+    assert three != parts  # made for other GPUs: split anew, and kept in its place
+    parallel.keep_parts(exp, 3, three)
+    assert parallel.plan_parts(exp, 3) == three
     sub = parallel.part_experiment(exp, parts[1])
     assert [a.name for a in sub.s.arms] == list(parts[1].arms) and sub.s.seeds == (2,)
     assert sub.s.default_arm in parts[1].arms and sub.out == tmp_path / "o" / parts[1].name
@@ -240,6 +257,32 @@ def test_children_run_on_their_own_gpu_with_their_own_options(tmp_path, monkeypa
     parallel.launch(parts, argv, tmp_path / "w", tmp_path / "o", None, 8.5, 7)
     assert threads[2:] == ["4", "4"]
     assert (tmp_path / "w" / "gpu0" / "model").resolve() == tmp_path / "w" / "model"
+
+
+def test_a_gpus_parts_run_in_turn_and_a_stop_ends_its_list(tmp_path, monkeypatch):
+    started = []
+
+    class Fake:
+        def __init__(self, cmd, cwd, env):
+            if "--part" in cmd and env["CUDA_VISIBLE_DEVICES"] == "0":
+                raise OSError("no such interpreter")
+            started.append(cmd[cmd.index("--out") + 1].rsplit("/", 1)[-1])
+            self.code = 3 if env["CUDA_VISIBLE_DEVICES"] == "1" else 0
+
+        def wait(self):
+            return self.code
+
+    monkeypatch.setattr(parallel.subprocess, "Popen", Fake)
+    (tmp_path / "w" / "model").mkdir(parents=True)
+    parts = [
+        parallel.Part(0, (0,)), parallel.Part(0, (2,), arms=("dense",), order=1),
+        parallel.Part(1, (1,)), parallel.Part(1, (2,), arms=("adaptive",), order=1),
+    ]  # fmt: skip
+    argv = ["--seeds", "0", "1", "2", "--arms", "dense", "adaptive"]
+    assert parallel.launch(parts[2:], argv, tmp_path / "w", tmp_path / "o", None, 8.5, 7) == 3
+    assert started == ["gpu1"]  # gpu1 stopped (3): gpu1_1 is left for the next call
+    assert parallel.launch(parts[:2], argv, tmp_path / "w", tmp_path / "o", None, 8.5, 7) == 1
+    assert started[1:] == ["gpu0"]  # gpu0_1's child could not start: an error, not "call again"
 
 
 def test_the_session_plan_keeps_every_call_under_its_limit():
