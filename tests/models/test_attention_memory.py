@@ -19,28 +19,9 @@ from mtraining.ops.estimate.estimator import PatternConfig
 from mtraining.ops.pattern import VerticalSlashPattern
 from tests.configs import SMALL
 from tests.factories import make_qkv
+from tests.memory import tensor_bytes
 
 SPARSE = PatternConfig(v_size=8, s_size=16, last_q=16, block_size=16, sink_tokens=2, local_window=16)
-
-
-def _tensor_bytes(root: object) -> int:
-    """Bytes of the distinct tensor storages reachable from ``root`` through attributes and containers."""
-    seen, storages, stack = set(), {}, [root]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, (int, float, str, bool, type(None), torch.dtype, torch.device)):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend(obj)
-        elif hasattr(obj, "__dict__"):
-            stack.extend(vars(obj).values())
-    return sum(storages.values())
 
 
 def _held_for_backward(pattern_config: PatternConfig | None) -> tuple[int, int, int]:
@@ -57,8 +38,8 @@ def _held_for_backward(pattern_config: PatternConfig | None) -> tuple[int, int, 
     with attention.forward(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = attention.attend(0, q, k, v, 0.25)
     kept = attention._kept.patterns.get(0)
-    pattern = 0 if kept is None else _tensor_bytes(vars(kept) | {"index_cache": None})
-    held = _tensor_bytes(vars(out.grad_fn))  # the op's context: its plan (positions, pattern, dense blocks)
+    pattern = 0 if kept is None else tensor_bytes(vars(kept) | {"index_cache": None})
+    held = tensor_bytes(vars(out.grad_fn))  # the op's context: its plan (positions, pattern, dense blocks)
     return sum(saved), held, pattern
 
 

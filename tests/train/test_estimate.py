@@ -11,7 +11,7 @@ from mtraining.train.config import parse_config
 from mtraining.train.estimate import GPUS, ModelShape, memory_per_gpu, sparse_attention_bytes
 from tests.configs import TINY
 from tests.factories import make_qkv
-from tests.models.test_attention_memory import _tensor_bytes
+from tests.memory import tensor_bytes
 
 ATTENTION = {"block_size": 16, "backend": "triton", "v_size": 16, "s_size": 32, "last_q": 16, "local_window": 16}
 
@@ -52,7 +52,7 @@ def test_the_estimate_bounds_a_layers_pattern_and_walks():
     q, k, v = (t.requires_grad_() for t in make_qkv(1, n, n, heads, kv, 16, torch.float32, 0)[:3])
     pattern = estimate_pattern(q.detach(), k.detach(), cfg.attention.pattern_config(), softmax_scale=0.25)
     sparse_attention(q, k, v, pattern, softmax_scale=0.25, backend="triton").sum().backward()
-    held = _tensor_bytes(vars(pattern) | {"index_cache": None}) + _tensor_bytes(pattern.index_cache._entries)
+    held = tensor_bytes(vars(pattern) | {"index_cache": None}) + tensor_bytes(pattern.index_cache._entries)
     positions = 2 * n * 4  # the chunk pair's q and k positions: the cache's key, the plan's
     one_layer = sparse_attention_bytes(cfg, shape) - (shape.layers - 1) * _pattern_bytes(cfg, shape)
     assert 0.9 * one_layer <= held - positions <= one_layer, (held - positions, one_layer)
