@@ -78,6 +78,7 @@ def parser() -> argparse.ArgumentParser:
         "--base-read", action=argparse.BooleanOptionalAction, default=True, help="read the base at every length"
     )
     run.add_argument("--speed", action=argparse.BooleanOptionalAction, default=True, help="run the speed stage")
+    run.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child holding some arms (parallel)
     run.add_argument(
         "--base-check", action=argparse.BooleanOptionalAction, default=True, help="check the base at 8K first"
     )
@@ -113,7 +114,6 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--speed-layers", type=int, nargs="+")
     exp.add_argument("--speed-repeats", type=int)
     exp.add_argument("--workers", type=int, help="corpus and prompt-building processes (default: the spare cores)")
-    run.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a child holding some arms (parallel)
     rep = p.add_argument_group("report")
     rep.add_argument(
         "--report-from",

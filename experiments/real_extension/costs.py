@@ -211,12 +211,11 @@ class Estimator:
         """Seconds per item of ``task`` in a ``kind`` read at ``n`` from the longest shorter length measured on this
         machine, scaled by the FLOPs of a forward at ``n`` over one there (an upper bound: an item's fixed costs do
         not grow); None if none was measured."""
-        prefix = f"read:{kind}:"
-        measured = {
-            int(key.split(":")[2]): seconds
-            for key, seconds in self.timings.found.items()
-            if key.startswith(prefix) and key.endswith(f":{task}") and int(key.split(":")[2]) < n
-        }
+        measured = {}
+        for key, seconds in self.timings.found.items():
+            stage, *rest = key.split(":")  # read:<kind>:<length>:<task>
+            if stage == "read" and rest[0] == kind and rest[2] == task and int(rest[1]) < n:
+                measured[int(rest[1])] = seconds
         if not measured:
             return None
         m = max(measured)

@@ -172,7 +172,8 @@ def sparse_attention_bytes(cfg: Config, m: ModelShape) -> int:
     sparse layer's pattern and one layer's kernel walks, at the budgets' bound on the pattern's lines."""
     att, n = cfg.attention, cfg.data.seq_len
     config = att.pattern_config()
-    sparse = [i for i in range(m.layers) if i not in set(att.dense_layers)]
+    dense_layers = set(att.dense_layers)
+    sparse = [i for i in range(m.layers) if i not in dense_layers]
     if config is None or n < att.min_sparse_len or not sparse:
         return 0
     g, batch, context = att.block_size, cfg.data.batch_size, cfg.parallel.context
@@ -253,8 +254,7 @@ def memory_per_gpu(cfg: Config, m: ModelShape, gpu: Gpu) -> Estimate:
     lines += [f"  {name}: {size_text(value)} ({how})" for name, value, how in terms]
     lines.append(
         "  peak = max(weights and moments + compute copy + activations + loss + ring [+ sparse] [+ saved outputs], "
-        "weights, "
-        "moments and gradients + compute copy); not counted: CUDA context, fragmentation, estimation buffers"
+        "weights, moments and gradients + compute copy); not counted: CUDA context, fragmentation, estimation buffers"
     )
     if cfg.train.save_attention_outputs == "auto" and ckpt:
         verdict = "fit" if fits_saved else "do not fit"
