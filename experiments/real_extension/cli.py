@@ -88,6 +88,14 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--arms", nargs="+", help="dense, adaptive, vVsS (fixed lines), tPvVsS, vVsScC (columns)")
     exp.add_argument("--default", dest="default_arm", help="the configuration the report marks as the default")
     exp.add_argument("--steps", type=int)
+    exp.add_argument(
+        "--schedule",
+        type=phase,
+        nargs="+",
+        metavar="LENGTH:STEPS",
+        help="train in phases, each from the one before's model with the RoPE scaled to its length "
+        "(e.g. 65536:30 131072:30); the last is --length and --steps",
+    )
     exp.add_argument("--lr", type=float)
     exp.add_argument("--warmup", type=int)
     exp.add_argument("--gpus", type=int, help="ranks of the striped ring each training runs on")
@@ -113,6 +121,7 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--speed-lengths", type=int, nargs="+")
     exp.add_argument("--speed-layers", type=int, nargs="+")
     exp.add_argument("--speed-repeats", type=int)
+    exp.add_argument("--speed-arms", nargs="+", help="sparse arms the speed stage times on the same Q/K, not trained")
     exp.add_argument("--workers", type=int, help="corpus and prompt-building processes (default: the spare cores)")
     rep = p.add_argument_group("report")
     rep.add_argument(
@@ -124,6 +133,15 @@ def parser() -> argparse.ArgumentParser:
     rep.add_argument("--report-out", type=Path, default=RESULTS_DIR, help="where the pooled report goes")
     rep.add_argument("--report-name", default="real_extension", help="the report's file names (<name>.json, .md, .png)")
     return p
+
+
+def phase(text: str) -> tuple[int, int]:
+    """``65536:30`` -> (65536, 30): one phase of --schedule."""
+    try:
+        length, steps = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LENGTH:STEPS (e.g. 65536:30)") from None
+    return length, steps
 
 
 def settings_of(args: argparse.Namespace) -> Settings:
@@ -138,6 +156,14 @@ def settings_of(args: argparse.Namespace) -> Settings:
             s = replace(s, **{f: tuple(getattr(args, f))})
     if args.arms is not None:
         s = replace(s, arms=tuple(arm(name) for name in args.arms))
+    if args.speed_arms is not None:
+        s = replace(s, speed_arms=tuple(arm(name) for name in args.speed_arms))
+    if args.schedule is not None:
+        (length, steps), earlier = args.schedule[-1], tuple(args.schedule[:-1])
+        for name, given, last in (("length", args.length, length), ("steps", args.steps, steps)):
+            if given is not None and given != last:
+                raise ValueError(f"--{name} {given} is not the last phase of --schedule ({length}:{steps})")
+        s = replace(s, length=length, steps=steps, earlier=earlier)
     s = replace(s, costs=replace(s.costs, calibration=calibration_for(s.length, s.costs.calibration)))
     s.check(paired=not args.part)
     return s

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from bench.common import written
 
-from .settings import Arm, Settings
+from .settings import Arm, Settings, calibration_for
 
 SPARSE_SHARE = 0.25  # sparse attention's share of dense attention's time assumed before one is measured
 DECODED_TOKENS = {"niah": 10, "ruler": 30}  # tokens generated per prompt, assumed (answers stop early)
@@ -135,17 +135,18 @@ class Estimator:
     def corpus(self) -> Estimate:
         return self._measured("corpus") or Estimate(self.s.costs.startup_s + 60.0, "flops")
 
-    def train_step(self, arm: Arm) -> Estimate:
-        """One optimizer step at ``length``: forward, recomputed forward and backward (about 4 forwards). An arm
-        the calibration lacks is expected at the dense arm's calibrated step."""
-        found = self.timings.get(f"train:{arm.name}:step")
+    def train_step(self, arm: Arm, length: int) -> Estimate:
+        """One optimizer step at ``length`` tokens: forward, recomputed forward and backward (about 4 forwards). An
+        arm the calibration at that length lacks is expected at its dense arm's calibrated step."""
+        found = self.timings.get(f"train:{arm.name}:{length}:step")
         if found is not None:
             return Estimate(found, "here")
         cal = self.calibration
-        if cal is not None and cal.length == self.s.length and self.s.gpus == 1:
+        cal = cal if cal is None or cal.length == length else calibration_for(length, cal)  # an earlier phase's
+        if cal is not None and cal.length == length and self.s.gpus == 1:
             return Estimate(cal.train_step_s.get(arm.name, cal.train_step_s["dense"]), "calibrated")
         share = SPARSE_SHARE if arm.sparse else 1.0
-        return Estimate(self._flops_s(4 * self.shape.forward_flops(self.s.length, share)) / self.s.gpus, "flops")
+        return Estimate(self._flops_s(4 * self.shape.forward_flops(length, share)) / self.s.gpus, "flops")
 
     def train_fixed(self, arm: Arm) -> Estimate:
         found = self.timings.get(f"train:{arm.name}:fixed")
@@ -155,15 +156,17 @@ class Estimator:
             return Estimate(self.calibration.train_fixed_s, "calibrated")
         return Estimate(self.s.costs.startup_s, "flops")
 
-    def train(self, arm: Arm, steps_left: int) -> Estimate:
-        step, fixed = self.train_step(arm), self.train_fixed(arm)
+    def train(self, arm: Arm, length: int, steps_left: int) -> Estimate:
+        """A training phase at ``length`` tokens with ``steps_left`` steps to run."""
+        step, fixed = self.train_step(arm, length), self.train_fixed(arm)
         return Estimate(fixed.seconds + steps_left * step.seconds, least_trusted([step, fixed]))
 
-    def train_start(self, arm: Arm) -> Estimate:
-        """The least a training must run to keep any work: its fixed cost and steps up to its first checkpoint."""
-        step, fixed = self.train_step(arm), self.train_fixed(arm)
-        steps = min(self.s.checkpoint_every, self.s.steps)
-        return Estimate(fixed.seconds + steps * step.seconds, least_trusted([step, fixed]))
+    def train_start(self, arm: Arm, length: int, steps: int) -> Estimate:
+        """The least a training phase of ``steps`` must run to keep any work: its fixed cost and steps up to its
+        first checkpoint."""
+        step, fixed = self.train_step(arm, length), self.train_fixed(arm)
+        first = min(self.s.checkpoint_every, steps)
+        return Estimate(fixed.seconds + first * step.seconds, least_trusted([step, fixed]))
 
     def items(self, niah_only: int | None = None) -> dict[str, int]:
         """A read's items at one length per task: generated NIAH prompts, NIAH prompts teacher-forced alone,
@@ -267,12 +270,13 @@ class Estimator:
         def steps(arms: int) -> float:  # dense and each sparse arm, in dense steps
             return 1 + SPARSE_SHARE * 2 * arms
 
+        arms = len(s.timed_arms)
         cal = self.calibration
         if cal is not None and n in cal.speed_s:  # measured with one sparse arm
-            return Estimate(cal.speed_s[n] * steps(len(s.sparse_arms)) / steps(1), "calibrated")
+            return Estimate(cal.speed_s[n] * steps(arms) / steps(1), "calibrated")
         dump = self._flops_s(shape.forward_flops(n) * (max(s.speed_layers) + 1) / shape.layers)
         attention = 2.0 * n * n * shape.head_dim * shape.heads  # one layer's forward
-        per_call = 3.5 * attention * steps(len(s.sparse_arms))  # forward + backward
+        per_call = 3.5 * attention * steps(arms)  # forward + backward
         calls = len(s.speed_layers) * (1 + s.speed_repeats) * self._flops_s(per_call)
         return Estimate(dump + calls + s.costs.startup_s / len(s.speed_lengths), "flops")
 

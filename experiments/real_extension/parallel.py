@@ -7,7 +7,8 @@ the parent's), ``--out <out>/<part>``, ``--tar <tar>_<part>.tgz`` and the minute
 another, the GPUs side by side. Parts are balanced by their expected seconds: whole seeds go round the GPUs, and
 the seeds left over (3 seeds on 2 GPUs) are split by arm, each arm's training and reads on the least loaded GPU;
 then the base's read and the speed stage. The base check runs once, on GPU 0. The split is kept in
-``<work>/parts.json`` from the first launch on, so a later call finds every training where an earlier one left it.
+``<work>/parts.json`` from the first launch on, so a later call finds every training where an earlier one left it
+(a later call that changes --base-read, --speed or --base-check places only those stages anew).
 The parts' result folders pool like any machines' (``--report-from <out>`` finds them).
 
 Each child runs with ``OMP_NUM_THREADS=1`` unless it is set (torchrun's default when a host runs several processes):
@@ -82,7 +83,20 @@ def split(
     if gpus < 1:
         raise ValueError(f"--parallel-gpus must be at least 1, got {gpus}")
     owned, load = assign(seeds, arm_s, gpus, speed_arms if speed_s is not None else ())
-    parts = group(owned, tuple(arm_s))
+    return place(group(owned, tuple(arm_s)), load, base_check_s, base_read_s, speed_s, speed_arms)
+
+
+def place(
+    parts: list[Part],
+    load: list[float],
+    base_check_s: float | None,
+    base_read_s: float | None,
+    speed_s: float | None,
+    speed_arms: tuple[str, ...],
+) -> list[Part]:
+    """``parts`` with the base check on GPU 0's first part, and the base read and the speed stage each on the least
+    loaded GPU's part that can run it (``split``); None: that stage is not run. ``load``: each GPU's seconds."""
+    parts = [replace(p, base_check=False, base_read=False, speed=False) for p in parts]
     if not parts:
         return parts
     if base_check_s is not None:
@@ -228,31 +242,50 @@ def plan_parts(exp: Experiment, gpus: int) -> list[Part]:
     ``split`` of ``exp``'s seeds over ``gpus`` GPUs, balanced by the stages' expected seconds."""
     s = exp.s
     kept = exp.work / "parts.json"
-    if kept.exists():
-        found = json.loads(kept.read_text())
-        if found["key"] == split_key(exp, gpus):
-            return [Part(**p | {"seeds": tuple(p["seeds"]), "arms": p["arms"] and tuple(p["arms"])}) for p in found["parts"]]  # fmt: skip
-    arm_s = {}
-    for a in s.arms:
-        one = Experiment(replace(s, seeds=s.seeds[:1], arms=(a,), default_arm=a.name), exp.sources, exp.work, exp.out, False, False, False)  # fmt: skip
-        arm_s[a.name] = sum(st.expected().seconds for st in one.stages()[len(one.shared()) :] if not st.background)
+    arm_s = arm_seconds(exp)
     base_read_s = exp.estimate.read(DENSE, s.lengths).seconds if exp.base_read else None
     speed_s = sum(exp.estimate.speed(n).seconds for n in s.speed_lengths) if exp.speed_stage else None
     speed_arms = tuple(a.name for a in s.sparse_arms)
     base_check_s = exp.estimate.base(exp.native()).seconds if exp.base_check_stage else None
+    mine = split_key(exp, gpus)
+    if kept.exists():
+        found = json.loads(kept.read_text())
+        if {k: found["key"].get(k) for k in mine} == mine:
+            parts = [Part(**p | {"seeds": tuple(p["seeds"]), "arms": p["arms"] and tuple(p["arms"])}) for p in found["parts"]]  # fmt: skip
+            if found["key"] == mine | stages_key(exp):
+                return parts
+            load = [0.0] * gpus  # the same trainings where they were; the other stages placed anew
+            for p in parts:
+                load[p.gpu] += sum(arm_s[a] for a in (p.arms or arm_s)) * len(p.seeds)
+            return place(parts, load, base_check_s, base_read_s, speed_s, speed_arms)
     return split(s.seeds, arm_s, gpus, base_check_s, base_read_s, speed_s, speed_arms)
 
 
-def split_key(exp: Experiment, gpus: int) -> dict:
-    """What a kept split was made for."""
+def arm_seconds(exp: Experiment) -> dict[str, float]:
+    """Each arm's expected seconds in one seed (its trainings and its model's reads), in --arms order."""
     s = exp.s
-    return {"gpus": gpus, "seeds": list(s.seeds), "arms": [a.name for a in s.arms], "base_read": exp.base_read, "speed": exp.speed_stage, "base_check": exp.base_check_stage}  # fmt: skip
+    arm_s = {}
+    for a in s.arms:
+        one = Experiment(replace(s, seeds=s.seeds[:1], arms=(a,), default_arm=a.name), exp.sources, exp.work, exp.out, False, False, False)  # fmt: skip
+        arm_s[a.name] = sum(st.expected().seconds for st in one.stages()[len(one.shared()) :] if not st.background)
+    return arm_s
+
+
+def split_key(exp: Experiment, gpus: int) -> dict:
+    """What a kept split's trainings were placed for: a split for other GPUs, seeds or arms is made anew."""
+    return {"gpus": gpus, "seeds": list(exp.s.seeds), "arms": [a.name for a in exp.s.arms]}
+
+
+def stages_key(exp: Experiment) -> dict:
+    """The other stages a kept split placed: when these change, the trainings stay where they were and only these
+    stages are placed anew (a training moved to another part would train again there)."""
+    return {"base_read": exp.base_read, "speed": exp.speed_stage, "base_check": exp.base_check_stage}
 
 
 def keep_parts(exp: Experiment, gpus: int, parts: list[Part]) -> None:
     """Write the split to ``<work>/parts.json`` unless it holds this one (the next call's ``plan_parts`` reads it)."""
     path = exp.work / "parts.json"
-    found = {"key": split_key(exp, gpus), "parts": [asdict(p) for p in parts]}
+    found = {"key": split_key(exp, gpus) | stages_key(exp), "parts": [asdict(p) for p in parts]}
     if not path.exists() or json.loads(path.read_text()) != json.loads(json.dumps(found)):
         path.write_text(json.dumps(found, indent=1) + "\n")
 

@@ -118,7 +118,7 @@ class Experiment:
             stages.append(Stage("base check", base, self._base_estimate, self.base_check, kind="base"))
         for i, seed in enumerate(s.seeds):
             for a in s.arms:
-                stages.append(self._training(seed, a))
+                stages += [self._training(seed, a, phase) for phase in range(len(s.schedule))]
             for read in self.reads(seed):
                 stages += self._read_cells(read)
             if i == 0 and self.speed_stage:
@@ -147,15 +147,16 @@ class Experiment:
                 found.append(evaluation.Read(f"seed{seed}/{a.name}", a))
         return found
 
-    def _training(self, seed: int, a: Arm) -> Stage:
-        run = self.run_dir(seed, a)
+    def _training(self, seed: int, a: Arm, phase: int) -> Stage:
+        """One phase of a training (``Settings.schedule``): the last one's run is the arm's model."""
+        run, (n, steps) = self.run_dir(seed, a, phase), self.s.schedule[phase]
         return Stage(
-            f"train seed {seed} {a.name}",
+            f"train seed {seed} {a.name}" + ("" if phase == len(self.s.earlier) else f" at {n}"),
             lambda: (run / "summary.json").exists(),
-            lambda: self.estimate.train(a, self.s.steps - len(read_metrics(run))),
-            lambda: self.train(seed, a),
+            lambda: self.estimate.train(a, n, steps - len(read_metrics(run))),
+            lambda: self.train(seed, a, phase),
             stops=True,
-            start=lambda: self.estimate.train_start(a),
+            start=lambda: self.estimate.train_start(a, n, steps),
         )
 
     def _read_cells(self, read: evaluation.Read) -> list[Stage]:
@@ -179,8 +180,12 @@ class Experiment:
         return self.estimate.base(self.native())
 
     # ------------------------------------------------------------------ paths
-    def run_dir(self, seed: int, a: Arm) -> Path:
-        return self.work / "runs" / f"seed{seed}" / a.name
+    def run_dir(self, seed: int, a: Arm, phase: int | None = None) -> Path:
+        """A training's folder: the arm's model (the last phase, ``runs/seed<S>/<arm>``), or an earlier phase's
+        (``runs/seed<S>/<arm>_at_<length>``)."""
+        if phase is None or phase == len(self.s.earlier):
+            return self.work / "runs" / f"seed{seed}" / a.name
+        return self.work / "runs" / f"seed{seed}" / f"{a.name}_at_{self.s.earlier[phase][0]}"
 
     def export(self, model: str) -> Path:
         """A model's folder: the converted base, or a training's export (``seed<S>/<arm>``)."""
@@ -324,10 +329,14 @@ class Experiment:
                 "(--base-gate 0 extends it all the same)"
             )
 
-    def train_config(self, seed: int, a: Arm) -> dict:
-        """The ``mtraining train`` config of arm ``a``, seed ``seed`` (its data order): every arm the same but for
-        its attention."""
-        s, run = self.s, self.run_dir(seed, a)
+    def train_config(self, seed: int, a: Arm, phase: int | None = None) -> dict:
+        """The ``mtraining train`` config of arm ``a``, seed ``seed`` (its data order), phase ``phase`` of the
+        schedule (None: the last): every arm the same but for its attention; a phase after the first starts from
+        the one before's export, its RoPE scaled to its own length."""
+        s = self.s
+        phase = len(s.earlier) if phase is None else phase
+        run, (length, steps) = self.run_dir(seed, a, phase), s.schedule[phase]
+        start = self.model_dir if phase == 0 else self.run_dir(seed, a, phase - 1) / "export"
         sources = [
             {"path": str(self.corpus_dir / "train" / f"{kind}.npy"), "weight": weight}
             for kind, weight in (("code", s.code_weight), ("prose", 1 - s.code_weight))
@@ -337,34 +346,40 @@ class Experiment:
             sparse=a.sparse, layout="striped", block_size=s.block_size, backend=s.backend, max_density=None
         )
         return dict(
-            model=dict(path=str(self.model_dir), dtype=s.dtype, rope_parameters=rope_scaling(s.length, self.native())),
-            attention=attention | a.pattern(s.length, s),
+            model=dict(path=str(start), dtype=s.dtype, rope_parameters=rope_scaling(length, self.native())),
+            attention=attention | a.pattern(length, s),
             parallel=dict(data=1, context=s.gpus),
-            data=dict(sources=sources, seq_len=s.length, batch_size=1, shuffle=True, document_masking=True),
+            data=dict(sources=sources, seq_len=length, batch_size=1, shuffle=True, document_masking=True),
             optim=dict(
                 lr=s.lr,
-                warmup_steps=min(s.warmup, s.steps),
+                warmup_steps=min(s.warmup, steps),
                 min_lr_ratio=1.0,
                 weight_decay=0.0,
                 betas=[0.9, 0.95],
                 grad_clip=1.0,
             ),
-            train=dict(steps=s.steps, device=s.device, seed=seed, activation_checkpointing=True),
+            train=dict(steps=steps, device=s.device, seed=seed, activation_checkpointing=True),
             checkpoint=dict(
                 dir=str(run / "checkpoints"), every=s.checkpoint_every, resume=True, export_dir=str(run / "export")
             ),
             log=dict(dir=str(run / "log"), every=5, tensorboard=False, progress=False),
         )
 
-    def train(self, seed: int, a: Arm) -> None:
-        summary = train(self.run_dir(seed, a), self.train_config(seed, a))
+    def train(self, seed: int, a: Arm, phase: int | None = None) -> None:
+        """One phase of a training; its summary in ``--out``: ``train/seed<S>_<arm>.json`` for the arm's model,
+        ``train/earlier/seed<S>_<arm>_at_<length>.json`` for an earlier phase."""
+        phase = len(self.s.earlier) if phase is None else phase
+        length = self.s.schedule[phase][0]
+        run = self.run_dir(seed, a, phase)
+        summary = train(run, self.train_config(seed, a, phase))
         if "step_s" in summary:
-            self.timings.record(f"train:{a.name}:step", summary["step_s"])
+            self.timings.record(f"train:{a.name}:{length}:step", summary["step_s"])
             self.timings.record(
                 f"train:{a.name}:fixed", max(0.0, summary["wall_s"] - summary["steps"] * summary["step_s"])
             )
-        summary["arm"], summary["seed"] = asdict(a), seed
-        write_json(self.out / "train" / f"seed{seed}_{a.name}.json", summary)
+        summary["arm"], summary["seed"], summary["length"] = asdict(a), seed, length
+        final = phase == len(self.s.earlier)
+        write_json(self.out / "train" / ("" if final else "earlier") / f"seed{seed}_{run.name}.json", summary)
 
     def read_cell(self, read: evaluation.Read, n: int) -> None:
         """One length of one read, added to the read's file in ``--out`` at once (its lengths in order, the ones
@@ -390,17 +405,21 @@ class Experiment:
 
     def speed(self, n: int) -> None:
         """Q/K/V of the speed layers of the first seed's adaptive (else first sparse) model at ``n`` tokens of
-        held-out text, then every sparse arm timed against dense attention on them."""
-        arms = self.s.sparse_arms
-        if not arms:
+        held-out text, then every sparse arm and every arm timed only (``speed_arms``) against dense attention on
+        them."""
+        trained = self.s.sparse_arms
+        if not trained:
             return
-        source = next((a for a in arms if a.name == "adaptive"), arms[0])
+        source = next((a for a in trained if a.name == "adaptive"), trained[0])
         model_name = f"seed{self.s.seeds[0]}/{source.name}"
         model = self.model(model_name)
         inputs = self.inputs()
         ids = speed.text_ids(inputs.tokenizer, inputs.ppl_docs, n)
         qkv = speed.dump_qkv(model, ids, self.s.speed_layers)
-        result = speed.time_arms(qkv, arms, self.s, n) | {"model": model_name, **provenance(self.s.device == "cuda")}
+        result = speed.time_arms(qkv, self.s.timed_arms, self.s, n) | {
+            "model": model_name,
+            **provenance(self.s.device == "cuda"),
+        }
         del qkv
         _free()
         write_json(self.work / "speed" / f"{n}.json", result)

@@ -35,8 +35,9 @@ METRICS = ("ppl", "niah", "niah_forced", "ruler")
 SAME = (
     "length", "steps", "lr", "warmup", "code_weight", "gpus", "dtype", "block_size", "last_q", "local_window",
     "sink_tokens", "eval_seed", "niah_prompts", "niah_forced_prompts", "depths", "ruler_samples", "ruler_tasks",
-    "ppl_windows", "first_bucket", "heldout_fraction",
+    "ppl_windows", "first_bucket", "heldout_fraction", "earlier",
 )  # fmt: skip
+ADDED = {"earlier": []}  # settings added since the first runs, and the value those runs had
 
 
 def expand(folders: Sequence[Path]) -> list[Path]:
@@ -98,7 +99,7 @@ def check_same(folders: Sequence[dict]) -> None:
     """Refuse folders whose models were trained or read otherwise (``SAME``): their figures do not compare."""
     first = folders[0]["run"]["settings"]
     for f in folders[1:]:
-        differ = [k for k in SAME if f["run"]["settings"].get(k) != first.get(k)]
+        differ = [k for k in SAME if f["run"]["settings"].get(k, ADDED.get(k)) != first.get(k, ADDED.get(k))]
         if differ:
             raise ValueError(
                 f"{f['folder']} and {folders[0]['folder']} differ in {differ}: their models or reads do not pair; "
@@ -344,7 +345,7 @@ def markdown(runs: Sequence[dict], found: list[dict], picture: str | None) -> st
     lines = [
         f"# Real-model context extension: {found[0]['model']}, {s['length']} tokens",
         "",
-        f"Seeds {seeds}; {s['steps']} steps at lr {s['lr']:g} on {s['gpus']} GPU(s); {source}. Changes are the arm's "
+        f"Seeds {seeds}; {schedule(s)} at lr {s['lr']:g} on {s['gpus']} GPU(s); {source}. Changes are the arm's "
         f"model minus {dense} read dense, paired by seed: mean [95% t interval over seeds] (no interval under "
         f"{MIN_SEEDS} seeds). Perplexity: last position bucket, percent; NIAH and RULER-style: points, generated "
         "answers (NIAH also teacher-forced). "
@@ -394,7 +395,7 @@ def markdown(runs: Sequence[dict], found: list[dict], picture: str | None) -> st
                 )
             lines.append("")
     lines += _absolute(runs) + (_dense_across(runs) if len(runs) > 1 else [])
-    lines += _training_table(runs, found) + _speed_table(found) + _base(runs)
+    lines += _training_table(runs, found) + _speed_table(found, timed_only(runs, found)) + _base(runs)
     if picture:
         lines += [f"![attention speedup against accuracy change]({picture})", ""]
     return "\n".join(lines)
@@ -410,6 +411,30 @@ def missing_of(runs: Sequence[dict]) -> list[str]:
     if len(runs) == 1:
         return list(runs[0]["missing"])
     return [f"{run['label']}: {m}" for run in runs for m in run["missing"]]
+
+
+def schedule(settings: dict) -> str:
+    """The trainings' phases in words: ``30 steps`` or ``30 steps at 65536, then 30 at 131072 tokens``."""
+    earlier = settings.get("earlier") or []
+    if not earlier:
+        return f"{settings['steps']} steps"
+    (n, k), *rest = [*earlier, (settings["length"], settings["steps"])]
+    later = ", then ".join(f"{k} at {n}" for n, k in rest)
+    return f"{k} steps at {n}, then {later} tokens (each phase from the one before's model)"
+
+
+def timed_only(runs: Sequence[dict], found: list[dict]) -> list[dict]:
+    """The arms the speed stages timed but no run trained (``--speed-arms``): per length their speedup and
+    density on the same Q/K as the trained arms', from the first folder that timed them there."""
+    trained = {r["config"] for r in found}
+    pooled = {"speed": [s for run in runs for s in run["speed"]]}
+    names = sorted({a for s in pooled["speed"] for a in s["arms"]} - trained)
+    out = []
+    for name in names:
+        speedup, density = speed_of(pooled, name)
+        models = sorted({s["model"] for s in pooled["speed"] if name in s["arms"]})
+        out.append({"config": name, "attention_speedup": speedup, "attention_density": density, "models": models})
+    return out
 
 
 def niah_prompts(runs: Sequence[dict]) -> str:
@@ -501,16 +526,23 @@ def _training_table(runs: Sequence[dict], found: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def _speed_table(found: list[dict]) -> list[str]:
-    lengths = sorted({n for r in found for n in r["attention_speedup"]})
+def _speed_table(found: list[dict], timed: list[dict]) -> list[str]:
+    """Each trained configuration's attention speed, then those timed only (not trained) on the same Q/K."""
+    lengths = sorted({n for r in [*found, *timed] for n in r["attention_speedup"]})
     if not lengths:
         return ["## Speed", "", "No speed figures in these folders.", ""]
     lines = ["## Attention speed (estimate + forward + backward against dense forward + backward, the model's Q/K)", ""]
     lines += ["| config | " + " | ".join(f"{n} speedup (density)" for n in lengths) + " |"]
     lines += ["|---|" + "---:|" * len(lengths)]
-    for r in _arms(found):
+    for r in [*_arms(found), *timed]:
         cells = [f"{_num(r['attention_speedup'].get(n))} ({_num(r['attention_density'].get(n), 3)})" for n in lengths]
-        lines.append(f"| {r['config']} | " + " | ".join(cells) + " |")
+        name = r["config"] + (" (timed only)" if r in timed else "")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if timed:
+        lines += [
+            "",
+            "Timed only: not trained, timed on the trained models' Q/K (" + ", ".join(timed[0]["models"]) + ").",
+        ]
     return lines + [""]
 
 
@@ -605,6 +637,7 @@ def write_report(
     path = out / f"{name}.json"
     folders = [f for run in loaded for f in run["folders"]]
     result = {"name": name, "folders": folders, "default": default, "records": found, "missing": missing_of(loaded)}
+    result["timed_only"] = timed_only(loaded, found)
     path.write_text(json.dumps(result, indent=1, default=_jsonable) + "\n")
     return path
 

@@ -92,7 +92,9 @@ def arm(name: str) -> Arm:
 class Settings:
     """One experiment's choices (``PRESETS`` holds the defaults; the command line replaces fields).
 
-    Training: ``steps`` at ``length`` tokens per step (batch 1 per rank group), ``lr`` after ``warmup`` steps
+    Training: ``steps`` at ``length`` tokens per step (batch 1 per rank group), after the ``earlier`` phases
+    ((length, steps) each, shorter first, every phase from the one before's model with the RoPE scaled to its
+    length: a staged extension as ProLong's), ``lr`` after ``warmup`` steps
     (constant then, as the paper's), AdamW betas (0.9, 0.95) without weight decay, ``code_weight`` of the samples
     from code and the rest from prose, document masking, a checkpoint every ``checkpoint_every`` steps, ``gpus``
     ranks of one striped ring. Evaluation at ``length`` / 8, / 4, / 2 and ``length``: ``niah_prompts`` per length
@@ -101,7 +103,8 @@ class Settings:
     ``ppl_windows`` held-out documents per length; sparse arms' models are also read with their own attention
     (``sparse_reads``); the base is checked on ``base_prompts`` NIAH prompts at its
     native length and must reach ``base_gate`` percent (the upper end of its 95% interval; 0: no check). Speed:
-    Q/K/V of ``speed_layers`` dumped at ``speed_lengths``, timed ``speed_repeats`` times per call."""
+    Q/K/V of ``speed_layers`` dumped at ``speed_lengths``, timed ``speed_repeats`` times per call, for every sparse
+    arm and the ``speed_arms`` timed only (not trained: the speed of candidates on the same Q/K)."""
 
     length: int = 65536
     eval_fractions: tuple[int, ...] = (8, 4, 2, 1)  # the evaluation's lengths: length / each
@@ -109,6 +112,7 @@ class Settings:
     arms: tuple[Arm, ...] = (Arm("dense", False), ADAPTIVE)
     default_arm: str = "adaptive"
     steps: int = 30
+    earlier: tuple[tuple[int, int], ...] = ()
     lr: float = 1e-4
     warmup: int = 3
     code_weight: float = 0.7
@@ -136,6 +140,7 @@ class Settings:
     speed_lengths: tuple[int, ...] = (65536, 131072, 524288)
     speed_layers: tuple[int, ...] = (3, 15, 27)
     speed_repeats: int = 5
+    speed_arms: tuple[Arm, ...] = ()
     workers: int | None = None  # corpus and prompt-building processes (default: the spare cores)
     costs: Costs = field(default_factory=lambda: Costs())
 
@@ -143,6 +148,16 @@ class Settings:
     def lengths(self) -> tuple[int, ...]:
         """The evaluation's lengths: L/8, L/4, L/2, L (the toy: L/2, L)."""
         return tuple(self.length // d for d in self.eval_fractions)
+
+    @property
+    def schedule(self) -> tuple[tuple[int, int], ...]:
+        """Every training phase as (length, steps): the ``earlier`` ones, then ``steps`` at ``length``."""
+        return (*self.earlier, (self.length, self.steps))
+
+    @property
+    def timed_arms(self) -> tuple[Arm, ...]:
+        """The arms the speed stage times: the sparse arms trained, then ``speed_arms``."""
+        return self.sparse_arms + self.speed_arms
 
     @property
     def forced_prompts(self) -> int:
@@ -167,6 +182,17 @@ class Settings:
                 f"--length {self.length} must be a multiple of {unit} (the shortest evaluation length's divisor x "
                 "block size x GPUs) so that every evaluation length splits into whole blocks on every rank"
             )
+        lengths = [n for n, _ in self.schedule]
+        whole = self.block_size * self.gpus  # a training's length splits into whole blocks on every rank
+        if lengths != sorted(set(lengths)) or any(n % whole or steps < 1 for n, steps in self.earlier):
+            raise ValueError(
+                f"--schedule {' '.join(f'{n}:{k}' for n, k in self.schedule)}: each phase LENGTH:STEPS longer than "
+                f"the one before, ending at --length, with at least one step and a length that is a multiple of "
+                f"{whole} (block size x GPUs)"
+            )
+        timed = [a.name for a in self.speed_arms]
+        if any(not a.sparse for a in self.speed_arms) or len(set(timed)) != len(timed) or set(timed) & set(names):
+            raise ValueError(f"--speed-arms takes sparse arms not among --arms {names}, no repeats, got {timed}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
             raise ValueError(f"--seeds takes distinct non-negative integers, got {list(self.seeds)}")
         for name in ("steps", "niah_prompts", "ruler_samples", "ppl_windows", "speed_repeats", "gpus"):

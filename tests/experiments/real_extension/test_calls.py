@@ -47,7 +47,7 @@ def test_read_estimates_start_from_what_the_first_runs_measured(tmp_path):
     assert est.cell(DENSE, 131072).seconds > dense.seconds  # beyond the table: scaled by FLOPs, not cheaper
     half = Estimator(replace(GPU, niah_prompts=10, ruler_samples=1, ppl_windows=4), Shape(), est.timings)
     assert half.cell(DENSE, 65536).seconds == pytest.approx(172.0 / 2)  # per item: (10 + 7 + 4) of 42
-    assert est.train(ADAPTIVE, 30).seconds == pytest.approx(FIRST_RUNS.train_fixed_s + 30 * 1.01)
+    assert est.train(ADAPTIVE, 65536, 30).seconds == pytest.approx(FIRST_RUNS.train_fixed_s + 30 * 1.01)
     assert est.base(8192).seconds == pytest.approx(36.0 * GPU.base_prompts / 20)  # per base prompt, not per read
 
 
@@ -99,7 +99,8 @@ def test_a_run_at_128k_is_priced_from_the_128k_run(tmp_path):
     assert est.cell(DENSE, 131072) == Estimate(pytest.approx(63.5), "calibrated")  # 21 items at 63.5 / 21 s
     sparse = Arm("v1024s6144", True, v_size=1024, s_size=6144)
     assert est.cell(sparse, 131072) == est.cell(DENSE, 131072)
-    assert est.train_step(sparse) == Estimate(3.40, "calibrated")
+    assert est.train_step(sparse, 131072) == Estimate(3.40, "calibrated")
+    assert est.train_step(sparse, 65536) == Estimate(1.64, "calibrated")  # an earlier phase: the 64K run's dense
 
 
 def test_prompts_read_teacher_forced_alone_cost_a_prefill_each(tmp_path):
@@ -217,8 +218,16 @@ def test_the_split_is_kept_for_the_next_call(tmp_path):
     parts = parallel.plan_parts(exp, 2)
     assert [p.name for p in parts] == ["gpu0", "gpu0_1", "gpu1", "gpu1_1"]
     parallel.keep_parts(exp, 2, parts)
-    exp.timings.record("train:dense:step", 1e6)  # new timings would split otherwise; the kept split stands
+    exp.timings.record(
+        f"train:dense:{settings.length}:step", 1e6
+    )  # new timings would split otherwise; the kept split stands
     assert parallel.plan_parts(exp, 2) == parts
+    trainings = lambda found: [(p.gpu, p.order, p.seeds, p.arms) for p in found]  # noqa: E731
+    for base_read, speed in ((True, True), (False, False)):  # other stages: placed anew, the trainings kept
+        other = Experiment(settings, Sources(None), exp.work, exp.out, base_read, speed, False)
+        moved = parallel.plan_parts(other, 2)
+        assert trainings(moved) == trainings(parts)
+        assert sum(p.base_read for p in moved) == base_read and sum(p.speed for p in moved) == speed
     three = parallel.plan_parts(exp, 3)
     assert three != parts  # made for other GPUs: split anew, and kept in its place
     parallel.keep_parts(exp, 3, three)

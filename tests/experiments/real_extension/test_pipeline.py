@@ -131,6 +131,34 @@ def test_the_arms_train_through_the_striped_ring_on_two_ranks(tmp_path):
     assert [r["gpus"] for r in records] == [2, 2]
 
 
+def test_a_staged_schedule_trains_each_phase_from_the_one_before_and_times_candidates(tmp_path):
+    """--schedule 768:1 1024:2: each arm trains 1 step at 768 tokens (YaRN x1.5), then 2 at 1024 from that export
+    (YaRN x2); only the last phase's model is read. --speed-arms times a candidate it does not train."""
+    out, work = tmp_path / "staged", tmp_path / "work"
+    common = ["--preset", "toy", *inputs(tmp_path), "--heldout", "code/mteval", "--work", work, "--seeds", "0"]
+    common += ["--schedule", "768:1", "1024:2", "--speed-arms", "v32s32", "--no-base-read", "--no-sparse-reads"]
+    done = experiment(*common, "--out", out)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for name in ("dense", ARM):
+        first = json.loads((out / "train" / "earlier" / f"seed0_{name}_at_768.json").read_text())
+        last = json.loads((out / "train" / f"seed0_{name}.json").read_text())
+        assert (first["steps"], first["length"], last["steps"], last["length"]) == (1, 768, 2, 1024)
+        assert first["config"]["model"]["rope_parameters"]["factor"] == 1.5
+        assert last["config"]["model"]["rope_parameters"]["factor"] == 2.0
+        assert last["config"]["model"]["path"] == str(work / "runs" / "seed0" / f"{name}_at_768" / "export")
+    assert sorted(p.stem for p in (out / "eval").glob("*.json")) == ["seed0_dense__dense", f"seed0_{ARM}__dense"]
+    (speed,) = json.loads((out / "speed.json").read_text())
+    assert set(speed["arms"]) == {ARM, "v32s32"} and speed["model"] == f"seed0/{ARM}"
+    reported = experiment("--report-from", out, "--report-out", tmp_path / "report")
+    assert reported.returncode == 0, reported.stderr
+    md = (tmp_path / "report" / "real_extension.md").read_text()
+    assert "1 steps at 768, then 2 at 1024 tokens" in md and "| v32s32 (timed only) |" in md
+    (timed,) = json.loads((tmp_path / "report" / "real_extension.json").read_text())["timed_only"]
+    assert timed["config"] == "v32s32" and timed["attention_speedup"]["1024"] > 0
+    unstaged = experiment(*common[:-7], "--no-base-read", "--out", tmp_path / "other")
+    assert unstaged.returncode == 2 and "other ['earlier']" in unstaged.stdout  # a work folder keeps its schedule
+
+
 def test_three_seeds_on_two_gpus_split_the_last_seed_by_arm(tmp_path):
     """--parallel-gpus 2 with seeds 0-2: seeds 0 and 1 whole, seed 2's arms one per GPU after them; the report of
     the parts pairs every seed. With --no-sparse-reads every model is read dense only, and nothing is missing."""

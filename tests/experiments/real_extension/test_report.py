@@ -15,7 +15,8 @@ from scipy import stats
 
 from experiments.common.stages import Refused
 from experiments.real_extension import report
-from experiments.real_extension.cli import check_work
+from experiments.real_extension.cli import check_work, settings_of
+from experiments.real_extension.cli import parser as cli_parser
 from experiments.real_extension.costs import Estimator, Shape, Timings
 from experiments.real_extension.settings import ADAPTIVE, PRESETS, Arm, arm, rope_scaling
 
@@ -221,9 +222,28 @@ def test_rope_and_settings_checks_name_the_option():
         (dict(speed_repeats=3), "--speed-repeats"),
         (dict(ruler_tasks=("qa",)), "--ruler-tasks"),
         (dict(niah_prompts=10, niah_forced_prompts=9), "--niah-forced-prompts"),
+        (dict(earlier=((131072, 30),)), "--schedule"),  # longer than the last phase
+        (dict(earlier=((32768, 30), (16384, 30))), "--schedule"),
+        (dict(earlier=((32768 + 64, 30),)), "--schedule"),  # not whole blocks
+        (dict(earlier=((32768, 0),)), "--schedule"),
+        (dict(speed_arms=(ADAPTIVE,)), "--speed-arms"),  # trained already
+        (dict(speed_arms=(arm("dense"),)), "--speed-arms"),
     ):
         with pytest.raises(ValueError, match=option):
             replace(gpu, **changes).check()
+    replace(gpu, earlier=((32768, 30),), speed_arms=(arm("v1024s2048"),)).check()
+    assert replace(gpu, earlier=((32768, 10),)).schedule == ((32768, 10), (65536, 30))
+
+
+def test_the_schedule_option_sets_every_phase_and_refuses_a_conflict():
+    parse = lambda *a: settings_of(cli_parser().parse_args(list(a)))  # noqa: E731
+    s = parse("--schedule", "65536:30", "131072:20")
+    assert (s.earlier, s.length, s.steps) == (((65536, 30),), 131072, 20)
+    assert s.costs.calibration.length == 131072  # priced from the run at its last length
+    with pytest.raises(ValueError, match="--length 65536 is not the last phase"):
+        parse("--schedule", "65536:30", "131072:20", "--length", "65536")
+    with pytest.raises(SystemExit):
+        parse("--schedule", "65536-30")
 
 
 def test_a_work_folder_keeps_its_schedule(tmp_path):
@@ -242,10 +262,10 @@ def test_estimates_count_flops_else_the_calibration_until_a_stage_is_measured(tm
     timings = Timings(tmp_path / "timings.json")
     estimate = Estimator(replace(PRESETS["gpu"], costs=PRESETS["toy"].costs), Shape.of(model), timings)
     flops = 4 * Shape().forward_flops(65536)
-    assert estimate.train_step(Arm("dense", False)).seconds == pytest.approx(flops / 2e9)
+    assert estimate.train_step(Arm("dense", False), 65536).seconds == pytest.approx(flops / 2e9)
     estimate = Estimator(PRESETS["gpu"], Shape.of(model), timings)
-    assert estimate.train(ADAPTIVE, 30).source == "calibrated"
-    timings.record("train:adaptive:step", 0.5)
+    assert estimate.train(ADAPTIVE, 65536, 30).source == "calibrated"
+    timings.record("train:adaptive:65536:step", 0.5)
     timings.record("train:adaptive:fixed", 20.0)
-    found = Estimator(PRESETS["gpu"], Shape(), Timings(tmp_path / "timings.json")).train(ADAPTIVE, 30)
+    found = Estimator(PRESETS["gpu"], Shape(), Timings(tmp_path / "timings.json")).train(ADAPTIVE, 65536, 30)
     assert found.source == "here" and found.seconds == pytest.approx(35.0)
