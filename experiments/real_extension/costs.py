@@ -190,19 +190,20 @@ class Estimator:
 
     def per_item(self, arm: Arm, n: int, task: str) -> Estimate:
         """Seconds of one item of ``task`` at ``n`` tokens read with ``arm``; a sparse read's at least the dense
-        read's where that was measured (here or calibrated)."""
+        read's where that was measured (here or calibrated). A calibration measured at ``n`` itself comes before an
+        estimate scaled from a shorter length here (an upper bound, which overprices a long read by half)."""
         kind = "sparse" if arm.sparse else "dense"
         here = self.timings.get(f"read:{kind}:{n}:{task}")
         floor = self.timings.get(f"read:dense:{n}:{task}") if arm.sparse else None
         if here is not None:
             return Estimate(max(here, floor or 0.0), "here")
-        scaled = self._scaled_item(kind, n, task)
-        if scaled is not None:
-            return Estimate(max(scaled, floor or 0.0), "scaled")
         calibrated = self._calibrated_item(kind, n, task)
         if arm.sparse:  # never below the calibrated dense read, nor taken from FLOPs where only that was measured
             dense = self._calibrated_item("dense", n, task)
             calibrated = dense if calibrated is None else max(calibrated, dense or 0.0)
+        scaled = self._scaled_item(kind, n, task)
+        if scaled is not None and not self._calibrated_at(n, task):
+            return Estimate(max(scaled, floor or 0.0), "scaled")
         if calibrated is not None:
             return Estimate(max(calibrated, floor or 0.0), "calibrated")
         c = self.s.costs
@@ -223,6 +224,14 @@ class Estimator:
             return None
         m = max(measured)
         return measured[m] * self.shape.forward_flops(n) / self.shape.forward_flops(m)
+
+    def _calibrated_at(self, n: int, task: str) -> bool:
+        """Whether the calibration measured ``task`` at ``n`` tokens itself (dense or sparse)."""
+        cal = self.calibration
+        if cal is None:
+            return False
+        tables = cal.prefill_s if task == "niah_forced" else cal.read_s
+        return any(n in table for table in tables.values())
 
     def _calibrated_item(self, kind: str, n: int, task: str) -> float | None:
         """Seconds per item of ``task`` in a ``kind`` read at ``n`` by the calibration (a NIAH prompt read
