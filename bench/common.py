@@ -76,10 +76,20 @@ def bench_ms(fn: Callable[[], object], warmup_ms: float = 100, rep_ms: float = 5
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+_EARLIER: dict[Path, list[dict]] = {}  # each results file's records from before this process first wrote it
+
+
 def write_results(name: str, records: list[dict], out: Path | None = None) -> Path:
-    """Write records as a JSON list under bench/results/ (or ``out``) and return the path. The file is replaced
-    whole: benchmarks rewrite it after every record, and one stopped mid-write keeps the previous records."""
-    path = out or RESULTS_DIR / f"{name}.json"
+    """Write this run's records after those earlier runs left in bench/results/<name>.json (or ``out``), as one
+    JSON list, and return the path. Benchmarks call it after every record with all of this run's so far: the
+    earlier records are read once, at the process's first write, and the file is replaced whole, so one stopped
+    mid-write keeps the previous version. ValueError for a file that is not a list of records."""
+    path = Path(out or RESULTS_DIR / f"{name}.json").resolve()
+    if path not in _EARLIER:
+        earlier = json.loads(path.read_text()) if path.exists() else []
+        if not isinstance(earlier, list):
+            raise ValueError(f"{path} is not a list of result records: pass another --out")
+        _EARLIER[path] = earlier
     with written(path) as tmp:
-        tmp.write_text(json.dumps(records, indent=1) + "\n")
+        tmp.write_text(json.dumps(_EARLIER[path] + records, indent=1) + "\n")
     return path

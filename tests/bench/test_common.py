@@ -33,3 +33,18 @@ def test_results_stopped_mid_write_keep_the_previous_records(tmp_path, monkeypat
         write_results("ring", [{"seq_len": 1}, {"seq_len": 2}], out)
     monkeypatch.undo()
     assert json.loads(out.read_text()) == [{"seq_len": 1}]
+
+
+def test_a_run_keeps_the_records_of_earlier_runs(tmp_path, monkeypatch):
+    """A benchmark run rewrites the file with its records so far after the records earlier runs left there (a
+    512K run on a lent machine once replaced 30 committed records with its 2)."""
+    monkeypatch.setattr("bench.common._EARLIER", {})
+    out = tmp_path / "train.json"
+    out.write_text(json.dumps([{"commit": "old"}]))
+    write_results("train", [{"step": 1}], out)
+    write_results("train", [{"step": 1}, {"step": 2}], out)
+    assert json.loads(out.read_text()) == [{"commit": "old"}, {"step": 1}, {"step": 2}]
+    out.write_text(json.dumps({"not": "a list"}))
+    monkeypatch.setattr("bench.common._EARLIER", {})
+    with pytest.raises(ValueError, match="not a list"):
+        write_results("train", [{"step": 1}], out)
