@@ -224,6 +224,7 @@ def worst(by_length: dict[int, dict]) -> dict:
     return {
         "ppl_change_hi": pick("ppl_change_hi", max),
         "niah_change_lo": pick("niah_change_lo", min),
+        "niah_forced_change_lo": pick("niah_forced_change_lo", min),
         "ruler_change_lo": pick("ruler_change_lo", min),
     }
 
@@ -361,17 +362,24 @@ def markdown(runs: Sequence[dict], found: list[dict], picture: str | None) -> st
     lines += [
         "## Goal (issue 31)",
         "",
-        "| config | seeds | speedup at 128K | ppl bound | NIAH bound | RULER bound | met |",
+        "| config | seeds | speedup at 128K | ppl bound | NIAH bound | NIAH forced bound | RULER bound | met |",
     ]
-    lines += ["|---|---:|---:|---:|---:|---:|---|"]
+    lines += ["|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in arms:
         w, g = r["reads"]["dense"]["worst"], r["goal"]
         speed = r["attention_speedup"].get(GOAL["speedup_length"])
         lines.append(
             f"| {r['config']} | {len(r['seeds'])} | {_num(speed)} | {_num(w['ppl_change_hi'], sign=True)} | "
-            f"{_num(w['niah_change_lo'], 1, True)} | {_num(w['ruler_change_lo'], 1, True)} | {'yes' if g['met'] else 'no'} |"
+            f"{_num(w['niah_change_lo'], 1, True)} | {_num(w['niah_forced_change_lo'], 1, True)} | "
+            f"{_num(w['ruler_change_lo'], 1, True)} | {'yes' if g['met'] else 'no'} |"
         )
-    lines += ["", "Bounds: worst over the lengths read (perplexity upper, NIAH and RULER-style lower; read dense).", ""]
+    lines += [
+        "",
+        "Bounds: one-sided 95% over seeds, worst over the lengths read (perplexity upper, NIAH and RULER-style lower; "
+        "read dense). The goal reads the generated NIAH answers; the teacher-forced ones (often more prompts per cell) "
+        "are shown beside them.",
+        "",
+    ]
     for read in ("dense", "sparse"):
         lines += [f"## Read {read}", ""]
         lengths = sorted({n for r in arms for n in r["reads"][read]["by_length"]})
