@@ -3,7 +3,7 @@
 # the calls). The GGUF travels in parts, one per call (a call carries at most 64 MiB with the working tree):
 # .gguf/SHA256 names every part and the whole file; each carried part is stashed in /root/gguf, checked, and once
 # every part has come they are joined, the whole checked, and the run goes on. Call 1 also builds the corpus with
-# .gguf/tok. Every call carries .whl, .gguf/tok, .gguf/SHA256 and the prose archive; results land in
+# .gguf/tok. Every call carries .gguf/tok, .gguf/SHA256 and the prose archive, the first also .whl; results land in
 # $OUT/results*.tgz after every stage.
 # Usage: MTRAINING_COMMIT=<commit> bash experiments/real_extension/gpu_call.sh <driver options>
 source "$(dirname "$0")/../../tools/device_env.sh"

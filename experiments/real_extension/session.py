@@ -15,10 +15,11 @@ from .pipeline import Stage
 
 DEVICE_KINDS = {1: "nvidia-h200 or nvidia-h100-x1", 2: "nvidia-h200-x2 or nvidia-h100-x2"}
 # What each call carries (ignored paths; with the working tree under the 64 MiB of a call): the 98 MB GGUF split
-# with `split -n 3 -d` over the first calls to one warm machine, one part each (.gguf/SHA256 names the parts and
-# the whole; gpu_call.sh joins them), then nothing of it.
-GGUF_PARTS = 3
-CARRY_ALWAYS = (".gguf/SHA256", ".gguf/tok", ".gguf/python-3.11-docs.tar.xz", ".whl")
+# with `split -n 4 -d` over the first calls to one warm machine, one part each (.gguf/SHA256 names the parts and
+# the whole; gpu_call.sh joins them), then nothing of it; the wheels in the first call (installed once a machine).
+GGUF_PARTS = 4
+CARRY_ALWAYS = (".gguf/SHA256", ".gguf/tok", ".gguf/python-3.11-docs.tar.xz")
+CARRY_FIRST = (".whl",)
 SETUP_S = 25  # per call, outside --max-minutes: installing the wheels, joining the GGUF, starting Python
 
 
@@ -48,9 +49,10 @@ class Call:
 
 
 def carry(index: int) -> tuple[str, ...]:
-    """What call ``index`` (from 1) carries: its part of the GGUF while parts remain, and the small inputs."""
+    """What call ``index`` (from 1) carries: its part of the GGUF while parts remain, the small inputs, and the
+    wheels in the first call."""
     part = (f".gguf/smollm2.gguf.part{index - 1:02d}",) if index <= GGUF_PARTS else ()
-    return part + CARRY_ALWAYS
+    return part + CARRY_ALWAYS + (CARRY_FIRST if index == 1 else ())
 
 
 def simulate(shared: list[Planned], lanes: dict[int, list[Planned]], limit_s: float, gguf_later: bool) -> list[Call]:
