@@ -571,11 +571,12 @@ def _base(runs: Sequence[dict]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- picture
-def picture(found: list[dict], default: str | None, path: Path) -> Path:
+def picture(found: list[dict], default: str | None, path: Path, timed: Sequence[dict] = ()) -> Path:
     """Attention speedup (x, log) against the change at the trained length (one panel per metric), read dense
     (filled) and read sparse (open), with the two-sided t interval over seeds as bars; dense at (1, 0); the
-    configuration proposed as the default (``--default``) starred. x: the speedup at the length the change is read
-    at (the trained length) where measured, so both axes describe the same inputs; else at 128K, else at the longest
+    configuration proposed as the default (``--default``) starred; the configurations timed only (``timed_only``)
+    as dotted lines at their speedup, their accuracy unknown. x: the speedup at the length the change is read at
+    (the trained length) where measured, so both axes describe the same inputs; else at 128K, else at the longest
     length measured, else the end-to-end training speedup."""
     import matplotlib
 
@@ -588,6 +589,7 @@ def picture(found: list[dict], default: str | None, path: Path) -> Path:
     preferred = [n for n in (length, GOAL["speedup_length"]) if n in measured]
     at = preferred[0] if preferred else (measured[-1] if measured else None)
     panels = (("ppl", "perplexity change, %", GOAL["ppl_change_hi"]), ("niah", "NIAH change, points", GOAL["niah_change_lo"]), ("ruler", "RULER-style change, points", GOAL["ruler_change_lo"]))  # fmt: skip
+    speeds = {r["config"]: r["attention_speedup"][at] for r in timed if at in r["attention_speedup"]}
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for ax, (metric, title, bound) in zip(axes, panels):
         ax.axhline(0, color="grey", lw=0.8)
@@ -613,6 +615,8 @@ def picture(found: list[dict], default: str | None, path: Path) -> Path:
                     ax.annotate(label, (x, m["mean"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
                 if r["config"] == default and read == "dense":
                     ax.plot([x], [m["mean"]], "*", color="tab:orange", ms=14, zorder=0)
+        for x in speeds.values():
+            ax.axvline(x, color="grey", lw=0.8, ls=":")
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(ticker.FixedLocator([1, 1.5, 2, 3, 5, 7, 10, 15, 20]))
         ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
@@ -620,11 +624,13 @@ def picture(found: list[dict], default: str | None, path: Path) -> Path:
         ax.set_xlim(0.8, max([1.0, *ax.get_xlim()]) * 1.4)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(f"attention speedup at {at} tokens" if at is not None else "end-to-end training speedup")
-    fig.suptitle(
+    title = (
         f"{found[0]['model']} extended to {length}: change at {length} (filled: read dense, open: read sparse; "
-        f"bars: 95% t interval over seeds; dashed: the goal)",
-        fontsize=10,
+        "bars: 95% t interval over seeds; dashed: the goal)"
     )
+    if speeds:
+        title += "\ndotted: timed only, not trained: " + ", ".join(f"{k} {v:.2f}x" for k, v in sorted(speeds.items(), key=lambda kv: kv[1]))  # fmt: skip
+    fig.suptitle(title, fontsize=10, y=1.0 + 0.05 * title.count("\n"))  # above the panels' titles
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
@@ -640,12 +646,13 @@ def write_report(
     named = {run["settings"].get("default_arm") for run in loaded}
     default = default or (named.pop() if len(named) == 1 else None)
     out.mkdir(parents=True, exist_ok=True)
-    png = picture(found, default, out / f"{name}.png") if _arms(found) else None
+    timed = timed_only(loaded, found)
+    png = picture(found, default, out / f"{name}.png", timed) if _arms(found) else None
     (out / f"{name}.md").write_text(markdown(loaded, found, png.name if png else None) + "\n")
     path = out / f"{name}.json"
     folders = [f for run in loaded for f in run["folders"]]
     result = {"name": name, "folders": folders, "default": default, "records": found, "missing": missing_of(loaded)}
-    result["timed_only"] = timed_only(loaded, found)
+    result["timed_only"] = timed
     path.write_text(json.dumps(result, indent=1, default=_jsonable) + "\n")
     return path
 
