@@ -82,8 +82,9 @@ _EARLIER: dict[Path, list[dict]] = {}  # each results file's records from before
 def write_results(name: str, records: list[dict], out: Path | None = None) -> Path:
     """Write this run's records after those earlier runs left in bench/results/<name>.json (or ``out``), as one
     JSON list, and return the path. Benchmarks call it after every record with all of this run's so far: the
-    earlier records are read once, at the process's first write, and the file is replaced whole, so one stopped
-    mid-write keeps the previous version. ValueError for a file that is not a list of records."""
+    earlier records are read once, at the process's first write (one run per process, as every benchmark here),
+    and the file is replaced whole, so one stopped mid-write keeps the previous version. ValueError for a file that
+    is not a list of records."""
     path = Path(out or RESULTS_DIR / f"{name}.json").resolve()
     if path not in _EARLIER:
         earlier = json.loads(path.read_text()) if path.exists() else []

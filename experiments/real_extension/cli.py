@@ -177,7 +177,8 @@ def check_work(work: Path, settings: Settings) -> None:
         write_json(path, mine)
         return
     theirs = json.loads(path.read_text())
-    differ = sorted(k for k in FIXED if theirs.get(k) != mine.get(k))
+    added = report.ADDED  # a folder made before a setting existed had its first value
+    differ = sorted(k for k in FIXED if theirs.get(k, added.get(k)) != mine.get(k, added.get(k)))
     if differ:
         raise Refused(
             f"{work} was made with other {differ} ({', '.join(f'{k}={theirs.get(k)!r}' for k in differ)}): give "

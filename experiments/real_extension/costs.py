@@ -202,7 +202,7 @@ class Estimator:
             dense = self._calibrated_item("dense", n, task)
             calibrated = dense if calibrated is None else max(calibrated, dense or 0.0)
         scaled = self._scaled_item(kind, n, task)
-        if scaled is not None and not self._calibrated_at(n, task):
+        if scaled is not None and not self._calibrated_at(kind, n, task):
             return Estimate(max(scaled, floor or 0.0), "scaled")
         if calibrated is not None:
             return Estimate(max(calibrated, floor or 0.0), "calibrated")
@@ -225,13 +225,13 @@ class Estimator:
         m = max(measured)
         return measured[m] * self.shape.forward_flops(n) / self.shape.forward_flops(m)
 
-    def _calibrated_at(self, n: int, task: str) -> bool:
-        """Whether the calibration measured ``task`` at ``n`` tokens itself (dense or sparse)."""
+    def _calibrated_at(self, kind: str, n: int, task: str) -> bool:
+        """Whether the calibration measured ``task`` in a ``kind`` read at ``n`` tokens itself."""
         cal = self.calibration
         if cal is None:
             return False
         tables = cal.prefill_s if task == "niah_forced" else cal.read_s
-        return any(n in table for table in tables.values())
+        return n in tables.get(kind, {})
 
     def _calibrated_item(self, kind: str, n: int, task: str) -> float | None:
         """Seconds per item of ``task`` in a ``kind`` read at ``n`` by the calibration (a NIAH prompt read

@@ -95,8 +95,9 @@ def place(
     speed_arms: tuple[str, ...],
 ) -> list[Part]:
     """``parts`` with the base check on GPU 0's first part, and the base read and the speed stage each on the least
-    loaded GPU's part that can run it (``split``); None: that stage is not run. ``load``: each GPU's seconds."""
-    parts = [replace(p, base_check=False, base_read=False, speed=False) for p in parts]
+    loaded GPU's part that can run it (``split``); None: that stage is not placed (not run, or already on a part).
+    ``load``: each GPU's seconds."""
+    parts = list(parts)
     if not parts:
         return parts
     if base_check_s is not None:
@@ -254,11 +255,25 @@ def plan_parts(exp: Experiment, gpus: int) -> list[Part]:
             parts = [Part(**p | {"seeds": tuple(p["seeds"]), "arms": p["arms"] and tuple(p["arms"])}) for p in found["parts"]]  # fmt: skip
             if found["key"] == mine | stages_key(exp):
                 return parts
-            load = [0.0] * gpus  # the same trainings where they were; the other stages placed anew
-            for p in parts:
-                load[p.gpu] += sum(arm_s[a] for a in (p.arms or arm_s)) * len(p.seeds)
-            return place(parts, load, base_check_s, base_read_s, speed_s, speed_arms)
+            return replace_stages(parts, exp, arm_s, gpus, {"base_check": base_check_s, "base_read": base_read_s, "speed": speed_s})  # fmt: skip
     return split(s.seeds, arm_s, gpus, base_check_s, base_read_s, speed_s, speed_arms)
+
+
+def replace_stages(
+    parts: list[Part], exp: Experiment, arm_s: dict[str, float], gpus: int, seconds: dict[str, float | None]
+) -> list[Part]:
+    """A kept split for a call that asks for other stages than it was made with (``stages_key``): the trainings
+    and every stage still asked for stay where they are (a stage placed elsewhere would run again there, and its
+    results would lie in two parts), stages no longer asked for are dropped, and only those newly asked for are
+    placed (``place``). ``seconds``: each stage's expected seconds, None where it is not asked for."""
+    parts = [replace(p, **{name: getattr(p, name) and seconds[name] is not None for name in seconds}) for p in parts]
+    load = [0.0] * gpus
+    for p in parts:
+        load[p.gpu] += sum(arm_s[a] for a in (p.arms or arm_s)) * len(p.seeds)
+        load[p.gpu] += sum(seconds[name] or 0.0 for name in seconds if getattr(p, name))
+    new = {name: None if any(getattr(p, name) for p in parts) else found for name, found in seconds.items()}
+    speed_arms = tuple(a.name for a in exp.s.sparse_arms)
+    return place(parts, load, new["base_check"], new["base_read"], new["speed"], speed_arms)
 
 
 def arm_seconds(exp: Experiment) -> dict[str, float]:

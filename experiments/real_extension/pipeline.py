@@ -172,9 +172,9 @@ class Experiment:
 
     def _speed(self, n: int) -> Stage:
         path = self.work / "speed" / f"{n}.json"
-        return Stage(
-            f"speed at {n}", path.exists, lambda: self.estimate.speed(n), lambda: self.speed(n), kind=f"speed:{n}"
-        )
+        timed = {a.name for a in self.s.timed_arms}
+        done = lambda: path.exists() and timed <= set(json.loads(path.read_text())["arms"])  # noqa: E731 - arms added later
+        return Stage(f"speed at {n}", done, lambda: self.estimate.speed(n), lambda: self.speed(n), kind=f"speed:{n}")
 
     def _base_estimate(self) -> Estimate:
         return self.estimate.base(self.native())
@@ -370,6 +370,11 @@ class Experiment:
         ``train/earlier/seed<S>_<arm>_at_<length>.json`` for an earlier phase."""
         phase = len(self.s.earlier) if phase is None else phase
         length = self.s.schedule[phase][0]
+        if length <= self.native():
+            raise Refused(
+                f"--schedule: the phase at {length} tokens is not longer than the base's native {self.native()} "
+                "(its config's max_position_embeddings): start the schedule above it"
+            )
         run = self.run_dir(seed, a, phase)
         summary = train(run, self.train_config(seed, a, phase))
         if "step_s" in summary:

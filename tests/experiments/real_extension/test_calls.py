@@ -86,6 +86,11 @@ def test_a_longer_read_is_expected_from_a_shorter_one_measured_here(tmp_path):
     assert est.per_item(DENSE, 131072, "ppl") == Estimate(pytest.approx(ratio), "scaled")
     assert est.per_item(DENSE, 32768, "ppl") == Estimate(1.0, "here")
     assert est.per_item(DENSE, 65536, "ppl").source == "calibrated"  # measured there by the calibration
+    timings.record("read:sparse:65536:niah_forced", 2.0)
+    only_dense = Estimator(replace(GPU, costs=Costs(calibration=H200_4aa96df)), Shape(), timings)
+    scaled = 2.0 * Shape().forward_flops(131072) / Shape().forward_flops(65536)
+    assert only_dense.per_item(ADAPTIVE, 131072, "niah_forced") == Estimate(pytest.approx(scaled), "scaled")
+    assert only_dense.per_item(DENSE, 131072, "niah_forced").source == "calibrated"  # its own kind measured there
     assert est.per_item(DENSE, 8192, "ppl").source == "calibrated"  # nothing shorter measured
     assert est.per_item(ADAPTIVE, 131072, "ppl").source == "calibrated"  # no sparse read measured here yet
     assert Estimate(1.0, "scaled").margin > Estimate(1.0, "here").margin
@@ -104,6 +109,17 @@ def test_a_run_at_128k_is_priced_from_the_128k_run(tmp_path):
     assert est.cell(sparse, 131072) == est.cell(DENSE, 131072)
     assert est.train_step(sparse, 131072) == Estimate(3.40, "calibrated")
     assert est.train_step(sparse, 65536) == Estimate(1.64, "calibrated")  # an earlier phase: the 64K run's dense
+
+
+def test_the_speed_stage_runs_again_for_arms_it_has_not_timed(tmp_path):
+    settings = replace(PRESETS["toy"], speed_arms=(Arm("v32s32", True, v_size=32, s_size=32),))
+    exp = Experiment(settings, Sources(None), tmp_path / "w", tmp_path / "o")
+    (stage,) = [st for st in exp.stages() if st.name == "speed at 1024"]
+    (exp.work / "speed").mkdir(parents=True)
+    (exp.work / "speed" / "1024.json").write_text(json.dumps({"arms": {"t90v32s64": {}}}))
+    assert not stage.done()  # timed before --speed-arms named v32s32
+    (exp.work / "speed" / "1024.json").write_text(json.dumps({"arms": {"t90v32s64": {}, "v32s32": {}}}))
+    assert stage.done()
 
 
 def test_prompts_read_teacher_forced_alone_cost_a_prefill_each(tmp_path):
@@ -226,11 +242,20 @@ def test_the_split_is_kept_for_the_next_call(tmp_path):
     )  # new timings would split otherwise; the kept split stands
     assert parallel.plan_parts(exp, 2) == parts
     trainings = lambda found: [(p.gpu, p.order, p.seeds, p.arms) for p in found]  # noqa: E731
-    for base_read, speed in ((True, True), (False, False)):  # other stages: placed anew, the trainings kept
+    speed_at = [p.name for p in parts if p.speed]
+    for base_read, speed in ((True, True), (False, False)):  # other stages: the trainings kept, new ones placed
         other = Experiment(settings, Sources(None), exp.work, exp.out, base_read, speed, False)
         moved = parallel.plan_parts(other, 2)
         assert trainings(moved) == trainings(parts)
         assert sum(p.base_read for p in moved) == base_read and sum(p.speed for p in moved) == speed
+        assert [p.name for p in moved if p.speed] == (speed_at if speed else [])  # a stage kept where it ran
+    everything = Experiment(settings, Sources(None), tmp_path / "w4", exp.out, True, True, True)
+    everything.work.mkdir()
+    first = parallel.plan_parts(everything, 4)
+    parallel.keep_parts(everything, 4, first)
+    less = parallel.plan_parts(Experiment(settings, Sources(None), everything.work, exp.out, True, True, False), 4)
+    stages = lambda found: [(p.name, p.base_read, p.speed) for p in found]  # noqa: E731
+    assert stages(less) == stages(first) and not any(p.base_check for p in less)  # the others stay put
     three = parallel.plan_parts(exp, 3)
     assert three != parts  # made for other GPUs: split anew, and kept in its place
     parallel.keep_parts(exp, 3, three)

@@ -14,10 +14,10 @@ import pytest
 from scipy import stats
 
 from experiments.common.stages import Refused
-from experiments.real_extension import report
+from experiments.real_extension import cli, report
 from experiments.real_extension.cli import check_work, settings_of
-from experiments.real_extension.cli import parser as cli_parser
 from experiments.real_extension.costs import Estimator, Shape, Timings
+from experiments.real_extension.pipeline import Experiment, Sources
 from experiments.real_extension.settings import ADAPTIVE, PRESETS, Arm, arm, rope_scaling
 
 pytestmark = pytest.mark.slow
@@ -236,7 +236,7 @@ def test_rope_and_settings_checks_name_the_option():
 
 
 def test_the_schedule_option_sets_every_phase_and_refuses_a_conflict():
-    parse = lambda *a: settings_of(cli_parser().parse_args(list(a)))  # noqa: E731
+    parse = lambda *a: settings_of(cli.parser().parse_args(list(a)))  # noqa: E731
     s = parse("--schedule", "65536:30", "131072:20")
     assert (s.earlier, s.length, s.steps) == (((65536, 30),), 131072, 20)
     assert s.costs.calibration.length == 131072  # priced from the run at its last length
@@ -246,7 +246,21 @@ def test_the_schedule_option_sets_every_phase_and_refuses_a_conflict():
         parse("--schedule", "65536-30")
 
 
+def test_a_phase_not_longer_than_the_base_is_refused_before_it_trains(tmp_path):
+    staged = replace(SETTINGS, earlier=((768, 1),))  # the base's native length is 8192 until it is converted
+    exp = Experiment(staged, Sources(None), tmp_path / "w", tmp_path / "o")
+    with pytest.raises(Refused, match="--schedule: the phase at 768 tokens is not longer than the base's native 8192"):
+        exp.train(0, arm("dense"), 0)
+    assert not (tmp_path / "w" / "runs").exists()
+
+
 def test_a_work_folder_keeps_its_schedule(tmp_path):
+    made_before = {k: v for k, v in json.loads(json.dumps(asdict(SETTINGS))).items() if k in cli.FIXED and k not in report.ADDED}  # fmt: skip
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "settings.json").write_text(json.dumps(made_before))  # before --schedule existed
+    check_work(tmp_path / "old", SETTINGS)
+    with pytest.raises(Refused, match=r"other \['earlier'\]"):
+        check_work(tmp_path / "old", replace(SETTINGS, earlier=((768, 1),)))
     check_work(tmp_path, SETTINGS)
     check_work(tmp_path, replace(SETTINGS, seeds=(5,), speed_lengths=(1024,)))  # free to change between calls
     with pytest.raises(Refused, match=r"other \['lr'\]"):
