@@ -8,7 +8,7 @@ another, the GPUs side by side. Parts are balanced by their expected seconds: wh
 the seeds left over (3 seeds on 2 GPUs) are split by arm, each arm's training and reads on the least loaded GPU;
 then the base's read and the speed stage. The base check runs once, on GPU 0. The split is kept in
 ``<work>/parts.json`` from the first launch on, so a later call finds every training where an earlier one left it
-(a later call that changes --base-read, --speed or --base-check places only those stages anew).
+(a later call that changes --base-read, --speed or --base-check places only the stages newly asked for).
 The parts' result folders pool like any machines' (``--report-from <out>`` finds them).
 
 Each child runs with ``OMP_NUM_THREADS=1`` unless it is set (torchrun's default when a host runs several processes):
