@@ -177,8 +177,7 @@ def check_work(work: Path, settings: Settings) -> None:
         write_json(path, mine)
         return
     theirs = json.loads(path.read_text())
-    added = report.ADDED  # a folder made before a setting existed had its first value
-    differ = sorted(k for k in FIXED if theirs.get(k, added.get(k)) != mine.get(k, added.get(k)))
+    differ = sorted(k for k in FIXED if report.setting(theirs, k) != report.setting(mine, k))
     if differ:
         raise Refused(
             f"{work} was made with other {differ} ({', '.join(f'{k}={theirs.get(k)!r}' for k in differ)}): give "

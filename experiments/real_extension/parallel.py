@@ -243,24 +243,29 @@ def plan_parts(exp: Experiment, gpus: int) -> list[Part]:
     ``split`` of ``exp``'s seeds over ``gpus`` GPUs, balanced by the stages' expected seconds."""
     s = exp.s
     kept = exp.work / "parts.json"
-    arm_s = arm_seconds(exp)
-    base_read_s = exp.estimate.read(DENSE, s.lengths).seconds if exp.base_read else None
-    speed_s = sum(exp.estimate.speed(n).seconds for n in s.speed_lengths) if exp.speed_stage else None
-    speed_arms = tuple(a.name for a in s.sparse_arms)
-    base_check_s = exp.estimate.base(exp.native()).seconds if exp.base_check_stage else None
     mine = split_key(exp, gpus)
-    if kept.exists():
-        found = json.loads(kept.read_text())
-        if {k: found["key"].get(k) for k in mine} == mine:
-            parts = [Part(**p | {"seeds": tuple(p["seeds"]), "arms": p["arms"] and tuple(p["arms"])}) for p in found["parts"]]  # fmt: skip
-            if found["key"] == mine | stages_key(exp):
-                return parts
-            return replace_stages(parts, exp, arm_s, gpus, {"base_check": base_check_s, "base_read": base_read_s, "speed": speed_s})  # fmt: skip
-    return split(s.seeds, arm_s, gpus, base_check_s, base_read_s, speed_s, speed_arms)
+    found = json.loads(kept.read_text()) if kept.exists() else None
+    if found is not None and found["key"] == mine | stages_key(exp):
+        return kept_parts(found)
+    arm_s = arm_seconds(exp)
+    seconds = {
+        "base_check": exp.estimate.base(exp.native()).seconds if exp.base_check_stage else None,
+        "base_read": exp.estimate.read(DENSE, s.lengths).seconds if exp.base_read else None,
+        "speed": sum(exp.estimate.speed(n).seconds for n in s.speed_lengths) if exp.speed_stage else None,
+    }
+    speed_arms = tuple(a.name for a in s.sparse_arms)
+    if found is not None and {k: found["key"].get(k) for k in mine} == mine:
+        return replace_stages(kept_parts(found), arm_s, gpus, seconds, speed_arms)
+    return split(s.seeds, arm_s, gpus, seconds["base_check"], seconds["base_read"], seconds["speed"], speed_arms)
+
+
+def kept_parts(found: dict) -> list[Part]:
+    """The parts of a split read from ``parts.json``."""
+    return [Part(**p | {"seeds": tuple(p["seeds"]), "arms": p["arms"] and tuple(p["arms"])}) for p in found["parts"]]
 
 
 def replace_stages(
-    parts: list[Part], exp: Experiment, arm_s: dict[str, float], gpus: int, seconds: dict[str, float | None]
+    parts: list[Part], arm_s: dict[str, float], gpus: int, seconds: dict[str, float | None], speed_arms: tuple[str, ...]
 ) -> list[Part]:
     """A kept split for a call that asks for other stages than it was made with (``stages_key``): the trainings
     and every stage still asked for stay where they are (a stage placed elsewhere would run again there, and its
@@ -272,7 +277,6 @@ def replace_stages(
         load[p.gpu] += sum(arm_s[a] for a in (p.arms or arm_s)) * len(p.seeds)
         load[p.gpu] += sum(seconds[name] or 0.0 for name in seconds if getattr(p, name))
     new = {name: None if any(getattr(p, name) for p in parts) else found for name, found in seconds.items()}
-    speed_arms = tuple(a.name for a in exp.s.sparse_arms)
     return place(parts, load, new["base_check"], new["base_read"], new["speed"], speed_arms)
 
 
@@ -292,8 +296,8 @@ def split_key(exp: Experiment, gpus: int) -> dict:
 
 
 def stages_key(exp: Experiment) -> dict:
-    """The other stages a kept split placed: when these change, the trainings stay where they were and only these
-    stages are placed anew (a training moved to another part would train again there)."""
+    """The other stages a kept split placed: when these change, the trainings and the stages still asked for stay
+    where they were and only those newly asked for are placed (``replace_stages``)."""
     return {"base_read": exp.base_read, "speed": exp.speed_stage, "base_check": exp.base_check_stage}
 
 

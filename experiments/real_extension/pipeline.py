@@ -180,10 +180,10 @@ class Experiment:
         return self.estimate.base(self.native())
 
     # ------------------------------------------------------------------ paths
-    def run_dir(self, seed: int, a: Arm, phase: int | None = None) -> Path:
-        """A training's folder: the arm's model (the last phase, ``runs/seed<S>/<arm>``), or an earlier phase's
-        (``runs/seed<S>/<arm>_at_<length>``)."""
-        if phase is None or phase == len(self.s.earlier):
+    def run_dir(self, seed: int, a: Arm, phase: int) -> Path:
+        """A training phase's folder: the arm's model (the last phase, ``runs/seed<S>/<arm>``), or an earlier
+        phase's (``runs/seed<S>/<arm>_at_<length>``)."""
+        if phase == len(self.s.earlier):
             return self.work / "runs" / f"seed{seed}" / a.name
         return self.work / "runs" / f"seed{seed}" / f"{a.name}_at_{self.s.earlier[phase][0]}"
 
@@ -329,12 +329,11 @@ class Experiment:
                 "(--base-gate 0 extends it all the same)"
             )
 
-    def train_config(self, seed: int, a: Arm, phase: int | None = None) -> dict:
+    def train_config(self, seed: int, a: Arm, phase: int) -> dict:
         """The ``mtraining train`` config of arm ``a``, seed ``seed`` (its data order), phase ``phase`` of the
-        schedule (None: the last): every arm the same but for its attention; a phase after the first starts from
-        the one before's export, its RoPE scaled to its own length."""
+        schedule: every arm the same but for its attention; a phase after the first starts from the one before's
+        export, its RoPE scaled to its own length."""
         s = self.s
-        phase = len(s.earlier) if phase is None else phase
         run, (length, steps) = self.run_dir(seed, a, phase), s.schedule[phase]
         start = self.model_dir if phase == 0 else self.run_dir(seed, a, phase - 1) / "export"
         sources = [
@@ -365,10 +364,9 @@ class Experiment:
             log=dict(dir=str(run / "log"), every=5, tensorboard=False, progress=False),
         )
 
-    def train(self, seed: int, a: Arm, phase: int | None = None) -> None:
+    def train(self, seed: int, a: Arm, phase: int) -> None:
         """One phase of a training; its summary in ``--out``: ``train/seed<S>_<arm>.json`` for the arm's model,
         ``train/earlier/seed<S>_<arm>_at_<length>.json`` for an earlier phase."""
-        phase = len(self.s.earlier) if phase is None else phase
         length = self.s.schedule[phase][0]
         if length <= self.native():
             raise Refused(

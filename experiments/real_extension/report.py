@@ -40,6 +40,11 @@ SAME = (
 ADDED = {"earlier": []}  # settings added since the first runs, and the value those runs had
 
 
+def setting(settings: dict, key: str):
+    """One setting of a run's (or work folder's) recorded settings; the value a run made before it existed had."""
+    return settings.get(key, ADDED.get(key))
+
+
 def expand(folders: Sequence[Path]) -> list[Path]:
     """The result folders given: each folder, or its parts' result folders (``gpu<g>``, ``gpu<g>_<k>``) where it has
     any."""
@@ -99,7 +104,7 @@ def check_same(folders: Sequence[dict]) -> None:
     """Refuse folders whose models were trained or read otherwise (``SAME``): their figures do not compare."""
     first = folders[0]["run"]["settings"]
     for f in folders[1:]:
-        differ = [k for k in SAME if f["run"]["settings"].get(k, ADDED.get(k)) != first.get(k, ADDED.get(k))]
+        differ = [k for k in SAME if setting(f["run"]["settings"], k) != setting(first, k)]
         if differ:
             raise ValueError(
                 f"{f['folder']} and {folders[0]['folder']} differ in {differ}: their models or reads do not pair; "
@@ -335,7 +340,7 @@ def _change(summary: dict, digits: int = 2) -> str:
     return text
 
 
-def markdown(runs: Sequence[dict], found: list[dict], picture: str | None) -> str:
+def markdown(runs: Sequence[dict], found: list[dict], picture: str | None, timed: list[dict]) -> str:
     s = runs[0]["settings"]
     seeds = sorted({seed for run in runs for seed in run["seeds"]})
     arms = _arms(found)
@@ -403,7 +408,7 @@ def markdown(runs: Sequence[dict], found: list[dict], picture: str | None) -> st
                 )
             lines.append("")
     lines += _absolute(runs) + (_dense_across(runs) if len(runs) > 1 else [])
-    lines += _training_table(runs, found) + _speed_table(found, timed_only(runs, found)) + _base(runs)
+    lines += _training_table(runs, found) + _speed_table(found, timed) + _base(runs)
     if picture:
         lines += [f"![attention speedup against accuracy change]({picture})", ""]
     return "\n".join(lines)
@@ -648,7 +653,7 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     timed = timed_only(loaded, found)
     png = picture(found, default, out / f"{name}.png", timed) if _arms(found) else None
-    (out / f"{name}.md").write_text(markdown(loaded, found, png.name if png else None) + "\n")
+    (out / f"{name}.md").write_text(markdown(loaded, found, png.name if png else None, timed) + "\n")
     path = out / f"{name}.json"
     folders = [f for run in loaded for f in run["folders"]]
     result = {"name": name, "folders": folders, "default": default, "records": found, "missing": missing_of(loaded)}
