@@ -245,7 +245,7 @@ def ring_table(name: str = "ring_attention") -> str:
         torch_cp = {r["seq_len"]: r["fwd_bwd_ms"] for r in rows if r["method"] == "torch_cp"}
         lines = [f"{gpus} x {device}, commit {run_commit}:", "", _row(head), _row(["---"] * len(head))]
         for r in rows:
-            dense_ms = torch_cp.get(r["seq_len"], float("nan"))
+            dense_ms = torch_cp.get(r["seq_len"])  # None where the run did not time torch's ring
             imb = "" if r["imbalance_max_over_mean"] is None else f"{r['imbalance_max_over_mean']:.3f}"
             lines.append(
                 _row(
@@ -260,8 +260,8 @@ def ring_table(name: str = "ring_attention") -> str:
                         f"{r['bwd_ms']:.1f}",
                         f"{r['fwd_bwd_ms']:.1f}",
                         "" if r.get("predicted_ms") is None else f"{r['predicted_ms']:.1f}",
-                        f"{dense_ms / r['fwd_bwd_ms']:.2f}x",
-                        f"{r['fwd_bwd_ms'] / (r['density'] * dense_ms):.2f}" if r["density"] < 1 else "",
+                        "" if dense_ms is None else f"{dense_ms / r['fwd_bwd_ms']:.2f}x",
+                        f"{r['fwd_bwd_ms'] / (r['density'] * dense_ms):.2f}" if dense_ms and r["density"] < 1 else "",
                         imb,
                         "" if r.get("peak_mem_gb") is None else f"{r['peak_mem_gb']:.1f}",
                         r["note"],
