@@ -96,6 +96,12 @@ def parser() -> argparse.ArgumentParser:
         help="train in phases, each from the one before's model with the RoPE scaled to its length "
         "(e.g. 65536:30 131072:30); the last is --length and --steps",
     )
+    exp.add_argument(
+        "--rope-final",
+        action="store_true",
+        default=None,
+        help="with --schedule: scale every phase's RoPE for the last phase's length, not each phase's own",
+    )
     exp.add_argument("--lr", type=float)
     exp.add_argument("--warmup", type=int)
     exp.add_argument("--gpus", type=int, help="ranks of the striped ring each training runs on")
@@ -149,7 +155,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
     s = PRESETS[args.preset]
     fields = ("length", "steps", "lr", "warmup", "gpus", "niah_prompts", "ruler_samples", "ppl_windows", "base_prompts")
     fields += ("niah_forced_prompts", "base_gate", "heldout_fraction", "speed_repeats", "workers", "default_arm")
-    fields += ("sparse_reads",)
+    fields += ("sparse_reads", "rope_final")
     s = replace(s, **{f: getattr(args, f) for f in fields if getattr(args, f) is not None})
     for f in ("seeds", "ruler_tasks", "speed_lengths", "speed_layers"):
         if getattr(args, f) is not None:

@@ -6,8 +6,10 @@ Four sources, the first found wins (``Estimate.source``):
   training's seconds per step and its fixed cost, a read's seconds per generated NIAH prompt, NIAH prompt read
   teacher-forced alone (``niah_forced``), RULER-style prompt and perplexity window at each length (the per-task
   terms);
-- ``scaled``: a read's per-task term measured here at a shorter length, scaled by the model's FLOPs (a run's
-  longest length is read last, after its shorter ones were measured on the machine);
+- ``scaled``: a read's per-task term measured here at a shorter length, scaled by the model's FLOPs, or for a
+  sparse read by how the dense read grew between the two lengths where both were measured here (a run's longest
+  length is read last, after its shorter ones were measured on the machine; a model's dense read before its sparse
+  one);
 - ``calibrated``: the figures an earlier GPU run measured (``Settings.costs.calibration``: the run at this
   ``length`` where there is one, ``settings.calibration_for``; its source named there):
   a read's seconds per item at each length (the whole read's time over its items; a prompt read teacher-forced
@@ -213,17 +215,27 @@ class Estimator:
 
     def _scaled_item(self, kind: str, n: int, task: str) -> float | None:
         """Seconds per item of ``task`` in a ``kind`` read at ``n`` from the longest shorter length measured on this
-        machine, scaled by the FLOPs of a forward at ``n`` over one there (an upper bound: an item's fixed costs do
-        not grow); None if none was measured."""
-        measured = {}
+        machine, scaled by how the dense read grew from there to ``n`` where both were measured here (a sparse
+        read), else by the FLOPs of a forward at ``n`` over one there (an upper bound: an item's fixed costs do not
+        grow, and a sparse read's attention grows slower); None if none was measured."""
+        measured = self._measured_items(kind, task)
+        shorter = [m for m in measured if m < n]
+        if not shorter:
+            return None
+        m = max(shorter)
+        dense = self._measured_items("dense", task) if kind == "sparse" else {}
+        if m in dense and n in dense:
+            return measured[m] * dense[n] / dense[m]
+        return measured[m] * self.shape.forward_flops(n) / self.shape.forward_flops(m)
+
+    def _measured_items(self, kind: str, task: str) -> dict[int, float]:
+        """Seconds per item of ``task`` in ``kind`` reads measured on this machine, by length."""
+        found = {}
         for key, seconds in self.timings.found.items():
             stage, *rest = key.split(":")  # read:<kind>:<length>:<task>
-            if stage == "read" and rest[0] == kind and rest[2] == task and int(rest[1]) < n:
-                measured[int(rest[1])] = seconds
-        if not measured:
-            return None
-        m = max(measured)
-        return measured[m] * self.shape.forward_flops(n) / self.shape.forward_flops(m)
+            if stage == "read" and rest[0] == kind and rest[2] == task:
+                found[int(rest[1])] = seconds
+        return found
 
     def _calibrated_at(self, kind: str, n: int, task: str) -> bool:
         """Whether the calibration measured ``task`` in a ``kind`` read at ``n`` tokens itself."""

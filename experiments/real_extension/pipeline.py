@@ -332,8 +332,9 @@ class Experiment:
     def train_config(self, seed: int, a: Arm, phase: int) -> dict:
         """The ``mtraining train`` config of arm ``a``, seed ``seed`` (its data order), phase ``phase`` of the
         schedule: every arm the same but for its attention; a phase after the first starts from the one before's
-        export, its RoPE scaled to its own length."""
+        export, its RoPE scaled to its own length (with ``rope_final``, to the last phase's)."""
         s = self.s
+        rope = rope_scaling(s.rope_length(s.schedule[phase][0]), self.native())
         run, (length, steps) = self.run_dir(seed, a, phase), s.schedule[phase]
         start = self.model_dir if phase == 0 else self.run_dir(seed, a, phase - 1) / "export"
         sources = [
@@ -345,7 +346,7 @@ class Experiment:
             sparse=a.sparse, layout="striped", block_size=s.block_size, backend=s.backend, max_density=None
         )
         return dict(
-            model=dict(path=str(start), dtype=s.dtype, rope_parameters=rope_scaling(length, self.native())),
+            model=dict(path=str(start), dtype=s.dtype, rope_parameters=rope),
             attention=attention | a.pattern(length, s),
             parallel=dict(data=1, context=s.gpus),
             data=dict(sources=sources, seq_len=length, batch_size=1, shuffle=True, document_masking=True),

@@ -35,9 +35,9 @@ METRICS = ("ppl", "niah", "niah_forced", "ruler")
 SAME = (
     "length", "steps", "lr", "warmup", "code_weight", "gpus", "dtype", "block_size", "last_q", "local_window",
     "sink_tokens", "eval_seed", "niah_prompts", "niah_forced_prompts", "depths", "ruler_samples", "ruler_tasks",
-    "ppl_windows", "first_bucket", "heldout_fraction", "earlier",
+    "ppl_windows", "first_bucket", "heldout_fraction", "earlier", "rope_final",
 )  # fmt: skip
-ADDED = {"earlier": []}  # settings added since the first runs, and the value those runs had
+ADDED = {"earlier": [], "rope_final": False}  # settings added since the first runs, and the value those runs had
 
 
 def setting(settings: dict, key: str):
@@ -433,7 +433,8 @@ def schedule(settings: dict) -> str:
         return f"{settings['steps']} steps"
     (n, k), *rest = [*earlier, (settings["length"], settings["steps"])]
     later = ", then ".join(f"{k} at {n}" for n, k in rest)
-    return f"{k} steps at {n}, then {later} tokens (each phase from the one before's model)"
+    rope = f", the RoPE scaled for {settings['length']} in every phase" if setting(settings, "rope_final") else ""
+    return f"{k} steps at {n}, then {later} tokens (each phase from the one before's model{rope})"
 
 
 def timed_only(runs: Sequence[dict], found: list[dict]) -> list[dict]:

@@ -94,7 +94,8 @@ class Settings:
 
     Training: ``steps`` at ``length`` tokens per step (batch 1 per rank group), after the ``earlier`` phases
     ((length, steps) each, shorter first, every phase from the one before's model with the RoPE scaled to its
-    length: a staged extension as ProLong's), ``lr`` after ``warmup`` steps
+    length: a staged extension as ProLong's; with ``rope_final`` every phase's RoPE is scaled for ``length``, so
+    the last phase trains on the rotations the earlier ones adapted to), ``lr`` after ``warmup`` steps
     (constant then, as the paper's), AdamW betas (0.9, 0.95) without weight decay, ``code_weight`` of the samples
     from code and the rest from prose, document masking, a checkpoint every ``checkpoint_every`` steps, ``gpus``
     ranks of one striped ring. Evaluation at ``length`` / 8, / 4, / 2 and ``length``: ``niah_prompts`` per length
@@ -113,6 +114,7 @@ class Settings:
     default_arm: str = "adaptive"
     steps: int = 30
     earlier: tuple[tuple[int, int], ...] = ()
+    rope_final: bool = False
     lr: float = 1e-4
     warmup: int = 3
     code_weight: float = 0.7
@@ -148,6 +150,11 @@ class Settings:
     def lengths(self) -> tuple[int, ...]:
         """The evaluation's lengths: L/8, L/4, L/2, L (the toy: L/2, L)."""
         return tuple(self.length // d for d in self.eval_fractions)
+
+    def rope_length(self, phase_length: int) -> int:
+        """The length the RoPE is scaled for in a phase at ``phase_length`` tokens: its own, or with ``rope_final``
+        the last phase's."""
+        return self.length if self.rope_final else phase_length
 
     @property
     def schedule(self) -> tuple[tuple[int, int], ...]:
@@ -274,10 +281,11 @@ H200_95b3127 = Calibration(
 # and the speed stage at 512K are 95b3127's.
 H200_4aa96df = replace(
     H200_95b3127,
-    source="bench/results/real_extension_runs/h200x2_4aa96df (H200, 4aa96df); base check and 512K speed: h200x2_95b3127",
+    source="bench/results/real_extension_runs/h200x2_4aa96df (H200, 4aa96df); base check and 512K speed: h200x2_95b3127; "
+    "v1024s2048's step: h200x4_daeba4b",
     length=131072,
     read_s={"dense": {16384: 37.3, 32768: 35.1, 65536: 44.1, 131072: 63.5}},
-    train_step_s={"dense": 5.59, "v1024s6144": 3.40},
+    train_step_s={"dense": 5.59, "v1024s6144": 3.40, "v1024s2048": 2.43},
     train_fixed_s=42.9,
     convert_s=34.2,
     prefill_s={"dense": {16384: 0.158, 32768: 0.235, 65536: 0.513, 131072: 1.565}},

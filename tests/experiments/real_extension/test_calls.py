@@ -96,6 +96,26 @@ def test_a_longer_read_is_expected_from_a_shorter_one_measured_here(tmp_path):
     assert Estimate(1.0, "scaled").margin > Estimate(1.0, "here").margin
 
 
+def test_a_longer_sparse_read_grows_as_the_dense_read_measured_here(tmp_path):
+    """A sparse read scaled from a shorter one grows as the dense reads measured here grew between the two lengths,
+    not by FLOPs (which priced the v1024s2048 run's 128K sparse reads at up to 147 s; they took 62-69 s), and never
+    below the dense read at its length."""
+    timings = Timings(tmp_path / "timings.json")
+    for n, dense_s in ((32768, 1.0), (65536, 1.5), (131072, 3.0)):
+        timings.record(f"read:dense:{n}:niah", dense_s)
+    timings.record("read:sparse:65536:niah", 2.0)
+    est = Estimator(replace(GPU, costs=Costs(calibration=H200_4aa96df)), Shape(), timings)
+    assert est.per_item(ADAPTIVE, 131072, "niah") == Estimate(pytest.approx(2.0 * 3.0 / 1.5), "scaled")
+    cheap = Timings(tmp_path / "cheap.json")
+    for key, seconds in (("dense:65536", 1.5), ("dense:131072", 3.0), ("sparse:65536", 0.5)):
+        cheap.record(f"read:{key}:niah", seconds)
+    floor = Estimator(est.s, Shape(), cheap).per_item(ADAPTIVE, 131072, "niah")
+    assert floor == Estimate(3.0, "scaled")  # 0.5 x 2 = 1.0 grown, but the dense read there took 3.0
+    timings.record("read:sparse:65536:ppl", 1.0)  # no dense ppl read measured here: by FLOPs
+    flops = Shape().forward_flops(131072) / Shape().forward_flops(65536)
+    assert est.per_item(ADAPTIVE, 131072, "ppl") == Estimate(pytest.approx(flops), "scaled")
+
+
 def test_a_run_at_128k_is_priced_from_the_128k_run(tmp_path):
     """--length 131072 takes the calibration measured at 128K; its sparse reads, never measured, at least its dense."""
     run = ["--niah-prompts", "10", "--ruler-samples", "1", "--ppl-windows", "4"]  # that run's reads

@@ -246,6 +246,22 @@ def test_the_schedule_option_sets_every_phase_and_refuses_a_conflict():
         parse("--schedule", "65536-30")
 
 
+def test_rope_final_scales_every_phase_for_the_last_length(tmp_path):
+    parse = lambda *a: settings_of(cli.parser().parse_args(list(a)))  # noqa: E731
+    for extra, factors in (((), [8.0, 16.0]), (("--rope-final",), [16.0, 16.0])):
+        s = parse("--schedule", "65536:30", "131072:30", *extra)
+        exp = Experiment(s, Sources(None), tmp_path / "w", tmp_path / "o")  # no model yet: native 8192
+        rope = [exp.train_config(0, arm("dense"), phase)["model"]["rope_parameters"] for phase in (0, 1)]
+        assert [r["factor"] for r in rope] == factors
+        assert {r["original_max_position_embeddings"] for r in rope} == {8192}
+    staged = {"earlier": [[65536, 30]], "length": 131072, "steps": 30}
+    assert "(each phase from the one before's model)" in report.schedule(staged)  # runs made before the option
+    assert "the RoPE scaled for 131072 in every phase" in report.schedule(staged | {"rope_final": True})
+    check_work(tmp_path / "k", SETTINGS)
+    with pytest.raises(Refused, match=r"other \['rope_final'\]"):  # a work folder keeps its RoPE
+        check_work(tmp_path / "k", replace(SETTINGS, rope_final=True))
+
+
 def test_a_phase_not_longer_than_the_base_is_refused_before_it_trains(tmp_path):
     staged = replace(SETTINGS, earlier=((768, 1),))  # the base's native length is 8192 until it is converted
     exp = Experiment(staged, Sources(None), tmp_path / "w", tmp_path / "o")
