@@ -30,7 +30,7 @@ from pathlib import Path
 from mtraining.eval.seeds import MIN_SEEDS, ppl_change_pct, seed_interval
 
 GOAL = {"speedup": 3.0, "speedup_length": 131072, "ppl_change_hi": 1.0, "niah_change_lo": -3.0, "ruler_change_lo": -3.0}
-METRICS = ("ppl", "niah", "niah_forced", "ruler")
+METRICS = ("ppl", "niah", "niah_forced", "niah_nll", "ruler")
 # Settings that must agree for folders to pool: what the models were trained and read with.
 SAME = (
     "length", "steps", "lr", "warmup", "code_weight", "gpus", "dtype", "block_size", "last_q", "local_window",
@@ -157,12 +157,15 @@ def _seeds_of(folder: dict) -> list[int]:
 
 
 def cell_metrics(cell: dict) -> dict:
-    """A read's figures at one length: last-bucket perplexity, NIAH (generated and teacher-forced) and the RULER-style
-    average, in percent."""
+    """A read's figures at one length: last-bucket perplexity, NIAH (generated and teacher-forced, percent), the
+    teacher-forced NIAH answers' mean loss per token (nats: a continuous measure of retrieval, which a prompt that
+    neither model or both models answer still moves; None in reads made before it was kept) and the RULER-style
+    average (percent)."""
     return {
         "ppl": cell["ppl"]["buckets"][-1]["ppl"],
         "niah": cell["niah"]["score"],
         "niah_forced": cell["niah"]["forced"],
+        "niah_nll": cell["niah"].get("forced_nll"),
         "ruler": cell["ruler"]["average"],
     }
 
@@ -173,7 +176,8 @@ def read_metrics(read: dict) -> dict[int, dict]:
 
 def differences(pooled: dict, arm: str, read: str) -> dict[int, dict[str, dict[int, float]]]:
     """Per length, metric and seed: ``arm``'s model read ``read`` (dense / sparse) minus the dense model read dense
-    (perplexity in percent, the others in points); seeds lacking either read are left out."""
+    (perplexity in percent, the NIAH answers' loss in nats per token, the others in points); seeds lacking either
+    read are left out."""
     out: dict[int, dict[str, dict[int, float]]] = {}
     for seed in pooled["seeds"]:
         ours, theirs = pooled["eval"].get(f"seed{seed}_{arm}__{read}"), pooled["eval"].get(f"seed{seed}_dense__dense")
@@ -212,6 +216,8 @@ def bounds(per_metric: dict[str, dict[int, float]]) -> dict:
         "niah_change": found["niah"]["mean"],
         "niah_change_lo": found["niah"]["lower_bound"],
         "niah_forced_change_lo": found["niah_forced"]["lower_bound"],
+        "niah_nll_change": found["niah_nll"]["mean"],
+        "niah_nll_change_hi": found["niah_nll"]["upper_bound"],
         "ruler_change": found["ruler"]["mean"],
         "ruler_change_lo": found["ruler"]["lower_bound"],
         "metrics": found,
@@ -230,6 +236,7 @@ def worst(by_length: dict[int, dict]) -> dict:
         "ppl_change_hi": pick("ppl_change_hi", max),
         "niah_change_lo": pick("niah_change_lo", min),
         "niah_forced_change_lo": pick("niah_forced_change_lo", min),
+        "niah_nll_change_hi": pick("niah_nll_change_hi", max),
         "ruler_change_lo": pick("ruler_change_lo", min),
     }
 
@@ -367,22 +374,24 @@ def markdown(runs: Sequence[dict], found: list[dict], picture: str | None, timed
     lines += [
         "## Goal (issue 31)",
         "",
-        "| config | seeds | speedup at 128K | ppl bound | NIAH bound | NIAH forced bound | RULER bound | met |",
+        "| config | seeds | speedup at 128K | ppl bound | NIAH bound | NIAH forced bound | NIAH answer loss bound | RULER bound | met |",
     ]
-    lines += ["|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines += ["|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in arms:
         w, g = r["reads"]["dense"]["worst"], r["goal"]
         speed = r["attention_speedup"].get(GOAL["speedup_length"])
         lines.append(
             f"| {r['config']} | {len(r['seeds'])} | {_num(speed)} | {_num(w['ppl_change_hi'], sign=True)} | "
             f"{_num(w['niah_change_lo'], 1, True)} | {_num(w['niah_forced_change_lo'], 1, True)} | "
-            f"{_num(w['ruler_change_lo'], 1, True)} | {'yes' if g['met'] else 'no'} |"
+            f"{_num(w.get('niah_nll_change_hi'), 3, True)} | {_num(w['ruler_change_lo'], 1, True)} | "
+            f"{'yes' if g['met'] else 'no'} |"
         )
     lines += [
         "",
         "Bounds: one-sided 95% over seeds, worst over the lengths read (perplexity upper, NIAH and RULER-style lower; "
         "read dense). The goal reads the generated NIAH answers; the teacher-forced ones (often more prompts per cell) "
-        "are shown beside them.",
+        "are shown beside them, with the upper bound of the change in their answers' mean loss (nats per token; "
+        "not part of the goal).",
         "",
     ]
     for read in ("dense", "sparse"):
@@ -394,9 +403,9 @@ def markdown(runs: Sequence[dict], found: list[dict], picture: str | None, timed
             lines += [
                 f"### {n} tokens",
                 "",
-                "| config | density | ppl change % | NIAH pts | NIAH forced pts | RULER pts |",
+                "| config | density | ppl change % | NIAH pts | NIAH forced pts | NIAH answer loss, nats | RULER pts |",
             ]
-            lines += ["|---|---:|---:|---:|---:|---:|"]
+            lines += ["|---|---:|---:|---:|---:|---:|---:|"]
             for r in arms:
                 row = r["reads"][read]["by_length"].get(n)
                 if row is None:
@@ -404,7 +413,7 @@ def markdown(runs: Sequence[dict], found: list[dict], picture: str | None, timed
                 m = row["metrics"]
                 lines.append(
                     f"| {r['config']} | {_num(r['density'], 3)} | {_change(m['ppl'])} | {_change(m['niah'], 1)} | "
-                    f"{_change(m['niah_forced'], 1)} | {_change(m['ruler'], 1)} |"
+                    f"{_change(m['niah_forced'], 1)} | {_change(m['niah_nll'], 3)} | {_change(m['ruler'], 1)} |"
                 )
             lines.append("")
     lines += _absolute(runs) + (_dense_across(runs) if len(runs) > 1 else [])
@@ -478,8 +487,8 @@ def _runs_table(runs: Sequence[dict], found: list[dict]) -> list[str]:
 
 def _absolute(runs: Sequence[dict]) -> list[str]:
     """Each read's figures, means over seeds, per length; a model read in several runs is named by its run."""
-    lines = ["## Figures read (means over seeds)", "", "| model | read | length | ppl (last bucket) | NIAH % | NIAH forced % | RULER % |"]  # fmt: skip
-    lines += ["|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["## Figures read (means over seeds)", "", "| model | read | length | ppl (last bucket) | NIAH % | NIAH forced % | NIAH answer loss | RULER % |"]  # fmt: skip
+    lines += ["|---|---|---:|---:|---:|---:|---:|---:|"]
     reads = [(run, read["model"].split("/", 1)[-1], read) for run in runs for read in run["eval"].values()]
     owners: dict[str, set[str]] = {}
     for run, model, _ in reads:
@@ -493,7 +502,7 @@ def _absolute(runs: Sequence[dict]) -> list[str]:
             mean = {m: _mean([f[n][m] for f in found if n in f]) for m in METRICS}
             lines.append(
                 f"| {model} | {attention} | {n} | {_num(mean['ppl'], 3)} | {_num(mean['niah'], 1)} | "
-                f"{_num(mean['niah_forced'], 1)} | {_num(mean['ruler'], 1)} |"
+                f"{_num(mean['niah_forced'], 1)} | {_num(mean['niah_nll'], 3)} | {_num(mean['ruler'], 1)} |"
             )
     return lines + [""]
 

@@ -42,7 +42,7 @@ def cell(length: int, ppl: float, niah: float, forced: float, ruler: float) -> d
     return {
         "length": length,
         "ppl": {"buckets": [{"ppl": 2 * ppl}, {"ppl": ppl}]},
-        "niah": {"score": niah, "forced": forced, "generated": 10, "prompts": 50},
+        "niah": {"score": niah, "forced": forced, "forced_nll": (100 - forced) / 50, "generated": 10, "prompts": 50},
         "ruler": {"average": ruler},
         "density": None,
     }
@@ -92,6 +92,12 @@ def test_changes_are_paired_by_seed_with_t_bounds_over_three_seeds(tmp_path):
     assert adaptive["ppl_change_hi"] == pytest.approx(one_sided(ppl, +1))
     assert adaptive["niah_change_lo"] == pytest.approx(one_sided(niah, -1))
     assert adaptive["sparse_read"]["ruler_change_lo"] == pytest.approx(one_sided(ruler_sparse, -1))
+    nll = [(FIGURES[s][0][2] - FIGURES[s][1][2]) / 50 for s in (0, 1, 2)]  # the answers' loss: nats, not points
+    at_4096 = adaptive["reads"]["dense"]["by_length"]["4096"]
+    assert at_4096["niah_nll_change_hi"] == pytest.approx(one_sided(nll, +1))
+    assert adaptive["reads"]["dense"]["worst"]["niah_nll_change_hi"] == pytest.approx(max(0.0, one_sided(nll, +1)))
+    older = report.cell_metrics(cell(4096, *FIGURES[0][0]) | {"niah": {"score": 80.0, "forced": 70.0}})
+    assert older["niah_nll"] is None and report.summarise({})["mean"] is None  # reads made before it was kept
     low, high = adaptive["reads"]["dense"]["by_length"]["4096"]["metrics"]["ppl"]["interval"]
     half = stats.t.ppf(0.975, 2) * stats.tstd(ppl) / math.sqrt(3)
     assert (low, high) == pytest.approx((sum(ppl) / 3 - half, sum(ppl) / 3 + half))
