@@ -334,8 +334,8 @@ class Experiment:
         schedule: every arm the same but for its attention; a phase after the first starts from the one before's
         export, its RoPE scaled to its own length (with ``rope_final``, to the last phase's)."""
         s = self.s
-        rope = rope_scaling(s.rope_length(s.schedule[phase][0]), self.native())
         run, (length, steps) = self.run_dir(seed, a, phase), s.schedule[phase]
+        rope = rope_scaling(s.rope_length(length), self.native())
         start = self.model_dir if phase == 0 else self.run_dir(seed, a, phase - 1) / "export"
         sources = [
             {"path": str(self.corpus_dir / "train" / f"{kind}.npy"), "weight": weight}

@@ -383,7 +383,7 @@ def markdown(runs: Sequence[dict], found: list[dict], picture: str | None, timed
         lines.append(
             f"| {r['config']} | {len(r['seeds'])} | {_num(speed)} | {_num(w['ppl_change_hi'], sign=True)} | "
             f"{_num(w['niah_change_lo'], 1, True)} | {_num(w['niah_forced_change_lo'], 1, True)} | "
-            f"{_num(w.get('niah_nll_change_hi'), 3, True)} | {_num(w['ruler_change_lo'], 1, True)} | "
+            f"{_num(w['niah_nll_change_hi'], 3, True)} | {_num(w['ruler_change_lo'], 1, True)} | "
             f"{'yes' if g['met'] else 'no'} |"
         )
     lines += [
