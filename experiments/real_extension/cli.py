@@ -247,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     resolved = lambda paths: tuple(p.resolve() for p in paths)  # noqa: E731 - the corpus runs from the repository
     gguf = args.gguf.resolve() if args.gguf else None
     tokenizer = args.tokenizer.resolve() if args.tokenizer else None
+    if args.plan and tokenizer is None:
+        tokenizer = ROOT / ".gguf" / "tok"  # the plan is of gpu_call.sh's calls, which pass it: the corpus comes first
     sources = Sources(gguf, tuple(args.code_python), resolved(args.code), resolved(args.prose), tuple(heldout), tokenizer)  # fmt: skip
     work = (args.work or ROOT / "runs" / "real_extension").resolve()  # training configs name absolute paths
     out = (args.out or work / "out").resolve()

@@ -3,8 +3,9 @@
 Each call runs the shared stages (the corpus, then the conversion once the GGUF is joined), then every GPU's
 part from where the last call stopped, under the same rule as the driver: a stage starts only if its budget
 (margin x estimate + slack) fits in the call's --max-minutes; a training starts if its first checkpoint fits and
-is stopped at the deadline (resuming costs its fixed time again). With ``--tokenizer`` the GGUF travels in
-``GGUF_PARTS`` parts, one per call, the first call building the corpus; the conversion waits for the last part.
+is stopped at the deadline (resuming costs its fixed time again). The GGUF travels in ``GGUF_PARTS`` parts, one
+per call, the first call building the corpus (gpu_call.sh passes ``--tokenizer``); the conversion waits for the last
+part.
 """
 
 from __future__ import annotations

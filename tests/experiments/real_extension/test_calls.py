@@ -356,8 +356,8 @@ def test_the_session_plan_keeps_every_call_under_its_limit():
 
 
 def test_plan_prints_the_next_session(capsys, tmp_path):
-    cli.main(["--plan", "--parallel-gpus", "2", "--max-minutes", "9", "--tokenizer", str(tmp_path), "--work", str(tmp_path / "w"), "--niah-prompts", "10"])  # fmt: skip
-    printed = capsys.readouterr().out
+    cli.main(["--plan", "--parallel-gpus", "2", "--max-minutes", "9", "--work", str(tmp_path / "w"), "--niah-prompts", "10"])  # fmt: skip
+    printed = capsys.readouterr().out  # planned as gpu_call.sh runs it (GGUF in parts), --tokenizer given or not
     assert (
         "GPU 0: seeds [0] + base check\nGPU 0, then: seeds [2] (adaptive)\n" in printed and "nvidia-h200-x2" in printed
     )
@@ -366,6 +366,8 @@ def test_plan_prints_the_next_session(capsys, tmp_path):
     assert all(f".gguf/smollm2.gguf.part0{i}" in line for i, line in enumerate(calls[: session.GGUF_PARTS]))
     assert not any(".gguf/smollm2.gguf.part" in line for line in calls[session.GGUF_PARTS :])
     assert [".whl" in line for line in calls] == [True] + [False] * (len(calls) - 1)  # installed once a machine
+    converted_in = printed.split("  shared: 1 stage(s): convert")[0].count("\ncall ")
+    assert converted_in == session.GGUF_PARTS  # the call that brings the last part
     assert "gpu_call.sh --parallel-gpus 2 --max-minutes 9 --niah-prompts 10" in printed
     seconds = [int(line.split("~")[1].split("s")[0]) for line in printed.splitlines() if line.startswith("call ")]
     assert seconds and max(seconds) <= 600 - 30
