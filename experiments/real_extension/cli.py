@@ -102,6 +102,12 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="with --schedule: scale every phase's RoPE for the last phase's length, not each phase's own",
     )
+    exp.add_argument(
+        "--read-earlier",
+        action="store_true",
+        default=None,
+        help="with --schedule: also read every earlier phase's model dense, up to its phase's length",
+    )
     exp.add_argument("--lr", type=float)
     exp.add_argument("--warmup", type=int)
     exp.add_argument("--gpus", type=int, help="ranks of the striped ring each training runs on")
@@ -155,7 +161,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
     s = PRESETS[args.preset]
     fields = ("length", "steps", "lr", "warmup", "gpus", "niah_prompts", "ruler_samples", "ppl_windows", "base_prompts")
     fields += ("niah_forced_prompts", "base_gate", "heldout_fraction", "speed_repeats", "workers", "default_arm")
-    fields += ("sparse_reads", "rope_final")
+    fields += ("sparse_reads", "rope_final", "read_earlier")
     s = replace(s, **{f: getattr(args, f) for f in fields if getattr(args, f) is not None})
     for f in ("seeds", "ruler_tasks", "speed_lengths", "speed_layers"):
         if getattr(args, f) is not None:

@@ -36,10 +36,16 @@ PPL_CHARS_PER_TOKEN = 8  # a held-out document's first length x this many charac
 
 @dataclass(frozen=True)
 class Read:
-    """Model ``model`` (``base`` or ``seed<S>/<arm>``) read with ``arm``'s attention."""
+    """Model ``model`` (``base``, ``seed<S>/<arm>``, or an earlier phase's ``seed<S>/<arm>_at_<length>``) read with
+    ``arm``'s attention at the evaluation's lengths, up to ``upto`` tokens where given (an earlier phase's model is
+    read only up to the length it was trained at)."""
 
     model: str
     arm: Arm
+    upto: int | None = None
+
+    def lengths(self, settings: Settings) -> tuple[int, ...]:
+        return tuple(n for n in settings.lengths if self.upto is None or n <= self.upto)
 
     @property
     def attention(self) -> str:

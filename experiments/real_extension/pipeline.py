@@ -123,6 +123,8 @@ class Experiment:
                 stages += self._read_cells(read)
             if i == 0 and self.speed_stage:
                 stages += [self._speed(n) for n in s.speed_lengths]
+            for read in self.earlier_reads(seed):
+                stages += self._read_cells(read)
         if self.base_read:
             stages += self._read_cells(evaluation.Read("base", DENSE))
         return stages
@@ -147,6 +149,17 @@ class Experiment:
                 found.append(evaluation.Read(f"seed{seed}/{a.name}", a))
         return found
 
+    def earlier_reads(self, seed: int) -> list[evaluation.Read]:
+        """With ``read_earlier``: every earlier phase's model of the seed read dense up to its phase's length (what
+        the later phases change in it); else none."""
+        if not self.s.read_earlier:
+            return []
+        return [
+            evaluation.Read(f"seed{seed}/{a.name}_at_{n}", DENSE, upto=n)
+            for a in self.s.arms
+            for n, _ in self.s.earlier
+        ]
+
     def _training(self, seed: int, a: Arm, phase: int) -> Stage:
         """One phase of a training (``Settings.schedule``): the last one's run is the arm's model."""
         run, (n, steps) = self.run_dir(seed, a, phase), self.s.schedule[phase]
@@ -167,7 +180,7 @@ class Experiment:
                 lambda n=n: self.estimate.cell(read.arm, n),
                 lambda n=n: self.read_cell(read, n),
             )
-            for n in self.s.lengths
+            for n in read.lengths(self.s)
         ]
 
     def _speed(self, n: int) -> Stage:
@@ -188,7 +201,7 @@ class Experiment:
         return self.work / "runs" / f"seed{seed}" / f"{a.name}_at_{self.s.earlier[phase][0]}"
 
     def export(self, model: str) -> Path:
-        """A model's folder: the converted base, or a training's export (``seed<S>/<arm>``)."""
+        """A model's folder: the converted base, or a training's export (``seed<S>/<arm>``, ``seed<S>/<arm>_at_<n>``)."""
         return self.model_dir if model == "base" else self.work / "runs" / model / "export"
 
     def read_path(self, read: evaluation.Read) -> Path:
@@ -398,7 +411,10 @@ class Experiment:
                 self.timings.record(f"read:{kind}:{n}:{task}", found["s"] / found["items"])
         cells = self.cells(read) | {n: cell}
         record = {"model": read.model, "attention": read.attention, "arm": asdict(read.arm)}
-        record |= {"cells": [cells[m] for m in sorted(cells)], "missing": [m for m in self.s.lengths if m not in cells]}
+        record |= {
+            "cells": [cells[m] for m in sorted(cells)],
+            "missing": [m for m in read.lengths(self.s) if m not in cells],
+        }
         write_json(self.read_path(read), record)
         ruler = cell["ruler"]["average"]
         say(
