@@ -131,7 +131,7 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--base-gate", type=float, help="percent the base check must be able to reach (0: none)")
     exp.add_argument("--heldout-fraction", type=float)
     exp.add_argument("--speed-lengths", type=int, nargs="+")
-    exp.add_argument("--speed-layers", type=int, nargs="+")
+    exp.add_argument("--speed-layers", type=int, nargs="+", help="layers the speed stage times (default: every third)")
     exp.add_argument("--speed-repeats", type=int)
     exp.add_argument("--speed-arms", nargs="+", help="sparse arms the speed stage times on the same Q/K, not trained")
     exp.add_argument("--workers", type=int, help="corpus and prompt-building processes (default: the spare cores)")

@@ -292,13 +292,14 @@ class Estimator:
             return 1 + SPARSE_SHARE * 2 * arms
 
         arms = len(s.timed_arms)
+        layers = s.timed_layers(shape.layers)
         cal = self.calibration
-        if cal is not None and n in cal.speed_s:  # measured with one sparse arm
-            return Estimate(cal.speed_s[n] * steps(arms) / steps(1), "calibrated")
-        dump = self._flops_s(shape.forward_flops(n) * (max(s.speed_layers) + 1) / shape.layers)
+        if cal is not None and n in cal.speed_s:  # measured with one sparse arm over cal.speed_layers layers
+            return Estimate(cal.speed_s[n] * steps(arms) / steps(1) * len(layers) / cal.speed_layers, "calibrated")
+        dump = self._flops_s(shape.forward_flops(n) * (max(layers) + 1) / shape.layers)
         attention = 2.0 * n * n * shape.head_dim * shape.heads  # one layer's forward
         per_call = 3.5 * attention * steps(arms)  # forward + backward
-        calls = len(s.speed_layers) * (1 + s.speed_repeats) * self._flops_s(per_call)
+        calls = len(layers) * (1 + s.speed_repeats) * self._flops_s(per_call)
         return Estimate(dump + calls + s.costs.startup_s / len(s.speed_lengths), "flops")
 
     def _measured(self, kind: str) -> Estimate | None:

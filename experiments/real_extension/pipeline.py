@@ -435,7 +435,7 @@ class Experiment:
         model = self.model(model_name)
         inputs = self.inputs()
         ids = speed.text_ids(inputs.tokenizer, inputs.ppl_docs, n)
-        qkv = speed.dump_qkv(model, ids, self.s.speed_layers)
+        qkv = speed.dump_qkv(model, ids, self.s.timed_layers(model.config.num_hidden_layers))
         result = speed.time_arms(qkv, self.s.timed_arms, self.s, n) | {
             "model": model_name,
             **provenance(self.s.device == "cuda"),

@@ -52,11 +52,15 @@ def test_read_estimates_start_from_what_the_first_runs_measured(tmp_path):
 
 
 def test_the_speed_stage_starts_from_its_measured_time_scaled_by_the_arms(tmp_path):
-    cal = replace(FIRST_RUNS, speed_s={131072: 4.8, 524288: 93.6})  # measured with one sparse arm
-    one = Estimator(replace(GPU, costs=Costs(calibration=cal)), Shape(), Timings(tmp_path / "timings.json"))
+    cal = replace(FIRST_RUNS, speed_s={131072: 4.8, 524288: 93.6})  # measured with one sparse arm on 3 layers
+    three = replace(GPU, costs=Costs(calibration=cal), speed_layers=(3, 15, 27))
+    one = Estimator(three, Shape(), Timings(tmp_path / "timings.json"))
     assert one.speed(524288).source == "calibrated" and one.speed(524288).seconds == pytest.approx(93.6)
     two = Estimator(replace(one.s, arms=(*one.s.arms, Arm("v1024s2048", True, v_size=1024, s_size=2048))), Shape(), one.timings)  # fmt: skip
     assert two.speed(524288).seconds == pytest.approx(93.6 * 2.0 / 1.5)  # dense + two arms at a quarter each
+    every_third = Estimator(replace(three, speed_layers=None), Shape(), one.timings)  # layers 0, 3, ..., 27 of 30
+    assert every_third.s.timed_layers(30) == tuple(range(0, 30, 3))
+    assert every_third.speed(524288).seconds == pytest.approx(93.6 * 10 / 3)
     assert one.speed(65536).source == "flops"  # a length the calibration lacks
     one.timings.record("speed:524288", 60.0)
     assert one.speed(524288) == Estimate(60.0, "here")
