@@ -350,7 +350,6 @@ PRESETS: dict[str, Settings] = {
         base_gate=0.0,
         heldout_fraction=0.5,
         speed_lengths=(1024,),
-        speed_layers=(0, 1),
         speed_repeats=2,
         workers=2,
         costs=Costs(flops_per_s=2e9, startup_s=15.0, token_s=0.01, prompt_s=0.05),

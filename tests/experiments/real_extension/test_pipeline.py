@@ -81,7 +81,7 @@ def test_the_pipeline_at_toy_size_over_two_folders(tmp_path):
     }  # fmt: skip
     (speed,) = json.loads((out / "speed.json").read_text())
     assert speed["length"] == 1024 and speed["arms"][ARM]["attention_speedup"] > 0
-    assert set(speed["layers"]) == {"0", "1"}
+    assert set(speed["layers"]) == {"0"}  # every third layer of the toy's two: the first
     with tarfile.open(tmp_path / "a.tgz") as tar:
         assert "a/speed.json" in tar.getnames() and "a/run.json" in tar.getnames()
 
