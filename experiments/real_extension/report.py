@@ -291,6 +291,7 @@ def records(pooled: dict) -> list[dict]:
         "device": sorted({c.get("device") for c in calls}) if calls else None,
         "commit": sorted({c.get("commit") for c in calls}) if calls else None,
         "command": sorted({c.get("command") for c in calls}) if calls else None,
+        "timed_layers": timed_layers_of(pooled),
     }
     out = []
     for name, arm in pooled["arms"].items():
@@ -298,7 +299,6 @@ def records(pooled: dict) -> list[dict]:
         speedup, density = speed_of(pooled, name)
         record = {"config": name, "arm": arm, **common, "seeds": train["seeds"], "density": train["density"]}
         record |= {"attention_speedup": speedup, "attention_density": density, "training": train}
-        record["timed_layers"] = timed_layers_of(pooled)
         if not arm["sparse"]:
             zero = {"ppl_change_pct": 0.0, "ppl_change_hi": 0.0, "niah_change_lo": 0.0, "ruler_change_lo": 0.0}
             measured = sorted({found["length"] for found in pooled["speed"]})
@@ -582,7 +582,9 @@ def _speed_table(found: list[dict], timed: list[dict]) -> list[str]:
     layers = next((r["timed_layers"] for r in found if r.get("timed_layers")), {})
     if layers:
         lines += ["", "Timed layers: " + "; ".join(f"{layers[n]} at {n}" for n in sorted(layers)) + "."]
-    lines += [_unrepresentative(r) for r in _arms(found) if _unrepresentative(r)]
+    for r in _arms(found):
+        if timed_unlike_model(r):
+            lines += ["", _unrepresentative(r)]
     return lines + [""]
 
 
@@ -594,12 +596,10 @@ def timed_unlike_model(r: dict) -> bool:
 
 
 def _unrepresentative(r: dict) -> str:
-    """The warning of ``timed_unlike_model``; empty where the timed layers are like the model."""
-    if not timed_unlike_model(r):
-        return ""
+    """The warning where ``timed_unlike_model``."""
     timed = r["attention_density"][r["length"]]
     return (
-        f"\n**{r['config']}: the timed layers keep {timed:.3f} of the pairs at {r['length']}, the model "
+        f"**{r['config']}: the timed layers keep {timed:.3f} of the pairs at {r['length']}, the model "
         f"{r['density']:.3f} in training: the speedup above is of those layers, not of the whole model (the goal's "
         "speedup is not counted).**"
     )

@@ -102,10 +102,11 @@ class Settings:
     (spread over ``depths``) generated and teacher-forced, and up to ``niah_forced_prompts`` (None: none more)
     teacher-forced alone (a prefill each, no decoding), ``ruler_samples`` per RULER-style task and length,
     ``ppl_windows`` held-out documents per length; sparse arms' models are also read with their own attention
-    (``sparse_reads``), earlier phases' models dense up to their own length (``read_earlier``); the base is checked on ``base_prompts`` NIAH prompts at its
-    native length and must reach ``base_gate`` percent (the upper end of its 95% interval; 0: no check). Speed:
-    Q/K/V of the ``timed_layers`` dumped at ``speed_lengths``, timed ``speed_repeats`` times per call, for every sparse
-    arm and the ``speed_arms`` timed only (not trained: the speed of candidates on the same Q/K)."""
+    (``sparse_reads``), earlier phases' models dense up to their own length (``read_earlier``); the base is checked
+    on ``base_prompts`` NIAH prompts at its native length and must reach ``base_gate`` percent (the upper end of its
+    95% interval; 0: no check). Speed: Q/K/V of the ``timed_layers`` dumped at ``speed_lengths``, timed
+    ``speed_repeats`` times per call, for every sparse arm and the ``speed_arms`` timed only (not trained: the speed
+    of candidates on the same Q/K)."""
 
     length: int = 65536
     eval_fractions: tuple[int, ...] = (8, 4, 2, 1)  # the evaluation's lengths: length / each
