@@ -429,7 +429,7 @@ def markdown(runs: Sequence[dict], found: list[dict], picture: str | None, timed
                     f"{_change(m['niah_forced'], 1)} | {_change(m['niah_nll'], 3)} | {_change(m['ruler'], 1)} |"
                 )
             lines.append("")
-    lines += _absolute(runs) + (_dense_across(runs) if len(runs) > 1 else [])
+    lines += _absolute(runs) + _by_depth(runs) + (_dense_across(runs) if len(runs) > 1 else [])
     lines += _training_table(runs, found) + _speed_table(found, timed) + _base(runs)
     if picture:
         lines += [f"![attention speedup against accuracy change]({picture})", ""]
@@ -517,6 +517,31 @@ def _absolute(runs: Sequence[dict]) -> list[str]:
                 f"| {model} | {attention} | {n} | {_num(mean['ppl'], 3)} | {_num(mean['niah'], 1)} | "
                 f"{_num(mean['niah_forced'], 1)} | {_num(mean['niah_nll'], 3)} | {_num(mean['ruler'], 1)} |"
             )
+    return lines + [""]
+
+
+def _by_depth(runs: Sequence[dict]) -> list[str]:
+    """The teacher-forced NIAH score by the needle's depth in the context, per model, read and length (means over
+    seeds): where in the context a model stops finding the needle. Reads without per-prompt records are left out."""
+    groups: dict[tuple[str, str, int], dict[float, list[float]]] = {}
+    for run in runs:
+        label = f" ({run['label']})" if len(runs) > 1 else ""
+        for read in run["eval"].values():
+            model = read["model"].split("/", 1)[-1] + label
+            for c in read["cells"]:
+                for r in c["niah"].get("records", []):
+                    if "forced_score" in r:
+                        key = (model, read["attention"], c["length"])
+                        groups.setdefault(key, {}).setdefault(r["depth"], []).append(100 * r["forced_score"])
+    if not groups:
+        return []
+    depths = sorted({d for by in groups.values() for d in by})
+    lines = ["## NIAH by needle depth (teacher-forced %, means over seeds and prompts)", ""]
+    lines += ["| model | read | length | " + " | ".join(f"{d:g}%" for d in depths) + " |"]
+    lines += ["|---|---|---:|" + "---:|" * len(depths)]
+    for (model, attention, n), by in sorted(groups.items()):
+        cells = [_num(_mean(by.get(d, [])), 0) for d in depths]
+        lines.append(f"| {model} | {attention} | {n} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 

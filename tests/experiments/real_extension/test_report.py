@@ -326,3 +326,18 @@ def test_estimates_count_flops_else_the_calibration_until_a_stage_is_measured(tm
     timings.record("train:adaptive:fixed", 20.0)
     found = Estimator(PRESETS["gpu"], Shape(), Timings(tmp_path / "timings.json")).train(ADAPTIVE, 65536, 30)
     assert found.source == "here" and found.seconds == pytest.approx(35.0)
+
+
+def test_niah_by_depth_is_the_forced_score_per_depth_over_seeds(tmp_path):
+    run = folder(tmp_path / "a", [0, 1, 2])
+    for seed, hits in ((0, (1.0, 0.0)), (1, (1.0, 1.0)), (2, (0.0, 0.0))):  # depth 0: 2 of 3; depth 100: 1 of 3
+        path = run / "eval" / f"seed{seed}_dense__dense.json"
+        read = json.loads(path.read_text())
+        records = [{"depth": d, "forced_score": h, "generated": False} for d, h in zip((0, 100), hits)]
+        read["cells"][1]["niah"]["records"] = records
+        path.write_text(json.dumps(read))
+    report.write_report([str(run)], tmp_path / "out")
+    md = (tmp_path / "out" / "real_extension.md").read_text()
+    table = md.split("## NIAH by needle depth")[1].split("##")[0]
+    assert "| model | read | length | 0% | 100% |" in table and "| dense | dense | 4096 | 67 | 33 |" in table
+    assert "adaptive" not in table  # reads without per-prompt records are left out
