@@ -133,6 +133,9 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--speed-lengths", type=int, nargs="+")
     exp.add_argument("--speed-layers", type=int, nargs="+", help="layers the speed stage times (default: every third)")
     exp.add_argument("--speed-repeats", type=int)
+    exp.add_argument(
+        "--speed-docs", type=int, help="held-out documents the speed stage dumps Q/K/V from, each timed (default: 3)"
+    )
     exp.add_argument("--speed-arms", nargs="+", help="sparse arms the speed stage times on the same Q/K, not trained")
     exp.add_argument("--workers", type=int, help="corpus and prompt-building processes (default: the spare cores)")
     rep = p.add_argument_group("report")
@@ -160,7 +163,8 @@ def settings_of(args: argparse.Namespace) -> Settings:
     """The preset with the options given; ValueError naming an option that cannot run."""
     s = PRESETS[args.preset]
     fields = ("length", "steps", "lr", "warmup", "gpus", "niah_prompts", "ruler_samples", "ppl_windows", "base_prompts")
-    fields += ("niah_forced_prompts", "base_gate", "heldout_fraction", "speed_repeats", "workers", "default_arm")
+    fields += ("niah_forced_prompts", "base_gate", "heldout_fraction", "speed_repeats", "speed_docs", "workers")
+    fields += ("default_arm",)
     fields += ("sparse_reads", "rope_final", "read_earlier")
     s = replace(s, **{f: getattr(args, f) for f in fields if getattr(args, f) is not None})
     for f in ("seeds", "ruler_tasks", "speed_lengths", "speed_layers"):

@@ -281,8 +281,8 @@ class Estimator:
         return Estimate(self.cell(Arm("dense", False), native, self.s.base_prompts).seconds + 10, "flops")
 
     def speed(self, n: int) -> Estimate:
-        """The speed stage at ``n`` tokens: the dump (a forward to the last layer asked for) and the timed calls, per
-        layer the dense step and each sparse arm's step and estimate, each 1 + repeats times."""
+        """The speed stage at ``n`` tokens of one document: the dump (a forward to the last layer asked for) and the
+        timed calls, per layer the dense step and each sparse arm's step and estimate, each 1 + repeats times."""
         found = self._measured(f"speed:{n}")
         if found:
             return found

@@ -122,7 +122,7 @@ class Experiment:
             for read in self.reads(seed):
                 stages += self._read_cells(read)
             if i == 0 and self.speed_stage:
-                stages += [self._speed(n) for n in s.speed_lengths]
+                stages += [self._speed(n, doc) for n in s.speed_lengths for doc in range(s.speed_docs)]
             for read in self.earlier_reads(seed):
                 stages += self._read_cells(read)
         if self.base_read:
@@ -183,11 +183,12 @@ class Experiment:
             for n in read.lengths(self.s)
         ]
 
-    def _speed(self, n: int) -> Stage:
-        path = self.work / "speed" / f"{n}.json"
+    def _speed(self, n: int, doc: int) -> Stage:
+        path = self.work / "speed" / str(n) / f"doc{doc}.json"
         timed = {a.name for a in self.s.timed_arms}
         done = lambda: path.exists() and timed <= set(json.loads(path.read_text())["arms"])  # noqa: E731 - arms added later
-        return Stage(f"speed at {n}", done, lambda: self.estimate.speed(n), lambda: self.speed(n), kind=f"speed:{n}")
+        name = f"speed at {n}" + (f", document {doc + 1} of {self.s.speed_docs}" if self.s.speed_docs > 1 else "")
+        return Stage(name, done, lambda: self.estimate.speed(n), lambda: self.speed(n, doc), kind=f"speed:{n}")
 
     def _base_estimate(self) -> Estimate:
         return self.estimate.base(self.native())
@@ -262,6 +263,11 @@ class Experiment:
         say(f"  held out {len(held)} documents of >= {s.length} tokens: {', '.join(d['name'] for d in held)}")
         if len(held) < s.ppl_windows:
             say(f"  perplexity reads {len(held)} windows per length, not --ppl-windows {s.ppl_windows}")
+        if self.speed_stage and len(held) < s.speed_docs:
+            raise Refused(
+                f"the speed stage times --speed-docs {s.speed_docs} held-out documents of {s.length} tokens or more and "
+                f"the corpus holds out {len(held)}: lower --speed-docs or raise --heldout-fraction (delete {part})"
+            )
         os.replace(part, self.corpus_dir)
 
     def prompts_done(self) -> bool:
@@ -423,10 +429,10 @@ class Experiment:
             + (f", density {cell['density']:.3f}" if cell["density"] is not None else "")
         )
 
-    def speed(self, n: int) -> None:
-        """Q/K/V of the speed layers of the first seed's adaptive (else first sparse) model at ``n`` tokens of
-        held-out text, then every sparse arm and every arm timed only (``speed_arms``) against dense attention on
-        them."""
+    def speed(self, n: int, doc: int) -> None:
+        """Q/K/V of the speed layers of the first seed's adaptive (else first sparse) model at ``n`` tokens of the
+        held-out document ``doc``, then every sparse arm and every arm timed only (``speed_arms``) against dense
+        attention on them; the figures at ``n`` are those of every document timed so far (``speed.combine``)."""
         trained = self.s.sparse_arms
         if not trained:
             return
@@ -434,23 +440,22 @@ class Experiment:
         model_name = f"seed{self.s.seeds[0]}/{source.name}"
         model = self.model(model_name)
         inputs = self.inputs()
-        ids = speed.text_ids(inputs.tokenizer, inputs.ppl_docs, n)
+        ids = speed.text_ids(inputs.tokenizer, inputs.ppl_docs[doc:] + inputs.ppl_docs[:doc], n)
         qkv = speed.dump_qkv(model, ids, self.s.timed_layers(model.config.num_hidden_layers))
-        result = speed.time_arms(qkv, self.s.timed_arms, self.s, n) | {
-            "model": model_name,
-            **provenance(self.s.device == "cuda"),
-        }
+        found = speed.time_arms(qkv, self.s.timed_arms, self.s, n)
         del qkv
         _free()
-        write_json(self.work / "speed" / f"{n}.json", result)
-        say(
-            f"  dense {result['dense_ms']:.1f} ms; "
-            + "; ".join(
-                f"{k} {v['attention_speedup']:.2f}x at density {v['density']:.3f}" for k, v in result["arms"].items()
-            )
+        write_json(self.work / "speed" / str(n) / f"doc{doc}.json", found)
+        say(f"  document {doc + 1}: " + _speed_line(found))
+        docs = sorted((self.work / "speed" / str(n)).glob("doc*.json"), key=lambda p: int(p.stem[3:]))
+        result = speed.combine([json.loads(p.read_text()) for p in docs])
+        write_json(
+            self.work / "speed" / f"{n}.json", result | {"model": model_name, **provenance(self.s.device == "cuda")}
         )
-        found = sorted(self.work.glob("speed/*.json"), key=lambda p: int(p.stem))
-        write_json(self.out / "speed.json", [json.loads(p.read_text()) for p in found])
+        if len(docs) > 1:
+            say(f"  {len(docs)} documents: " + _speed_line(result))
+        lengths = sorted(self.work.glob("speed/*.json"), key=lambda p: int(p.stem))
+        write_json(self.out / "speed.json", [json.loads(p.read_text()) for p in lengths])
 
     def _mtraining(self, command: str, *args: str) -> None:
         """``python -m mtraining.cli COMMAND ARGS`` with its output in the log folder; RuntimeError naming its end."""
@@ -523,6 +528,14 @@ def _free() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _speed_line(found: dict) -> str:
+    """The speed figures at one length in a line: dense milliseconds, each arm's speedup and density."""
+    arms = "; ".join(
+        f"{k} {v['attention_speedup']:.2f}x at density {v['density']:.3f}" for k, v in found["arms"].items()
+    )
+    return f"dense {found['dense_ms']:.1f} ms; {arms}"
 
 
 def pack(out: Path, tar: Path) -> None:

@@ -104,7 +104,8 @@ class Settings:
     ``ppl_windows`` held-out documents per length; sparse arms' models are also read with their own attention
     (``sparse_reads``), earlier phases' models dense up to their own length (``read_earlier``); the base is checked
     on ``base_prompts`` NIAH prompts at its native length and must reach ``base_gate`` percent (the upper end of its
-    95% interval; 0: no check). Speed: Q/K/V of the ``timed_layers`` dumped at ``speed_lengths``, timed
+    95% interval; 0: no check). Speed: Q/K/V of the ``timed_layers`` dumped at ``speed_lengths`` from each of
+    ``speed_docs`` held-out documents (one at a time: documents differ in density as layers do), timed
     ``speed_repeats`` times per call, for every sparse arm and the ``speed_arms`` timed only (not trained: the speed
     of candidates on the same Q/K)."""
 
@@ -144,6 +145,7 @@ class Settings:
     speed_lengths: tuple[int, ...] = (65536, 131072, 524288)
     speed_layers: tuple[int, ...] | None = None  # None: every third layer from the first (``timed_layers``)
     speed_repeats: int = 5
+    speed_docs: int = 3
     speed_arms: tuple[Arm, ...] = ()
     workers: int | None = None  # corpus and prompt-building processes (default: the spare cores)
     costs: Costs = field(default_factory=lambda: Costs())
@@ -210,7 +212,7 @@ class Settings:
             raise ValueError(f"--speed-arms takes sparse arms not among --arms {names}, no repeats, got {timed}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
             raise ValueError(f"--seeds takes distinct non-negative integers, got {list(self.seeds)}")
-        for name in ("steps", "niah_prompts", "ruler_samples", "ppl_windows", "speed_repeats", "gpus"):
+        for name in ("steps", "niah_prompts", "ruler_samples", "ppl_windows", "speed_repeats", "speed_docs", "gpus"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.forced_prompts < self.niah_prompts:
@@ -236,7 +238,8 @@ class Calibration:
     ``train_step_s`` / ``train_fixed_s``: per arm, at ``length`` tokens; ``base_s``: the base check of
     ``base_prompts`` NIAH prompts; ``prefill_s``: seconds of one answer prefill (the reads' ``phases``: the prompt
     and its reference scored), slowest over the runs, what a prompt read teacher-forced alone costs; ``speed_s``:
-    seconds of the speed stage at each length with one sparse arm over ``speed_layers`` layers (default repeats).
+    seconds of the speed stage at each length with one sparse arm over ``speed_layers`` layers of one document
+    (default repeats).
     ``source``: where the figures are."""
 
     source: str
@@ -352,6 +355,7 @@ PRESETS: dict[str, Settings] = {
         heldout_fraction=0.5,
         speed_lengths=(1024,),
         speed_repeats=2,
+        speed_docs=2,
         workers=2,
         costs=Costs(flops_per_s=2e9, startup_s=15.0, token_s=0.01, prompt_s=0.05),
     ),

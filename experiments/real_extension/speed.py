@@ -6,7 +6,9 @@ then times, on those tensors and in the same process, each sparse arm's training
 (estimate the pattern, forward, backward: what a training step pays) against dense attention's forward and
 backward: cuDNN through SDPA on a GPU, SDPA's math path on the CPU (where the timings only show that the code
 runs). Each figure is the median of ``repeats`` timed calls after one warm-up (CUDA events on a GPU).
-``attention_speedup`` of an arm at a length is the dense time over the arm's, summed over the dumped layers.
+``attention_speedup`` of an arm at a length is the dense time over the arm's, summed over the dumped layers and,
+with several documents dumped one after another (``combine``), over the documents: a pattern's density differs
+from document to document as from layer to layer, so one document's layers need not be the model's.
 """
 
 from __future__ import annotations
@@ -173,3 +175,40 @@ def text_ids(tokenizer, docs: list[str], length: int) -> Tensor:
         if len(ids) == before:
             raise ValueError("the held-out documents hold no tokens to dump Q/K/V from")
     return torch.tensor(ids[:length])
+
+
+def combine(found: list[dict]) -> dict:
+    """``time_arms``'s results on several documents at one length as one: times summed over documents (so the
+    speedup is of all of them), densities averaged; each document's own speedup and density kept in
+    ``documents``."""
+    first = found[0]
+    names = list(first["arms"])
+    layers = {}
+    for layer in first["layers"]:
+        rows = [f["layers"][layer] for f in found]
+        arms = {
+            a: {
+                "ms": sum(r["arms"][a]["ms"] for r in rows),
+                "estimate_ms": sum(r["arms"][a]["estimate_ms"] for r in rows),
+                "density": statistics.fmean(r["arms"][a]["density"] for r in rows),
+            }
+            for a in names
+        }
+        layers[layer] = {"dense_ms": sum(r["dense_ms"] for r in rows), "arms": arms}
+    dense = sum(f["dense_ms"] for f in found)
+    arms = {}
+    for a in names:
+        sparse_ms = sum(f["arms"][a]["sparse_ms"] for f in found)
+        arms[a] = {
+            "attention_speedup": dense / sparse_ms if sparse_ms else math.nan,
+            "sparse_ms": sparse_ms,
+            "density": statistics.fmean(f["arms"][a]["density"] for f in found),
+        }
+    documents = [
+        {
+            "dense_ms": f["dense_ms"],
+            "arms": {a: {k: f["arms"][a][k] for k in ("attention_speedup", "density")} for a in names},
+        }
+        for f in found
+    ]
+    return {"length": first["length"], "dense_ms": dense, "arms": arms, "layers": layers, "documents": documents}

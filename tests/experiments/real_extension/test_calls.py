@@ -136,14 +136,15 @@ def test_a_run_at_128k_is_priced_from_the_128k_run(tmp_path):
 
 
 def test_the_speed_stage_runs_again_for_arms_it_has_not_timed(tmp_path):
-    settings = replace(PRESETS["toy"], speed_arms=(Arm("v32s32", True, v_size=32, s_size=32),))
+    settings = replace(PRESETS["toy"], speed_arms=(Arm("v32s32", True, v_size=32, s_size=32),), speed_docs=2)
     exp = Experiment(settings, Sources(None), tmp_path / "w", tmp_path / "o")
-    (stage,) = [st for st in exp.stages() if st.name == "speed at 1024"]
-    (exp.work / "speed").mkdir(parents=True)
-    (exp.work / "speed" / "1024.json").write_text(json.dumps({"arms": {"t90v32s64": {}}}))
-    assert not stage.done()  # timed before --speed-arms named v32s32
-    (exp.work / "speed" / "1024.json").write_text(json.dumps({"arms": {"t90v32s64": {}, "v32s32": {}}}))
-    assert stage.done()
+    first, second = [st for st in exp.stages() if st.name.startswith("speed at 1024")]
+    assert (first.name, second.name) == ("speed at 1024, document 1 of 2", "speed at 1024, document 2 of 2")
+    (exp.work / "speed" / "1024").mkdir(parents=True)
+    (exp.work / "speed" / "1024" / "doc0.json").write_text(json.dumps({"arms": {"t90v32s64": {}}}))
+    assert not first.done()  # timed before --speed-arms named v32s32
+    (exp.work / "speed" / "1024" / "doc0.json").write_text(json.dumps({"arms": {"t90v32s64": {}, "v32s32": {}}}))
+    assert first.done() and not second.done()  # each document its own stage
 
 
 def test_prompts_read_teacher_forced_alone_cost_a_prefill_each(tmp_path):
