@@ -471,6 +471,7 @@ def training_tables() -> str:
         "attention",
         "layout",
         "fused kernels",
+        "compile",
         "loss",
         "saved attn",
         "step s",
@@ -494,6 +495,7 @@ def training_tables() -> str:
                         r["attention"],
                         r["layout"],
                         r.get("fused_kernels", "none"),
+                        r.get("compile", "none"),
                         r.get("loss_impl", "chunked"),
                         {True: "yes", False: "no", None: "no"}.get(
                             r.get("save_attention_outputs"), r.get("save_attention_outputs")
