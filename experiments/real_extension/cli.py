@@ -103,6 +103,11 @@ def parser() -> argparse.ArgumentParser:
         help="with --schedule: scale every phase's RoPE for the last phase's length, not each phase's own",
     )
     exp.add_argument(
+        "--rope-theta",
+        type=float,
+        help="raise the RoPE base to this in every phase, unscaled, in place of YaRN (e.g. 4e6 for SmolLM2's 1e5)",
+    )
+    exp.add_argument(
         "--read-earlier",
         action="store_true",
         default=None,
@@ -165,7 +170,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
     fields = ("length", "steps", "lr", "warmup", "gpus", "niah_prompts", "ruler_samples", "ppl_windows", "base_prompts")
     fields += ("niah_forced_prompts", "base_gate", "heldout_fraction", "speed_repeats", "speed_docs", "workers")
     fields += ("default_arm",)
-    fields += ("sparse_reads", "rope_final", "read_earlier")
+    fields += ("sparse_reads", "rope_final", "rope_theta", "read_earlier")
     s = replace(s, **{f: getattr(args, f) for f in fields if getattr(args, f) is not None})
     for f in ("seeds", "ruler_tasks", "speed_lengths", "speed_layers"):
         if getattr(args, f) is not None:

@@ -351,10 +351,11 @@ class Experiment:
     def train_config(self, seed: int, a: Arm, phase: int) -> dict:
         """The ``mtraining train`` config of arm ``a``, seed ``seed`` (its data order), phase ``phase`` of the
         schedule: every arm the same but for its attention; a phase after the first starts from the one before's
-        export, its RoPE scaled to its own length (with ``rope_final``, to the last phase's)."""
+        export, its RoPE scaled to its own length (with ``rope_final``, to the last phase's; with ``rope_theta``,
+        that base in every phase)."""
         s = self.s
         run, (length, steps) = self.run_dir(seed, a, phase), s.schedule[phase]
-        rope = rope_scaling(s.rope_length(length), self.native())
+        rope = rope_scaling(s.rope_length(length), self.native(), s.rope_theta)
         start = self.model_dir if phase == 0 else self.run_dir(seed, a, phase - 1) / "export"
         sources = [
             {"path": str(self.corpus_dir / "train" / f"{kind}.npy"), "weight": weight}

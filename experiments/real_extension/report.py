@@ -35,9 +35,13 @@ METRICS = ("ppl", "niah", "niah_forced", "niah_nll", "ruler")
 SAME = (
     "length", "steps", "lr", "warmup", "code_weight", "gpus", "dtype", "block_size", "last_q", "local_window",
     "sink_tokens", "eval_seed", "niah_prompts", "niah_forced_prompts", "depths", "ruler_samples", "ruler_tasks",
-    "ppl_windows", "first_bucket", "heldout_fraction", "earlier", "rope_final",
+    "ppl_windows", "first_bucket", "heldout_fraction", "earlier", "rope_final", "rope_theta",
 )  # fmt: skip
-ADDED = {"earlier": [], "rope_final": False}  # settings added since the first runs, and the value those runs had
+ADDED = {
+    "earlier": [],
+    "rope_final": False,
+    "rope_theta": None,
+}  # settings added since the first runs, and the value those runs had
 
 
 def setting(settings: dict, key: str):
@@ -449,13 +453,18 @@ def missing_of(runs: Sequence[dict]) -> list[str]:
 
 
 def schedule(settings: dict) -> str:
-    """The trainings' phases in words: ``30 steps`` or ``30 steps at 65536, then 30 at 131072 tokens``."""
+    """The trainings' phases and RoPE in words: ``30 steps`` or ``30 steps at 65536, then 30 at 131072 tokens``, then
+    the RoPE when it is not YaRN for each phase's own length."""
     earlier = settings.get("earlier") or []
+    theta = setting(settings, "rope_theta")
+    base = f", the RoPE base {theta:g} unscaled" if theta is not None else ""
     if not earlier:
-        return f"{settings['steps']} steps"
+        return f"{settings['steps']} steps{base}"
     (n, k), *rest = [*earlier, (settings["length"], settings["steps"])]
     later = ", then ".join(f"{k} at {n}" for n, k in rest)
     rope = f", the RoPE scaled for {settings['length']} in every phase" if setting(settings, "rope_final") else ""
+    if theta is not None:
+        rope = f", the RoPE base {theta:g} unscaled in every phase"
     return f"{k} steps at {n}, then {later} tokens (each phase from the one before's model{rope})"
 
 

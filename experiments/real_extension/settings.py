@@ -16,15 +16,19 @@ from dataclasses import dataclass, field, replace
 from mtraining.eval.tasks import TASKS
 
 
-def rope_scaling(length: int, native: int) -> dict:
+def rope_scaling(length: int, native: int, theta: float | None = None) -> dict:
     """The model's RoPE for training and reading at ``length`` tokens, pretrained at ``native``: YaRN with factor
-    length / native over the native length (the paper scales Qwen2.5-3B so: factor 16 over 32,768). The one place
-    this choice is made; the trainer merges it into the base's ``rope_parameters`` (its rope_theta is kept)."""
+    length / native over the native length (the paper scales Qwen2.5-3B so: factor 16 over 32,768), or with
+    ``theta`` no scaling and the RoPE base raised to it (an adjusted base frequency, as ProLong and Code Llama
+    extend). The one place this choice is made; the trainer merges it into the base's ``rope_parameters`` (with
+    YaRN its rope_theta is kept)."""
     if length <= native:
         raise ValueError(
             f"the extension length {length} must exceed the base's native length {native} (its config's "
             "max_position_embeddings): pass a larger --length"
         )
+    if theta is not None:
+        return {"rope_type": "default", "rope_theta": theta}
     return {"rope_type": "yarn", "factor": length / native, "original_max_position_embeddings": native}
 
 
@@ -95,7 +99,8 @@ class Settings:
     Training: ``steps`` at ``length`` tokens per step (batch 1 per rank group), after the ``earlier`` phases
     ((length, steps) each, shorter first, every phase from the one before's model with the RoPE scaled to its
     length: a staged extension as ProLong's; with ``rope_final`` every phase's RoPE is scaled for ``length``, so
-    the last phase trains on the rotations the earlier ones adapted to), ``lr`` after ``warmup`` steps
+    the last phase trains on the rotations the earlier ones adapted to; with ``rope_theta`` every phase's RoPE base
+    is that, unscaled), ``lr`` after ``warmup`` steps
     (constant then, as the paper's), AdamW betas (0.9, 0.95) without weight decay, ``code_weight`` of the samples
     from code and the rest from prose, document masking, a checkpoint every ``checkpoint_every`` steps, ``gpus``
     ranks of one striped ring. Evaluation at ``length`` / 8, / 4, / 2 and ``length``: ``niah_prompts`` per length
@@ -117,6 +122,7 @@ class Settings:
     steps: int = 30
     earlier: tuple[tuple[int, int], ...] = ()
     rope_final: bool = False
+    rope_theta: float | None = None
     read_earlier: bool = False
     lr: float = 1e-4
     warmup: int = 3
@@ -206,6 +212,11 @@ class Settings:
                 f"--schedule {' '.join(f'{n}:{k}' for n, k in self.schedule)}: each phase LENGTH:STEPS longer than "
                 f"the one before, ending at --length, with at least one step and a length that is a multiple of "
                 f"{whole} (block size x GPUs)"
+            )
+        if self.rope_theta is not None and (self.rope_theta <= 0 or self.rope_final):
+            raise ValueError(
+                f"--rope-theta {self.rope_theta:g} sets one positive RoPE base for every phase, in place of YaRN: "
+                "leave out --rope-final (YaRN's scaling for the last phase)"
             )
         timed = [a.name for a in self.speed_arms]
         if any(not a.sparse for a in self.speed_arms) or len(set(timed)) != len(timed) or set(timed) & set(names):

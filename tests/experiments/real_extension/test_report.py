@@ -289,6 +289,22 @@ def test_rope_final_scales_every_phase_for_the_last_length(tmp_path):
         check_work(tmp_path / "k", replace(SETTINGS, rope_final=True))
 
 
+def test_rope_theta_sets_one_base_for_every_phase_in_place_of_yarn(tmp_path):
+    parse = lambda *a: settings_of(cli.parser().parse_args(list(a)))  # noqa: E731
+    s = parse("--schedule", "65536:30", "131072:30", "--rope-theta", "4e6")
+    exp = Experiment(s, Sources(None), tmp_path / "w", tmp_path / "o")
+    rope = [exp.train_config(0, arm("dense"), phase)["model"]["rope_parameters"] for phase in (0, 1)]
+    assert rope == [{"rope_type": "default", "rope_theta": 4e6}] * 2
+    with pytest.raises(ValueError, match="leave out --rope-final"):
+        parse("--schedule", "65536:30", "131072:30", "--rope-theta", "4e6", "--rope-final")
+    staged = {"earlier": [[65536, 30]], "length": 131072, "steps": 30}
+    assert "the RoPE base 4e+06 unscaled in every phase" in report.schedule(staged | {"rope_theta": 4e6})
+    assert report.schedule({"steps": 30, "rope_theta": 4e6}) == "30 steps, the RoPE base 4e+06 unscaled"
+    check_work(tmp_path / "k", SETTINGS)
+    with pytest.raises(Refused, match=r"other \['rope_theta'\]"):  # a work folder keeps its RoPE
+        check_work(tmp_path / "k", replace(SETTINGS, rope_theta=4e6))
+
+
 def test_a_phase_not_longer_than_the_base_is_refused_before_it_trains(tmp_path):
     staged = replace(SETTINGS, earlier=((768, 1),))  # the base's native length is 8192 until it is converted
     exp = Experiment(staged, Sources(None), tmp_path / "w", tmp_path / "o")
