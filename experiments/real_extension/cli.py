@@ -7,7 +7,7 @@ also sparse) with NIAH and RULER-style prompts in held-out filler and perplexity
 the adaptive model's own Q/K time each sparse arm against dense attention at 64K, 128K and 512K. Exit status: 0
 done, 3 call again (--max-minutes reached, or the GGUF not here yet; the same command continues), 4 the base does
 not retrieve, 2 a bad command. ``--parallel-gpus N`` spreads the seeds over N GPUs of the machine, one process each
-(``parallel``). ``--plan`` prints the stages with their expected times and the session sized call by call
+(``parallel``); ``--variants`` runs recipes side by side the same way, one process each. ``--plan`` prints the stages with their expected times and the session sized call by call
 (``session``); ``--report-from`` reports runs (each a result folder, or machines' folders joined by commas, split
 by seed; each arm paired with its own run's dense arm; partial reads included, the missing cells listed) into
 real_extension.json, .md and .png in bench/results/.
@@ -40,6 +40,8 @@ from .settings import PRESETS, Settings, arm, calibration_for
 
 # Settings a work folder keeps from its first call: its trainings and cached reads depend on them.
 FIXED = (*report.SAME, "checkpoint_every", "device", "backend")
+# The settings a --variants recipe may change: each variant trains its own models on the shared corpus and base.
+RECIPE = ("steps", "earlier", "lr", "warmup", "rope_final", "rope_theta", "read_earlier")
 # What experiments/real_extension/gpu_call.sh passes itself (the GGUF it joins, the folders that outlive a call).
 SCRIPT_SETS = ("--plan", "--gguf", "--tokenizer", "--work", "--out", "--tar")
 
@@ -71,6 +73,18 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--tar", type=Path, default=None, help="pack --out into this .tgz after every stage")
     run.add_argument(
         "--parallel-gpus", type=int, default=1, help="spread the seeds over this many GPUs, one process each"
+    )
+    run.add_argument(
+        "--variants",
+        nargs="+",
+        metavar="NAME=OPTIONS",
+        help="recipes side by side, one process each round the --parallel-gpus GPUs on the same corpus and base, e.g. "
+        "theta4m='--rope-theta 4e6' lr2e5='--lr 2e-5' (only the training recipe may differ: "
+        + ", ".join(
+            f"--{f.replace('_', '-')}"
+            for f in ("schedule", "steps", "lr", "warmup", "rope_final", "rope_theta", "read_earlier")
+        )
+        + "); each its own work and result folder, reported on its own",
     )
     run.add_argument("--max-minutes", type=float, default=None, help="start no stage that would end later; exit 3")
     run.add_argument("--plan", action="store_true", help="print the stages and their expected times, run nothing")
@@ -222,13 +236,19 @@ def print_plan(experiment: Experiment, max_minutes: float | None) -> None:
     print(f"to run: ~{total / 60:.1f} minutes on one GPU")
 
 
-def print_session(experiment: Experiment, gpus: int, max_minutes: float | None, argv: list[str]) -> None:
+def print_session(
+    experiment: Experiment,
+    gpus: int,
+    max_minutes: float | None,
+    argv: list[str],
+    variants: dict[str, tuple[Settings, tuple[str, ...]]],
+) -> None:
     """The session sized call by call (``session.simulate``) for ``gpus`` GPUs and the command of every call."""
     minutes = max_minutes or 9.0
-    parts = parallel.plan_parts(experiment, gpus)
+    parts = parts_of(experiment, gpus, variants)
     lanes: dict[int, list[session.Planned]] = {}
     for p in parts:  # a GPU's parts run one after another
-        e = parallel.part_experiment(experiment, p)
+        e = parallel.part_experiment(experiment, p, variants[p.variant][0] if p.variant else None)
         lanes.setdefault(p.gpu, []).extend(session.Planned.of(st) for st in e.stages()[len(e.shared()) :] if not st.done() and not st.background)  # fmt: skip
     shared = [session.Planned.of(st) for st in experiment.shared() if not st.done()]
     calls = session.simulate(shared, lanes, 60 * minutes, experiment.sources.tokenizer is not None)
@@ -237,6 +257,31 @@ def print_session(experiment: Experiment, gpus: int, max_minutes: float | None, 
     own = parallel.without(argv, SCRIPT_SETS) + ([] if max_minutes else ["--max-minutes", "9"])
     command = "MTRAINING_COMMIT=<commit> bash experiments/real_extension/gpu_call.sh " + shlex.join(own)
     print("\n".join(session.describe(calls, len(lanes), 60 * minutes, command)))
+
+
+def variants_of(
+    argv: list[str], given: list[str] | None, common: Settings
+) -> dict[str, tuple[Settings, tuple[str, ...]]]:
+    """``--variants NAME=OPTIONS ...``: each variant's settings (``argv`` with its options) and options; ValueError
+    naming the variant when its name is not a folder name, is repeated, or its options change more than the recipe
+    (``RECIPE``)."""
+    found: dict[str, tuple[Settings, tuple[str, ...]]] = {}
+    base = parallel.without(argv, ("--variants",))
+    for item in given or []:
+        name, _, text = item.partition("=")
+        if not name or not all(c.isalnum() or c in "_-" for c in name) or name in found or not text.strip():
+            raise ValueError(f"--variants {item!r}: NAME=OPTIONS, a distinct name of letters, digits, _ or -")
+        options = tuple(shlex.split(text))
+        settings = settings_of(parser().parse_args(base + list(options)))
+        mine, theirs = asdict(settings), asdict(common)
+        changed = sorted(k for k in mine if mine[k] != theirs[k] and k not in (*RECIPE, "length", "costs"))
+        if changed or settings.length != common.length:
+            raise ValueError(
+                f"--variants {name}: {' '.join(options)} changes {changed or ['length']}; a variant may change only "
+                "the training recipe (" + ", ".join(RECIPE) + "), so that every variant shares the corpus and reads"
+            )
+        found[name] = (settings, options)
+    return found
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -270,11 +315,17 @@ def main(argv: list[str] | None = None) -> None:
     tar = args.tar.resolve() if args.tar else None
     experiment = Experiment(settings, sources, work, out, args.base_read, args.speed, args.base_check, tar)
     argv = sys.argv[1:] if argv is None else argv
+    if args.parallel_gpus < 1:
+        p.error(f"--parallel-gpus must be at least 1, got {args.parallel_gpus}")
+    try:
+        variants = variants_of(argv, args.variants, settings)
+    except ValueError as err:
+        p.error(str(err))
     if args.plan:
-        if args.parallel_gpus == 1:
+        if args.parallel_gpus == 1 and not variants:
             print_plan(experiment, args.max_minutes)
         try:
-            print_session(experiment, args.parallel_gpus, args.max_minutes, argv)
+            print_session(experiment, args.parallel_gpus, args.max_minutes, argv, variants)
         except ValueError as err:
             print(f"no session plan: {err}")
         return
@@ -287,8 +338,8 @@ def main(argv: list[str] | None = None) -> None:
     record_call(out, settings, sources, None)
     try:
         check_work(work, settings)
-        if args.parallel_gpus > 1:
-            status = run_parallel(experiment, args.parallel_gpus, argv)
+        if args.parallel_gpus > 1 or variants:
+            status = run_parallel(experiment, args.parallel_gpus, argv, variants)
         else:
             with Background(settings.workers) as background:
                 experiment.background = background
@@ -313,16 +364,25 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(status)
 
 
-def run_parallel(experiment: Experiment, gpus: int, argv: list[str]) -> int:
+def parts_of(experiment: Experiment, gpus: int, variants: dict[str, tuple[Settings, tuple[str, ...]]]) -> list:
+    """The processes of a run over ``gpus`` GPUs: one per variant (``parallel.variant_parts``), else the seeds and
+    arms split (``parallel.plan_parts``)."""
+    if variants:
+        return parallel.variant_parts(experiment, {k: options for k, (_, options) in variants.items()}, gpus)
+    return parallel.plan_parts(experiment, gpus)
+
+
+def run_parallel(
+    experiment: Experiment, gpus: int, argv: list[str], variants: dict[str, tuple[Settings, tuple[str, ...]]]
+) -> int:
     """The shared stages here, then the parts, one process each, a GPU's one after another (``parallel.launch``);
     the children's combined exit status."""
-    if gpus < 1:
-        raise Refused(f"--parallel-gpus must be at least 1, got {gpus}")
     for st in experiment.shared():
         if not st.done():
             experiment.run_stage(st)
-    parts = parallel.plan_parts(experiment, gpus)
-    parallel.keep_parts(experiment, gpus, parts)
+    parts = parts_of(experiment, gpus, variants)
+    if not variants:
+        parallel.keep_parts(experiment, gpus, parts)
     left = Clock.left()
     busy = len({p.gpu for p in parts})
     workers = max(1, (experiment.s.workers or (os.cpu_count() or 2) - 1) // busy)

@@ -11,6 +11,10 @@ then the base's read and the speed stage. The base check runs once, on GPU 0. Th
 (a later call that changes --base-read, --speed or --base-check places only the stages newly asked for).
 The parts' result folders pool like any machines' (``--report-from <out>`` finds them).
 
+``--variants NAME=OPTIONS ...``: recipes screened side by side instead (``variant_parts``): one part per variant,
+every seed and arm, with the variant's options added to its command line, round the GPUs in the order given; its
+work and result folders are named after it, and each is reported on its own (its settings differ).
+
 Each child runs with ``OMP_NUM_THREADS=1`` unless it is set (torchrun's default when a host runs several processes):
 the children's prompt builders keep the host's cores busy, and torch's CPU ops on tensors past its parallel grain
 (32K elements, a 64K prompt's positions) then wait for threads that never get a core.
@@ -30,11 +34,12 @@ from pathlib import Path
 from ..common.stages import say
 from ..common.training import ROOT
 from .pipeline import DENSE, Experiment
+from .settings import Settings
 
 # Options each child gets its own value of (the parent's are dropped from its command line).
 OWN = (
     "--parallel-gpus", "--seeds", "--work", "--out", "--tar", "--max-minutes", "--workers", "--plan",
-    "--base-read", "--no-base-read", "--speed", "--no-speed", "--base-check", "--no-base-check",
+    "--base-read", "--no-base-read", "--speed", "--no-speed", "--base-check", "--no-base-check", "--variants",
 )  # fmt: skip
 SUBSET = ("--arms", "--default", "--part")  # also replaced for a part that holds only some arms
 EXIT_ORDER = (1, 2, 4, 3, 0)  # the parent's exit status: the first of these that any child gave
@@ -54,16 +59,19 @@ class Part:
     speed: bool = False
     arms: tuple[str, ...] | None = None
     order: int = 0
+    variant: str = ""
+    options: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
-        """Its work and result folders' name: ``gpu1``, then ``gpu1_1`` for the GPU's next part."""
-        return f"gpu{self.gpu}" + (f"_{self.order}" if self.order else "")
+        """Its work and result folders' name: ``gpu1``, then ``gpu1_1`` for the GPU's next part; a variant's name."""
+        return self.variant or f"gpu{self.gpu}" + (f"_{self.order}" if self.order else "")
 
     def what(self) -> str:
         extra = [name for name, on in (("base check", self.base_check), ("base read", self.base_read), ("speed", self.speed)) if on]  # fmt: skip
         arms = "" if self.arms is None else f" ({', '.join(self.arms)})"
-        return f"seeds {list(self.seeds)}{arms}" + "".join(f" + {e}" for e in extra)
+        variant = f"variant {self.variant} ({' '.join(self.options)}): " if self.variant else ""
+        return f"{variant}seeds {list(self.seeds)}{arms}" + "".join(f" + {e}" for e in extra)
 
 
 def split(
@@ -165,6 +173,7 @@ def child_argv(argv: list[str], part: Part, work: Path, out: Path, tar: Path | N
     own += [] if workers is None else ["--workers", str(workers)]
     own += ["--base-check" if part.base_check else "--no-base-check"]
     own += ["--base-read" if part.base_read else "--no-base-read", "--speed" if part.speed else "--no-speed"]
+    own += list(part.options)
     if part.arms is None:
         return without(argv, OWN) + own
     subset = ["--part", "--arms", *part.arms, "--default", subset_default(default_arm, part.arms)]
@@ -238,6 +247,17 @@ def launch(parts: list[Part], argv: list[str], work: Path, out: Path, tar: Path 
     return next((c for c in EXIT_ORDER if c in found), max(found))
 
 
+def variant_parts(exp: Experiment, variants: dict[str, tuple[str, ...]], gpus: int) -> list[Part]:
+    """``--variants``: one part per variant, each every seed and arm with its own options, round the GPUs in the
+    order given; the base check and the base read on the first (the base is every variant's), the speed stage on
+    each (its own models)."""
+    return [
+        Part(i % gpus, exp.s.seeds, base_check=i == 0 and exp.base_check_stage, base_read=i == 0 and exp.base_read,
+             speed=exp.speed_stage, order=i // gpus, variant=name, options=options)
+        for i, (name, options) in enumerate(variants.items())
+    ]  # fmt: skip
+
+
 def plan_parts(exp: Experiment, gpus: int) -> list[Part]:
     """The split kept in ``<work>/parts.json`` when it was made for ``gpus`` GPUs and these seeds and arms, else
     ``split`` of ``exp``'s seeds over ``gpus`` GPUs, balanced by the stages' expected seconds."""
@@ -261,7 +281,17 @@ def plan_parts(exp: Experiment, gpus: int) -> list[Part]:
 
 def kept_parts(found: dict) -> list[Part]:
     """The parts of a split read from ``parts.json``."""
-    return [Part(**p | {"seeds": tuple(p["seeds"]), "arms": p["arms"] and tuple(p["arms"])}) for p in found["parts"]]
+    return [
+        Part(
+            **p
+            | {
+                "seeds": tuple(p["seeds"]),
+                "arms": p["arms"] and tuple(p["arms"]),
+                "options": tuple(p.get("options", ())),
+            }
+        )
+        for p in found["parts"]
+    ]
 
 
 def replace_stages(
@@ -309,9 +339,9 @@ def keep_parts(exp: Experiment, gpus: int, parts: list[Part]) -> None:
         path.write_text(json.dumps(found, indent=1) + "\n")
 
 
-def part_experiment(exp: Experiment, part: Part) -> Experiment:
-    """The experiment one part's child runs (its seeds, arms, stages and folders)."""
-    s = exp.s
+def part_experiment(exp: Experiment, part: Part, settings: Settings | None = None) -> Experiment:
+    """The experiment one part's child runs (its seeds, arms, stages and folders; ``settings``: a variant's)."""
+    s = settings or exp.s
     arms = s.arms if part.arms is None else tuple(a for a in s.arms if a.name in part.arms)
     default = subset_default(s.default_arm, tuple(a.name for a in arms))
     return Experiment(

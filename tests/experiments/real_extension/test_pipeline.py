@@ -188,3 +188,23 @@ def test_three_seeds_on_two_gpus_split_the_last_seed_by_arm(tmp_path):
     dense, arm = reported["records"]
     assert arm["seeds"] == [0, 1, 2] and arm["ppl_change_hi"] is not None  # three pairs: a bound
     assert reported["missing"] == []
+
+
+def test_variants_run_side_by_side_on_the_shared_corpus_each_reported_alone(tmp_path):
+    """--variants: two dense-only recipes (the RoPE base raised, YaRN) on two GPUs, each its own folders with the
+    parent's converted base and corpus linked in; each reports alone, with its RoPE in the heading."""
+    work = tmp_path / "work"
+    common = ["--preset", "toy", *inputs(tmp_path), "--heldout", "code/mteval", "--work", work, "--no-base-read"]
+    common += ["--arms", "dense", "--default", "dense", "--no-base-check", "--no-speed", "--parallel-gpus", "2"]
+    done = experiment(*common, "--variants", "theta=--rope-theta 40000", "yarn=--lr 5e-4")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "GPU 0: variant theta (--rope-theta 40000): seeds [0]" in done.stdout
+    for name in ("theta", "yarn"):
+        assert (work / name / "corpus").is_symlink() and (work / "out" / name / "eval").is_dir()
+    trained = json.loads((work / "theta" / "runs" / "seed0" / "dense" / "export" / "config.json").read_text())
+    assert trained["rope_parameters"]["rope_theta"] == 40000
+    reported = experiment("--report-from", work / "out" / "theta", "--report-out", tmp_path / "r", "--report-name", "t")
+    assert reported.returncode == 0, reported.stderr
+    assert "the RoPE base 40000 unscaled" in (tmp_path / "r" / "t.md").read_text()
+    refused = experiment(*common, "--variants", "long=--length 2048")
+    assert refused.returncode == 2 and "a variant may change only the training recipe" in refused.stderr
