@@ -7,8 +7,8 @@ also sparse) with NIAH and RULER-style prompts in held-out filler and perplexity
 the adaptive model's own Q/K time each sparse arm against dense attention at 64K, 128K and 512K. Exit status: 0
 done, 3 call again (--max-minutes reached, or the GGUF not here yet; the same command continues), 4 the base does
 not retrieve, 2 a bad command. ``--parallel-gpus N`` spreads the seeds over N GPUs of the machine, one process each
-(``parallel``); ``--variants`` runs recipes side by side the same way, one process each. ``--plan`` prints the stages with their expected times and the session sized call by call
-(``session``); ``--report-from`` reports runs (each a result folder, or machines' folders joined by commas, split
+(``parallel``); ``--variants`` screens training recipes side by side the same way. ``--plan`` prints the stages
+with their expected times and the session sized call by call (``session``); ``--report-from`` reports runs (each a result folder, or machines' folders joined by commas, split
 by seed; each arm paired with its own run's dense arm; partial reads included, the missing cells listed) into
 real_extension.json, .md and .png in bench/results/.
 
@@ -42,6 +42,8 @@ from .settings import PRESETS, Settings, arm, calibration_for
 FIXED = (*report.SAME, "checkpoint_every", "device", "backend")
 # The settings a --variants recipe may change: each variant trains its own models on the shared corpus and base.
 RECIPE = ("steps", "earlier", "lr", "warmup", "rope_final", "rope_theta", "read_earlier")
+# --variants, by name: each variant's settings and the options that make them.
+Variants = dict[str, tuple[Settings, tuple[str, ...]]]
 # What experiments/real_extension/gpu_call.sh passes itself (the GGUF it joins, the folders that outlive a call).
 SCRIPT_SETS = ("--plan", "--gguf", "--tokenizer", "--work", "--out", "--tar")
 
@@ -80,10 +82,7 @@ def parser() -> argparse.ArgumentParser:
         metavar="NAME=OPTIONS",
         help="recipes side by side, one process each round the --parallel-gpus GPUs on the same corpus and base, e.g. "
         "theta4m='--rope-theta 4e6' lr2e5='--lr 2e-5' (only the training recipe may differ: "
-        + ", ".join(
-            f"--{f.replace('_', '-')}"
-            for f in ("schedule", "steps", "lr", "warmup", "rope_final", "rope_theta", "read_earlier")
-        )
+        + ", ".join("--" + ("schedule" if f == "earlier" else f).replace("_", "-") for f in RECIPE)
         + "); each its own work and result folder, reported on its own",
     )
     run.add_argument("--max-minutes", type=float, default=None, help="start no stage that would end later; exit 3")
@@ -241,7 +240,7 @@ def print_session(
     gpus: int,
     max_minutes: float | None,
     argv: list[str],
-    variants: dict[str, tuple[Settings, tuple[str, ...]]],
+    variants: Variants,
 ) -> None:
     """The session sized call by call (``session.simulate``) for ``gpus`` GPUs and the command of every call."""
     minutes = max_minutes or 9.0
@@ -259,13 +258,11 @@ def print_session(
     print("\n".join(session.describe(calls, len(lanes), 60 * minutes, command)))
 
 
-def variants_of(
-    argv: list[str], given: list[str] | None, common: Settings
-) -> dict[str, tuple[Settings, tuple[str, ...]]]:
+def variants_of(argv: list[str], given: list[str] | None, common: Settings) -> Variants:
     """``--variants NAME=OPTIONS ...``: each variant's settings (``argv`` with its options) and options; ValueError
     naming the variant when its name is not a folder name, is repeated, or its options change more than the recipe
     (``RECIPE``)."""
-    found: dict[str, tuple[Settings, tuple[str, ...]]] = {}
+    found: Variants = {}
     base = parallel.without(argv, ("--variants",))
     for item in given or []:
         name, _, text = item.partition("=")
@@ -364,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(status)
 
 
-def parts_of(experiment: Experiment, gpus: int, variants: dict[str, tuple[Settings, tuple[str, ...]]]) -> list:
+def parts_of(experiment: Experiment, gpus: int, variants: Variants) -> list[parallel.Part]:
     """The processes of a run over ``gpus`` GPUs: one per variant (``parallel.variant_parts``), else the seeds and
     arms split (``parallel.plan_parts``)."""
     if variants:
@@ -372,9 +369,7 @@ def parts_of(experiment: Experiment, gpus: int, variants: dict[str, tuple[Settin
     return parallel.plan_parts(experiment, gpus)
 
 
-def run_parallel(
-    experiment: Experiment, gpus: int, argv: list[str], variants: dict[str, tuple[Settings, tuple[str, ...]]]
-) -> int:
+def run_parallel(experiment: Experiment, gpus: int, argv: list[str], variants: Variants) -> int:
     """The shared stages here, then the parts, one process each, a GPU's one after another (``parallel.launch``);
     the children's combined exit status."""
     for st in experiment.shared():
