@@ -101,6 +101,13 @@ def structured_checkpoint(folder: Path, arch: dict, seq_len: int, device: str, l
 
 
 SAVED_OUTPUTS = {"false": False, "true": True, "auto": "auto"}
+# How late a step's row may be read here after the step ends (the trainer's log line, then metrics.jsonl, on a busy
+# host): a run is stopped when its next step, so late, would end past --time-limit-s. Without it, steps shorter than
+# that delay (a tiny CPU run's 0.2 s) could let the limit strike mid-step instead.
+ROW_DELAY_S = 2.0
+# A run starts only with more than this left of --time-limit-s: launching one (torchrun, imports, the model) takes
+# longer, so less could measure nothing.
+MIN_RUN_S = 10.0
 
 
 def write_config(folder: Path, args, seq_len: int, mode: str, tokens: Path, checkpoint: Path | None) -> Path:
@@ -210,7 +217,8 @@ def run_one(
     finished step's row goes to ``on_step`` at once, so a run cut short keeps the steps it measured.
 
     ``time_limit_s``: the run is stopped (its processes killed: the trainer would finish its step first) once that
-    long has passed, or at once when its next step, taken as long as its last, would end later. A SIGTERM to this
+    long has passed, or at once when its next step, taken as long as its last (and read ``ROW_DELAY_S`` late),
+    would end later. A SIGTERM to this
     process (``timeout``) kills the run too. Returns ``summarize`` of the steps, with ``error`` (the output's
     tail) when the run failed or was stopped.
     """
@@ -246,7 +254,8 @@ def run_one(
         for row in rows.new():
             steps.append(row)
             on_step(row)
-            late = time_limit_s and time.monotonic() - started + row.get("step_s", 0) > time_limit_s
+            ends = time.monotonic() - started + row.get("step_s", 0) + ROW_DELAY_S  # the next step's end, at the latest
+            late = time_limit_s and ends > time_limit_s
             if late and row["step"] < last_step and not why_stopped:
                 stop(f"stopped after step {row['step']}: the next would end past {limit}")
 
@@ -339,7 +348,7 @@ def main() -> None:
         type=float,
         default=None,
         help="end within this many seconds of the start: a run still going then is stopped, or at once when its "
-        "next step would end later (the steps it finished are kept); a run left no time is recorded as not run",
+        f"next step would end later (the steps it finished are kept); a run left under {MIN_RUN_S:g} s is recorded as not run",
     )
     p.add_argument(
         "--out",
@@ -396,7 +405,7 @@ def main() -> None:
 
                 profiled = args.profile_dir is not None
                 left = None if args.time_limit_s is None else args.time_limit_s - (time.monotonic() - started)
-                if left is not None and left <= 0:
+                if left is not None and left <= MIN_RUN_S:
                     rec["error"] = f"not run: --time-limit-s {args.time_limit_s:g} was spent"
                     write_results("train_throughput", records, args.out)
                     print(f"{seq_len:>8} {mode:>6} {rec['error']}", flush=True)
