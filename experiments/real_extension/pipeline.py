@@ -184,11 +184,15 @@ class Experiment:
         ]
 
     def _speed(self, n: int, doc: int) -> Stage:
-        path = self.work / "speed" / str(n) / f"doc{doc}.json"
+        path = self._speed_doc(n, doc)
         timed = {a.name for a in self.s.timed_arms}
         done = lambda: path.exists() and timed <= set(json.loads(path.read_text())["arms"])  # noqa: E731 - arms added later
         name = f"speed at {n}" + (f", document {doc + 1} of {self.s.speed_docs}" if self.s.speed_docs > 1 else "")
         return Stage(name, done, lambda: self.estimate.speed(n), lambda: self.speed(n, doc), kind=f"speed:{n}")
+
+    def _speed_doc(self, n: int, doc: int) -> Path:
+        """The speed figures at ``n`` tokens of held-out document ``doc``."""
+        return self.work / "speed" / str(n) / f"doc{doc}.json"
 
     def _base_estimate(self) -> Estimate:
         return self.estimate.base(self.native())
@@ -446,7 +450,7 @@ class Experiment:
         found = speed.time_arms(qkv, self.s.timed_arms, self.s, n)
         del qkv
         _free()
-        write_json(self.work / "speed" / str(n) / f"doc{doc}.json", found)
+        write_json(self._speed_doc(n, doc), found)
         say(f"  document {doc + 1}: " + _speed_line(found))
         docs = sorted((self.work / "speed" / str(n)).glob("doc*.json"), key=lambda p: int(p.stem[3:]))
         result = speed.combine([json.loads(p.read_text()) for p in docs])

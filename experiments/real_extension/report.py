@@ -37,11 +37,8 @@ SAME = (
     "sink_tokens", "eval_seed", "niah_prompts", "niah_forced_prompts", "depths", "ruler_samples", "ruler_tasks",
     "ppl_windows", "first_bucket", "heldout_fraction", "earlier", "rope_final", "rope_theta",
 )  # fmt: skip
-ADDED = {
-    "earlier": [],
-    "rope_final": False,
-    "rope_theta": None,
-}  # settings added since the first runs, and the value those runs had
+# Settings added since the first runs, and the value those runs had.
+ADDED = {"earlier": [], "rope_final": False, "rope_theta": None}
 
 
 def setting(settings: dict, key: str):

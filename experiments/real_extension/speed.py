@@ -129,16 +129,13 @@ def time_arms(
     qkv: dict[int, tuple[Tensor, Tensor, Tensor]], arms: tuple[Arm, ...], settings: Settings, length: int
 ) -> dict:
     """At one length: per layer the dense step's time and per arm its step's time, estimate's time and pattern
-    density; per arm the speedup (dense over sparse, summed over layers) and the mean density."""
+    density; per arm the speedup (dense over sparse, summed over layers) and the mean density (``summary``)."""
     from mtraining.ops import PatternConfig, estimate_pattern
 
-    layers, per_arm = {}, {a.name: {"ms": 0.0, "densities": []} for a in arms}
-    dense_total = 0.0
+    layers = {}
     for layer, (q, k, v) in sorted(qkv.items()):
         do = torch.randn_like(q)
-        dense_ms = median_ms(dense_step(q, k, v, do), settings.speed_repeats)
-        dense_total += dense_ms
-        row = {"dense_ms": dense_ms, "arms": {}}
+        row = {"dense_ms": median_ms(dense_step(q, k, v, do), settings.speed_repeats), "arms": {}}
         for a in arms:
             config = PatternConfig.from_settings(block_size=settings.block_size, **a.pattern(length, settings))
             ms = median_ms(sparse_step(q, k, v, do, config, layer, settings.backend), settings.speed_repeats)
@@ -146,19 +143,25 @@ def time_arms(
             estimate_ms = median_ms(estimate, settings.speed_repeats)
             density = float(estimate().density().float().mean())
             row["arms"][a.name] = {"ms": ms, "estimate_ms": estimate_ms, "density": density}
-            per_arm[a.name]["ms"] += ms
-            per_arm[a.name]["densities"].append(density)
         layers[str(layer)] = row
         del do
-    summary = {
-        name: {
-            "attention_speedup": dense_total / found["ms"] if found["ms"] else math.nan,
-            "sparse_ms": found["ms"],
-            "density": sum(found["densities"]) / len(found["densities"]),
+    return {"length": length, **summary(layers), "layers": layers}
+
+
+def summary(layers: dict[str, dict]) -> dict:
+    """From per-layer rows (``time_arms``'s): the dense milliseconds summed over the layers and, per arm, its
+    speedup (dense over sparse, each summed over the layers), its summed milliseconds and its mean density."""
+    dense = sum(row["dense_ms"] for row in layers.values())
+    names = list(next(iter(layers.values()))["arms"])
+    arms = {}
+    for name in names:
+        sparse_ms = sum(row["arms"][name]["ms"] for row in layers.values())
+        arms[name] = {
+            "attention_speedup": dense / sparse_ms if sparse_ms else math.nan,
+            "sparse_ms": sparse_ms,
+            "density": statistics.fmean(row["arms"][name]["density"] for row in layers.values()),
         }
-        for name, found in per_arm.items()
-    }
-    return {"length": length, "dense_ms": dense_total, "arms": summary, "layers": layers}
+    return {"dense_ms": dense, "arms": arms}
 
 
 def text_ids(tokenizer, docs: list[str], length: int) -> Tensor:
@@ -178,9 +181,9 @@ def text_ids(tokenizer, docs: list[str], length: int) -> Tensor:
 
 
 def combine(found: list[dict]) -> dict:
-    """``time_arms``'s results on several documents at one length as one: times summed over documents (so the
-    speedup is of all of them), densities averaged; each document's own speedup and density kept in
-    ``documents``."""
+    """``time_arms``'s results on several documents at one length as one: each layer's times summed over the
+    documents and its densities averaged, then ``summary`` of those layers (so the speedup is of every document);
+    each document's own speedup and density kept in ``documents``."""
     first = found[0]
     names = list(first["arms"])
     layers = {}
@@ -195,15 +198,6 @@ def combine(found: list[dict]) -> dict:
             for a in names
         }
         layers[layer] = {"dense_ms": sum(r["dense_ms"] for r in rows), "arms": arms}
-    dense = sum(f["dense_ms"] for f in found)
-    arms = {}
-    for a in names:
-        sparse_ms = sum(f["arms"][a]["sparse_ms"] for f in found)
-        arms[a] = {
-            "attention_speedup": dense / sparse_ms if sparse_ms else math.nan,
-            "sparse_ms": sparse_ms,
-            "density": statistics.fmean(f["arms"][a]["density"] for f in found),
-        }
     documents = [
         {
             "dense_ms": f["dense_ms"],
@@ -211,4 +205,4 @@ def combine(found: list[dict]) -> dict:
         }
         for f in found
     ]
-    return {"length": first["length"], "dense_ms": dense, "arms": arms, "layers": layers, "documents": documents}
+    return {"length": first["length"], **summary(layers), "layers": layers, "documents": documents}
