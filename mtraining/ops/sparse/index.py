@@ -162,6 +162,15 @@ class KeyWalk(NamedTuple):
         return cls(*lists, s[0], s[1], s[2], cb, ch, tb, th, m[0], m[1], w[0], w[1])
 
 
+def without_blocks(walk: QueryWalk | KeyWalk) -> QueryWalk | KeyWalk:
+    """``walk`` with its block lists emptied (no listed block, no diagonal block; strides kept): the kernels
+    then compute only the vertical columns that no selected block diagonal covers (they test each vertical
+    against ``diag_mask``), the part a block-sparse kernel that computes the selected blocks leaves over
+    (ops/sparse/fa4.py)."""
+    unmasked = None if walk.unmasked is None else torch.zeros_like(walk.unmasked)
+    return walk._replace(count=torch.zeros_like(walk.count), diag=torch.full_like(walk.diag, -1), unmasked=unmasked)
+
+
 def _shared_strides(*lists: Tensor | None) -> tuple[int, int]:
     """The (batch, head) strides that ``lists`` [B, H, n] share (None: absent); the kernels index them alike."""
     present = [t for t in lists if t is not None]

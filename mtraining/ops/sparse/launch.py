@@ -28,6 +28,7 @@ from .index import (
     column_walk_torch,
     key_walk_torch,
     query_walk_torch,
+    without_blocks,
 )
 from .index_kernels import chunk_pair_triton, key_walk_triton, query_walk_triton
 from .kernels import HeadTensor, KeyGrads, RowStats
@@ -86,9 +87,19 @@ def chunk_pair(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor) -> C
     return pattern.index_cache.get(("pair",), q_pos, k_pos, lambda: build(pattern, q_pos, k_pos))
 
 
-def query_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, q_bound: Tensor | None = None) -> QueryWalk:
+def query_walk(
+    pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, q_bound: Tensor | None = None, blocks: bool = True
+) -> QueryWalk:
     """The forward's and dQ kernel's walk of a chunk pair (``q_bound``: the rows' document bounds),
-    built once per pattern and chunk pair."""
+    built once per pattern and chunk pair; ``blocks=False``: ``without_blocks``, the verticals only."""
+    if not blocks:
+        return pattern.index_cache.get(
+            ("query", "verticals"),
+            q_pos,
+            k_pos,
+            lambda: without_blocks(query_walk(pattern, q_pos, k_pos, q_bound)),
+            q_bound,
+        )
     build = query_walk_triton if q_pos.is_cuda else query_walk_torch
     return pattern.index_cache.get(
         ("query",), q_pos, k_pos, lambda: build(pattern, chunk_pair(pattern, q_pos, k_pos), q_bound), q_bound
@@ -96,10 +107,23 @@ def query_walk(pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, q_bo
 
 
 def key_walk(
-    pattern: VerticalSlashPattern, q_pos: Tensor, k_pos: Tensor, v_chunk: int, q_bound: Tensor | None = None
+    pattern: VerticalSlashPattern,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    v_chunk: int,
+    q_bound: Tensor | None = None,
+    blocks: bool = True,
 ) -> KeyWalk:
     """The dK/dV kernels' walk of a chunk pair, verticals in chunks of ``v_chunk`` (``q_bound``: the rows'
-    document bounds), built once per pattern, chunk pair and ``v_chunk``."""
+    document bounds), built once per pattern, chunk pair and ``v_chunk``; ``blocks=False``: ``without_blocks``."""
+    if not blocks:
+        return pattern.index_cache.get(
+            ("key", v_chunk, "verticals"),
+            q_pos,
+            k_pos,
+            lambda: without_blocks(key_walk(pattern, q_pos, k_pos, v_chunk, q_bound)),
+            q_bound,
+        )
     build = key_walk_triton if q_pos.is_cuda else key_walk_torch
     return pattern.index_cache.get(
         ("key", v_chunk),
@@ -192,14 +216,17 @@ def forward(
     v: Tensor,
     out_dtype: torch.dtype,
     merge_into: tuple[Tensor, Tensor] | None = None,
+    *,
+    blocks: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """``AttentionBackend.forward`` (ops/backend.py) by the forward kernel, which merges into ``merge_into`` itself."""
+    """``AttentionBackend.forward`` (ops/backend.py) by the forward kernel, which merges into ``merge_into`` itself;
+    ``blocks=False``: only the verticals no selected block diagonal covers (``index.without_blocks``)."""
     q_pos, k_pos, scale, q_bound = chunk.q_pos, chunk.k_pos, chunk.scale, chunk.q_bound
     q, k, v = unit_stride(q, k, v)
     pattern = _resolve(q, chunk.pattern, q_pos, k_pos)
     b, sq, hq, d = q.shape
     t = tile_config(pattern.block_size, d, q.device, q.dtype).fwd
-    walk = query_walk(pattern, q_pos, k_pos, q_bound)
+    walk = query_walk(pattern, q_pos, k_pos, q_bound, blocks)
     if merge_into is not None:
         out, lse = merge_into
     else:
@@ -253,10 +280,9 @@ class _Backward:
         )
 
 
-def _dq(bw: _Backward, k: Tensor, v: Tensor) -> None:
+def _dq(bw: _Backward, k: Tensor, v: Tensor, walk: QueryWalk) -> None:
     """dQ by its own kernel over the query walk (the forward's), written into the arguments' DQ (Q's strides)."""
     t = bw.cfg.dq
-    walk = query_walk(bw.pattern, bw.q_pos, bw.k_pos, bw.q_bound)
     b, sq, hq, d = bw.args["Q"].ptr.shape
     kernels._bwd_dq_kernel[(triton.cdiv(sq, t.block_m), b * hq)](
         **bw.args,
@@ -310,9 +336,12 @@ def backward(
     lse: Tensor,
     delta: Tensor,
     dq_dtype: torch.dtype | None = None,
+    *,
+    blocks: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``AttentionBackend.backward`` (ops/backend.py) by the dQ and dK/dV kernels; the dQ kernel writes dq in ``dq_dtype``
-    directly (no float32 copy)."""
+    directly (no float32 copy). ``blocks=False``: only the verticals no selected block diagonal covers (the block
+    kernel then only zeroes dK and dV)."""
     q_pos, k_pos, scale, q_bound = chunk.q_pos, chunk.k_pos, chunk.scale, chunk.q_bound
     do, q, k, v = unit_stride(do, q, k, v)
     pattern = _resolve(q, chunk.pattern, q_pos, k_pos)
@@ -336,8 +365,8 @@ def backward(
     )
     bw = _Backward(args, KeyGrads.of(dk, dv), pattern, q_pos, k_pos, q_bound, cfg)
     if own_kernel:
-        _dq(bw, k, v)
-    walk = key_walk(pattern, q_pos, k_pos, cfg.dkdv.block_v, q_bound)
+        _dq(bw, k, v, query_walk(pattern, q_pos, k_pos, q_bound, blocks))
+    walk = key_walk(pattern, q_pos, k_pos, cfg.dkdv.block_v, q_bound, blocks)
     _dkdv_block(bw, walk)
     _dkdv_vertical(bw, walk)
     columns = column_walk(pattern, q_pos, k_pos)
