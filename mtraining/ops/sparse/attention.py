@@ -1,7 +1,9 @@
 """Sparse attention: backend dispatch, the dense-or-sparse decision of a chunk pair, the autograd op.
 
 ``attention_forward`` / ``attention_backward`` / ``attention_delta`` are the per-chunk primitives of
-the two backends (``AttentionBackend``, ops/backend.py: "torch": ops/reference.py, "triton": launch.py). ``plan_chunk`` decides, in one
+the two backends (``AttentionBackend``, ops/backend.py: "torch": ops/reference.py, "triton": launch.py).
+A single-device call may also ask for "fa4" (fa4.py: the selected blocks by FlashAttention-4, the verticals
+by the Triton kernels), within the scope ``fa4.check_call`` names. ``plan_chunk`` decides, in one
 place, how a chunk pair (the rows of one single-device call, or one ring step) is computed: as dense
 blocks (no pattern, on cuDNN where it applies: ops/dense) or by the backend; the ring engines and
 ``sparse_attention`` (the single-device autograd op users call) both follow its ``ChunkPlan``.
@@ -32,9 +34,12 @@ from ..checks import (
 from ..documents import Documents, resolve_documents
 from ..numerics import merge_partial, row_delta
 from ..pattern import VerticalSlashPattern
+from . import fa4
 from .index import DENSE_BLOCK, check_aligned_positions
 
 Backend = Literal["auto", "triton", "torch"]
+CallBackend = Literal["auto", "triton", "torch", "fa4"]
+"""The backends of a single-device call: ``Backend``'s, or "fa4" (fa4.py)."""
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -129,7 +134,7 @@ class ChunkPlan(Chunk):
     ``plan_chunk``; forward and backward follow it, handing the chunk to its backend (``AttentionBackend``).
 
     Attributes (beyond the ``Chunk``'s, by keyword):
-        backend: the resolved backend, "torch" or "triton".
+        backend: the resolved backend, "torch", "triton" or "fa4" (fa4.py; single-device calls only).
         dense: the pair as dense blocks (ops/dense), or None: the backend computes it.
     """
 
@@ -140,6 +145,10 @@ class ChunkPlan(Chunk):
         self, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dtype, merge_into: tuple[Tensor, Tensor] | None = None
     ) -> tuple[Tensor, Tensor]:
         """(out in ``out_dtype``, lse) of the pair; with ``merge_into`` (out, lse) over other keys, merged into those."""
+        if self.backend == "fa4":
+            if merge_into is not None:
+                raise ValueError("backend='fa4' computes single-device calls, not ring steps: use backend='triton'")
+            return fa4.FA4.forward(self, q, k, v, out_dtype)
         if self.dense is None:
             return _backend_module(self.backend).forward(self, q, k, v, out_dtype, merge_into)
         part = self.dense.forward(q, k, v, self.scale, out_dtype)
@@ -165,6 +174,8 @@ class ChunkPlan(Chunk):
             return self.dense.backward(do, q, k, v, out, lse, self.scale)
         if delta is None:
             raise ValueError("the backend's backward needs the rows' delta (attention_delta)")
+        if self.backend == "fa4":  # its block part takes the rows' out (FA4 computes delta itself)
+            return fa4.FA4.backward(self, do, q, k, v, out, lse, delta, dq_dtype)
         return _backend_module(self.backend).backward(self, do, q, k, v, lse, delta, dq_dtype)
 
 
@@ -205,12 +216,12 @@ def _plan_call(
     q_pos: Tensor | None,
     k_pos: Tensor | None,
     softmax_scale: float | None,
-    backend: Backend,
+    backend: CallBackend,
     documents: Documents | None,
 ) -> ChunkPlan:
     """Validate a single-device call once and plan it."""
-    name = resolve_backend(backend, q.device)
-    check_backend_inputs(q, k, v, name)
+    name = "fa4" if backend == "fa4" else resolve_backend(backend, q.device)
+    check_backend_inputs(q, k, v, "triton" if name == "fa4" else name)  # fa4: the Triton kernels run the verticals
     q_given, k_given = q_pos is not None, k_pos is not None
     if q_given or k_given:
         q_pos, k_pos = default_positions(q, k, q_pos, k_pos)
@@ -230,6 +241,8 @@ def _plan_call(
             blocks = functools.partial(dense.default_blocks, sq, sk)
         else:
             blocks = functools.partial(default_document_blocks, documents, sq, sk)
+    if name == "fa4":
+        fa4.check_call(q, k, pattern, q_given or k_given, documents)
     if name == "triton":
         grid = pattern.block_size if pattern is not None else DENSE_BLOCK
         # default positions are checked on the host: the device check would wait for the GPU
@@ -312,7 +325,7 @@ def sparse_attention(
     k_pos: Tensor | None = None,
     softmax_scale: float | None = None,
     return_lse: bool = False,
-    backend: Backend = "auto",
+    backend: CallBackend = "auto",
     reuse: tuple[Tensor, Tensor] | None = None,
     documents: Documents | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -326,7 +339,10 @@ def sparse_attention(
         q_pos, k_pos: global positions of the rows and keys (default: keys 0..Sk-1, queries the last Sq).
         softmax_scale: default 1/sqrt(D).
         return_lse: also return the LSE.
-        backend: "auto" (Triton on CUDA, plain PyTorch elsewhere), "triton" or "torch".
+        backend: "auto" (Triton on CUDA, plain PyTorch elsewhere), "triton", "torch", or "fa4": the selected
+            block diagonals by FlashAttention-4's block-sparse kernels and the verticals outside them by the
+            Triton kernels (``pip install flash-attn-4``; one CUDA device, default positions with Sq = Sk, no
+            documents, no per-block columns, a pattern block that is a multiple of 128; ValueError otherwise).
         reuse: (out, lse) that an earlier call with the same inputs returned: the forward is skipped and
             the backward uses them (for the forward that activation checkpointing recomputes).
         documents: packed documents (``mtraining.ops.Documents``): a row sees only the keys of its own
