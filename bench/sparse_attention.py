@@ -10,14 +10,20 @@ A density sweep times hand-made local + vertical patterns of about 1%, 3%, 10%, 
 ``--block-columns K ...`` also times the estimated lines plus K per-block columns per query block
 (``PatternConfig.block_columns``: their estimate and their kernel stage), next to the lines alone, once per
 ``--column-scorers`` (sorted: candidates from sorted hash codes; dense: every pair scored).
+``--backends triton fa4`` times each pattern on each ``sparse_attention`` backend in the same run, beside the
+same cuDNN figures (one record per backend, its name in ``backend``); "fa4" (FlashAttention-4's block-sparse
+kernels for the selected blocks, ``pip install flash-attn-4``) does not compute per-block columns: those rows
+are left out for it, and the run says so.
 
     python bench/sparse_attention.py --seq-lens 32768 65536 131072 262144
+    python bench/sparse_attention.py --seq-lens 131072 524288 --backends triton fa4 --inputs structured
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -27,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from common import add_attention_shape, bench_ms, provenance, write_results  # noqa: E402
 
 from mtraining.ops import VerticalSlashPattern, sparse_attention  # noqa: E402
+
+BACKENDS = ("triton", "fa4")
+"""The ``sparse_attention`` backends this benchmark times (``--backends``)."""
 
 
 def dense_times(q, k, v, do) -> tuple[float, float]:
@@ -52,31 +61,31 @@ def dense_times(q, k, v, do) -> tuple[float, float]:
     return f, fb
 
 
-def sparse_times(q, k, v, do, pattern) -> tuple[float, float, float]:
-    """Sparse fwd, bwd (on a retained graph) and fwd+bwd ms."""
+def sparse_times(q, k, v, do, pattern, backend: str = "auto") -> tuple[float, float, float]:
+    """Sparse fwd, bwd (on a retained graph) and fwd+bwd ms on ``backend``."""
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     with torch.no_grad():
-        f = bench_ms(lambda: sparse_attention(q, k, v, pattern))
-    out = sparse_attention(qg, kg, vg, pattern)
+        f = bench_ms(lambda: sparse_attention(q, k, v, pattern, backend=backend))
+    out = sparse_attention(qg, kg, vg, pattern, backend=backend)
     b = bench_ms(lambda: out.backward(do, retain_graph=True), warmup_ms=50)
     del out
 
     def fwd_bwd():
-        sparse_attention(qg, kg, vg, pattern).backward(do)
+        sparse_attention(qg, kg, vg, pattern, backend=backend).backward(do)
 
     fb = bench_ms(fwd_bwd)
     return f, b, fb
 
 
-def training_step_ms(q, k, v, do, config) -> float:
-    """Estimate + forward + backward as a training step runs them: a new pattern every call, so its
-    kernel indices are built inside the timed region too."""
+def training_step_ms(q, k, v, do, config, backend: str = "auto") -> float:
+    """Estimate + forward + backward on ``backend`` as a training step runs them: a new pattern every call, so
+    its kernel indices (and block lists) are built inside the timed region too."""
     from mtraining.ops import estimate_pattern
 
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
 
     def step():
-        sparse_attention(qg, kg, vg, estimate_pattern(q, k, config)).backward(do)
+        sparse_attention(qg, kg, vg, estimate_pattern(q, k, config), backend=backend).backward(do)
 
     return bench_ms(step)
 
@@ -106,6 +115,8 @@ def run(args) -> list[dict]:
         dtype="bfloat16",
         block_size=g,
     )
+    if "fa4" in args.backends:
+        base["flash_attn_4"] = metadata.version("flash-attn-4")
     records: list[dict] = []
     scorers = [(0, "sorted")] + [(c, scorer) for c in args.block_columns for scorer in args.column_scorers]
     configs = {
@@ -127,45 +138,48 @@ def run(args) -> list[dict]:
                     config = configs[columns, scorer]
                     est_ms = bench_ms(lambda: estimate_pattern(q, k, config), warmup_ms=50, rep_ms=300)
                     pattern = estimate_pattern(q, k, config)
-                    total = training_step_ms(q, k, v, do, config)
                 else:
-                    est_ms = 0.0
+                    config, est_ms = None, 0.0
                     pattern = sweep_pattern(1, hq, n, g, target, 1024)
-                    total = None
                 density = float(pattern.density().mean())
-                f, b, fb = sparse_times(q, k, v, do, pattern)
-                total = total if total is not None else fb
-                rec = dict(
-                    base,
-                    seq_len=n,
-                    inputs=kind,
-                    pattern=source,
-                    target_density=target,
-                    v_size=v_size,
-                    s_size=s_size,
-                    block_columns=columns,
-                    column_scorer=scorer if columns else None,
-                    density=density,
-                    estimate_ms=est_ms,
-                    sparse_fwd_ms=f,
-                    sparse_bwd_ms=b,
-                    sparse_fwd_bwd_ms=fb,
-                    sparse_total_ms=total,
-                    dense_fwd_ms=dense_f,
-                    dense_fwd_bwd_ms=dense_fb,
-                    speedup_fwd_bwd=dense_fb / total,
-                    over_ideal=total / (density * dense_fb),
-                    bwd_over_fwd=b / f,
-                    dense_tflops_fwd_bwd=3.5 * 4 * n * n / 2 * d * hq / dense_fb / 1e9,
-                )
-                records.append(rec)
-                print(
-                    f"{n:>7} {kind:>10} {source:>9} cols={columns:>4}{'/' + scorer if columns else ''} "
-                    f"dens={density:6.3f} est={est_ms:6.2f} fwd={f:7.2f} "
-                    f"bwd={b:7.2f} fb={fb:7.2f} dense_fb={dense_fb:7.2f} speedup={rec['speedup_fwd_bwd']:5.2f} "
-                    f"over_ideal={rec['over_ideal']:4.2f} bwd/fwd={b / f:4.2f}",
-                    flush=True,
-                )
+                for backend in args.backends:
+                    if backend == "fa4" and columns:
+                        print(f"{n:>7} {kind:>10} cols={columns}: fa4 does not compute per-block columns, left out")
+                        continue
+                    f, b, fb = sparse_times(q, k, v, do, pattern, backend)
+                    total = training_step_ms(q, k, v, do, config, backend) if config is not None else fb
+                    rec = dict(
+                        base,
+                        backend=backend,
+                        seq_len=n,
+                        inputs=kind,
+                        pattern=source,
+                        target_density=target,
+                        v_size=v_size,
+                        s_size=s_size,
+                        block_columns=columns,
+                        column_scorer=scorer if columns else None,
+                        density=density,
+                        estimate_ms=est_ms,
+                        sparse_fwd_ms=f,
+                        sparse_bwd_ms=b,
+                        sparse_fwd_bwd_ms=fb,
+                        sparse_total_ms=total,
+                        dense_fwd_ms=dense_f,
+                        dense_fwd_bwd_ms=dense_fb,
+                        speedup_fwd_bwd=dense_fb / total,
+                        over_ideal=total / (density * dense_fb),
+                        bwd_over_fwd=b / f,
+                        dense_tflops_fwd_bwd=3.5 * 4 * n * n / 2 * d * hq / dense_fb / 1e9,
+                    )
+                    records.append(rec)
+                    print(
+                        f"{n:>7} {kind:>10} {source:>9} {backend:>6} cols={columns:>4}{'/' + scorer if columns else ''} "
+                        f"dens={density:6.3f} est={est_ms:6.2f} fwd={f:7.2f} "
+                        f"bwd={b:7.2f} fb={fb:7.2f} dense_fb={dense_fb:7.2f} speedup={rec['speedup_fwd_bwd']:5.2f} "
+                        f"over_ideal={rec['over_ideal']:4.2f} bwd/fwd={b / f:4.2f}",
+                        flush=True,
+                    )
                 del pattern
             del q, k, v, do
             torch.cuda.empty_cache()
@@ -182,6 +196,9 @@ def main() -> None:
     p.add_argument("--block-columns", type=int, nargs="*", default=[], help="per-block column counts to time too")
     p.add_argument(
         "--column-scorers", nargs="+", default=["sorted"], choices=["sorted", "dense"], help="with --block-columns"
+    )
+    p.add_argument(
+        "--backends", nargs="+", default=["triton"], choices=BACKENDS, help="sparse_attention backends to time"
     )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
