@@ -116,7 +116,7 @@ class TorchBlocks:
 
 # ----------------------------------------------------------------------------- tile lists
 @pytest.mark.parametrize("kind", ["random", "blocks_only", "inside_blocks", "dense", "empty"])
-@pytest.mark.parametrize("n,g,tile", [(96, 16, 16), (100, 32, 16), (128, 32, 32), (90, 32, 8)])
+@pytest.mark.parametrize("n,g,tile", [(96, 16, 16), (100, 32, 16), (128, 32, 32), (90, 32, 8), (70, 32, 16)])
 def test_tile_lists_cover_the_selected_blocks(kind, n, g, tile):
     pattern = pattern_of(kind, 2, 3, n, g, seed=n + g + tile)
     blocks = sparse_blocks(pattern, n, tile)
@@ -137,6 +137,7 @@ def test_tile_lists_cover_the_selected_blocks(kind, n, g, tile):
             steps = index[..., 1:] - index[..., :-1]
             assert (steps[used[..., 1:]] > 0).all(), f"{name}: lists must ascend"
             assert (index[used] < n_tiles).all() and (index[~used] == 0).all()
+            assert index.shape[-1] <= n_tiles, f"{name}: lists wider than the tiles (FA4 refuses them)"
 
 
 def test_tile_must_divide_the_pattern_block():

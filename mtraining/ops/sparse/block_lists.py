@@ -71,9 +71,10 @@ def sparse_blocks(pattern: VerticalSlashPattern, seq_len: int, tile: int = FA4_T
 
 def _split(other: Tensor, ok: Tensor, tiles: Tensor) -> BlockLists:
     """The kept tiles ``other`` [B, H, n, L] (ascending where ``ok``) of each tile ``tiles`` [n], split into the
-    one on the main diagonal (partial: causal mask) and the rest (full)."""
+    one on the main diagonal (partial: causal mask) and the rest (full). The lists are at most n wide (the kernel
+    takes no wider ones), one entry per distinct tile."""
     diagonal = other == tiles[:, None]
-    width = other.shape[-1]
+    width = min(other.shape[-1], tiles.shape[0])
     partial_index, partial_count = compact(other, ok & diagonal, 0, width=1)
     full_index, full_count = compact(other, ok & ~diagonal, 0, width=width)
     return BlockLists(partial_count, partial_index, full_count, full_index)
