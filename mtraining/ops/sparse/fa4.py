@@ -166,7 +166,8 @@ class SplitBackend:
 
 
 FA4 = SplitBackend(FlashAttention4())
-"""The backend ``sparse_attention(..., backend="fa4")`` runs (tests swap its ``block_part``)."""
+"""The backend ``sparse_attention(..., backend="fa4")`` runs (the CPU tests put one with an exact torch block part
+in its place)."""
 
 
 def check_call(
