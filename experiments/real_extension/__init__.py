@@ -10,7 +10,8 @@ under test), and the sparse arms are timed on the extended model's own Q/K. Modu
 - ``parallel``: ``--parallel-gpus``, the seeds spread over the GPUs of one machine; ``session``: ``--plan``'s calls;
 - ``evaluation``: one read of one model at every length, and the prompts built in the background;
 - ``speed``: Q/K/V dumped from the model, each arm timed against dense attention;
-- ``report``: result folders of several machines pooled by seed, intervals over seeds, Markdown and one picture.
+- ``report``: result folders of several machines pooled by seed, intervals over seeds, Markdown and one picture;
+  ``recipes``: the dense models of a recipe screen (``--variants``) side by side, unpaired.
 
 Results: ``real_extension.json``, ``.md`` and ``.png`` in bench/results/ (``--report-from``).
 """

@@ -10,7 +10,8 @@ not retrieve, 2 a bad command. ``--parallel-gpus N`` spreads the seeds over N GP
 (``parallel``); ``--variants`` screens training recipes side by side the same way. ``--plan`` prints the stages
 with their expected times and the session sized call by call (``session``); ``--report-from`` reports runs (each a result folder, or machines' folders joined by commas, split
 by seed; each arm paired with its own run's dense arm; partial reads included, the missing cells listed) into
-real_extension.json, .md and .png in bench/results/.
+real_extension.json, .md and .png in bench/results/; with ``--report-recipes`` the dense models of runs of different
+training recipes side by side, unpaired (``recipes``).
 
     python -m experiments.real_extension --plan --parallel-gpus 2 --max-minutes 9 --gguf smollm2.gguf \\
         --code-python python3 --prose docs.tar.xz
@@ -34,7 +35,7 @@ from bench.common import RESULTS_DIR
 from ..common.background import Background
 from ..common.stages import LOG, Clock, OutOfTime, Refused, say, write_json
 from ..common.training import ROOT
-from . import parallel, report, session
+from . import parallel, recipes, report, session
 from .pipeline import BaseDoesNotRetrieve, Experiment, GGUFNotHere, Sources, record_call
 from .settings import PRESETS, Settings, arm, calibration_for
 
@@ -165,6 +166,11 @@ def parser() -> argparse.ArgumentParser:
     )
     rep.add_argument("--report-out", type=Path, default=RESULTS_DIR, help="where the pooled report goes")
     rep.add_argument("--report-name", default="real_extension", help="the report's file names (<name>.json, .md, .png)")
+    rep.add_argument(
+        "--report-recipes",
+        action="store_true",
+        help="report the runs' dense models side by side, unpaired: runs of different training recipes (recipes.py)",
+    )
     return p
 
 
@@ -281,18 +287,27 @@ def variants_of(argv: list[str], given: list[str] | None, common: Settings) -> V
     return found
 
 
+def write_reports(args: argparse.Namespace) -> None:
+    """``--report-from``: the paired report of the runs, or with ``--report-recipes`` their recipes side by side."""
+    if args.report_recipes:
+        path = recipes.write_recipes(args.report_from, args.report_out, args.report_name)
+        print(f"wrote {path} and {path.with_suffix('.md')}")
+        return
+    path = report.write_report(args.report_from, args.report_out, args.report_name, default=args.default_arm)
+    print(f"wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
+    lacking = json.loads(path.read_text())["missing"]
+    if lacking:
+        print(f"partial: {len(lacking)} missing: " + "; ".join(lacking))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = parser()
     args = p.parse_args(argv)
     if args.report_from:
         try:
-            path = report.write_report(args.report_from, args.report_out, args.report_name, default=args.default_arm)
+            write_reports(args)
         except ValueError as err:
             p.error(str(err))
-        print(f"wrote {path}, {path.with_suffix('.md')} and {path.with_suffix('.png')}")
-        lacking = json.loads(path.read_text())["missing"]
-        if lacking:
-            print(f"partial: {len(lacking)} missing: " + "; ".join(lacking))
         return
     try:
         settings = settings_of(args)

@@ -113,13 +113,15 @@ def check_same(folders: Sequence[dict]) -> None:
             )
 
 
-def load_runs(runs: Sequence[str | Path]) -> list[dict]:
+def load_runs(runs: Sequence[str | Path], paired: bool = True) -> list[dict]:
     """Each run pooled (``pool``; a run: a folder, or folders joined by commas), named by its ``label``: its
     commits, or its folders where two runs share commits. Settings are checked equal across runs; an arm other
-    than dense in two runs is refused, since it could pair with either run's dense arm."""
+    than dense in two runs is refused, since it could pair with either run's dense arm. ``paired=False``: runs of
+    different recipes, side by side and never paired (recipes.py): only each run's own folders are checked equal."""
     parts = [[Path(p) for p in str(run).split(",")] for run in runs]
     loaded = [[load_folder(f) for f in expand(folders)] for folders in parts]
-    check_same([f for folders in loaded for f in folders])
+    if paired:
+        check_same([f for folders in loaded for f in folders])
     pooled = [
         pool(folders) | {"run": ",".join(map(str, names)), "folders": [f["folder"] for f in folders]}
         for folders, names in zip(loaded, parts)
@@ -127,7 +129,7 @@ def load_runs(runs: Sequence[str | Path]) -> list[dict]:
     owner: dict[str, str] = {}
     for run in pooled:
         for name, arm in run["arms"].items():
-            if arm["sparse"] and name in owner:
+            if paired and arm["sparse"] and name in owner:
                 raise ValueError(f"arm {name} is in {owner[name]} and {run['run']}: give each arm's run once")
             owner[name] = run["run"]
     commits = [",".join(sorted({str(c.get("commit")) for c in run["calls"]})) for run in pooled]
@@ -430,7 +432,7 @@ def markdown(runs: Sequence[dict], found: list[dict], picture: str | None, timed
                     f"{_change(m['niah_forced'], 1)} | {_change(m['niah_nll'], 3)} | {_change(m['ruler'], 1)} |"
                 )
             lines.append("")
-    lines += _absolute(runs) + _by_depth(runs) + (_dense_across(runs) if len(runs) > 1 else [])
+    lines += figures_read(runs) + niah_by_depth(runs) + (_dense_across(runs) if len(runs) > 1 else [])
     lines += _training_table(runs, found) + _speed_table(found, timed) + _base(runs)
     if picture:
         lines += [f"![attention speedup against accuracy change]({picture})", ""]
@@ -504,7 +506,7 @@ def _runs_table(runs: Sequence[dict], found: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def _absolute(runs: Sequence[dict]) -> list[str]:
+def figures_read(runs: Sequence[dict]) -> list[str]:
     """Each read's figures, means over seeds, per length; a model read in several runs is named by its run."""
     lines = ["## Figures read (means over seeds)", "", "| model | read | length | ppl (last bucket) | NIAH % | NIAH forced % | NIAH answer loss | RULER % |"]  # fmt: skip
     lines += ["|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -526,7 +528,7 @@ def _absolute(runs: Sequence[dict]) -> list[str]:
     return lines + [""]
 
 
-def _by_depth(runs: Sequence[dict]) -> list[str]:
+def niah_by_depth(runs: Sequence[dict]) -> list[str]:
     """The teacher-forced NIAH score by the needle's depth in the context, per model, read and length (means over
     seeds): where in the context a model stops finding the needle. Reads without per-prompt records are left out."""
     groups: dict[tuple[str, str, int], dict[float, list[float]]] = {}

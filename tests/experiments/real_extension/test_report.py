@@ -14,7 +14,7 @@ import pytest
 from scipy import stats
 
 from experiments.common.stages import Refused
-from experiments.real_extension import cli, report
+from experiments.real_extension import cli, recipes, report
 from experiments.real_extension.cli import check_work, settings_of
 from experiments.real_extension.costs import Estimator, Shape, Timings
 from experiments.real_extension.pipeline import Experiment, Sources
@@ -357,3 +357,20 @@ def test_niah_by_depth_is_the_forced_score_per_depth_over_seeds(tmp_path):
     table = md.split("## NIAH by needle depth")[1].split("##")[0]
     assert "| model | read | length | 0% | 100% |" in table and "| dense | dense | 4096 | 67 | 33 |" in table
     assert "adaptive" not in table  # reads without per-prompt records are left out
+
+
+def test_recipes_sets_dense_models_of_different_recipes_side_by_side(tmp_path):
+    slow = folder(tmp_path / "screen" / "lr2e5", [0], replace(SETTINGS, lr=2e-5), speed=False)
+    base = folder(tmp_path / "earlier" / "gpu0", [0], speed=False)
+    with pytest.raises(ValueError, match="differ in"):  # the paired report refuses them
+        report.write_report([base, slow], tmp_path / "out")
+    path = recipes.write_recipes([base, slow], tmp_path / "out", "screen")
+    runs = {run["label"]: run for run in json.loads(path.read_text())["runs"]}
+    assert set(runs) == {"earlier/gpu0", "screen/lr2e5"}
+    assert runs["screen/lr2e5"]["recipe"]["lr"] == 2e-5 and runs["earlier/gpu0"]["recipe"]["lr"] == SETTINGS.lr
+    assert set(runs["screen/lr2e5"]["reads"]) == {"seed0_dense__dense"}  # the other arm's model is left out
+    assert runs["screen/lr2e5"]["reads"]["seed0_dense__dense"]["4096"]["niah_forced"] == FIGURES[0][0][2]
+    assert runs["screen/lr2e5"]["training"] == {"final_loss": 2.0, "step_s": 1.0, "peak_mem_gb": None, "seeds": [0]}
+    md = path.with_suffix(".md").read_text()
+    assert "| screen/lr2e5 | abc | 0 | 30 steps | 2e-05 | 2.000 |" in md
+    assert "| dense (earlier/gpu0) | dense | 4096 | 10.000 | 80.0 | 70.0 |" in md
