@@ -94,6 +94,80 @@ def sparse_attention_table(name: str = "sparse_attention") -> str:
     return "\n\n".join(blocks)
 
 
+def sparse_attention_backends_table(names: tuple[str, ...]) -> str:
+    """The ``sparse_attention`` backends side by side (bench/sparse_attention.py ``--backends``), one block per file
+    (one device call each); "fa4 / triton" is the total time over the Triton row's of the same pattern, and
+    "fwd+bwd / (density x cuDNN)" leaves the estimate out."""
+    head = [
+        "seq",
+        "inputs",
+        "pattern",
+        "backend",
+        "density",
+        "estimate ms",
+        "fwd ms",
+        "bwd ms",
+        "bwd/fwd",
+        "sparse total ms",
+        "cuDNN fwd+bwd ms",
+        "speedup",
+        "total / (density x cuDNN)",
+        "fwd+bwd / (density x cuDNN)",
+        "fa4 / triton",
+    ]
+    blocks = []
+    for name in names:
+        records = _load(name)
+        if not records:
+            continue
+        r0 = records[0]
+        lines = [
+            f"`bench/results/{name}.json`: {r0['device']}, commit {r0['commit']}, flash-attn-4 "
+            f"{r0.get('flash_attn_4', '')}; `{r0['command']}`:",
+            "",
+            _row(head),
+            _row(["---"] * len(head)),
+        ]
+
+        def pattern_key(r: dict) -> tuple:
+            return (r["seq_len"], r["inputs"], r["pattern"], r["target_density"] or 0.0)
+
+        triton = {pattern_key(r): r for r in records if r["backend"] == "triton"}
+        order = {"triton": 0, "fa4": 1}
+        for r in sorted(records, key=lambda r: (*pattern_key(r), order.get(r["backend"], 2))):
+            label = r["pattern"] if r["pattern"] != "sweep" else f"sweep ~{r['target_density']:.0%}"
+            base = triton.get(pattern_key(r))
+            lines.append(
+                _row(
+                    [
+                        f"{r['seq_len'] // 1024}K",
+                        r["inputs"],
+                        label,
+                        r["backend"],
+                        f"{r['density']:.3f}",
+                        f"{r['estimate_ms']:.1f}",
+                        f"{r['sparse_fwd_ms']:.1f}",
+                        f"{r['sparse_bwd_ms']:.1f}",
+                        f"{r['bwd_over_fwd']:.2f}",
+                        f"{r['sparse_total_ms']:.1f}",
+                        f"{r['dense_fwd_bwd_ms']:.1f}",
+                        f"{r['speedup_fwd_bwd']:.2f}x",
+                        f"{r['over_ideal']:.2f}",
+                        f"{r['sparse_fwd_bwd_ms'] / (r['density'] * r['dense_fwd_bwd_ms']):.2f}",
+                        f"{r['sparse_total_ms'] / base['sparse_total_ms']:.2f}" if base and base is not r else "",
+                    ]
+                )
+            )
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+FA4_BACKEND_RUNS = tuple(
+    f"sparse_attention_fa4_h200_366d150_{what}" for what in ("128k", "128k_256k", "512k", "random")
+)
+"""The files of the fa4 backend's report (bench/reports/fa4_backend_h200_20261128.md), one device call each."""
+
+
 def block_sparse_peers_table() -> str:
     """Ours vs FA4 block-sparse and FlexAttention on our pattern rounded to their blocks, and cuDNN dense
     (bench/block_sparse_peers.py); cells are fwd / fwd+bwd ms, ratios are fwd+bwd times over ours (> 1: ours faster)."""
@@ -783,6 +857,11 @@ def main() -> None:
             "sparse_attention_rate_h200_95b3127",
             "kernel_rate_h200_20261128",
             sparse_attention_table("sparse_attention_rate_h200_95b3127"),
+        ),
+        (
+            "sparse_attention_fa4_h200_366d150",
+            "fa4_backend_h200_20261128",
+            sparse_attention_backends_table(FA4_BACKEND_RUNS),
         ),
         ("block_sparse_peers", "block_sparse_peers_h200_20261123", block_sparse_peers_table()),
         ("tune_kernels", "kernel_tiles_h200_20261123", kernel_table()),

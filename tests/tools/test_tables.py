@@ -39,3 +39,27 @@ def test_ring_rows_name_their_schedule_link_and_prediction(monkeypatch):
     rows = [line for line in tables.ring_table().splitlines() if "sparse_striped" in line]
     assert [row.split(" | ")[3] for row in rows] == ["flat", "hierarchical:2, emulated 5 GB/s, 5 us", "allgather"]
     assert [row.split(" | ")[9] for row in rows] == ["30.0", "52.0", ""]
+
+
+def test_backend_rows_sit_side_by_side_with_their_ratio_to_triton(monkeypatch):
+    """Each pattern's triton row comes first, then fa4's with its total over triton's."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import tables
+
+    base = dict(device="NVIDIA H200", commit="abc1234", command="python3 bench/sparse_attention.py", seq_len=131072)
+    base.update(inputs="structured", pattern="estimated", target_density=None, density=0.1, estimate_ms=5.0)
+    base.update(sparse_fwd_ms=20.0, sparse_bwd_ms=60.0, sparse_fwd_bwd_ms=80.0, bwd_over_fwd=3.0)
+    base.update(dense_fwd_bwd_ms=400.0, flash_attn_4="4.0.0b36")
+
+    def record(backend: str, total: float) -> dict:
+        return dict(base, backend=backend, sparse_total_ms=total, speedup_fwd_bwd=400.0 / total, over_ideal=total / 40)
+
+    records = [record("fa4", 60.0), record("triton", 80.0)]
+    monkeypatch.setattr(tables, "_load", lambda name: records)
+    rows = [
+        line.split(" | ") for line in tables.sparse_attention_backends_table(("one",)).splitlines() if "128K" in line
+    ]
+    assert [(row[3], row[12], row[13], row[14]) for row in rows] == [
+        ("triton", "2.00", "2.00", " |"),
+        ("fa4", "1.50", "2.00", "0.75 |"),
+    ]
