@@ -156,6 +156,13 @@ def parser() -> argparse.ArgumentParser:
         "--speed-docs", type=int, help="held-out documents the speed stage dumps Q/K/V from, each timed (default: 3)"
     )
     exp.add_argument("--speed-arms", nargs="+", help="sparse arms the speed stage times on the same Q/K, not trained")
+    exp.add_argument(
+        "--speed-backends",
+        nargs="+",
+        metavar="NAME",
+        help="backends the speed stage times each sparse arm on, on the same Q/K (auto, torch, triton, fa4; default: "
+        "the run's backend); the records' attention_speedup is the first's",
+    )
     exp.add_argument("--workers", type=int, help="corpus and prompt-building processes (default: the spare cores)")
     rep = p.add_argument_group("report")
     rep.add_argument(
@@ -191,7 +198,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
     fields += ("default_arm",)
     fields += ("sparse_reads", "rope_final", "rope_theta", "read_earlier")
     s = replace(s, **{f: getattr(args, f) for f in fields if getattr(args, f) is not None})
-    for f in ("seeds", "ruler_tasks", "speed_lengths", "speed_layers"):
+    for f in ("seeds", "ruler_tasks", "speed_lengths", "speed_layers", "speed_backends"):
         if getattr(args, f) is not None:
             s = replace(s, **{f: tuple(getattr(args, f))})
     if args.arms is not None:

@@ -291,7 +291,7 @@ class Estimator:
         def steps(arms: int) -> float:  # dense and each sparse arm, in dense steps
             return 1 + SPARSE_SHARE * 2 * arms
 
-        arms = len(s.timed_arms)
+        arms = len(s.timed_arms) * len(s.timed_backends)  # each arm timed on each backend
         layers = s.timed_layers(shape.layers)
         cal = self.calibration
         if cal is not None and n in cal.speed_s:  # measured with one sparse arm over cal.speed_layers layers

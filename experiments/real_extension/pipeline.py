@@ -453,14 +453,15 @@ class Experiment:
         write_json(self._speed_doc(n, doc), found)
         say(f"  document {doc + 1}: " + _speed_line(found))
         docs = sorted((self.work / "speed" / str(n)).glob("doc*.json"), key=lambda p: int(p.stem[3:]))
-        result = speed.combine([json.loads(p.read_text()) for p in docs])
-        write_json(
-            self.work / "speed" / f"{n}.json", result | {"model": model_name, **provenance(self.s.device == "cuda")}
+        stamp = {"model": model_name, **provenance(self.s.device == "cuda")}
+        first, *others = (
+            r | stamp for r in speed.by_backend(speed.combine_backends([json.loads(p.read_text()) for p in docs]))
         )
+        write_json(self.work / "speed" / f"{n}.json", first | ({"others": others} if others else {}))
         if len(docs) > 1:
-            say(f"  {len(docs)} documents: " + _speed_line(result))
+            say(f"  {len(docs)} documents: " + _speed_line(first))
         lengths = sorted(self.work.glob("speed/*.json"), key=lambda p: int(p.stem))
-        write_json(self.out / "speed.json", [json.loads(p.read_text()) for p in lengths])
+        write_json(self.out / "speed.json", [r for p in lengths for r in speed.by_backend(json.loads(p.read_text()))])
 
     def _mtraining(self, command: str, *args: str) -> None:
         """``python -m mtraining.cli COMMAND ARGS`` with its output in the log folder; RuntimeError naming its end."""
@@ -536,9 +537,11 @@ def _free() -> None:
 
 
 def _speed_line(found: dict) -> str:
-    """The speed figures at one length in a line: dense milliseconds, each arm's speedup and density."""
-    arms = "; ".join(
-        f"{k} {v['attention_speedup']:.2f}x at density {v['density']:.3f}" for k, v in found["arms"].items()
+    """The speed figures at one length in a line: dense milliseconds, each backend's arms' speedup and density."""
+    arms = " | ".join(
+        f"{r.get('backend', '')}: "
+        + "; ".join(f"{k} {v['attention_speedup']:.2f}x at density {v['density']:.3f}" for k, v in r["arms"].items())
+        for r in speed.by_backend(found)
     )
     return f"dense {found['dense_ms']:.1f} ms; {arms}"
 

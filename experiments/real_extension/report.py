@@ -38,7 +38,7 @@ SAME = (
     "ppl_windows", "first_bucket", "heldout_fraction", "earlier", "rope_final", "rope_theta",
 )  # fmt: skip
 # Settings added since the first runs, and the value those runs had.
-ADDED = {"earlier": [], "rope_final": False, "rope_theta": None}
+ADDED = {"earlier": [], "rope_final": False, "rope_theta": None, "speed_backends": []}
 
 
 def setting(settings: dict, key: str):
@@ -69,8 +69,14 @@ def load_folder(folder: Path) -> dict:
         "base_check": json.loads(base.read_text()) if base.exists() else None,
         "train": {p.stem: json.loads(p.read_text()) for p in sorted((folder / "train").glob("*.json"))},
         "eval": {p.stem: json.loads(p.read_text()) for p in sorted((folder / "eval").glob("*.json"))},
-        "speed": json.loads(speed.read_text()) if speed.exists() else [],
+        "speed": _with_backend(json.loads(speed.read_text()) if speed.exists() else [], json.loads(run.read_text())),
     }
+
+
+def _with_backend(found: list[dict], run: dict) -> list[dict]:
+    """Speed records, each naming the backend it timed: a run made before ``speed_backends`` existed timed its
+    ``backend`` alone, and its records do not say so."""
+    return [{"backend": run["settings"]["backend"]} | r for r in found]
 
 
 def pool(folders: Sequence[dict]) -> dict:
@@ -244,15 +250,30 @@ def worst(by_length: dict[int, dict]) -> dict:
     }
 
 
-def speed_of(pooled: dict, arm: str) -> tuple[dict[int, float], dict[int, float]]:
-    """(attention speedup, pattern density) per length from the speed figures (the first folder's at a length)."""
+def speed_of(pooled: dict, arm: str, backend: str | None = None) -> tuple[dict[int, float], dict[int, float]]:
+    """(attention speedup, pattern density) per length from the speed figures (the first folder's at a length) on
+    ``backend`` (None: the first record's at a length, the first of ``--speed-backends``)."""
     speedup, density = {}, {}
     for found in pooled["speed"]:
         n = found["length"]
-        if arm in found["arms"] and n not in speedup:
+        if arm in found["arms"] and n not in speedup and backend in (None, found["backend"]):
             speedup[n] = found["arms"][arm]["attention_speedup"]
             density[n] = found["arms"][arm]["density"]
     return speedup, density
+
+
+def speed_backends_of(pooled: dict) -> list[str]:
+    """The backends the speed figures timed, in their order (one: the table and records name none)."""
+    return list(dict.fromkeys(found["backend"] for found in pooled["speed"]))
+
+
+def by_backend(pooled: dict, arm: str) -> dict:
+    """Where the speed figures timed several backends: ``attention_speedup_by_backend`` (per backend, per length);
+    else nothing, as before ``--speed-backends``."""
+    backends = speed_backends_of(pooled)
+    if len(backends) < 2:
+        return {}
+    return {"attention_speedup_by_backend": {b: speed_of(pooled, arm, b)[0] for b in backends}}
 
 
 def timed_layers_of(pooled: dict) -> dict[int, list[int]]:
@@ -302,6 +323,7 @@ def records(pooled: dict) -> list[dict]:
         speedup, density = speed_of(pooled, name)
         record = {"config": name, "arm": arm, **common, "seeds": train["seeds"], "density": train["density"]}
         record |= {"attention_speedup": speedup, "attention_density": density, "training": train}
+        record |= by_backend(pooled, name) if arm["sparse"] else {}
         if not arm["sparse"]:
             zero = {"ppl_change_pct": 0.0, "ppl_change_hi": 0.0, "niah_change_lo": 0.0, "ruler_change_lo": 0.0}
             measured = sorted({found["length"] for found in pooled["speed"]})
@@ -477,7 +499,10 @@ def timed_only(runs: Sequence[dict], found: list[dict]) -> list[dict]:
     for name in names:
         speedup, density = speed_of(pooled, name)
         models = sorted({s["model"] for s in pooled["speed"] if name in s["arms"]})
-        out.append({"config": name, "attention_speedup": speedup, "attention_density": density, "models": models})
+        out.append(
+            {"config": name, "attention_speedup": speedup, "attention_density": density, "models": models}
+            | by_backend(pooled, name)
+        )
     return out
 
 
@@ -604,9 +629,10 @@ def _speed_table(found: list[dict], timed: list[dict]) -> list[str]:
     lines += ["| config | " + " | ".join(f"{n} speedup (density)" for n in lengths) + " |"]
     lines += ["|---|" + "---:|" * len(lengths)]
     for r in [*_arms(found), *timed]:
-        cells = [f"{_num(r['attention_speedup'].get(n))} ({_num(r['attention_density'].get(n), 3)})" for n in lengths]
-        name = r["config"] + (" (timed only)" if r in timed else "")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        for backend, speedup in r.get("attention_speedup_by_backend", {"": r["attention_speedup"]}).items():
+            cells = [f"{_num(speedup.get(n))} ({_num(r['attention_density'].get(n), 3)})" for n in lengths]
+            name = r["config"] + (f" on {backend}" if backend else "") + (" (timed only)" if r in timed else "")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if timed:
         lines += [
             "",

@@ -32,6 +32,10 @@ def rope_scaling(length: int, native: int, theta: float | None = None) -> dict:
     return {"rope_type": "yarn", "factor": length / native, "original_max_position_embeddings": native}
 
 
+BACKENDS = ("auto", "torch", "triton", "fa4")
+"""The backends ``sparse_attention`` takes (``--speed-backends``)."""
+
+
 @dataclass(frozen=True)
 class Arm:
     """One attention configuration, trained and read.
@@ -153,6 +157,7 @@ class Settings:
     speed_repeats: int = 5
     speed_docs: int = 3
     speed_arms: tuple[Arm, ...] = ()
+    speed_backends: tuple[str, ...] = ()  # the backends the speed stage times each arm on (``timed_backends``)
     workers: int | None = None  # corpus and prompt-building processes (default: the spare cores)
     costs: Costs = field(default_factory=lambda: Costs())
 
@@ -181,6 +186,12 @@ class Settings:
     def timed_arms(self) -> tuple[Arm, ...]:
         """The arms the speed stage times: the sparse arms trained, then ``speed_arms``."""
         return self.sparse_arms + self.speed_arms
+
+    @property
+    def timed_backends(self) -> tuple[str, ...]:
+        """The backends the speed stage times each sparse arm on, on the same Q/K: ``speed_backends``, else the run's
+        ``backend`` alone. The first one's figures are the records' ``attention_speedup``."""
+        return self.speed_backends or (self.backend,)
 
     @property
     def forced_prompts(self) -> int:
@@ -221,6 +232,9 @@ class Settings:
         timed = [a.name for a in self.speed_arms]
         if any(not a.sparse for a in self.speed_arms) or len(set(timed)) != len(timed) or set(timed) & set(names):
             raise ValueError(f"--speed-arms takes sparse arms not among --arms {names}, no repeats, got {timed}")
+        backends = list(self.speed_backends)
+        if len(set(backends)) != len(backends) or set(backends) - set(BACKENDS):
+            raise ValueError(f"--speed-backends takes some of {', '.join(BACKENDS)}, no repeats, got {backends}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
             raise ValueError(f"--seeds takes distinct non-negative integers, got {list(self.seeds)}")
         for name in ("steps", "niah_prompts", "ruler_samples", "ppl_windows", "speed_repeats", "speed_docs", "gpus"):

@@ -128,24 +128,47 @@ def sparse_step(q: Tensor, k: Tensor, v: Tensor, do: Tensor, config, layer: int,
 def time_arms(
     qkv: dict[int, tuple[Tensor, Tensor, Tensor]], arms: tuple[Arm, ...], settings: Settings, length: int
 ) -> dict:
-    """At one length: per layer the dense step's time and per arm its step's time, estimate's time and pattern
-    density; per arm the speedup (dense over sparse, summed over layers) and the mean density (``summary``)."""
-    from mtraining.ops import PatternConfig, estimate_pattern
-
-    layers = {}
+    """At one length and for each backend of ``settings.timed_backends``: per layer the dense step's time and per arm
+    its step's time on that backend, estimate's time and pattern density (those two shared by the backends); per
+    arm the speedup (dense over sparse, summed over layers) and the mean density (``summary``). The first backend's
+    figures are the result, the others' (the same keys) listed in its ``others``."""
+    backends = settings.timed_backends
+    layers: dict[str, dict[str, dict]] = {b: {} for b in backends}
     for layer, (q, k, v) in sorted(qkv.items()):
         do = torch.randn_like(q)
-        row = {"dense_ms": median_ms(dense_step(q, k, v, do), settings.speed_repeats), "arms": {}}
+        dense_ms = median_ms(dense_step(q, k, v, do), settings.speed_repeats)
+        rows = {b: {"dense_ms": dense_ms, "arms": {}} for b in backends}
         for a in arms:
-            config = PatternConfig.from_settings(block_size=settings.block_size, **a.pattern(length, settings))
-            ms = median_ms(sparse_step(q, k, v, do, config, layer, settings.backend), settings.speed_repeats)
-            estimate = functools.partial(estimate_pattern, q, k, config, layer_idx=layer)
-            estimate_ms = median_ms(estimate, settings.speed_repeats)
-            density = float(estimate().density().float().mean())
-            row["arms"][a.name] = {"ms": ms, "estimate_ms": estimate_ms, "density": density}
-        layers[str(layer)] = row
+            for b, figures in _time_arm(q, k, v, do, a, layer, settings, length).items():
+                rows[b]["arms"][a.name] = figures
+        for b in backends:
+            layers[b][str(layer)] = rows[b]
         del do
-    return {"length": length, **summary(layers), "layers": layers}
+    first, *others = ({"length": length, "backend": b, **summary(layers[b]), "layers": layers[b]} for b in backends)
+    return first | ({"others": others} if others else {})
+
+
+def _time_arm(q: Tensor, k: Tensor, v: Tensor, do: Tensor, arm: Arm, layer: int, settings: Settings, length: int):
+    """Per backend of ``settings.timed_backends``: the arm's step's milliseconds on it, its estimate's milliseconds and
+    its pattern's density (``time_arms``)."""
+    from mtraining.ops import PatternConfig, estimate_pattern
+
+    config = PatternConfig.from_settings(block_size=settings.block_size, **arm.pattern(length, settings))
+    steps = {
+        b: median_ms(sparse_step(q, k, v, do, config, layer, b), settings.speed_repeats)
+        for b in settings.timed_backends
+    }
+    estimate = functools.partial(estimate_pattern, q, k, config, layer_idx=layer)
+    shared = {
+        "estimate_ms": median_ms(estimate, settings.speed_repeats),
+        "density": float(estimate().density().float().mean()),
+    }
+    return {b: {"ms": ms, **shared} for b, ms in steps.items()}
+
+
+def by_backend(found: dict) -> list[dict]:
+    """A speed result's records, one per backend timed: the result itself (without ``others``), then its others."""
+    return [{k: v for k, v in found.items() if k != "others"}, *found.get("others", [])]
 
 
 def summary(layers: dict[str, dict]) -> dict:
@@ -180,6 +203,13 @@ def text_ids(tokenizer, docs: list[str], length: int) -> Tensor:
     return torch.tensor(ids[:length])
 
 
+def combine_backends(found: list[dict]) -> dict:
+    """``combine`` of several documents' ``time_arms`` results, backend by backend: the first backend's, with the
+    others' in its ``others`` (as ``time_arms`` gives them)."""
+    first, *others = (combine(list(docs)) for docs in zip(*map(by_backend, found)))
+    return first | ({"others": others} if others else {})
+
+
 def combine(found: list[dict]) -> dict:
     """``time_arms``'s results on several documents at one length as one: each layer's times summed over the
     documents and its densities averaged, then ``summary`` of those layers (so the speedup is of every document);
@@ -205,4 +235,5 @@ def combine(found: list[dict]) -> dict:
         }
         for f in found
     ]
-    return {"length": first["length"], **summary(layers), "layers": layers, "documents": documents}
+    backend = {"backend": first["backend"]} if "backend" in first else {}
+    return {"length": first["length"], **backend, **summary(layers), "layers": layers, "documents": documents}

@@ -57,6 +57,7 @@ from torch import Tensor
 from ..ops.documents import Documents, resolve_documents
 from ..ops.estimate.estimator import PatternConfig, estimate_pattern
 from ..ops.pattern import VerticalSlashPattern
+from ..ops.sparse import fa4
 from ..ops.sparse.attention import sparse_attention
 from ..parallel.agreement import check_ranks_agree
 from ..parallel.estimate import estimate_pattern_cp
@@ -161,7 +162,12 @@ class Attention:
         min_sparse_len: global sequence lengths below this run dense (sparse does not pay).
         max_density: a layer whose estimated pattern keeps more than this fraction of the causal
             pairs runs dense for that call (sparse kernels are slower than dense there); None: never.
-        backend: "auto", "torch" or "triton".
+        backend: "auto", "torch", "triton" or "fa4". "fa4" (ops/sparse/fa4.py, one CUDA device, flash-attn-4)
+            runs each sparse single-device call inside its scope (``fa4.out_of_scope``: default positions with
+            as many queries as keys, no packed documents, no per-block columns, a pattern block that is a multiple
+            of 128) and every other call on "triton": dense layers and short sequences (the dense path, as
+            always), packed documents, fewer queries than keys (cached decoding), per-block columns. Refused
+            with context parallelism (the ring steps' positions are strided): use "triton" there.
         ring: "flat" or "hierarchical" (``ring_attention``'s ring); ``inner_size``: ranks per inner ring
             of the hierarchical ring (default there: LOCAL_WORLD_SIZE).
         context_mode: "ring" (K/V around ``ring``) or "allgather" (K/V all-gathered once per layer, no ring:
@@ -192,6 +198,11 @@ class Attention:
             raise ValueError("a context-parallel group needs a layout: pass layout=make_layout(...)")
         if self.context_mode not in ("ring", "allgather"):
             raise ValueError(f"context_mode must be 'ring' or 'allgather', got {self.context_mode!r}")
+        if self.backend == "fa4" and self.cp_size > 1:
+            raise ValueError(
+                "backend='fa4' runs single-device calls only (the ring steps' positions are strided by the layout); "
+                "use backend='triton' with context parallelism"
+            )
         if self.layout is not None and self.layout.world_size != self.cp_size:
             raise ValueError(
                 f"layout is for {self.layout.world_size} ranks but the context-parallel group has {self.cp_size}; "
@@ -316,7 +327,7 @@ class Attention:
                 pattern,
                 softmax_scale=scale,
                 return_lse=True,
-                backend=self.backend,
+                backend=self._single_device_backend(q, k, pattern, documents),
                 reuse=reuse,
                 documents=documents,
             )
@@ -327,6 +338,16 @@ class Attention:
         if now.keep is not None:
             now.keep.put(layer, config is not None, pattern, out, lse)
         return out
+
+    def _single_device_backend(
+        self, q: Tensor, k: Tensor, pattern: VerticalSlashPattern | None, documents: Documents | None
+    ) -> str:
+        """The backend of a single-device call: ``backend``, but where it is "fa4" only the calls inside fa4's scope
+        run on it and every other call runs on "triton" (the rule of ``backend``, class docstring)."""
+        if self.backend != "fa4":
+            return self.backend
+        resolved = resolve_documents(documents, q.shape[0], span=(0, k.shape[1] - 1))
+        return "triton" if fa4.out_of_scope(q, k, pattern, False, resolved) else "fa4"
 
     def _hold_walks(self, pattern: VerticalSlashPattern | None) -> None:
         """Inside ``recompute()``: drop the kernels' walks of the layer recomputed before (the backward reaches a

@@ -101,7 +101,13 @@ class AttentionSection(_Section):
     layout: Literal["contiguous", "zigzag", "striped"] = "striped"
     block_size: PositiveInt = 128
     """Kernel/pattern block G; the layout deals stripes of G tokens."""
-    backend: Literal["auto", "torch", "triton"] = "auto"
+    backend: Literal["auto", "torch", "triton", "fa4"] = "auto"
+    """auto: triton on CUDA, torch (plain PyTorch) on the CPU. fa4: each sparse single-device call that
+    FlashAttention-4's block-sparse kernels cover (default positions with as many queries as keys, no packed
+    documents, no per-block columns, block_size a multiple of 128) runs its selected blocks on them and its
+    verticals on triton; every other call runs on triton (dense layers and short sequences: the dense path;
+    data.document_masking's packed documents; block_columns). One CUDA device per sequence (parallel.context 1),
+    bfloat16, ``pip install flash-attn-4`` (models/attention.py, ``Attention.backend``)."""
     v_size: PositiveInt = 1024
     """Vertical lines kept per head."""
     s_size: PositiveInt = 6144
@@ -416,6 +422,7 @@ class Config(_Section):
             raise ValueError(
                 f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds train.steps ({self.train.steps}); lower it"
             )
+        self._check_backend()
         if self.checkpoint.dir is None and (unused := [k for k in ("every", "keep") if getattr(self.checkpoint, k)]):
             raise ValueError(f"checkpoint.{unused[0]} is set but checkpoint.dir is not; set checkpoint.dir")
         if any(layer < 0 for layer in att.dense_layers):
@@ -425,6 +432,25 @@ class Config(_Section):
             self.check_layers(layers)
         self._check_global_batch()
         return self
+
+    def _check_backend(self) -> None:
+        """attention.backend=fa4 only where it can run: one device per sequence, CUDA, bfloat16 (flash-attn-4 itself
+        is checked with the other packages, train/check.py)."""
+        if self.attention.backend != "fa4":
+            return
+        fix = "or set attention.backend=triton"
+        if self.parallel.context > 1:
+            raise ValueError(
+                f"attention.backend=fa4 runs single-device calls only, but parallel.context is {self.parallel.context} "
+                f"(the ring steps' positions are strided by the layout); set attention.backend=triton"
+            )
+        if self.train.device == "cpu":
+            raise ValueError(f"attention.backend=fa4 runs FlashAttention-4 on CUDA: set train.device=cuda, {fix}")
+        if self.model.dtype != "bfloat16":
+            raise ValueError(
+                f"attention.backend=fa4 runs FlashAttention-4 in bfloat16, not {self.model.dtype}: set "
+                f"model.dtype=bfloat16, {fix}"
+            )
 
     def check_layers(self, num_layers: int) -> None:
         """Fail unless every layer named in attention.dense_layers exists in a model of ``num_layers``."""

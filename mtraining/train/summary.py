@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..ops.sparse.block_lists import FA4_TILE
 from .config import Config
 from .data import Source
 from .packing import PackedSamples
@@ -51,9 +52,29 @@ def attention_plan(cfg: Config, num_layers: int) -> str:
             else "; packed documents not masked: one pattern per sample, from its last queries "
             "(data.document_masking: true estimates each document's own)"
         )
+    if sparse and att.backend == "fa4":
+        plan += f"; {fa4_routing(cfg)}"
     if dense:
         plan = f"{_layers(dense)} dense" + (f"; {plan}" if plan else "")
     return plan
+
+
+def fa4_routing(cfg: Config) -> str:
+    """Which of the sparse layers' calls attention.backend=fa4 runs on FlashAttention-4 and which on triton
+    (``Attention.backend``'s rule; the dense calls run the dense path as always)."""
+    att = cfg.attention
+    never = [
+        why
+        for why, applies in (
+            ("per-block columns (attention.block_columns)", att.block_columns > 0),
+            (f"attention.block_size {att.block_size} is not a multiple of {FA4_TILE}", att.block_size % FA4_TILE > 0),
+        )
+        if applies
+    ]
+    if never:
+        return f"backend fa4, but every sparse call runs on triton: {'; '.join(never)}"
+    documents = ", those of samples packing several documents on triton" if cfg.data.document_masking else ""
+    return f"sparse calls on fa4 (FlashAttention-4's block-sparse kernels, the verticals on triton){documents}"
 
 
 def startup_summary(

@@ -220,6 +220,8 @@ class Trainer:
         cfg = self.cfg
         if cfg.train.fused_kernels == "liger" and self.par.device.type != "cuda":
             raise ValueError("train.fused_kernels=liger runs on CUDA only: set train.fused_kernels=none on the CPU")
+        if cfg.attention.backend == "fa4" and self.par.device.type != "cuda":
+            raise ValueError("attention.backend=fa4 runs on CUDA only: set attention.backend=triton on the CPU")
         hf = build_model(**cfg.model.hf_kwargs(), init=cfg.model.init)
         check_model(cfg, hf.config, self.sources)
         cfg.check_layers(hf.config.num_hidden_layers)

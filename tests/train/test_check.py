@@ -4,6 +4,7 @@ checks in the --nproc launcher and in the ranks of a direct torchrun launch; the
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -213,6 +214,16 @@ def test_the_ranks_of_a_direct_torchrun_launch_run_the_same_checks(tmp_path):
         run_local(_build_trainer, 2, cfg)
     msg = str(err.value)
     assert "3 problems:" in msg and "data.tokenizer:" in msg and "data.sources[1]:" in msg, msg
+
+
+def test_fa4_without_flash_attn_4_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import flash_attn raises ImportError
+    overrides = ["attention.backend=fa4", "attention.block_size=128", "train.device=auto", "model.dtype=bfloat16"]
+    cfg = load_config(_write(tmp_path / "c.yaml", RAW), overrides)
+    problems = check_run(cfg, Launch(1))[0].problems
+    assert any(
+        "attention.backend=fa4 needs FlashAttention-4" in p and "pip install flash-attn-4" in p for p in problems
+    )
 
 
 def test_check_run_collects_instead_of_raising(tmp_path):

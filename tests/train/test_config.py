@@ -153,6 +153,10 @@ def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
             "attention: block_size must be a power of two",
         ),
         (["attention.sparse=false", "attention.block_size=96", "data.seq_len=1536", "parallel.context=1"], None),
+        (["attention.backend=fa4"], "parallel.context is 4 (the ring steps' positions are strided by the layout)"),
+        (["attention.backend=fa4", "parallel.context=1", "train.device=cpu"], "set train.device=cuda"),
+        (["attention.backend=fa4", "parallel.context=1", "model.dtype=float32"], "set model.dtype=bfloat16"),
+        (["attention.backend=fa4", "parallel.context=1"], None),
     ],
 )
 def test_bad_configs_fail_with_the_fix(overrides, expected):

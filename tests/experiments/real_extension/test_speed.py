@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.real_extension.speed import combine
+from experiments.real_extension.speed import by_backend, combine, combine_backends, summary
 
 
 def timed(dense: float, sparse: float, density: float) -> dict:
@@ -24,3 +24,24 @@ def test_documents_add_their_times_and_average_their_densities():
     assert both["arms"]["v"]["density"] == pytest.approx(0.2) and both["dense_ms"] == 200.0
     assert both["layers"]["3"]["arms"]["v"] == {"ms": 60.0, "estimate_ms": 2.0, "density": pytest.approx(0.2)}
     assert [d["arms"]["v"]["attention_speedup"] for d in both["documents"]] == [5.0, 2.5]
+
+
+def test_each_backend_is_combined_on_its_own_the_first_leading():
+    def doc(dense: float, ms: dict[str, float]) -> dict:
+        layers = {b: {"0": {"dense_ms": dense, "arms": {"v": {"ms": t, "estimate_ms": 1.0, "density": 0.2}}}} for b, t in ms.items()}  # fmt: skip
+        first, *others = ({"length": 8, "backend": b, **summary(layers[b]), "layers": layers[b]} for b in ms)
+        return first | {"others": others}
+
+    both = combine_backends([doc(100.0, {"fa4": 20.0, "triton": 50.0}), doc(100.0, {"fa4": 30.0, "triton": 50.0})])
+    records = by_backend(both)
+    assert [r["backend"] for r in records] == ["fa4", "triton"] and "others" not in records[0]
+    assert records[0]["arms"]["v"]["attention_speedup"] == pytest.approx(4.0)
+    assert records[1]["arms"]["v"]["attention_speedup"] == pytest.approx(2.0)
+
+
+def test_the_parser_takes_fa4_among_the_speed_backends():
+    from experiments.real_extension.cli import parser, settings_of
+
+    args = parser().parse_args(["--preset", "toy", "--speed-backends", "fa4", "triton"])
+    assert settings_of(args).timed_backends == ("fa4", "triton")
+    assert settings_of(parser().parse_args(["--preset", "toy"])).timed_backends == ("torch",)
