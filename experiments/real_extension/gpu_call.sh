@@ -4,9 +4,11 @@
 # .gguf/SHA256 names every part and the whole file; each carried part is stashed in /root/gguf, checked, and once
 # every part has come they are joined, the whole checked, and the run goes on. Call 1 also builds the corpus with
 # .gguf/tok. Every call carries .gguf/tok, .gguf/SHA256 and the prose archive, the first also .whl; results land in
-# $OUT/results*.tgz after every stage.
+# $OUT/results*.tgz after every stage. FlashAttention-4's wheels (for --speed-backends fa4) travel the same way in
+# `.fa4/` when carried (tools/fa4_wheels.sh).
 # Usage: MTRAINING_COMMIT=<commit> bash experiments/real_extension/gpu_call.sh <driver options>
 source "$(dirname "$0")/../../tools/device_env.sh"
+source "$(dirname "$0")/../../tools/fa4_wheels.sh"
 export MTRAINING_COMMIT
 STASH=/root/gguf
 G=$STASH/SmolLM2-135M-Instruct.Q4_1.gguf
