@@ -45,9 +45,9 @@ def recipe(run: dict) -> dict:
 def training(run: dict) -> dict:
     """Means over the run's seeds of its dense trainings' final loss, seconds per step and peak memory."""
     found = list(run["train"].values())
-    return {field: report._mean([t.get(field) for t in found]) for field in ("final_loss", "step_s", "peak_mem_gb")} | {
-        "seeds": run["seeds"]
-    }
+    return {
+        field: report.mean_of([t.get(field) for t in found]) for field in ("final_loss", "step_s", "peak_mem_gb")
+    } | {"seeds": run["seeds"]}
 
 
 def recipes_table(runs: Sequence[dict]) -> list[str]:
@@ -58,7 +58,7 @@ def recipes_table(runs: Sequence[dict]) -> list[str]:
         commits = ", ".join(sorted({str(c.get("commit")) for c in run["calls"]})) or "-"
         lines.append(
             f"| {run['label']} | {commits} | {', '.join(map(str, t['seeds']))} | {r['schedule']} | {r['lr']:g} | "
-            f"{report._num(t['final_loss'], 3)} | {report._num(t['step_s'])} | {report._num(t['peak_mem_gb'], 1)} |"
+            f"{report.cell_text(t['final_loss'], 3)} | {report.cell_text(t['step_s'])} | {report.cell_text(t['peak_mem_gb'], 1)} |"
         )
     return lines + [""]
 

@@ -369,7 +369,7 @@ def goal(record: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- Markdown
-def _num(value, digits: int = 2, sign: bool = False) -> str:
+def cell_text(value, digits: int = 2, sign: bool = False) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
@@ -377,7 +377,7 @@ def _num(value, digits: int = 2, sign: bool = False) -> str:
 
 def _change(summary: dict, digits: int = 2) -> str:
     """mean [low, high] of one metric's differences over seeds (the mean alone below ``MIN_SEEDS``)."""
-    text = _num(summary["mean"], digits, sign=True)
+    text = cell_text(summary["mean"], digits, sign=True)
     if summary["interval"] is not None:
         low, high = summary["interval"]
         text += f" [{low:+.{digits}f}, {high:+.{digits}f}]"
@@ -417,11 +417,11 @@ def markdown(runs: Sequence[dict], found: list[dict], picture: str | None, timed
     for r in arms:
         w, g = r["reads"]["dense"]["worst"], r["goal"]
         speed = r["attention_speedup"].get(GOAL["speedup_length"])
-        shown = _num(speed) + (" (timed layers only)" if speed is not None and g["speedup"] is None else "")
+        shown = cell_text(speed) + (" (timed layers only)" if speed is not None and g["speedup"] is None else "")
         lines.append(
-            f"| {r['config']} | {len(r['seeds'])} | {shown} | {_num(w['ppl_change_hi'], sign=True)} | "
-            f"{_num(w['niah_change_lo'], 1, True)} | {_num(w['niah_forced_change_lo'], 1, True)} | "
-            f"{_num(w['niah_nll_change_hi'], 3, True)} | {_num(w['ruler_change_lo'], 1, True)} | "
+            f"| {r['config']} | {len(r['seeds'])} | {shown} | {cell_text(w['ppl_change_hi'], sign=True)} | "
+            f"{cell_text(w['niah_change_lo'], 1, True)} | {cell_text(w['niah_forced_change_lo'], 1, True)} | "
+            f"{cell_text(w['niah_nll_change_hi'], 3, True)} | {cell_text(w['ruler_change_lo'], 1, True)} | "
             f"{'yes' if g['met'] else 'no'} |"
         )
     lines += [
@@ -450,7 +450,7 @@ def markdown(runs: Sequence[dict], found: list[dict], picture: str | None, timed
                     continue
                 m = row["metrics"]
                 lines.append(
-                    f"| {r['config']} | {_num(r['density'], 3)} | {_change(m['ppl'])} | {_change(m['niah'], 1)} | "
+                    f"| {r['config']} | {cell_text(r['density'], 3)} | {_change(m['ppl'])} | {_change(m['niah'], 1)} | "
                     f"{_change(m['niah_forced'], 1)} | {_change(m['niah_nll'], 3)} | {_change(m['ruler'], 1)} |"
                 )
             lines.append("")
@@ -545,10 +545,10 @@ def figures_read(runs: Sequence[dict]) -> list[str]:
         groups.setdefault((name, read["attention"]), []).append(read_metrics(read))
     for (model, attention), found in sorted(groups.items()):
         for n in sorted({n for f in found for n in f}):
-            mean = {m: _mean([f[n][m] for f in found if n in f]) for m in METRICS}
+            mean = {m: mean_of([f[n][m] for f in found if n in f]) for m in METRICS}
             lines.append(
-                f"| {model} | {attention} | {n} | {_num(mean['ppl'], 3)} | {_num(mean['niah'], 1)} | "
-                f"{_num(mean['niah_forced'], 1)} | {_num(mean['niah_nll'], 3)} | {_num(mean['ruler'], 1)} |"
+                f"| {model} | {attention} | {n} | {cell_text(mean['ppl'], 3)} | {cell_text(mean['niah'], 1)} | "
+                f"{cell_text(mean['niah_forced'], 1)} | {cell_text(mean['niah_nll'], 3)} | {cell_text(mean['ruler'], 1)} |"
             )
     return lines + [""]
 
@@ -573,7 +573,7 @@ def niah_by_depth(runs: Sequence[dict]) -> list[str]:
     lines += ["| model | read | length | " + " | ".join(f"{d:g}%" for d in depths) + " |"]
     lines += ["|---|---|---:|" + "---:|" * len(depths)]
     for (model, attention, n), by in sorted(groups.items()):
-        cells = [_num(_mean(by.get(d, [])), 0) for d in depths]
+        cells = [cell_text(mean_of(by.get(d, [])), 0) for d in depths]
         lines.append(f"| {model} | {attention} | {n} | " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -594,12 +594,13 @@ def _dense_across(runs: Sequence[dict]) -> list[str]:
         if sum(v is not None for v in values) < 2:
             continue
         changes = [None if v is None or values[0] is None else ppl_change_pct(v, values[0]) for v in values[1:]]
-        cells = [_num(v, 4) for v in values] + [_num(c, 3, sign=True) for c in changes]
+        cells = [cell_text(v, 4) for v in values] + [cell_text(c, 3, sign=True) for c in changes]
         lines.append(f"| {n} | {seed} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
-def _mean(values: list) -> float | None:
+def mean_of(values: list) -> float | None:
+    """The mean of the values that are not None; None when none is."""
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
 
@@ -614,8 +615,8 @@ def _training_table(runs: Sequence[dict], found: list[dict]) -> list[str]:
         t = r["training"]
         name = f"{r['config']} ({labels[r['run']]})" if names.count(r["config"]) > 1 else r["config"]
         lines.append(
-            f"| {name} | {_num(t['density'], 3)} | {_num(t['step_s'])} | {_num(t['tokens_per_s_median'], 0)} | "
-            f"{_num(t['e2e_speedup'])} | {_num(t['peak_mem_gb'], 1)} | {_num(t['final_loss'], 3)} |"
+            f"| {name} | {cell_text(t['density'], 3)} | {cell_text(t['step_s'])} | {cell_text(t['tokens_per_s_median'], 0)} | "
+            f"{cell_text(t['e2e_speedup'])} | {cell_text(t['peak_mem_gb'], 1)} | {cell_text(t['final_loss'], 3)} |"
         )
     return lines + [""]
 
@@ -630,7 +631,7 @@ def _speed_table(found: list[dict], timed: list[dict]) -> list[str]:
     lines += ["|---|" + "---:|" * len(lengths)]
     for r in [*_arms(found), *timed]:
         for backend, speedup in r.get("attention_speedup_by_backend", {"": r["attention_speedup"]}).items():
-            cells = [f"{_num(speedup.get(n))} ({_num(r['attention_density'].get(n), 3)})" for n in lengths]
+            cells = [f"{cell_text(speedup.get(n))} ({cell_text(r['attention_density'].get(n), 3)})" for n in lengths]
             name = r["config"] + (f" on {backend}" if backend else "") + (" (timed only)" if r in timed else "")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if timed:
@@ -675,7 +676,7 @@ def _base(runs: Sequence[dict]) -> list[str]:
         which = f" ({run['label']})" if len(runs) > 1 else ""
         lines.append(
             f"NIAH at its native {found['length']} tokens{which}: {found['score']:.1f}% [{low:.1f}, {high:.1f}] "
-            f"generated, {_num(found.get('forced'), 1)}% teacher-forced, {found['prompts']} prompts."
+            f"generated, {cell_text(found.get('forced'), 1)}% teacher-forced, {found['prompts']} prompts."
         )
     return ["## Base check", "", "\n\n".join(lines), ""] if lines else []
 

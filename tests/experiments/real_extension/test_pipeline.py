@@ -134,11 +134,11 @@ def test_the_arms_train_through_the_striped_ring_on_two_ranks(tmp_path):
 def test_a_staged_schedule_trains_each_phase_from_the_one_before_and_times_candidates(tmp_path):
     """--schedule 768:1 1024:2: each arm trains 1 step at 768 tokens (YaRN x1.5), then 2 at 1024 from that export
     (YaRN x2); the last phase's model is read, and with --read-earlier the first phase's too, up to 768 tokens.
-    --speed-arms times a candidate it does not train."""
+    --speed-arms times a candidate it does not train, on each of --speed-backends."""
     out, work = tmp_path / "staged", tmp_path / "work"
     common = ["--preset", "toy", *inputs(tmp_path), "--heldout", "code/mteval", "--work", work, "--seeds", "0"]
     common += ["--schedule", "768:1", "1024:2", "--speed-arms", "v32s32", "--no-base-read", "--no-sparse-reads"]
-    done = experiment(*common, "--read-earlier", "--out", out)
+    done = experiment(*common, "--read-earlier", "--speed-backends", "auto", "torch", "--out", out)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for name in ("dense", ARM):
         first = json.loads((out / "train" / "earlier" / f"seed0_{name}_at_768.json").read_text())
@@ -152,12 +152,15 @@ def test_a_staged_schedule_trains_each_phase_from_the_one_before_and_times_candi
     assert sorted(reads) == sorted(["seed0_dense__dense", f"seed0_{ARM}__dense", *earlier])
     assert [[c["length"] for c in reads[name]["cells"]] for name in earlier] == [[512], [512]]  # up to its 768
     assert all(not reads[name]["missing"] for name in earlier)
-    (speed,) = json.loads((out / "speed.json").read_text())
-    assert set(speed["arms"]) == {ARM, "v32s32"} and speed["model"] == f"seed0/{ARM}"
+    speeds = json.loads((out / "speed.json").read_text())  # one record per backend, on the same Q/K
+    assert [(r["length"], r["backend"]) for r in speeds] == [(1024, "auto"), (1024, "torch")]
+    for speed in speeds:
+        assert set(speed["arms"]) == {ARM, "v32s32"} and speed["model"] == f"seed0/{ARM}"
     reported = experiment("--report-from", out, "--report-out", tmp_path / "report")
     assert reported.returncode == 0, reported.stderr
     md = (tmp_path / "report" / "real_extension.md").read_text()
-    assert "1 steps at 768, then 2 at 1024 tokens" in md and "| v32s32 (timed only) |" in md
+    assert "1 steps at 768, then 2 at 1024 tokens" in md and "| v32s32 on torch (timed only) |" in md
+    assert f"| {ARM} on auto |" in md and f"| {ARM} on torch |" in md
     assert "| dense_at_768 | dense | 512 |" in md  # the earlier phase's model among the figures read
     (timed,) = json.loads((tmp_path / "report" / "real_extension.json").read_text())["timed_only"]
     assert timed["config"] == "v32s32" and timed["attention_speedup"]["1024"] > 0
