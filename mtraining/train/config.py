@@ -28,6 +28,7 @@ from pydantic import (
 
 from ..models.loader import Init, check_hf_fields, refuse_gguf
 from ..ops.estimate.estimator import PatternConfig
+from ..ops.sparse.block_lists import FA4_TILE
 from ..parallel.layout import make_layout
 
 
@@ -106,8 +107,9 @@ class AttentionSection(_Section):
     FlashAttention-4's block-sparse kernels cover (default positions with as many queries as keys, no packed
     documents, no per-block columns, block_size a multiple of 128) runs its selected blocks on them and its
     verticals on triton; every other call runs on triton (dense layers and short sequences: the dense path;
-    data.document_masking's packed documents; block_columns). One CUDA device per sequence (parallel.context 1),
-    bfloat16, ``pip install flash-attn-4`` (models/attention.py, ``Attention.backend``)."""
+    data.document_masking's packed documents). One CUDA device per sequence (parallel.context 1), bfloat16,
+    block_columns 0, block_size a multiple of 128, ``pip install flash-attn-4`` (models/attention.py,
+    ``Attention.backend``)."""
     v_size: PositiveInt = 1024
     """Vertical lines kept per head."""
     s_size: PositiveInt = 6144
@@ -434,8 +436,8 @@ class Config(_Section):
         return self
 
     def _check_backend(self) -> None:
-        """attention.backend=fa4 only where it can run: one device per sequence, CUDA, bfloat16 (flash-attn-4 itself
-        is checked with the other packages, train/check.py)."""
+        """attention.backend=fa4 only where it can run: one device per sequence, CUDA, bfloat16, blocks FA4 computes
+        whole (flash-attn-4 itself is checked with the other packages, train/check.py)."""
         if self.attention.backend != "fa4":
             return
         fix = "or set attention.backend=triton"
@@ -450,6 +452,13 @@ class Config(_Section):
             raise ValueError(
                 f"attention.backend=fa4 runs FlashAttention-4 in bfloat16, not {self.model.dtype}: set "
                 f"model.dtype=bfloat16, {fix}"
+            )
+        att = self.attention
+        if att.block_columns > 0 or att.block_size % FA4_TILE:
+            raise ValueError(
+                "attention.backend=fa4 runs whole blocks of 128 on FlashAttention-4, which computes no per-block "
+                f"columns: set attention.block_columns=0 and a block_size that is a multiple of {FA4_TILE} (got "
+                f"block_columns {att.block_columns}, block_size {att.block_size}), {fix}"
             )
 
     def check_layers(self, num_layers: int) -> None:

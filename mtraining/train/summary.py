@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..ops.sparse.block_lists import FA4_TILE
 from .config import Config
 from .data import Source
 from .packing import PackedSamples
@@ -60,19 +59,8 @@ def attention_plan(cfg: Config, num_layers: int) -> str:
 
 
 def fa4_routing(cfg: Config) -> str:
-    """Which of the sparse layers' calls attention.backend=fa4 runs on FlashAttention-4 and which on triton
-    (``Attention.backend``'s rule; the dense calls run the dense path as always)."""
-    att = cfg.attention
-    never = [
-        why
-        for why, applies in (
-            ("per-block columns (attention.block_columns)", att.block_columns > 0),
-            (f"attention.block_size {att.block_size} is not a multiple of {FA4_TILE}", att.block_size % FA4_TILE > 0),
-        )
-        if applies
-    ]
-    if never:
-        return f"backend fa4, but every sparse call runs on triton: {'; '.join(never)}"
+    """Where attention.backend=fa4 runs the sparse layers' calls (``Attention.backend``'s rule; the dense calls run
+    the dense path as always)."""
     documents = ", those of samples packing several documents on triton" if cfg.data.document_masking else ""
     return f"sparse calls on fa4 (FlashAttention-4's block-sparse kernels, the verticals on triton){documents}"
 

@@ -156,6 +156,11 @@ def test_overrides_parse_values_as_yaml_and_reach_nested_sections():
         (["attention.backend=fa4"], "parallel.context is 4 (the ring steps' positions are strided by the layout)"),
         (["attention.backend=fa4", "parallel.context=1", "train.device=cpu"], "set train.device=cuda"),
         (["attention.backend=fa4", "parallel.context=1", "model.dtype=float32"], "set model.dtype=bfloat16"),
+        (["attention.backend=fa4", "parallel.context=1", "attention.block_columns=8"], "set attention.block_columns=0"),
+        (
+            ["attention.backend=fa4", "parallel.context=1", "attention.block_size=64"],
+            "block_size that is a multiple of 128 (got block_columns 0, block_size 64)",
+        ),
         (["attention.backend=fa4", "parallel.context=1"], None),
     ],
 )
