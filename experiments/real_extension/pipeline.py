@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.common import provenance, written
+from mtraining.ops import fa4_installed
 
 from ..common.background import Background
 from ..common.stages import Clock, OutOfTime, Refused, say, write_json
@@ -441,6 +442,11 @@ class Experiment:
         trained = self.s.sparse_arms
         if not trained:
             return
+        if "fa4" in self.s.timed_backends and not fa4_installed():
+            raise Refused(
+                "--speed-backends fa4 needs FlashAttention-4 here: carry its wheels in .fa4/ before the speed stage "
+                "(tools/fa4_wheels.sh, DEVELOPERS.md), or leave fa4 out"
+            )
         source = next((a for a in trained if a.name == "adaptive"), trained[0])
         model_name = f"seed{self.s.seeds[0]}/{source.name}"
         model = self.model(model_name)

@@ -13,7 +13,7 @@ from .documents import Documents
 from .estimate import Budgets, PatternConfig, estimate_pattern, load_budgets
 from .oracle import attention_oracle
 from .pattern import VerticalSlashPattern
-from .sparse import sparse_attention
+from .sparse import fa4_installed, sparse_attention
 
 __all__ = ["Budgets", "Documents", "PatternConfig", "VerticalSlashPattern", "attention_oracle", "estimate_pattern"]
-__all__ += ["load_budgets", "sparse_attention"]
+__all__ += ["fa4_installed", "load_budgets", "sparse_attention"]

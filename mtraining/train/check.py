@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..data.documents import DataError, file_kind, find_files, read_documents
+from ..ops.sparse import fa4
 from .config import Config
 from .estimate import size_text
 from .ring_choice import RingChoice, choose_ring
@@ -164,19 +165,11 @@ def _packages(cfg: Config, report: Report) -> None:
         if importlib.util.find_spec(module) is None:
             name = key.split("=")[0]
             report.problems.append(f'{key} needs the {module} package: pip install -e ".[{extra}]" (or change {name})')
-    if cfg.attention.backend == "fa4" and not _flash_attn_4():
+    if cfg.attention.backend == "fa4" and not fa4.installed():
         report.problems.append(
             "attention.backend=fa4 needs FlashAttention-4 (flash_attn.cute): pip install flash-attn-4 "
             "(CUDA, Hopper or Blackwell), or set attention.backend=triton"
         )
-
-
-def _flash_attn_4() -> bool:
-    """Whether flash-attn-4's ``flash_attn.cute`` is installed (found, not imported: only its parent package is)."""
-    try:
-        return importlib.util.find_spec("flash_attn.cute") is not None
-    except ImportError:  # no flash_attn package at all (or one that fails to import)
-        return False
 
 
 # ---------------------------------------------------------------------------------------------- the model

@@ -17,6 +17,7 @@ stays on ``backend="triton"``, which the error names.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,6 +54,15 @@ class BlockPart(Protocol):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv) of the pairs in the tiles of ``blocks.backward``, given the whole rows' out and lse."""
         ...
+
+
+def installed() -> bool:
+    """Whether flash-attn-4's ``flash_attn.cute`` is installed (found, not imported: importing it loads the CuTe
+    DSL), so that a run can refuse backend='fa4' before it starts."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ImportError:  # no flash_attn package at all (or one that fails to import)
+        return False
 
 
 def _interface():

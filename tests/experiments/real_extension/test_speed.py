@@ -45,3 +45,15 @@ def test_the_parser_takes_fa4_among_the_speed_backends():
     args = parser().parse_args(["--preset", "toy", "--speed-backends", "fa4", "triton"])
     assert settings_of(args).timed_backends == ("fa4", "triton")
     assert settings_of(parser().parse_args(["--preset", "toy"])).timed_backends == ("torch",)
+
+
+def test_fa4_among_the_speed_backends_without_flash_attn_4_names_the_fix(tmp_path, monkeypatch):
+    from experiments.common.stages import Refused
+    from experiments.real_extension import pipeline
+    from experiments.real_extension.cli import parser, settings_of
+
+    monkeypatch.setattr(pipeline, "fa4_installed", lambda: False)
+    settings = settings_of(parser().parse_args(["--preset", "toy", "--speed-backends", "triton", "fa4"]))
+    exp = pipeline.Experiment(settings, pipeline.Sources(None), tmp_path / "w", tmp_path / "o")
+    with pytest.raises(Refused, match=r"carry its wheels in \.fa4/"):
+        exp.speed(1024, 0)  # refused before any model is loaded
