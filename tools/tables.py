@@ -46,50 +46,52 @@ def _runs(records: list[dict], key) -> list[tuple[object, list[dict]]]:
     return list(reversed(groups.items()))
 
 
+SPARSE_TIMES = [
+    "density",
+    "estimate ms",
+    "fwd ms",
+    "bwd ms",
+    "bwd/fwd",
+    "sparse total ms",
+    "cuDNN fwd+bwd ms",
+    "speedup",
+    "total / (density x cuDNN)",
+]
+"""The columns of one bench/sparse_attention.py record's times (``_sparse_times``)."""
+
+
+def _sparse_times(r: dict) -> list[str]:
+    """The ``SPARSE_TIMES`` cells of one bench/sparse_attention.py record."""
+    return [
+        f"{r['density']:.3f}",
+        f"{r['estimate_ms']:.1f}",
+        f"{r['sparse_fwd_ms']:.1f}",
+        f"{r['sparse_bwd_ms']:.1f}",
+        f"{r['bwd_over_fwd']:.2f}",
+        f"{r['sparse_total_ms']:.1f}",
+        f"{r['dense_fwd_bwd_ms']:.1f}",
+        f"{r['speedup_fwd_bwd']:.2f}x",
+        f"{r['over_ideal']:.2f}",
+    ]
+
+
+def _pattern_label(r: dict) -> str:
+    """A bench/sparse_attention.py record's pattern: estimated, or the sweep's target density."""
+    return r["pattern"] if r["pattern"] != "sweep" else f"sweep ~{r['target_density']:.0%}"
+
+
 def sparse_attention_table(name: str = "sparse_attention") -> str:
     """Sparse attention against cuDNN on one GPU (bench/sparse_attention.py), one block per run (a file of one run
     has no ``run`` key: its commit names it)."""
-    head = [
-        "seq",
-        "inputs",
-        "pattern",
-        "density",
-        "estimate ms",
-        "fwd ms",
-        "bwd ms",
-        "bwd/fwd",
-        "sparse total ms",
-        "cuDNN fwd+bwd ms",
-        "speedup",
-        "total / (density x cuDNN)",
-        "commit",
-    ]
+    head = ["seq", "inputs", "pattern", *SPARSE_TIMES, "commit"]
     blocks = []
     for run, records in _runs(_load(name), lambda r: r.get("run", r["commit"])):
         lines = [f"Run `{run}`:", "", _row(head), _row(["---"] * len(head))]
         for r in sorted(records, key=lambda r: (r["seq_len"], r["inputs"], r["pattern"], r["density"])):
-            label = r["pattern"] if r["pattern"] != "sweep" else f"sweep ~{r['target_density']:.0%}"
+            label = _pattern_label(r)
             if r["pattern"] == "estimated" and r["inputs"] == "structured" and "before" in r.get("inputs_note", ""):
                 label += " (old generator)"
-            lines.append(
-                _row(
-                    [
-                        f"{r['seq_len'] // 1024}K",
-                        r["inputs"],
-                        label,
-                        f"{r['density']:.3f}",
-                        f"{r['estimate_ms']:.1f}",
-                        f"{r['sparse_fwd_ms']:.1f}",
-                        f"{r['sparse_bwd_ms']:.1f}",
-                        f"{r['bwd_over_fwd']:.2f}",
-                        f"{r['sparse_total_ms']:.1f}",
-                        f"{r['dense_fwd_bwd_ms']:.1f}",
-                        f"{r['speedup_fwd_bwd']:.2f}x",
-                        f"{r['over_ideal']:.2f}",
-                        r["commit"],
-                    ]
-                )
-            )
+            lines.append(_row([f"{r['seq_len'] // 1024}K", r["inputs"], label, *_sparse_times(r), r["commit"]]))
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 
@@ -98,23 +100,7 @@ def sparse_attention_backends_table(names: tuple[str, ...]) -> str:
     """The ``sparse_attention`` backends side by side (bench/sparse_attention.py ``--backends``), one block per file
     (one device call each); "fa4 / triton" is the total time over the Triton row's of the same pattern, and
     "fwd+bwd / (density x cuDNN)" leaves the estimate out."""
-    head = [
-        "seq",
-        "inputs",
-        "pattern",
-        "backend",
-        "density",
-        "estimate ms",
-        "fwd ms",
-        "bwd ms",
-        "bwd/fwd",
-        "sparse total ms",
-        "cuDNN fwd+bwd ms",
-        "speedup",
-        "total / (density x cuDNN)",
-        "fwd+bwd / (density x cuDNN)",
-        "fa4 / triton",
-    ]
+    head = ["seq", "inputs", "pattern", "backend", *SPARSE_TIMES, "fwd+bwd / (density x cuDNN)", "fa4 / triton"]
     blocks = []
     for name in names:
         records = _load(name)
@@ -135,24 +121,15 @@ def sparse_attention_backends_table(names: tuple[str, ...]) -> str:
         triton = {pattern_key(r): r for r in records if r["backend"] == "triton"}
         order = {"triton": 0, "fa4": 1}
         for r in sorted(records, key=lambda r: (*pattern_key(r), order.get(r["backend"], 2))):
-            label = r["pattern"] if r["pattern"] != "sweep" else f"sweep ~{r['target_density']:.0%}"
             base = triton.get(pattern_key(r))
             lines.append(
                 _row(
                     [
                         f"{r['seq_len'] // 1024}K",
                         r["inputs"],
-                        label,
+                        _pattern_label(r),
                         r["backend"],
-                        f"{r['density']:.3f}",
-                        f"{r['estimate_ms']:.1f}",
-                        f"{r['sparse_fwd_ms']:.1f}",
-                        f"{r['sparse_bwd_ms']:.1f}",
-                        f"{r['bwd_over_fwd']:.2f}",
-                        f"{r['sparse_total_ms']:.1f}",
-                        f"{r['dense_fwd_bwd_ms']:.1f}",
-                        f"{r['speedup_fwd_bwd']:.2f}x",
-                        f"{r['over_ideal']:.2f}",
+                        *_sparse_times(r),
                         f"{r['sparse_fwd_bwd_ms'] / (r['density'] * r['dense_fwd_bwd_ms']):.2f}",
                         f"{r['sparse_total_ms'] / base['sparse_total_ms']:.2f}" if base and base is not r else "",
                     ]
