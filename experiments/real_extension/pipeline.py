@@ -460,14 +460,12 @@ class Experiment:
         say(f"  document {doc + 1}: " + _speed_line(found))
         docs = sorted((self.work / "speed" / str(n)).glob("doc*.json"), key=lambda p: int(p.stem[3:]))
         stamp = {"model": model_name, **provenance(self.s.device == "cuda")}
-        first, *others = (
-            r | stamp for r in speed.by_backend(speed.combine_backends([json.loads(p.read_text()) for p in docs]))
-        )
-        write_json(self.work / "speed" / f"{n}.json", first | ({"others": others} if others else {}))
+        combined = [r | stamp for r in speed.combine_backends([json.loads(p.read_text()) for p in docs])]
+        write_json(self.work / "speed" / f"{n}.json", combined)
         if len(docs) > 1:
-            say(f"  {len(docs)} documents: " + _speed_line(first))
+            say(f"  {len(docs)} documents: " + _speed_line(combined))
         lengths = sorted(self.work.glob("speed/*.json"), key=lambda p: int(p.stem))
-        write_json(self.out / "speed.json", [r for p in lengths for r in speed.by_backend(json.loads(p.read_text()))])
+        write_json(self.out / "speed.json", [r for p in lengths for r in json.loads(p.read_text())])
 
     def _mtraining(self, command: str, *args: str) -> None:
         """``python -m mtraining.cli COMMAND ARGS`` with its output in the log folder; RuntimeError naming its end."""
@@ -542,14 +540,15 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def _speed_line(found: dict) -> str:
-    """The speed figures at one length in a line: dense milliseconds, each backend's arms' speedup and density."""
+def _speed_line(found: list[dict]) -> str:
+    """The speed figures at one length in a line (``time_arms``'s records): dense milliseconds, each backend's arms'
+    speedup and density."""
     arms = " | ".join(
-        f"{r.get('backend', '')}: "
+        f"{r['backend']}: "
         + "; ".join(f"{k} {v['attention_speedup']:.2f}x at density {v['density']:.3f}" for k, v in r["arms"].items())
-        for r in speed.by_backend(found)
+        for r in found
     )
-    return f"dense {found['dense_ms']:.1f} ms; {arms}"
+    return f"dense {found[0]['dense_ms']:.1f} ms; {arms}"
 
 
 def pack(out: Path, tar: Path) -> None:

@@ -127,11 +127,11 @@ def sparse_step(q: Tensor, k: Tensor, v: Tensor, do: Tensor, config, layer: int,
 
 def time_arms(
     qkv: dict[int, tuple[Tensor, Tensor, Tensor]], arms: tuple[Arm, ...], settings: Settings, length: int
-) -> dict:
-    """At one length and for each backend of ``settings.timed_backends``: per layer the dense step's time and per arm
-    its step's time on that backend, estimate's time and pattern density (those two shared by the backends); per
-    arm the speedup (dense over sparse, summed over layers) and the mean density (``summary``). The first backend's
-    figures are the result, the others' (the same keys) listed in its ``others``."""
+) -> list[dict]:
+    """At one length, one record per backend of ``settings.timed_backends`` (the first: the run's): per layer the
+    dense step's time and per arm its step's time on that backend, estimate's time and pattern density (those two
+    shared by the backends); per arm the speedup (dense over sparse, summed over layers) and the mean density
+    (``summary``)."""
     backends = settings.timed_backends
     layers: dict[str, dict[str, dict]] = {b: {} for b in backends}
     for layer, (q, k, v) in sorted(qkv.items()):
@@ -144,8 +144,7 @@ def time_arms(
         for b in backends:
             layers[b][str(layer)] = rows[b]
         del do
-    first, *others = ({"length": length, "backend": b, **summary(layers[b]), "layers": layers[b]} for b in backends)
-    return first | ({"others": others} if others else {})
+    return [{"length": length, "backend": b, **summary(layers[b]), "layers": layers[b]} for b in backends]
 
 
 def _time_arm(q: Tensor, k: Tensor, v: Tensor, do: Tensor, arm: Arm, layer: int, settings: Settings, length: int):
@@ -164,11 +163,6 @@ def _time_arm(q: Tensor, k: Tensor, v: Tensor, do: Tensor, arm: Arm, layer: int,
         "density": float(estimate().density().float().mean()),
     }
     return {b: {"ms": ms, **shared} for b, ms in steps.items()}
-
-
-def by_backend(found: dict) -> list[dict]:
-    """A speed result's records, one per backend timed: the result itself (without ``others``), then its others."""
-    return [{k: v for k, v in found.items() if k != "others"}, *found.get("others", [])]
 
 
 def summary(layers: dict[str, dict]) -> dict:
@@ -203,11 +197,9 @@ def text_ids(tokenizer, docs: list[str], length: int) -> Tensor:
     return torch.tensor(ids[:length])
 
 
-def combine_backends(found: list[dict]) -> dict:
-    """``combine`` of several documents' ``time_arms`` results, backend by backend: the first backend's, with the
-    others' in its ``others`` (as ``time_arms`` gives them)."""
-    first, *others = (combine(list(docs)) for docs in zip(*map(by_backend, found)))
-    return first | ({"others": others} if others else {})
+def combine_backends(found: list[list[dict]]) -> list[dict]:
+    """``combine`` of several documents' ``time_arms`` results, backend by backend (in ``time_arms``'s order)."""
+    return [combine(list(docs)) for docs in zip(*found)]
 
 
 def combine(found: list[dict]) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments.real_extension.speed import by_backend, combine, combine_backends, summary
+from experiments.real_extension.speed import combine, combine_backends, summary
 
 
 def timed(dense: float, sparse: float, density: float) -> dict:
@@ -27,13 +27,11 @@ def test_documents_add_their_times_and_average_their_densities():
 
 
 def test_each_backend_is_combined_on_its_own_the_first_leading():
-    def doc(dense: float, ms: dict[str, float]) -> dict:
+    def doc(dense: float, ms: dict[str, float]) -> list[dict]:
         layers = {b: {"0": {"dense_ms": dense, "arms": {"v": {"ms": t, "estimate_ms": 1.0, "density": 0.2}}}} for b, t in ms.items()}  # fmt: skip
-        first, *others = ({"length": 8, "backend": b, **summary(layers[b]), "layers": layers[b]} for b in ms)
-        return first | {"others": others}
+        return [{"length": 8, "backend": b, **summary(layers[b]), "layers": layers[b]} for b in ms]
 
-    both = combine_backends([doc(100.0, {"fa4": 20.0, "triton": 50.0}), doc(100.0, {"fa4": 30.0, "triton": 50.0})])
-    records = by_backend(both)
+    records = combine_backends([doc(100.0, {"fa4": 20.0, "triton": 50.0}), doc(100.0, {"fa4": 30.0, "triton": 50.0})])
     assert [r["backend"] for r in records] == ["fa4", "triton"] and "others" not in records[0]
     assert records[0]["arms"]["v"]["attention_speedup"] == pytest.approx(4.0)
     assert records[1]["arms"]["v"]["attention_speedup"] == pytest.approx(2.0)
