@@ -186,23 +186,23 @@ def out_of_scope(
     pattern: VerticalSlashPattern | None,
     positions_given: bool,
     documents: Documents | None,
-) -> tuple[str, str] | None:
-    """(the kind of call, the message naming the fix) where FA4's block-sparse kernels do not cover the call
-    (module docstring), else None: ``check_call``'s rule, which models/attention.py also routes by."""
+) -> str | None:
+    """Why FA4's block-sparse kernels do not cover the call, a message naming the fix (module docstring), else
+    None: ``check_call``'s rule, which models/attention.py also routes by."""
     other = "use backend='triton' (or 'auto')"
     if pattern is None:
-        return "dense", "backend='fa4' computes a pattern's blocks; for dense causal attention use backend='auto'"
+        return "backend='fa4' computes a pattern's blocks; for dense causal attention use backend='auto'"
     if positions_given or q.shape[1] != k.shape[1]:
-        return "positions", (
+        return (
             f"backend='fa4' takes the default positions with as many queries as keys (got {q.shape[1]} queries, "
             f"{k.shape[1]} keys{', explicit positions' if positions_given else ''}); {other}"
         )
     if documents is not None:
-        return "documents", f"backend='fa4' does not take packed documents; {other}"
+        return f"backend='fa4' does not take packed documents; {other}"
     if pattern.block_cols is not None:
-        return "columns", f"backend='fa4' does not compute per-block columns (pattern.block_cols); {other}"
+        return f"backend='fa4' does not compute per-block columns (pattern.block_cols); {other}"
     if pattern.block_size % FA4_TILE:
-        return "block size", (
+        return (
             f"backend='fa4' needs a pattern block that is a multiple of {FA4_TILE}, got {pattern.block_size}; "
             f"estimate with PatternConfig(block_size={FA4_TILE}) or {other}"
         )
@@ -219,4 +219,4 @@ def check_call(
     """ValueError naming the fix unless the call is what FA4's block-sparse kernels cover (``out_of_scope``)."""
     miss = out_of_scope(q, k, pattern, positions_given, documents)
     if miss is not None:
-        raise ValueError(miss[1])
+        raise ValueError(miss)
